@@ -1,0 +1,1 @@
+"""usc: a declarative model compiler and auto-parallelizer for PyTorch training."""
