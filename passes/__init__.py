@@ -1,0 +1,108 @@
+"""Graph passes. ``build_pipeline`` is the one place that orders them; ``parallelize`` runs them.
+
+Each pass is ``name_pass(gm, ctx, **options) -> gm`` in its own module, with ``Requires:`` and
+``Establishes:`` in its docstring.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from usc.compiler.errors import ShardingError
+from usc.compiler.ir import MeshSpec
+from usc.compiler.pipeline import CompileContext, PassSpec, run_pipeline
+from usc.compiler.program import Program, build_program
+from usc.compiler.trace import Traced
+
+from .grad_sync import grad_sync_pass
+from .layouts import batch_layouts, merge_layouts, tp_layouts
+from .localize import localize_pass
+from .propagate import propagate_pass
+
+# Options whose pass does not exist yet: a value other than the default is refused by name.
+UNIMPLEMENTED_VALUES = {"zero": 0, "mb": 1, "sp": "off", "recompute": "none", "fuse": "off", "v": 1,
+                        "dtype": "fp32", "split": "auto"}
+UNIMPLEMENTED_OPTIONS = ("schedule", "cp_mode", "capacity_factor")
+SUPPORTED_AXES = ("dp", "tp")
+
+
+def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) -> list[PassSpec]:
+    """The ordered pass list. Order matters:
+    propagate first (every later pass reads layouts); grad_sync needs the final layouts and the
+    inserted redistributions (an AllGather can absorb an f); localize last, since it rewrites
+    shapes for one rank and nothing after it may reason about global shapes in arguments."""
+    return [
+        PassSpec("propagate", propagate_pass, {"input_layouts": input_layouts, "grad_inputs": grad_inputs}),
+        PassSpec("grad_sync", grad_sync_pass, {"params": params}),
+        PassSpec("localize", localize_pass),
+    ]
+
+
+def check_supported(plan) -> None:
+    """Refuse, by name, plan items whose pass does not exist yet."""
+    for axis in plan.mesh_axes:
+        if axis not in SUPPORTED_AXES and plan.size(axis) > 1:
+            raise plan.error_at(axis, f"mesh axis '{axis}' is not implemented yet (supported today: dp, tp)",
+                                hint=f"remove {axis}={plan.size(axis)} or set it to 1")
+    for name, default in UNIMPLEMENTED_VALUES.items():
+        if plan.is_set(name) and plan.get(name) != default:
+            raise plan.error_at(name, f"option {name}={plan.get(name)} is not implemented yet "
+                                      f"(only {name}={default} today)", hint=f"remove {name}=...")
+    for name in UNIMPLEMENTED_OPTIONS:
+        if plan.is_set(name):
+            raise plan.error_at(name, f"option '{name}' is not implemented yet", hint=f"remove {name}=...")
+    for rule in plan.rules:
+        for action in rule.actions:
+            if action.name not in ("colwise", "rowwise", "vocab", "replicate"):
+                raise plan.error_at(rule, f"rule action '{action}' is not implemented yet "
+                                          "(supported today: colwise, rowwise, vocab, replicate)")
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A fresh graph over the same (shared) submodules: cheap, and safe to mutate."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
+def parallelize(traced: Traced, plan, *, verify=None) -> Program:
+    """Run the passes for ``plan``; a Megatron pair the graph cannot split falls back to replicated."""
+    mesh = MeshSpec(tuple(plan.mesh_axes), tuple(plan.mesh_shape))
+    check_supported(plan)
+    params = {s.placeholder for s in traced.state if s.trainable}
+    replicated: dict[int, str] = {}
+    while True:
+        tp = tp_layouts(traced, plan, mesh, replicated)
+        layouts = merge_layouts(mesh, batch_layouts(traced, plan, mesh), tp.layouts)
+        ctx = CompileContext(mesh, plan)
+        passes = build_pipeline(input_layouts=layouts, grad_inputs=params, params=params)
+        try:
+            gm = run_pipeline(copy_graph_module(traced.gm), ctx, passes, verify=verify)
+            break
+        except ShardingError as err:
+            index = _group_of(err, tp.groups, replicated)
+            if index is None:
+                raise _as_plan_error(plan, err) from None
+            replicated[index] = f"kept replicated: {err.reason}"
+    if tp.groups and len(replicated) == len(tp.groups) and not any(c.style == "vocab" for c in tp.choices):
+        first = next(iter(replicated.values()))
+        raise plan.error_at("tp", f"tp={mesh.size('tp')} cannot split any layer of this model ({first})",
+                            hint="choose a tp size that divides the heads and hidden sizes")
+    return build_program(gm, mesh, traced.state, traced.user_inputs, tp.choices, ctx.timings)
+
+
+def _group_of(err: ShardingError, groups, replicated) -> int | None:
+    module = getattr(err, "module", None)
+    for index, group in enumerate(groups):
+        if index not in replicated and module in group.region:
+            return index
+    return None
+
+
+def _as_plan_error(plan, err: ShardingError):
+    axis = getattr(err, "axis", None) or "tp"
+    return plan.error_at(axis, str(err), hint=err.hint or None)
+
+
+__all__ = ["build_pipeline", "parallelize", "check_supported", "Program"]

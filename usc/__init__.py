@@ -1,1 +1,17 @@
-"""usc: a declarative model compiler and auto-parallelizer for PyTorch training."""
+"""usc: a declarative model compiler and auto-parallelizer for PyTorch training.
+
+    step = usc.compile(model, "dp=2 tp=2", example_inputs=(tokens, labels))
+    loss = step.step(tokens, labels)
+"""
+
+from usc.compiler.errors import CompileError, ShardingError, TraceError
+from usc.compiler.report import CollectiveRecord, Report
+from usc.dsl import Plan, PlanError, load_plan, parse_plan
+from usc.runtime.errors import CollectiveError, CollectiveTimeout
+
+from .api import Compiled, Simulated, compile, lint, simulate
+
+__all__ = ["compile", "simulate", "lint", "parse_plan", "load_plan", "Plan", "PlanError", "CompileError",
+           "TraceError", "ShardingError", "CollectiveError", "CollectiveTimeout", "Compiled", "Simulated",
+           "Report", "CollectiveRecord"]
+__version__ = "0.1.0"

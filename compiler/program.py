@@ -1,0 +1,66 @@
+"""The compiled program: one per-rank GraphModule plus what the runtime needs to feed it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial
+
+from .ir import META, Layout, MeshSpec
+from .trace import StateInput
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A parameter or buffer: how it is laid out, and over which axes its gradient is summed."""
+
+    placeholder: str
+    name: str
+    kind: str
+    aliases: tuple[str, ...]
+    layout: Layout
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    grad_axes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    placeholder: str
+    layout: Layout
+    global_shape: tuple[int, ...]
+
+
+@dataclass
+class Program:
+    """Everything the runtime needs; it never re-plans."""
+
+    gm: fx.GraphModule
+    mesh: MeshSpec
+    state: list[StateSpec]
+    inputs: list[InputSpec]
+    loss_layout: Layout
+    tp_choices: list = field(default_factory=list)
+    timings: list = field(default_factory=list)
+
+    @property
+    def loss_partial_axes(self) -> tuple[str, ...]:
+        return tuple(a for a, p in zip(self.mesh.axes, self.loss_layout.placements) if isinstance(p, Partial))
+
+
+def build_program(gm: fx.GraphModule, mesh: MeshSpec, state: list[StateInput], user_inputs: list[str],
+                  tp_choices: list, timings: list) -> Program:
+    nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    specs = []
+    for s in state:
+        node = nodes[s.placeholder]
+        ann = node.meta[META]
+        value = node.meta["val"]
+        specs.append(StateSpec(s.placeholder, s.name, s.kind, s.aliases or (s.name,), ann.layout,
+                               tuple(value.shape), value.dtype, ann.partial_grad_axes))
+    inputs = [InputSpec(n, nodes[n].meta[META].layout, tuple(nodes[n].meta["val"].shape)) for n in user_inputs]
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+    return Program(gm, mesh, specs, inputs, loss.meta[META].layout, tp_choices, timings)

@@ -1,0 +1,162 @@
+"""The compile report: every collective the compiler inserted, where, why and how many bytes.
+
+It reads only the compiled graph (collectives are ordinary nodes, so the graph printed is the
+program run) and the program's state layouts; ``usc-lint`` prints it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.fx as fx
+
+from .ir import META, MeshSpec
+from .program import Program
+
+KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send/recv")
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective issued on every step (per rank)."""
+
+    kind: str
+    axis: str
+    group_size: int
+    direction: str  # "forward" | "backward"
+    shape: tuple[int, ...]  # this rank's tensor
+    dtype: str
+    bytes_per_call: int
+    calls_per_step: int
+    module: str
+    source: str
+    reason: str
+    node: str
+
+    @property
+    def bytes_per_step(self) -> int:
+        return self.bytes_per_call * self.calls_per_step
+
+
+@dataclass
+class Report:
+    model: str
+    plan: str
+    mesh: MeshSpec
+    collectives: list[CollectiveRecord]
+    tp_choices: list = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    param_bytes_per_rank: int = 0
+    compile_seconds: float = 0.0
+    pass_timings: list = field(default_factory=list)
+    exposed_comm_seconds: float | None = None
+
+    def count(self, kind: str | None = None, *, axis: str | None = None, direction: str | None = None,
+              module_prefix: str | None = None) -> int:
+        return sum(1 for c in self.collectives
+                   if (kind is None or c.kind == kind) and (axis is None or c.axis == axis)
+                   and (direction is None or c.direction == direction)
+                   and (module_prefix is None or c.module.startswith(module_prefix)))
+
+    def totals_by_axis(self) -> dict[str, dict[str, int]]:
+        totals: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for c in self.collectives:
+            totals[c.axis]["calls"] += c.calls_per_step
+            totals[c.axis][f"{c.direction}_bytes"] += c.bytes_per_step
+            totals[c.axis]["bytes"] += c.bytes_per_step
+        return {axis: dict(v) for axis, v in totals.items()}
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model, "plan": self.plan, "mesh": dict(zip(self.mesh.axes, self.mesh.shape)),
+            "world_size": self.mesh.world_size,
+            "collectives": [asdict(c) | {"bytes_per_step": c.bytes_per_step} for c in self.collectives],
+            "totals_by_axis": self.totals_by_axis(),
+            "tensor_parallel": [asdict(c) for c in self.tp_choices],
+            "warnings": list(self.warnings),
+            "param_bytes_per_rank": self.param_bytes_per_rank,
+            "compile_seconds": round(self.compile_seconds, 3),
+            "exposed_comm_seconds": self.exposed_comm_seconds,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        from .report_text import render
+        return render(self)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * (torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits) // 8
+
+
+def _local(node: fx.Node, mesh: MeshSpec) -> tuple[tuple[int, ...], torch.dtype]:
+    value = node.meta["val"]
+    return node.meta[META].layout.local_shape(tuple(value.shape), mesh), value.dtype
+
+
+def graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRecord]:
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        fwd, bwd = getattr(module, "forward_collective", None), getattr(module, "backward_collective", None)
+        if fwd is None:
+            continue
+        ann = node.meta[META]
+        source = node.args[0]
+        for direction, kind, shaped in (("forward", fwd(), source), ("backward", bwd() if ann.needs_grad else None, node)):
+            if kind is None or kind == "none":
+                continue
+            shape, dtype = _local(shaped, mesh)
+            out.append(CollectiveRecord(kind, module.axis, mesh.size(module.axis), direction, shape,
+                                        str(dtype).replace("torch.", ""), _nbytes(shape, dtype), 1,
+                                        ann.module or "<root>", ann.source, ann.reason, node.name))
+    return out
+
+
+def gradient_buckets(program: Program, bucket_bytes: int) -> list[CollectiveRecord]:
+    """Data-parallel gradient reductions, bucketed as the runtime buckets them: packed in reverse
+    order of the parameters, one open bucket per set of axes, closed once it holds bucket_bytes."""
+    records, open_buckets = [], {}
+    for spec in reversed(program.state):
+        axes = tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1)
+        if not axes:
+            continue
+        shape = spec.layout.local_shape(spec.global_shape, program.mesh)
+        bucket = open_buckets.setdefault(axes, {"bytes": 0, "names": []})
+        bucket["bytes"] += _nbytes(shape, spec.dtype)
+        bucket["names"].append(spec.name)
+        if bucket["bytes"] >= bucket_bytes:
+            records += _bucket_records(program, axes, open_buckets.pop(axes), spec.dtype)
+    for axes, bucket in open_buckets.items():
+        records += _bucket_records(program, axes, bucket, torch.float32)
+    return records
+
+
+def _bucket_records(program: Program, axes, bucket, dtype) -> list[CollectiveRecord]:
+    names = bucket["names"]
+    label = names[0] if len(names) == 1 else f"{names[-1]} .. {names[0]} ({len(names)} params)"
+    elements = bucket["bytes"] // (torch.finfo(dtype).bits // 8)
+    return [CollectiveRecord("all-reduce", axis, program.mesh.size(axis), "backward", (elements,),
+                             str(dtype).replace("torch.", ""), bucket["bytes"], 1, label, "gradient bucket",
+                             "data-parallel gradient sum, launched during backward as the bucket fills", "reducer")
+            for axis in axes]
+
+
+def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, compile_seconds: float,
+                 warnings: list[str] | None = None) -> Report:
+    collectives = graph_collectives(program.gm, program.mesh) + gradient_buckets(program, bucket_bytes)
+    params = sum(_nbytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
+                 for s in program.state if s.kind == "param")
+    warnings = list(warnings or []) + [f"{c.module}: {c.reason}" for c in program.tp_choices if c.style == "replicate"]
+    return Report(model, plan, program.mesh, collectives, list(program.tp_choices), warnings, params,
+                  compile_seconds, list(program.timings))

@@ -1,0 +1,49 @@
+"""Plain-text rendering of a Report (what usc-lint prints)."""
+
+from __future__ import annotations
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def render(report) -> str:
+    mesh = report.mesh
+    lines = [f"usc-lint: {report.model}   plan \"{report.plan}\"   mesh {mesh} ({mesh.world_size} ranks)", ""]
+    if report.tp_choices:
+        lines.append("tensor parallel:")
+        width = max(len(c.module) for c in report.tp_choices)
+        for c in report.tp_choices:
+            how = "rule" if c.explicit else "auto"
+            lines.append(f"  {c.module:<{width}}  {c.style:<9} [{how}] {c.reason}")
+        lines.append("")
+    lines.append("collectives per rank per step:")
+    if not report.collectives:
+        lines.append("  (none: every rank computes the whole model)")
+    header = f"  {'#':>3}  {'kind':<14} {'axis':<4} {'n':>3}  {'dir':<3}  {'shape':<16} {'dtype':<8} " \
+             f"{'bytes/call':>10} {'bytes/step':>10}  module (source)"
+    if report.collectives:
+        lines.append(header)
+    for i, c in enumerate(report.collectives, 1):
+        shape = "[" + ", ".join(str(s) for s in c.shape) + "]"
+        where = f"{c.module} ({c.source})" if c.source else c.module
+        lines.append(f"  {i:>3}  {c.kind:<14} {c.axis:<4} {c.group_size:>3}  {c.direction[:3]:<3}  {shape:<16} "
+                     f"{c.dtype:<8} {human_bytes(c.bytes_per_call):>10} {human_bytes(c.bytes_per_step):>10}  {where}")
+    lines.append("")
+    lines.append("totals per axis:")
+    for axis, t in report.totals_by_axis().items():
+        lines.append(f"  {axis}: {t['calls']} calls/step, {human_bytes(t.get('forward_bytes', 0))} forward, "
+                     f"{human_bytes(t.get('backward_bytes', 0))} backward")
+    if not report.collectives:
+        lines.append("  (none)")
+    lines.append(f"parameters per rank: {human_bytes(report.param_bytes_per_rank)}; compiled in "
+                 f"{report.compile_seconds:.2f} s")
+    if report.exposed_comm_seconds is not None:
+        lines.append(f"exposed communication in the last traced step: {report.exposed_comm_seconds * 1e3:.2f} ms")
+    for w in report.warnings:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)

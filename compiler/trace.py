@@ -1,0 +1,185 @@
+"""Tracing: turn a user's ``nn.Module`` into one ATen-level torch.fx graph with global shapes.
+
+Why ``torch.export.export(strict=False)`` and not ``torch.fx.symbolic_trace``: real models
+(Hugging Face's Llama for one) defeat symbolic tracing ("co_varnames is too small"), while
+non-strict export traces them. Export's training IR keeps the ops the sharding rules care about
+(``aten.linear``, ``aten.embedding``, ``aten.scaled_dot_product_attention``,
+``aten.cross_entropy_loss``) instead of decomposing them, lifts parameters and buffers to graph
+inputs (so the runtime feeds each rank its own shards), records every node's module path in
+``nn_module_stack`` and its global shape as a fake tensor in ``meta["val"]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.export.graph_signature import InputKind
+
+from .errors import TraceError
+
+TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+@dataclass(frozen=True)
+class StateInput:
+    """A parameter, buffer or constant lifted to a graph input."""
+
+    placeholder: str
+    name: str  # state_dict name (the first one, when tied)
+    kind: str  # "param" | "buffer" | "constant"
+    aliases: tuple[str, ...] = ()  # every state_dict name of this tensor (tied weights)
+    trainable: bool = False  # a parameter with requires_grad
+
+
+@dataclass
+class Traced:
+    gm: fx.GraphModule
+    state: list[StateInput]
+    user_inputs: list[str]
+    module_types: dict[str, str]
+    model_name: str
+    constants: dict = field(default_factory=dict)  # lifted tensor constants by name
+
+    def placeholder(self, name: str) -> fx.Node:
+        return next(n for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == name)
+
+
+def module_path(node: fx.Node) -> str:
+    """The innermost module path that produced ``node`` ('' for the root)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    return list(stack.values())[-1][0]
+
+
+def user_source(node: fx.Node) -> str:
+    """'file:line' of the deepest frame outside torch itself, e.g. 'model.py:42'."""
+    trace = node.meta.get("stack_trace") or ""
+    best = ""
+    for line in trace.splitlines():
+        line = line.strip()
+        if line.startswith('File "'):
+            path = line.split('"')[1]
+            if not path.startswith(TORCH_DIR):
+                number = line.split("line ")[1].split(",")[0]
+                best = f"{os.path.basename(path)}:{number}"
+    return best
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _to_device(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device) if device.type == "meta" else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+def _failing_module(exc: BaseException, model: nn.Module) -> tuple[str, str]:
+    """(module path, 'file:line') of the innermost model module whose forward raised."""
+    paths = {id(m): name for name, m in model.named_modules()}
+    found = ("", "")
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    frames = [f for e in reversed(chain) for f in traceback.walk_tb(e.__traceback__)]
+    for frame, lineno in frames:
+        code = frame.f_code
+        owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        in_torch = frame.f_code.co_filename.startswith(TORCH_DIR)
+        if isinstance(owner, nn.Module) and id(owner) in paths and not in_torch:
+            found = (paths[id(owner)] or "<root>", f"{os.path.basename(frame.f_code.co_filename)}:{lineno}")
+    return found
+
+
+def _trace_error(exc: BaseException, model: nn.Module) -> TraceError:
+    where, line = _failing_module(exc, model)
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = str(exc)
+    if "data-dependent" in text or "Could not guard" in text or "GuardOnDataDependent" in type(exc).__name__:
+        fix = ("Python control flow that depends on tensor values cannot be traced: replace the `if` on a "
+               "tensor with torch.where, or move it out of forward")
+    else:
+        fix = "make forward traceable by torch.export (no data-dependent Python control flow, no .item())"
+    at = f" in module '{where}' ({line})" if where else ""
+    return TraceError(f"usc could not trace {type(model).__name__}{at}: {reason}\n  fix: {fix}")
+
+
+def _state_inputs(exported, model: nn.Module) -> list[StateInput]:
+    aliases: dict[int, list[str]] = {}
+    for name, tensor in list(model.named_parameters(remove_duplicate=False)) + list(
+            model.named_buffers(remove_duplicate=False)):
+        aliases.setdefault(id(tensor), []).append(name)
+    by_name = {n: names for names in aliases.values() for n in names}
+    kinds = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out = []
+    for spec in exported.graph_signature.input_specs:
+        if spec.kind in kinds:
+            trainable = spec.kind == InputKind.PARAMETER and params[spec.target].requires_grad
+            out.append(StateInput(spec.arg.name, spec.target, kinds[spec.kind], tuple(by_name.get(spec.target, ())),
+                                  trainable))
+    return out
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """Export logs guard failures and whole graphs at WARNING; our TraceError says it better."""
+    names = ["torch.fx.experimental.symbolic_shapes", "torch.export", "torch._export", "torch._dynamo"]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def trace(model: nn.Module, example_inputs: tuple) -> Traced:
+    """Trace ``model(*example_inputs)`` into an ATen-level GraphModule with global shapes.
+
+    >>> from usc.testing.models import TinyLlama, token_batch
+    >>> traced = trace(TinyLlama(), token_batch(128, 2, 8))
+    >>> [s.name for s in traced.state][:1]
+    ['embed_tokens.weight']
+    """
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    example_inputs = _to_device(example_inputs, _model_device(model))
+    try:
+        with _quiet_torch_logs():
+            exported = torch.export.export(model, example_inputs, strict=False)
+    except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
+        raise _trace_error(exc, model) from exc
+    user = [s.arg.name for s in exported.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    outputs = exported.graph_signature.output_specs
+    if len(outputs) != 1 or str(outputs[0].kind) not in ("OutputKind.USER_OUTPUT", "USER_OUTPUT"):
+        kinds = ", ".join(str(o.kind) for o in outputs)
+        raise TraceError(f"{type(model).__name__}.forward must return one scalar loss (got outputs: {kinds}); "
+                         "pass loss_fn= to compile, or return the loss from forward")
+    gm = exported.graph_module
+    types = {name: type(m).__name__ for name, m in model.named_modules()}
+    return Traced(gm, _state_inputs(exported, model), user, types, type(model).__name__, dict(exported.constants))
+
+
+def is_meta_model(model: nn.Module) -> bool:
+    return _model_device(model).type == "meta"
+
+
+__all__ = ["Traced", "StateInput", "trace", "module_path", "user_source", "is_meta_model"]

@@ -1,0 +1,178 @@
+"""Expansions: ops whose sharded form is not the same op run on local pieces.
+
+Each expansion replaces one node by a few nodes that compute exactly the same global value and
+whose every piece has an ordinary sharding rule. The propagation pass calls an expansion before
+the op's rule and places the new nodes one by one. An expansion returns None when the node's
+layouts do not need it (the op then goes through its rule unchanged).
+
+Table: ``EXPANSIONS[op] = expand(ctx, node) -> list[new nodes] | None``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+
+from usc.compiler.errors import CompileError
+from usc.compiler.ir import META, MeshSpec, NodeAnn
+from usc.compiler.trace import module_path, user_source
+from usc.runtime.vocab import ShardedGather, VocabParallelEmbedding
+
+from .graph_edit import GraphEditor, shape_of
+
+aten = torch.ops.aten
+
+
+@dataclass
+class ExpansionContext:
+    gm: fx.GraphModule
+    mesh: MeshSpec
+    editor: GraphEditor
+
+
+EXPANSIONS: dict = {}
+
+
+def register(*ops):
+    def wrap(fn):
+        for op in ops:
+            EXPANSIONS[op] = fn
+        return fn
+    return wrap
+
+
+def _layout(node: fx.Node):
+    return node.meta[META].layout
+
+
+def _sharded_axes(node: fx.Node, dim: int | None = None) -> list[int]:
+    return [i for i, p in enumerate(_layout(node).placements)
+            if isinstance(p, Shard) and (dim is None or p.dim == dim)]
+
+
+class _Builder:
+    """Emits nodes before ``node`` with a blank annotation (propagation fills it in)."""
+
+    def __init__(self, ctx: ExpansionContext, node: fx.Node) -> None:
+        self.ctx, self.node, self.created = ctx, node, []
+
+    def _ann(self) -> NodeAnn:
+        return NodeAnn(layout=None, module=module_path(self.node), source=user_source(self.node))
+
+    def call(self, target, *args, **kwargs) -> fx.Node:
+        new = self.ctx.editor.call_function(self.node, target, args, kwargs, ann=self._ann())
+        self._inherit(new)
+        return new
+
+    def module(self, module, *args, stem: str) -> fx.Node:
+        new = self.ctx.editor.call_module(self.node, module, args, ann=self._ann(), stem=stem)
+        self._inherit(new)
+        return new
+
+    def _inherit(self, new: fx.Node) -> None:
+        for key in ("nn_module_stack", "stack_trace"):
+            if key in self.node.meta:
+                new.meta[key] = self.node.meta[key]
+        self.created.append(new)
+
+    def finish(self, result: fx.Node) -> list[fx.Node]:
+        self.node.replace_all_uses_with(result)
+        self.ctx.gm.graph.erase_node(self.node)
+        return self.created
+
+
+@register(aten.embedding.default)
+def vocab_parallel_embedding(ctx: ExpansionContext, node: fx.Node):
+    """Megatron vocab-parallel embedding: rows outside this rank's slice give zeros; the outputs
+    are partial sums that the propagation pass all-reduces where a consumer needs them whole."""
+    weight, ids = node.args[0], node.args[1]
+    axes = _sharded_axes(weight, 0)
+    if not axes:
+        return None
+    if len(axes) > 1:
+        raise CompileError(f"embedding '{module_path(node)}' is vocab-sharded on several mesh axes; use one")
+    padding_idx = node.args[2] if len(node.args) > 2 else -1
+    b = _Builder(ctx, node)
+    out = b.module(VocabParallelEmbedding(ctx.mesh.axes[axes[0]], padding_idx), weight, ids, stem="vocab_embedding")
+    return b.finish(out)
+
+
+@register(aten.gather.default)
+def sharded_gather(ctx: ExpansionContext, node: fx.Node):
+    x, dim, index = node.args[0], node.args[1], node.args[2]
+    dim = dim % len(shape_of(x))
+    axes = _sharded_axes(x, dim)
+    if not axes:
+        return None
+    if len(axes) > 1:
+        raise CompileError(f"gather in '{module_path(node)}' along a dim sharded on several mesh axes")
+    b = _Builder(ctx, node)
+    return b.finish(b.module(ShardedGather(ctx.mesh.axes[axes[0]], dim), x, index, stem="sharded_gather"))
+
+
+@register(aten.linear.default)
+def split_row_parallel_bias(ctx: ExpansionContext, node: fx.Node):
+    """A row-parallel linear gives partial sums; its bias must be added once, after the reduction."""
+    if len(node.args) < 3 or node.args[2] is None or not _sharded_axes(node.args[1], 1):
+        return None
+    b = _Builder(ctx, node)
+    product = b.call(aten.linear.default, node.args[0], node.args[1])
+    return b.finish(b.call(aten.add.Tensor, product, node.args[2]))
+
+
+@register(aten.mean.dim, aten.mean.default)
+def sharded_mean(ctx: ExpansionContext, node: fx.Node):
+    """mean over a sharded dim = (sum of local sums) / global count: a Partial(sum) of local sums
+    divided by the *global* count, which the static shapes give."""
+    x = node.args[0]
+    shape = shape_of(x)
+    dims = list(range(len(shape))) if node.target == aten.mean.default or not node.args[1] else \
+        [d % len(shape) for d in node.args[1]]
+    if not any(isinstance(p, Shard) and p.dim in dims for p in _layout(x).placements):
+        return None
+    keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+    b = _Builder(ctx, node)
+    total = b.call(aten.sum.dim_IntList, x, dims, keepdim)
+    return b.finish(b.call(aten.div.Tensor, total, float(prod(shape[d] for d in dims))))
+
+
+@register(aten.cross_entropy_loss.default)
+def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
+    """Cross-entropy written so every piece shards (ALGORITHMS.md, 'Losses' and 'Tensor parallel'):
+
+    with logits sharded on the vocab: global max by all-reduce(max), sum of exp by all-reduce(sum),
+    the target logit from its owner by all-reduce(sum) — the full logits are never gathered.
+    With tokens sharded (dp): mean = (sum of per-shard sums) / (global count of counted tokens),
+    never a mean of per-shard means.
+    """
+    logits, labels = node.args[0], node.args[1]
+    if all(isinstance(p, Replicate) for n in (logits, labels) for p in _layout(n).placements):
+        return None
+    weight, reduction, ignore_index, smoothing = (list(node.args[2:]) + [None, 1, -100, 0.0][len(node.args) - 2:])[:4]
+    reduction = node.kwargs.get("reduction", reduction)
+    ignore_index = node.kwargs.get("ignore_index", ignore_index)
+    if weight is not None or node.kwargs.get("weight") is not None or (smoothing or node.kwargs.get("label_smoothing")):
+        raise CompileError(f"cross_entropy in '{module_path(node)}': class weights and label smoothing are not "
+                           "supported on sharded logits yet; compute the loss without them")
+    if len(shape_of(logits)) != 2:
+        raise CompileError(f"cross_entropy in '{module_path(node)}': usc shards 2-D logits [tokens, classes]; "
+                           "flatten the logits with .view(-1, vocab) before the loss")
+    b = _Builder(ctx, node)
+    top = b.call(aten.detach.default, b.call(aten.amax.default, logits, [1], True))
+    shifted = b.call(aten.sub.Tensor, logits, top)
+    log_total = b.call(aten.log.default, b.call(aten.sum.dim_IntList, b.call(aten.exp.default, shifted), [1]))
+    counted = b.call(aten.ne.Scalar, labels, ignore_index)
+    safe = b.call(aten.mul.Tensor, labels, counted)
+    target = b.call(aten.gather.default, shifted, 1, b.call(aten.unsqueeze.default, safe, 1))
+    per_token = b.call(aten.sub.Tensor, log_total, b.call(aten.squeeze.dim, target, 1))
+    per_token = b.call(aten.mul.Tensor, per_token, counted)
+    if reduction == 0:
+        return b.finish(per_token)
+    total = b.call(aten.sum.default, per_token)
+    if reduction == 2:
+        return b.finish(total)
+    return b.finish(b.call(aten.div.Tensor, total, b.call(aten.sum.default, counted)))

@@ -1,0 +1,156 @@
+"""Input layouts: where the plan puts each parameter, buffer and model input on the mesh.
+
+Data parallelism shards every model input on its first (batch) dim over dp. Tensor parallelism
+shards weights as the plan's rules say, or as the Megatron pairs found in the graph suggest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+
+from usc.compiler.ir import Layout, MeshSpec
+from usc.compiler.trace import Traced, module_path
+
+from .tensor_parallel import PairGroup, TPChoice, find_pairs, is_token_embedding, style_layouts
+
+aten = torch.ops.aten
+R = Replicate()
+TP_ACTIONS = ("colwise", "rowwise", "vocab", "replicate")
+
+
+@dataclass
+class LayoutChoice:
+    layouts: dict[str, Layout]
+    choices: list[TPChoice] = field(default_factory=list)
+    groups: list[PairGroup] = field(default_factory=list)
+
+
+def batch_layouts(traced: Traced, plan, mesh: MeshSpec) -> dict[str, Layout]:
+    n = len(mesh.axes)
+    out = {}
+    for name in traced.user_inputs:
+        placements = [R] * n
+        value = traced.placeholder(name).meta.get("val")
+        dp = mesh.size("dp")
+        if dp > 1 and isinstance(value, torch.Tensor) and value.dim() > 0:
+            if value.shape[0] % dp:
+                raise plan.error_at("dp", f"dp={dp} does not divide the batch of input '{name}' "
+                                          f"(shape {list(value.shape)})",
+                                    hint=f"pass a global batch whose first dim is a multiple of {dp}")
+            placements[mesh.axes.index("dp")] = Shard(0)
+        out[name] = Layout(tuple(placements))
+    return out
+
+
+def explicit_style(plan, path: str):
+    """The last plan rule matching ``path`` with a tensor-parallel action, or None."""
+    found = None
+    for rule in plan.rules:
+        if rule.matches(path):
+            for action in rule.actions:
+                if action.name in TP_ACTIONS:
+                    found = (rule, action.name)
+    return found
+
+
+def _weighted_nodes(gm: fx.GraphModule, params: set[str]) -> list[fx.Node]:
+    out = []
+    for node in gm.graph.nodes:
+        if node.target == aten.linear.default and getattr(node.args[1], "name", None) in params:
+            out.append(node)
+        elif node.target == aten.embedding.default and getattr(node.args[0], "name", None) in params:
+            out.append(node)
+    return out
+
+
+def _weight_shape(node: fx.Node) -> tuple[int, ...]:
+    weight = node.args[1] if node.target == aten.linear.default else node.args[0]
+    return tuple(weight.meta["val"].shape)
+
+
+def _split_dim(style: str, node: fx.Node) -> int | None:
+    if style in ("colwise", "vocab"):
+        return 0 if node.target == aten.linear.default or style == "vocab" else 1
+    if style == "rowwise":
+        return 1
+    return None
+
+
+def tp_layouts(traced: Traced, plan, mesh: MeshSpec, replicated: dict[int, str]) -> LayoutChoice:
+    """Per-parameter tp placements from explicit rules, then from the Megatron pairs.
+
+    ``replicated``: pair groups (by index) kept whole after an earlier attempt failed, with why.
+    """
+    tp = mesh.size("tp")
+    result = LayoutChoice({})
+    if tp == 1:
+        return result
+    params = {s.placeholder for s in traced.state if s.kind == "param"}
+    gm = traced.gm
+    groups, heads = find_pairs(gm, params)
+    result.groups = groups
+    auto: dict[fx.Node, tuple[str, str]] = {}
+    for index, group in enumerate(groups):
+        if index in replicated:
+            for node in group.cols + [group.row]:
+                auto[node] = ("replicate", replicated[index])
+            continue
+        names = ", ".join(module_path(c).rsplit(".", 1)[-1] for c in group.cols)
+        for col in group.cols:
+            auto[col] = ("colwise", f"column-parallel; pairs with row-parallel {module_path(group.row)} "
+                                    f"(one all-reduce per direction for {names} -> "
+                                    f"{module_path(group.row).rsplit('.', 1)[-1]})")
+        auto[group.row] = ("rowwise", f"row-parallel; closes the pair opened by {names}")
+    for head in heads:
+        auto[head] = ("vocab", "feeds the loss: logits split on the vocabulary, vocab-parallel cross-entropy")
+    user_inputs = set(traced.user_inputs)
+    for node in _weighted_nodes(gm, params):
+        if node.target == aten.embedding.default and node not in auto and is_token_embedding(node, user_inputs):
+            auto[node] = ("vocab", "token embedding: each rank holds a vocabulary slice")
+    _assign(result, plan, mesh, _weighted_nodes(gm, params), auto, tp)
+    return result
+
+
+def _assign(result: LayoutChoice, plan, mesh: MeshSpec, nodes, auto, tp: int) -> None:
+    n, tp_index = len(mesh.axes), mesh.axes.index("tp")
+    for node in nodes:
+        path = module_path(node)
+        explicit = explicit_style(plan, path)
+        if explicit is not None:
+            rule, style = explicit
+            reason, is_explicit = f"plan rule '{rule}'", True
+        elif node in auto:
+            (style, reason), rule, is_explicit = auto[node], None, False
+        else:
+            continue
+        dim = _split_dim(style, node)
+        shape = _weight_shape(node)
+        if dim is not None and shape[dim] % tp:
+            msg = (f"tp={tp} does not divide dim {dim} (size {shape[dim]}) of the weight of '{path}' "
+                   f"(shape {list(shape)}) for {style}")
+            raise plan.error_at(rule if rule is not None else "tp", msg,
+                                hint=f"use a tp size that divides {shape[dim]}, or add a rule '{path}: replicate'")
+        for placeholder, placements in style_layouts(style, node, n, tp_index).items():
+            layout = Layout(placements)
+            if result.layouts.get(placeholder, layout) != layout:
+                raise plan.error_at(rule if rule is not None else "tp",
+                                    f"the weight of '{path}' is shared with another module that splits it "
+                                    f"differently", hint="give both modules the same rule")
+            result.layouts[placeholder] = layout
+        result.choices.append(TPChoice(path, style, reason, is_explicit))
+
+
+def merge_layouts(mesh: MeshSpec, *parts: dict[str, Layout]) -> dict[str, Layout]:
+    """Combine per-axis choices: a later part's non-replicated placement on an axis wins."""
+    merged: dict[str, Layout] = {}
+    for part in parts:
+        for name, layout in part.items():
+            base = merged.get(name, Layout.replicated(len(mesh.axes)))
+            placements = tuple(q if not isinstance(q, Replicate) else p
+                               for p, q in zip(base.placements, layout.placements))
+            merged[name] = Layout(placements)
+    return merged

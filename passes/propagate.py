@@ -1,0 +1,219 @@
+"""Shard propagation: give every node a layout and insert the redistributions between them.
+
+Requires: placeholders carry their layout in ``input_layouts`` (parameters from the tensor-
+    parallel rules, the batch sharded over dp); shapes in ``meta["val"]`` are global.
+Establishes: every node has ``meta["usc"]`` with a layout; wherever a consumer needs a different
+    placement than its producer gives, an explicit collective node (AllReduce, AllGather,
+    ReduceScatter, LocalShard) sits on the edge; ops whose local form differs from the global
+    one (vocab-parallel embedding, sharded gather, a sharded mean, a row-parallel bias, a
+    sharded cross-entropy) are expanded into nodes that compute it exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from usc.compiler.errors import ShardingError
+from usc.compiler.ir import META, Layout, MeshSpec, NodeAnn
+from usc.compiler.trace import module_path, user_source
+from usc.runtime.collectives import AllGather, AllReduce, LocalShard, ReduceScatter
+from usc.runtime.vocab import ShardedGather, VocabParallelEmbedding
+
+from .expansions import EXPANSIONS, ExpansionContext
+from .graph_edit import GraphEditor, flat_inputs, is_float, shape_of
+from .sharding_rules import Decision, OpView, is_shard, rule_for
+
+R = Replicate()
+NO_GRAD_TARGETS = {torch.ops.aten.detach.default}
+
+
+@dataclass
+class Propagation:
+    """State of one propagation run over a graph."""
+
+    gm: fx.GraphModule
+    mesh: MeshSpec
+    input_layouts: dict[str, Layout]
+    grad_inputs: set[str]
+    editor: GraphEditor = field(init=False)
+    cache: dict[tuple[fx.Node, Layout], fx.Node] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.editor = GraphEditor(self.gm)
+
+
+def propagate_pass(gm: fx.GraphModule, ctx, *, input_layouts: dict[str, Layout], grad_inputs: set[str]):
+    """Place every node on the mesh (see the module docstring)."""
+    state = Propagation(gm, ctx.mesh, input_layouts, grad_inputs)
+    for node in list(gm.graph.nodes):
+        place(state, node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def place(state: Propagation, node: fx.Node) -> None:
+    if node.op == "placeholder":
+        layout = state.input_layouts.get(node.name, Layout.replicated(len(state.mesh.axes)))
+        node.meta[META] = NodeAnn(layout, needs_grad=node.name in state.grad_inputs)
+        return
+    if node.op == "get_attr":
+        node.meta[META] = NodeAnn(Layout.replicated(len(state.mesh.axes)))
+        return
+    if node.op == "output":
+        return
+    expand = EXPANSIONS.get(_op_key(state.gm, node))
+    if expand is not None:
+        new_nodes = expand(ExpansionContext(state.gm, state.mesh, state.editor), node)
+        if new_nodes is not None:
+            for new in new_nodes:
+                place(state, new)
+            return
+    _apply_rules(state, node)
+
+
+def _op_key(gm: fx.GraphModule, node: fx.Node):
+    return type(gm.get_submodule(node.target)) if node.op == "call_module" else node.target
+
+
+def _apply_rules(state: Propagation, node: fx.Node) -> None:
+    _use_reduced_copies(state, node)
+    inputs = flat_inputs(node)
+    layouts = [x.meta[META].layout for x in inputs]
+    required, output = _decide(state, node, inputs, layouts)
+    for x, have, need in zip(inputs, layouts, required):
+        if have != need:
+            node.replace_input_with(x, redistribute(state, x, need, node))
+    needs_grad = is_float(node) and any(x.meta[META].needs_grad for x in inputs) and _differentiable(node)
+    node.meta[META] = NodeAnn(output, needs_grad=needs_grad, module=module_path(node), source=user_source(node))
+
+
+def _use_reduced_copies(state: Propagation, node: fx.Node) -> None:
+    """A partial value already reduced for another consumer is used reduced here too: keeping the
+    partial would only be correct, and costs a second reduction further down."""
+    for x in set(flat_inputs(node)):
+        layout = x.meta[META].layout
+        if any(isinstance(p, Partial) for p in layout.placements):
+            whole = Layout(tuple(R if isinstance(p, Partial) else p for p in layout.placements))
+            if (x, whole) in state.cache:
+                node.replace_input_with(x, state.cache[(x, whole)])
+
+
+def _differentiable(node: fx.Node) -> bool:
+    return node.target not in NO_GRAD_TARGETS
+
+
+def _decide(state: Propagation, node: fx.Node, inputs, layouts) -> tuple[list[Layout], Layout]:
+    rule = rule_for(_op_key(state.gm, node))
+    shapes = tuple(shape_of(x) or () for x in inputs)
+    required: list[list] = [list(lay.placements) for lay in layouts]
+    out = []
+    for i, (axis, size) in enumerate(zip(state.mesh.axes, state.mesh.shape)):
+        view = OpView(node, tuple(lay.placements[i] for lay in layouts), shapes, shape_of(node), axis, size)
+        decision = _rule_decision(state, node, rule, view)
+        for j, p in enumerate(decision.inputs):
+            required[j][i] = p
+        out.append(decision.output)
+    return [Layout(tuple(r)) for r in required], Layout(tuple(out))
+
+
+def _rule_decision(state: Propagation, node: fx.Node, rule, view: OpView) -> Decision:
+    if view.size == 1:
+        return Decision(tuple(R for _ in view.placements), R)
+    try:
+        if rule is None:
+            return _no_rule(view)
+        return rule(view)
+    except ShardingError as err:
+        err = located(err, node)
+        err.axis = view.axis
+        raise err from None
+
+
+def _no_rule(view: OpView) -> Decision:
+    if all(p == R for p in view.placements):
+        return Decision(view.placements, R)
+    placed = ", ".join(str(p) for p in view.placements)
+    raise ShardingError(
+        f"no sharding rule for {view.node.target} with inputs placed ({placed}) on mesh axis '{view.axis}'",
+        hint="add a rule to usc.passes.sharding_rules.SHARDING_RULES, or keep this module replicated "
+             "with a plan rule `<module>: replicate`")
+
+
+def located(err: ShardingError, node: fx.Node) -> ShardingError:
+    """Name the op, the module and the user's source line in a rule's error."""
+    if getattr(err, "node", None) is not None:
+        return err
+    where = module_path(node) or "<root>"
+    src = user_source(node)
+    op = getattr(node.target, "__name__", str(node.target))
+    new = ShardingError(f"{op} in module '{where}'{f' ({src})' if src else ''}: {err.reason}", hint=err.hint)
+    new.node = node
+    new.module = where
+    new.source = src
+    return new
+
+
+# ---------------------------------------------------------------- redistribution
+
+def redistribute(state: Propagation, x: fx.Node, target: Layout, consumer: fx.Node) -> fx.Node:
+    """The cheapest chain of collectives from x's layout to ``target`` (cached per producer)."""
+    key = (x, target)
+    if key in state.cache:
+        return state.cache[key]
+    current = x
+    layout = x.meta[META].layout
+    n = len(state.mesh.axes)
+    # Reduce and gather inner axes first: an inner axis subdivides the chunks of an outer one.
+    for i in reversed(range(n)):
+        have, need = layout.placements[i], target.placements[i]
+        if have != need and not isinstance(have, Replicate):
+            current, layout = _unshard_step(state, current, layout, i, have, need, consumer)
+    for i in range(n):
+        have, need = layout.placements[i], target.placements[i]
+        if have != need:
+            current, layout = _shard_step(state, current, layout, i, need, consumer)
+    state.cache[key] = current
+    return current
+
+
+def _unshard_step(state, x, layout, i, have, need, consumer):
+    axis = state.mesh.axes[i]
+    if isinstance(have, Partial):
+        if is_shard(need) and have.reduce_op == "sum":
+            return _insert(state, x, layout.with_axis(i, need), ReduceScatter(axis, need.dim), "reduce_scatter",
+                           consumer, f"partial sums on {axis} feed an op that wants Shard({need.dim})")
+        return _insert(state, x, layout.with_axis(i, R), AllReduce(axis, op=have.reduce_op), "all_reduce",
+                       consumer, f"partial {have.reduce_op} on {axis} feeds an op that needs the whole value")
+    if is_shard(have):
+        return _insert(state, x, layout.with_axis(i, R), AllGather(axis, have.dim), "all_gather",
+                       consumer, f"dim {have.dim} is sharded on {axis} but the op needs it whole")
+    return x, layout
+
+
+def _shard_step(state, x, layout, i, need, consumer):
+    axis = state.mesh.axes[i]
+    if is_shard(need):
+        return _insert(state, x, layout.with_axis(i, need), LocalShard(axis, need.dim), "local_shard",
+                       consumer, f"take this rank's slice of dim {need.dim} on {axis} (no communication)")
+    raise ShardingError(f"cannot produce {need} on axis '{axis}' from {layout.placements[i]}")
+
+
+def _insert(state, x, layout, module, stem, consumer, reason):
+    """A reduction is caused by the producer of the partial sums (a row-parallel linear, say);
+    a gather or a slice by the consumer that needs the other layout."""
+    base = x.meta[META]
+    if isinstance(module, (AllReduce, ReduceScatter)) and base.module:
+        where, source = base.module, base.source
+    else:
+        where, source = module_path(consumer) or base.module, user_source(consumer) or base.source
+    ann = NodeAnn(layout, needs_grad=base.needs_grad, module=where, source=source, reason=reason)
+    node = state.editor.call_module(consumer, module, (x,), ann=ann, stem=stem, same_value_as=x)
+    return node, layout
+
+
+__all__ = ["propagate_pass", "redistribute", "located", "ShardedGather", "VocabParallelEmbedding", "Shard"]

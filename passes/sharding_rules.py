@@ -1,0 +1,527 @@
+"""Per-op sharding rules, one mesh axis at a time, as a table: ``SHARDING_RULES[op] = rule``.
+
+A rule sees one node on one mesh axis (``OpView``: the current placement and global shape of
+each tensor input) and returns a ``Decision``: the placement each input must have (the
+propagation pass inserts the redistribution when it differs) and the placement of the output.
+
+Every rule is written for *local* execution: the op runs unchanged on each rank's local pieces,
+and the output placement says how those local results relate to the global value. Shapes stay
+global; ``localize_pass`` rewrites shape arguments at the end.
+
+An op with no rule is accepted only when all its inputs are replicated (then every rank computes
+the same thing); otherwise ``ShardingError`` names it.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from usc.compiler.errors import ShardingError
+from usc.runtime.vocab import ShardedGather, VocabParallelEmbedding
+
+aten = torch.ops.aten
+R = Replicate()
+P_SUM = Partial("sum")
+
+
+@dataclass(frozen=True)
+class OpView:
+    """What a rule sees: one node, one mesh axis."""
+
+    node: fx.Node
+    placements: tuple[Placement, ...]  # of the flat tensor inputs, in argument order
+    shapes: tuple[tuple[int, ...], ...]  # their global shapes
+    out_shape: tuple[int, ...] | None  # global output shape (first element for tuple outputs)
+    axis: str
+    size: int
+
+    def arg(self, index: int, default=None):
+        args = self.node.args
+        return args[index] if index < len(args) else self.node.kwargs.get(_ARG_NAMES.get(index, ""), default)
+
+
+_ARG_NAMES: dict[int, str] = {}
+
+
+@dataclass(frozen=True)
+class Decision:
+    inputs: tuple[Placement, ...]
+    output: Placement
+
+
+Rule = Callable[[OpView], Decision]
+SHARDING_RULES: dict[object, Rule] = {}
+
+
+def register(*ops) -> Callable[[Rule], Rule]:
+    def wrap(fn: Rule) -> Rule:
+        for op in ops:
+            SHARDING_RULES[op] = fn
+        return fn
+    return wrap
+
+
+def is_shard(p: Placement, dim: int | None = None) -> bool:
+    return isinstance(p, Shard) and (dim is None or p.dim == dim)
+
+
+def is_partial(p: Placement, op: str | None = None) -> bool:
+    return isinstance(p, Partial) and (op is None or p.reduce_op == op)
+
+
+def norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def all_replicated(view: OpView) -> Decision:
+    return Decision((R,) * len(view.placements), R)
+
+
+def keep(view: OpView, placement: Placement) -> Decision:
+    """Single-input ops that keep the input's placement."""
+    return Decision((placement,), placement)
+
+
+# ---------------------------------------------------------------- pointwise (with broadcasting)
+
+def _aligned_dim(in_rank: int, out_rank: int, in_dim: int) -> int:
+    return in_dim + out_rank - in_rank
+
+
+def _broadcast_choice(view: OpView, placements: tuple[Placement, ...]) -> Decision:
+    """Follow the first input sharded on a non-broadcast dim; the rest match it or replicate."""
+    out = view.out_shape or ()
+    chosen = None
+    for p, shape in zip(placements, view.shapes):
+        if is_shard(p):
+            od = _aligned_dim(len(shape), len(out), p.dim)
+            if shape[p.dim] == out[od]:
+                chosen = od
+                break
+    if chosen is None:
+        return Decision(tuple(R for _ in placements), R)
+    need = []
+    for shape in view.shapes:
+        d = chosen - (len(out) - len(shape))
+        need.append(Shard(d) if d >= 0 and shape[d] == out[chosen] else R)
+    return Decision(tuple(need), Shard(chosen))
+
+
+def pointwise(linear: str = "none") -> Rule:
+    """linear: 'none' (partial inputs are reduced first), 'unary' (f(P) = P: neg, casts),
+    'add' (P + P = P), 'mul' (P * R = P and P / R = P: a partial numerator keeps, the rest reduce)."""
+
+    def rule(view: OpView) -> Decision:
+        partial = [is_partial(p, "sum") for p in view.placements]
+        if any(partial):
+            kept = _keep_partial(view, linear, partial)
+            if kept is not None:
+                return kept
+        cleaned = tuple(R if isinstance(p, Partial) else p for p in view.placements)
+        return _broadcast_choice(view, cleaned)
+
+    return rule
+
+
+def _keep_partial(view: OpView, linear: str, partial: list[bool]) -> Decision | None:
+    ps = view.placements
+    if linear == "unary" and len(ps) == 1:
+        return Decision(ps, P_SUM)
+    if linear == "add":
+        scalars = [a for a in view.node.args if isinstance(a, (int, float)) and a != 0]
+        return Decision(ps, P_SUM) if all(partial) and len(ps) == 2 and not scalars else None
+    if linear != "mul":
+        return None
+    keep_at = 0 if partial[0] else (None if view.node.target in _DIVISIONS else partial.index(True))
+    if keep_at is None or any(is_shard(p) for p in ps):
+        return None
+    return Decision(tuple(P_SUM if i == keep_at else R for i in range(len(ps))), P_SUM)
+
+
+_DIVISIONS = {aten.div.Tensor, aten.div.Scalar}
+
+register(aten.neg.default, aten.clone.default, aten.detach.default, aten.alias.default,
+         aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default,
+         aten.contiguous.default, aten.lift_fresh_copy.default)(pointwise("unary"))
+register(aten.add.Tensor, aten.sub.Tensor)(pointwise("add"))
+register(aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar)(pointwise("mul"))
+register(
+    aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor,
+    aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.log.default, aten.abs.default,
+    aten.silu.default, aten.gelu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
+    aten.erf.default, aten.reciprocal.default, aten.square.default, aten.sin.default, aten.cos.default,
+    aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor, aten.lt.Scalar,
+    aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar,
+    aten.logical_and.default, aten.logical_or.default, aten.logical_not.default, aten.bitwise_not.default,
+    aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.clamp.default,
+    aten.clamp_min.default, aten.clamp_max.default, aten.maximum.default, aten.minimum.default,
+    aten.dropout.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+    aten.empty_like.default, aten.log1p.default, aten.expm1.default,
+)(pointwise("none"))
+
+
+# ---------------------------------------------------------------- reductions
+
+def _reduced_dims(view: OpView, dims_index: int = 1) -> tuple[list[int], bool]:
+    ndim = len(view.shapes[0])
+    dims = view.arg(dims_index)
+    if dims is None or dims == []:
+        dims = list(range(ndim))
+    elif isinstance(dims, int):
+        dims = [dims]
+    keepdim = bool(view.arg(dims_index + 1, False))
+    return sorted(norm_dim(d, ndim) for d in dims), keepdim
+
+
+def _after_reduction(dim: int, reduced: list[int], keepdim: bool) -> int:
+    return dim if keepdim else dim - sum(1 for r in reduced if r < dim)
+
+
+def reduction(kind: str) -> Rule:
+    """sum/mean/amax over some dims. Sum over a sharded dim gives Partial(sum), amax Partial(max).
+    A mean over a sharded dim never reaches here: the propagation pass expands it to sum / N."""
+
+    def rule(view: OpView) -> Decision:
+        p = view.placements[0]
+        reduced, keepdim = (list(range(len(view.shapes[0]))), False) if _no_dims(view) else _reduced_dims(view)
+        if is_partial(p, "sum") and kind in ("sum", "mean"):
+            return keep(view, p)
+        if isinstance(p, Partial):
+            p = R
+        if is_shard(p):
+            if p.dim in reduced:
+                if kind == "mean":
+                    raise ShardingError("mean over a sharded dim must be expanded to sum / count first")
+                return Decision((p,), Partial("max") if kind == "amax" else P_SUM)
+            return Decision((p,), Shard(_after_reduction(p.dim, reduced, keepdim)))
+        return Decision((R,), R)
+
+    return rule
+
+
+def _no_dims(view: OpView) -> bool:
+    return view.node.target in (aten.sum.default, aten.mean.default)
+
+
+register(aten.sum.default, aten.sum.dim_IntList)(reduction("sum"))
+register(aten.mean.default, aten.mean.dim)(reduction("mean"))
+register(aten.amax.default)(reduction("amax"))
+
+
+@register(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
+def softmax_rule(view: OpView) -> Decision:
+    p = view.placements[0]
+    dim = norm_dim(view.arg(1), len(view.shapes[0]))
+    if isinstance(p, Partial) or is_shard(p, dim):
+        return Decision((R,), R)
+    return keep(view, p)
+
+
+@register(aten.triu.default, aten.tril.default)
+def triangle_rule(view: OpView) -> Decision:
+    p = view.placements[0]
+    ndim = len(view.shapes[0])
+    if isinstance(p, Partial) or (is_shard(p) and p.dim >= ndim - 2):
+        return Decision((R,), R)
+    return keep(view, p)
+
+
+# ---------------------------------------------------------------- shape ops
+
+def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Split a reshape into groups of source dims and destination dims with equal products."""
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        gi, gj, a, b = [], [], 1, 1
+        while True:
+            if a <= b and i < len(src):
+                gi.append(i); a *= src[i]; i += 1  # noqa: E702
+            elif j < len(dst):
+                gj.append(j); b *= dst[j]; j += 1  # noqa: E702
+            else:
+                break
+            if a == b and (i == len(src) or src[i] != 1 or j == len(dst)) and gi and gj:
+                break
+        groups.append((gi, gj))
+    return groups
+
+
+def _resolve_shape(shape, numel: int) -> tuple[int, ...]:
+    shape = list(shape)
+    if -1 in shape:
+        known = 1
+        for s in shape:
+            known *= s if s != -1 else 1
+        shape[shape.index(-1)] = numel // known if known else 0
+    return tuple(shape)
+
+
+@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+def view_rule(view: OpView) -> Decision:
+    p = view.placements[0]
+    if not is_shard(p):
+        return keep(view, p)
+    src = view.shapes[0]
+    dst = view.out_shape
+    for gi, gj in view_groups(src, dst):
+        if p.dim not in gi:
+            continue
+        outer_src = next(d for d in gi if src[d] != 1)
+        outer_dst = next((d for d in gj if dst[d] != 1), None)
+        if p.dim != outer_src or outer_dst is None:
+            raise ShardingError(
+                f"reshape {list(src)} -> {list(dst)} moves sharded dim {p.dim} (size {src[p.dim]}) inside "
+                f"another dim; only the outermost dim of a merged or split group can stay sharded")
+        if dst[outer_dst] % view.size:
+            factors = " x ".join(str(dst[d]) for d in gj)
+            raise ShardingError(
+                f"reshape {list(src)} -> {list(dst)} splits sharded dim {p.dim} (size {src[p.dim]}) into "
+                f"{factors}; {view.axis}={view.size} does not divide its outermost factor {dst[outer_dst]}",
+                hint=f"use a {view.axis} size that divides {dst[outer_dst]}")
+        return Decision((p,), Shard(outer_dst))
+    return keep(view, p)
+
+
+@register(aten.transpose.int)
+def transpose_rule(view: OpView) -> Decision:
+    p = view.placements[0]
+    if not is_shard(p):
+        return keep(view, p)
+    ndim = len(view.shapes[0])
+    a, b = norm_dim(view.arg(1), ndim), norm_dim(view.arg(2), ndim)
+    swap = {a: b, b: a}
+    return Decision((p,), Shard(swap.get(p.dim, p.dim)))
+
+
+@register(aten.t.default)
+def t_rule(view: OpView) -> Decision:
+    p = view.placements[0]
+    return Decision((p,), Shard(1 - p.dim) if is_shard(p) and len(view.shapes[0]) == 2 else p)
+
+
+@register(aten.permute.default)
+def permute_rule(view: OpView) -> Decision:
+    p = view.placements[0]
+    if not is_shard(p):
+        return keep(view, p)
+    ndim = len(view.shapes[0])
+    order = [norm_dim(d, ndim) for d in view.arg(1)]
+    return Decision((p,), Shard(order.index(p.dim)))
+
+
+@register(aten.unsqueeze.default)
+def unsqueeze_rule(view: OpView) -> Decision:
+    p = view.placements[0]
+    if not is_shard(p):
+        return keep(view, p)
+    d = norm_dim(view.arg(1), len(view.shapes[0]) + 1)
+    return Decision((p,), Shard(p.dim + 1 if p.dim >= d else p.dim))
+
+
+@register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def squeeze_rule(view: OpView) -> Decision:
+    p = view.placements[0]
+    if not is_shard(p):
+        return keep(view, p)
+    src, out = view.shapes[0], view.out_shape
+    removed = [d for d in range(len(src)) if src[d] == 1] if len(out) < len(src) else []
+    dims = view.arg(1)
+    if dims is not None:
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        removed = [norm_dim(d, len(src)) for d in dims if src[norm_dim(d, len(src))] == 1]
+    return Decision((p,), Shard(p.dim - sum(1 for r in removed if r < p.dim)))
+
+
+@register(aten.expand.default)
+def expand_rule(view: OpView) -> Decision:
+    p = view.placements[0]
+    if not is_shard(p):
+        return Decision((R,), R) if isinstance(p, Partial) else keep(view, p)
+    offset = len(view.out_shape) - len(view.shapes[0])
+    if view.shapes[0][p.dim] != view.out_shape[p.dim + offset]:
+        return Decision((R,), R)
+    return Decision((p,), Shard(p.dim + offset))
+
+
+def _dim_arg_rule(dim_index: int, removes_dim: bool = False) -> Rule:
+    """Ops that cut along one dim (slice, select, chunk, split, unbind, narrow): that dim must be whole."""
+
+    def rule(view: OpView) -> Decision:
+        p = view.placements[0]
+        ndim = len(view.shapes[0])
+        dim = norm_dim(view.arg(dim_index, 0), ndim)
+        if is_shard(p, dim):
+            return Decision((R,) + tuple(R for _ in view.placements[1:]), R)
+        if removes_dim and is_shard(p) and p.dim > dim:
+            return Decision(view.placements, Shard(p.dim - 1))
+        return Decision(view.placements, p)
+
+    return rule
+
+
+register(aten.slice.Tensor)(_dim_arg_rule(1))
+register(aten.narrow.default)(_dim_arg_rule(1))
+register(aten.select.int)(_dim_arg_rule(1, removes_dim=True))
+register(aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default)(_dim_arg_rule(2))
+register(aten.unbind.int)(_dim_arg_rule(1, removes_dim=True))
+
+
+@register(aten.repeat_interleave.self_int)
+def repeat_interleave_rule(view: OpView) -> Decision:
+    """Repeating elements in place keeps chunk r of the input as chunk r of the output (GQA's
+    key/value heads stay aligned with the query heads of the same rank)."""
+    return keep(view, view.placements[0])
+
+
+@register(aten.cat.default, aten.stack.default)
+def cat_rule(view: OpView) -> Decision:
+    ps = view.placements
+    ndim = len(view.out_shape)
+    dim = norm_dim(view.arg(1, 0), ndim)
+    first = ps[0]
+    same = all(p == first for p in ps)
+    stacked = view.node.target == aten.stack.default
+    if not same or (is_shard(first) and (first.dim == dim and not stacked)) or is_partial(first, "max"):
+        return Decision(tuple(R for _ in ps), R)
+    if is_shard(first) and stacked and first.dim >= dim:
+        return Decision(ps, Shard(first.dim + 1))
+    return Decision(ps, first)
+
+
+@register(operator.getitem)
+def getitem_rule(view: OpView) -> Decision:
+    return keep(view, view.placements[0])
+
+
+# ---------------------------------------------------------------- matmuls
+
+@register(aten.linear.default)
+def linear_rule(view: OpView) -> Decision:
+    """Megatron column-/row-parallel linear (Shoeybi et al. 2019), and plain batch sharding.
+
+    W is [out, in]. W Shard(0): column-parallel, output sharded on features, input must be whole.
+    W Shard(1): row-parallel, input sharded on features, output a partial sum (the bias, if any,
+    was split off by the propagation pass so it is added once, after the reduction).
+    """
+    px, pw = view.placements[0], view.placements[1]
+    pb = view.placements[2:]
+    last = len(view.shapes[0]) - 1
+    if is_shard(pw, 0):
+        return Decision((R, pw) + tuple(Shard(0) for _ in pb), Shard(last))
+    if is_shard(pw, 1):
+        if pb:
+            raise ShardingError("row-parallel linear with a bias must be split into linear + add first")
+        return Decision((Shard(last), pw), P_SUM)
+    if is_partial(px, "sum") and not pb:
+        return Decision((px, R), px)
+    if is_shard(px) and px.dim != last:
+        return Decision((px, R) + tuple(R for _ in pb), px)
+    return Decision((R, R) + tuple(R for _ in pb), R)
+
+
+@register(aten.mm.default, aten.bmm.default, aten.matmul.default)
+def matmul_rule(view: OpView) -> Decision:
+    """[..., M, K] @ [..., K, N]: batch dims pass through, M and N shard the output, K gives a partial."""
+    pa, pb = view.placements
+    ra, rb = len(view.shapes[0]), len(view.shapes[1])
+    out = len(view.out_shape)
+    if is_shard(pa, ra - 1) and is_shard(pb, rb - 2):
+        return Decision((pa, pb), P_SUM)
+    if is_shard(pa) and pa.dim == ra - 2 and not isinstance(pb, (Shard, Partial)):
+        return Decision((pa, R), Shard(out - 2))
+    if is_shard(pb) and pb.dim == rb - 1 and not isinstance(pa, (Shard, Partial)):
+        return Decision((R, pb), Shard(out - 1))
+    if is_shard(pa) and pa.dim < ra - 2 and (pb == pa or rb == 2):
+        return Decision((pa, pb if rb > 2 else R), Shard(pa.dim + out - ra))
+    if is_partial(pa, "sum") and pb == R:
+        return Decision((pa, R), pa)
+    if is_partial(pb, "sum") and pa == R:
+        return Decision((R, pb), pb)
+    return Decision((R, R), R)
+
+
+@register(aten.scaled_dot_product_attention.default)
+def sdpa_rule(view: OpView) -> Decision:
+    """q, k, v are [B, H, S, D]: batch or heads may be sharded (the same on all three); an optional
+    attention mask follows by broadcasting. Sequence sharding is context parallelism (not here)."""
+    q, k, v = view.placements[:3]
+    dim = next((p.dim for p in (q, k, v) if is_shard(p) and p.dim in (0, 1)), None)
+    qkv = (Shard(dim),) * 3 if dim is not None else (R, R, R)
+    mask = []
+    for shape in view.shapes[3:]:
+        d = None if dim is None else dim - (4 - len(shape))
+        mask.append(Shard(d) if d is not None and d >= 0 and shape[d] == view.out_shape[dim] else R)
+    return Decision(qkv + tuple(mask), Shard(dim) if dim is not None else R)
+
+
+@register(aten.layer_norm.default)
+def layer_norm_rule(view: OpView) -> Decision:
+    x = view.placements[0]
+    normalized = len(view.arg(1))
+    ndim = len(view.shapes[0])
+    if isinstance(x, Partial) or (is_shard(x) and x.dim >= ndim - normalized):
+        x = R
+    return Decision((x,) + tuple(R for _ in view.placements[1:]), x)
+
+
+@register(aten.embedding.default)
+def embedding_rule(view: OpView) -> Decision:
+    """W [V, H] replicated: the output follows the ids. W sharded on H: output sharded on features.
+    W sharded on the vocab is vocab parallelism, expanded by the propagation pass before this."""
+    pw, pi = view.placements[:2]
+    out_rank = len(view.out_shape)
+    if is_shard(pw, 1):
+        return Decision((pw, R), Shard(out_rank - 1))
+    if is_shard(pw, 0):
+        raise ShardingError("vocab-parallel embedding must be expanded first")
+    ids = R if isinstance(pi, Partial) else pi
+    return Decision((R, ids), ids)
+
+
+@register(aten.gather.default)
+def gather_rule(view: OpView) -> Decision:
+    px, pi = view.placements[:2]
+    dim = norm_dim(view.arg(1), len(view.shapes[0]))
+    if is_shard(px, dim):
+        raise ShardingError("gather along a sharded dim must be expanded first")
+    if is_shard(px) and pi == px:
+        return Decision((px, pi), px)
+    if is_shard(px) or is_shard(pi):
+        chosen = px if is_shard(px) else pi
+        return Decision((chosen, chosen), chosen)
+    return Decision((R, R), R)
+
+
+# ---------------------------------------------------------------- usc's own local ops
+
+def _module(view: OpView):
+    return view.node.graph.owning_module.get_submodule(view.node.target)
+
+
+@register(VocabParallelEmbedding)
+def vocab_embedding_rule(view: OpView) -> Decision:
+    """On its own axis: the weight holds a vocab slice, ids are whole, output rows are partial sums."""
+    if view.axis == _module(view).axis:
+        return Decision((Shard(0), R), P_SUM)
+    return embedding_rule(view)
+
+
+@register(ShardedGather)
+def sharded_gather_rule(view: OpView) -> Decision:
+    module = _module(view)
+    if view.axis == module.axis:
+        return Decision((Shard(module.dim), R), P_SUM)
+    px, pi = view.placements
+    chosen = px if is_shard(px) else pi if is_shard(pi) else R
+    return Decision((chosen, chosen), chosen)
+
+
+def rule_for(target) -> Rule | None:
+    return SHARDING_RULES.get(target)

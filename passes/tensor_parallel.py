@@ -1,0 +1,143 @@
+"""Tensor parallelism: choose how each weight is split over the tp axis.
+
+Plan rules (`GLOB: colwise|rowwise|vocab|replicate`) decide where given. Elsewhere the compiler
+finds the Megatron pairs itself (Shoeybi et al. 2019): a linear whose output reaches another
+linear's input through ops that keep features apart (pointwise ops, reshapes, attention) is
+column-parallel and that other linear is row-parallel — attention q/k/v + output projection,
+MLP gate/up + down — so each pair costs one all-reduce per direction. A linear that feeds the
+loss (the lm head) and the token embedding are split on the vocabulary.
+
+Nothing here inserts a collective: the choices become parameter layouts and the propagation pass
+derives every collective from them. A pair that cannot be split (a reshape the tp size does not
+divide, e.g. a fused q/k/v projection viewed as [.., 3, heads, dim]) falls back to replicated,
+and the report says why.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+
+from usc.compiler.trace import Traced, module_path
+
+aten = torch.ops.aten
+R = Replicate()
+CARRIERS = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.chunk.default, aten.split.Tensor, aten.unbind.int,
+    operator.getitem, aten.cat.default, aten.repeat_interleave.self_int, aten.expand.default,
+    aten.scaled_dot_product_attention.default, aten.clone.default, aten.contiguous.default, aten._to_copy.default,
+    aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.div.Tensor, aten.silu.default,
+    aten.gelu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten.dropout.default,
+    aten.slice.Tensor, aten.select.int,
+}
+TO_LOSS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor,
+           aten.contiguous.default, aten.clone.default, aten._to_copy.default}
+
+
+@dataclass(frozen=True)
+class TPChoice:
+    """How one module's weight is split, and why (shown in the report)."""
+
+    module: str
+    style: str  # colwise | rowwise | vocab | replicate
+    reason: str
+    explicit: bool = False
+
+
+@dataclass
+class PairGroup:
+    """Column-parallel linears feeding one row-parallel linear; ``region`` = modules in between."""
+
+    row: fx.Node
+    cols: list[fx.Node]
+    region: set[str] = field(default_factory=set)
+
+
+def weight_module(traced: Traced, placeholder: str) -> list[str]:
+    state = next((s for s in traced.state if s.placeholder == placeholder), None)
+    if state is None:
+        return []
+    return [name.rsplit(".", 1)[0] if "." in name else "" for name in (state.aliases or (state.name,))]
+
+
+def _users(node: fx.Node) -> list[fx.Node]:
+    return list(node.users)
+
+
+def reach(start: fx.Node) -> tuple[set[fx.Node], set[fx.Node], bool, set[str]]:
+    """Follow ``start``'s value forward through CARRIERS. Returns (linears it enters as input,
+    cross-entropy nodes it reaches through TO_LOSS ops only, escaped, module paths visited)."""
+    rows, losses, escaped, seen, modules = set(), set(), False, set(), set()
+    stack = [(u, start, True) for u in _users(start)]
+    while stack:
+        node, src, loss_path = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        modules.add(module_path(node))
+        if node.target == aten.linear.default and node.args[0] is src:
+            rows.add(node)
+        elif node.target == aten.cross_entropy_loss.default and loss_path and node.args[0] is src:
+            losses.add(node)
+        elif node.target in CARRIERS:
+            stack.extend((u, node, loss_path and node.target in TO_LOSS) for u in _users(node))
+        else:
+            escaped = True
+    return rows, losses, escaped, modules
+
+
+def find_pairs(gm: fx.GraphModule, params: set[str]) -> tuple[list[PairGroup], list[fx.Node]]:
+    """Megatron pairs and vocab-parallel lm heads among linears whose weight is a parameter."""
+    by_row: dict[fx.Node, PairGroup] = {}
+    heads = []
+    for node in gm.graph.nodes:
+        if node.target != aten.linear.default or getattr(node.args[1], "name", None) not in params:
+            continue
+        rows, losses, escaped, modules = reach(node)
+        if losses and not rows and not escaped:
+            heads.append(node)
+        elif len(rows) == 1 and not escaped and not losses:
+            row = next(iter(rows))
+            group = by_row.setdefault(row, PairGroup(row, []))
+            group.cols.append(node)
+            group.region |= modules
+    return list(by_row.values()), heads
+
+
+def style_layouts(style: str, node: fx.Node, n_axes: int, tp_index: int) -> dict[str, tuple]:
+    """placeholder name -> per-axis placements for the weights of one linear or embedding node."""
+    def on_tp(p):
+        placements = [R] * n_axes
+        placements[tp_index] = p
+        return tuple(placements)
+
+    weight = node.args[1] if node.target == aten.linear.default else node.args[0]
+    bias = node.args[2] if node.target == aten.linear.default and len(node.args) > 2 else None
+    out = {}
+    if style in ("colwise", "vocab"):
+        out[weight.name] = on_tp(Shard(0))
+        if bias is not None:
+            out[bias.name] = on_tp(Shard(0))
+    elif style == "rowwise":
+        out[weight.name] = on_tp(Shard(1))
+    if node.target == aten.embedding.default and style == "colwise":
+        out[weight.name] = on_tp(Shard(1))
+    return out
+
+
+def is_token_embedding(node: fx.Node, user_inputs: set[str]) -> bool:
+    """An embedding looked up by a model input (token ids), not by computed positions."""
+    ids = node.args[1]
+    while ids.op != "placeholder" and ids.target in TO_LOSS | {aten.slice.Tensor}:
+        ids = ids.args[0]
+    return ids.op == "placeholder" and ids.name in user_inputs
+
+
+def defaultdict_list():
+    return defaultdict(list)

@@ -1,0 +1,84 @@
+"""Local ops for vocabulary parallelism (Megatron-LM): each rank owns a contiguous vocab slice.
+
+They are graph nodes like the collectives (``call_module`` targets bound to a mesh), but move no
+data: the reduction that completes them is a separate ``AllReduce`` node the compiler inserts,
+so usc-lint shows it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _Bound(nn.Module):
+    kind = "none"
+
+    def __init__(self, axis: str) -> None:
+        super().__init__()
+        self.axis = axis
+        self._mesh = None
+
+    def bind(self, mesh) -> None:
+        self._mesh = mesh
+
+    def _offset(self, local_size: int) -> int:
+        if self._mesh is None:
+            raise RuntimeError(f"{type(self).__name__} on axis '{self.axis}' used before bind(mesh)")
+        return self._mesh.coord_of(self.axis) * local_size
+
+    def forward_collective(self) -> None:
+        return None
+
+    def backward_collective(self) -> None:
+        return None
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}"
+
+
+class VocabParallelEmbedding(_Bound):
+    """embedding(weight_slice, ids) where this rank holds rows [offset, offset + V/n) of the table.
+
+    Ids outside the slice give zero rows, so the sum over ranks (Partial(sum)) is the full lookup.
+    """
+
+    def __init__(self, axis: str, padding_idx: int = -1) -> None:
+        super().__init__(axis)
+        self.padding_idx = padding_idx
+
+    @staticmethod
+    def global_fn(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.embedding.default(weight, ids)
+
+    def forward(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        rows = weight.shape[0]
+        offset = self._offset(rows)
+        local = ids - offset
+        inside = (local >= 0) & (local < rows)
+        pad = self.padding_idx - offset if 0 <= self.padding_idx - offset < rows else None
+        out = F.embedding(torch.where(inside, local, 0), weight, padding_idx=pad)
+        return out * inside.unsqueeze(-1).to(out.dtype)
+
+
+class ShardedGather(_Bound):
+    """gather(x, dim, index) with x sharded on ``dim``: the owner of each index contributes it,
+    others contribute zero (Partial(sum)). Used for the target logit of vocab-parallel cross-entropy."""
+
+    def __init__(self, axis: str, dim: int) -> None:
+        super().__init__(axis)
+        self.dim = dim
+
+    def global_fn(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.gather.default(x, self.dim, index)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        size = x.shape[self.dim]
+        local = index - self._offset(size)
+        inside = (local >= 0) & (local < size)
+        picked = torch.gather(x, self.dim, torch.where(inside, local, 0))
+        return picked * inside.to(picked.dtype)
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}, dim={self.dim}"

@@ -1,0 +1,251 @@
+"""The public face: ``usc.compile``, ``usc.simulate``, ``usc.lint``. It strings the stages together
+(dsl -> compiler -> passes -> runtime) and holds no logic of its own beyond that."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from usc.compiler.errors import CompileError
+from usc.compiler.report import Report, build_report
+from usc.compiler.trace import is_meta_model, trace
+from usc.dsl import Plan, PlanError, check_rules_match, parse_plan
+from usc.passes import parallelize
+from usc.runtime.executor import RankExecutor
+from usc.runtime.mesh import Mesh, run_in_threads, simulated_meshes
+from usc.runtime.trace import Timeline
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class _WithLoss(nn.Module):
+    """model + loss_fn as one module whose forward returns the loss; module names stay the model's.
+
+    The batch is ``(*model_inputs, target)`` and the loss is ``loss_fn(model(*model_inputs), target)``.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable) -> None:
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, param in model.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buf in model.named_buffers(recurse=False):
+            self.register_buffer(name, buf)
+        self._wrapped = (model,)
+        self._loss_fn = loss_fn
+
+    def forward(self, *batch):
+        *inputs, target = batch
+        return self._loss_fn(self._wrapped[0](*inputs), target)
+
+
+def _as_plan(plan: str | Plan) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, os.PathLike) or (isinstance(plan, str) and plan.endswith(".usc") and os.path.exists(plan)):
+        from usc.dsl import load_plan
+        return load_plan(plan)
+    return parse_plan(plan)
+
+
+def _full_state(model: nn.Module, traced) -> dict[str, torch.Tensor]:
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(dict(model.named_buffers(remove_duplicate=False)))
+    state.update(traced.constants)
+    return state
+
+
+class _Compiled:
+    """What compile and simulate share: the plan, the traced program and its report."""
+
+    def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
+                 optimizer: OptimizerFactory | None = None) -> None:
+        self.plan = _as_plan(plan)
+        self.model = _WithLoss(model, loss_fn) if loss_fn is not None else model
+        self._user_model = model
+        self._optimizer = optimizer
+        self._program = None
+        self._report: Report | None = None
+        if example_inputs is not None:
+            self._build(tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
+
+    def _build(self, batch: tuple) -> None:
+        start = time.perf_counter()
+        traced = trace(self.model, batch)
+        check_rules_match(self.plan, list(traced.module_types))
+        self._traced = traced
+        self._program = parallelize(traced, self.plan)
+        self._report = build_report(self._program, model=type(self._user_model).__name__, plan=str(self.plan),
+                                    bucket_bytes=self.bucket_bytes, compile_seconds=time.perf_counter() - start)
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(float(self.plan.get("bucket_mb")) * 2**20)
+
+    @property
+    def timeout(self) -> float:
+        return float(self.plan.get("timeout"))
+
+    @property
+    def report(self) -> Report:
+        if self._report is None:
+            raise RuntimeError("nothing is compiled yet: pass example_inputs= to compile, or call step() once")
+        return self._report
+
+    @property
+    def program(self):
+        return self._program
+
+    def _ensure_built(self, batch: tuple) -> None:
+        if self._program is None:
+            self._build(batch)
+        if is_meta_model(self.model):
+            raise RuntimeError("the model's weights are on the meta device: it can be compiled and linted, but "
+                               "stepping needs real weights (build the model on 'cpu' or 'cuda')")
+
+
+class Compiled(_Compiled):
+    """The program for *this* torchrun process (one rank of the mesh).
+
+    >>> step = usc.compile(model, "dp=2 tp=2", example_inputs=(tokens, labels))   # doctest: +SKIP
+    >>> loss = step.step(tokens, labels)   # every rank passes the same global batch
+    """
+
+    _executor: RankExecutor | None = None
+
+    def _rank(self) -> RankExecutor:
+        if self._executor is None:
+            mesh = self._mesh()
+            self._executor = RankExecutor(self._program, mesh, _full_state(self.model, self._traced),
+                                          optimizer=self._optimizer, bucket_bytes=self.bucket_bytes)
+        return self._executor
+
+    def _mesh(self) -> Mesh:
+        axes, shape, world = tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), self.plan.world_size
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 and "RANK" not in os.environ:
+            raise RuntimeError(
+                f"plan '{self.plan}' needs {world} processes but this is a single process; launch with "
+                f"`torchrun --nproc-per-node {world} your_script.py` (more nodes: --nnodes), or use "
+                f"usc.simulate(...) to run every rank in this process")
+        if world == 1 and launched == 1:
+            return simulated_meshes(axes, shape, timeout=self.timeout)[0]
+        return Mesh.from_environment(axes, shape, timeout=self.timeout)
+
+    def step(self, *batch, trace: str | None = None) -> float:
+        """One optimizer step on the global batch; returns the global mean loss."""
+        self._ensure_built(batch)
+        rank = self._rank()
+        timeline = Timeline(rank.mesh.rank) if trace else None
+        rank.set_timeline(timeline)
+        try:
+            return rank.step(batch)
+        finally:
+            rank.set_timeline(None)
+            if timeline is not None:
+                self._report.exposed_comm_seconds = timeline.exposed_comm_seconds()
+                path = trace if rank.mesh.world_size == 1 else _rank_path(trace, rank.mesh.rank)
+                timeline.to_chrome_trace(path)
+
+    def __call__(self, *batch) -> float:
+        """The global mean loss on ``batch`` without updating anything."""
+        self._ensure_built(batch)
+        return self._rank().evaluate(batch)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) tensors under the model's own state_dict names (a collective call)."""
+        full = self._rank().full_state_dict()
+        return {k: full[k] for k in self._user_model.state_dict() if k in full}
+
+
+def _rank_path(path: str, rank: int) -> str:
+    root, ext = os.path.splitext(path)
+    return f"{root}.rank{rank}{ext or '.json'}"
+
+
+class Simulated(_Compiled):
+    """Every rank of the mesh in this process (one thread per rank, in-memory collectives)."""
+
+    def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None,
+                 optimizer: OptimizerFactory | None = None) -> None:
+        if example_inputs is None:
+            raise TypeError("usc.simulate needs example_inputs=(...) (the global batch)")
+        super().__init__(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+        self._ensure_built(())
+        self.meshes = simulated_meshes(tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), timeout=self.timeout)
+        state = _full_state(self.model, self._traced)
+        self.ranks = [RankExecutor(self._program, mesh, state, optimizer=optimizer, bucket_bytes=self.bucket_bytes)
+                      for mesh in self.meshes]
+
+    def _run(self, fn) -> list:
+        return run_in_threads(self.meshes, lambda mesh: fn(self.ranks[mesh.rank]), timeout=self.timeout)
+
+    def step(self, *batch, trace: str | None = None) -> float:
+        timeline = Timeline(0) if trace else None
+        for rank in self.ranks:
+            rank.set_timeline(timeline)
+        try:
+            return self._run(lambda rank: rank.step(batch))[0]
+        finally:
+            for rank in self.ranks:
+                rank.set_timeline(None)
+            if timeline is not None:
+                self._report.exposed_comm_seconds = max(
+                    timeline.exposed_comm_seconds(rank=r) for r in range(len(self.ranks)))
+                timeline.to_chrome_trace(trace)
+
+    def __call__(self, *batch) -> float:
+        return self._run(lambda rank: rank.evaluate(batch))[0]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        full = self._run(lambda rank: rank.full_state_dict())[0]
+        return {k: full[k] for k in self._user_model.state_dict() if k in full}
+
+    def rank_state(self, rank: int) -> dict[str, torch.Tensor]:
+        """The local shards held by one rank (for tests and inspection)."""
+        return self.ranks[rank].local_state()
+
+
+def compile(model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
+            optimizer: OptimizerFactory | None = None) -> Compiled:
+    """Compile ``model`` for the mesh in ``plan`` and return this torchrun process's program.
+
+    >>> import usc, torch
+    >>> from usc.testing.models import TinyLlama, token_batch
+    >>> batch = token_batch(128, 4, 16)
+    >>> step = usc.compile(TinyLlama(), "dp=1", example_inputs=batch)
+    >>> isinstance(step.step(*batch), float)
+    True
+    """
+    return Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+
+
+def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None,
+             optimizer: OptimizerFactory | None = None) -> Simulated:
+    """Compile ``model`` and run every rank of the mesh in this process.
+
+    >>> import usc
+    >>> from usc.testing.models import TinyLlama, token_batch
+    >>> batch = token_batch(128, 4, 16)
+    >>> sim = usc.simulate(TinyLlama(), "dp=2 tp=2", example_inputs=batch)
+    >>> isinstance(sim.step(*batch), float)
+    True
+    """
+    return Simulated(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+
+
+def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None) -> Report:
+    """Compile without running anything and return the report (what ``usc-lint`` prints).
+
+    Works for meshes of any size and for models on the ``meta`` device (no weights allocated).
+    """
+    return _Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn).report
+
+
+__all__ = ["compile", "simulate", "lint", "parse_plan", "Compiled", "Simulated", "Report", "PlanError",
+           "CompileError", "Plan"]
