@@ -1,0 +1,277 @@
+"""Differentiable collectives and the graph nodes the compiler inserts to call them.
+
+The operators are Megatron's conjugate pairs (Shoeybi et al. 2019, "Megatron-LM", sec. 3, fig. 3:
+`f` is identity forward / all-reduce backward, `g` is all-reduce forward / identity backward) and
+their sequence-parallel versions (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", sec. 4.2.2: all-gather forward / reduce-scatter backward and back).
+
+Gradient convention: the gradient of a Replicate tensor is itself replicated (every rank holds
+the full gradient); the gradient of a Partial tensor is replicated too (each summand gets it).
+
+Each node is an `nn.Module` so it can be a `call_module` target in a torch.fx graph: its
+constructor arguments describe it fully, its repr reads back as source, and `bind(mesh)` picks the
+rank's Comm (a node is bound per rank; copies come out unbound). On a group of one every node is
+the identity and issues nothing.
+
+Example (Megatron MLP, column- then row-parallel; weights held whole and sharded on the fly)::
+
+    f, g = GradAllReduce("tp").bind(mesh), AllReduce("tp").bind(mesh)
+    w1_local = LocalShard("tp", dim=0).bind(mesh)(w1)          # (hidden/tp, d)
+    w2_local = LocalShard("tp", dim=1).bind(mesh)(w2)          # (d, hidden/tp)
+    y = g(torch.relu(f(x) @ w1_local.T) @ w2_local.T)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+from .comm import Comm
+
+if TYPE_CHECKING:
+    from .mesh import Mesh
+
+
+def _local_piece(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    """This rank's chunk of x along dim, checked to split evenly."""
+    if x.shape[dim] % comm.size:
+        raise ValueError(
+            f"cannot shard dim {dim} of shape {tuple(x.shape)} over mesh axis {comm.axis!r} of "
+            f"size {comm.size}: not divisible"
+        )
+    return x.chunk(comm.size, dim)[comm.rank].contiguous()
+
+
+# ====================================================================== autograd functions
+class _AllReduceSumFn(torch.autograd.Function):
+    """Megatron g: Partial -> Replicate. Each summand's gradient is the output gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        return comm.all_reduce(x, "sum")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GradAllReduceFn(torch.autograd.Function):
+    """Megatron f: the input is used by every rank, so its gradient is the sum over ranks."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.comm.all_reduce(grad, "sum"), None
+
+
+class _AllGatherFn(torch.autograd.Function):
+    """Shard(dim) -> Replicate; the gradient is sliced (replicated) or reduce-scattered (partial)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, dim: int, grad_is_partial: bool) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.grad_is_partial = comm, dim, grad_is_partial
+        return comm.all_gather(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.grad_is_partial:
+            return ctx.comm.reduce_scatter(grad, ctx.dim), None, None, None
+        return _local_piece(grad, ctx.comm, ctx.dim), None, None, None
+
+
+class _ReduceScatterFn(torch.autograd.Function):
+    """Partial -> Shard(dim); the (replicated) gradient of every summand is the gathered one."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        return comm.reduce_scatter(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.comm.all_gather(grad, ctx.dim), None, None
+
+
+class _LocalShardFn(torch.autograd.Function):
+    """Replicate -> Shard(dim) without communication; the full gradient is gathered back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        return _local_piece(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.comm.all_gather(grad, ctx.dim), None, None
+
+
+# ============================================================================== graph nodes
+class CollectiveNode(nn.Module):
+    """Base of the nodes: one mesh axis, bound to that axis's Comm of one rank.
+
+    `kind` is the collective the node causes (in forward or backward; "none" if it never
+    communicates); `forward_collective()` / `backward_collective()` say which pass issues what.
+    """
+
+    kind: ClassVar[str] = "none"
+
+    def __init__(self, axis: str):
+        super().__init__()
+        self.axis = axis
+        self._comm: Comm | None = None
+
+    def bind(self, mesh: Mesh) -> CollectiveNode:
+        """Use this rank's group along `axis`; returns self so it chains."""
+        self._comm = mesh.comm(self.axis)
+        return self
+
+    @property
+    def comm(self) -> Comm:
+        if self._comm is None:
+            raise RuntimeError(
+                f"{self!r} is not bound to a mesh: call node.bind(mesh) with this rank's Mesh "
+                f"before running it (the executor binds every collective node of the graph)"
+            )
+        return self._comm
+
+    def forward_collective(self) -> str | None:
+        return None
+
+    def backward_collective(self) -> str | None:
+        return None
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}"
+
+    def __getstate__(self) -> dict:
+        """Copies (deepcopy, pickle) come out unbound: a Comm belongs to one rank."""
+        state = self.__dict__.copy()
+        state["_comm"] = None
+        return state
+
+
+class AllReduce(CollectiveNode):
+    """Megatron g: all-reduce forward (sum, or max without gradient), identity backward."""
+
+    kind = "all-reduce"
+
+    def __init__(self, axis: str, op: str = "sum"):
+        super().__init__(axis)
+        if op not in ("sum", "max"):
+            raise ValueError(f"AllReduce op must be 'sum' or 'max', got {op!r}")
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        comm = self.comm
+        if comm.size == 1:
+            return x
+        if self.op == "max":  # used for stable softmax offsets: no gradient flows through max
+            return comm.all_reduce(x.detach(), "max")
+        return _AllReduceSumFn.apply(x, comm)
+
+    def forward_collective(self) -> str | None:
+        return "all-reduce"
+
+    def backward_collective(self) -> str | None:
+        return None
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}, op={self.op!r}"
+
+
+class GradAllReduce(CollectiveNode):
+    """Megatron f: identity forward, all-reduce (sum) of the gradient backward."""
+
+    kind = "all-reduce"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        comm = self.comm
+        return x if comm.size == 1 else _GradAllReduceFn.apply(x, comm)
+
+    def backward_collective(self) -> str | None:
+        return "all-reduce"
+
+
+class AllGather(CollectiveNode):
+    """Shard(dim) -> Replicate. grad="replicated": backward takes the local chunk of the gradient;
+    grad="partial": backward reduce-scatters it (the sequence-parallel pairing)."""
+
+    kind = "all-gather"
+
+    def __init__(self, axis: str, dim: int, grad: str = "replicated"):
+        super().__init__(axis)
+        if grad not in ("replicated", "partial"):
+            raise ValueError(f"AllGather grad must be 'replicated' or 'partial', got {grad!r}")
+        self.dim, self.grad = dim, grad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        comm = self.comm
+        return x if comm.size == 1 else _AllGatherFn.apply(x, comm, self.dim % x.dim(), self.grad == "partial")
+
+    def forward_collective(self) -> str | None:
+        return "all-gather"
+
+    def backward_collective(self) -> str | None:
+        return "reduce-scatter" if self.grad == "partial" else None
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}, dim={self.dim}, grad={self.grad!r}"
+
+
+class ReduceScatter(CollectiveNode):
+    """Partial -> Shard(dim): reduce-scatter forward, all-gather backward."""
+
+    kind = "reduce-scatter"
+
+    def __init__(self, axis: str, dim: int):
+        super().__init__(axis)
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        comm = self.comm
+        return x if comm.size == 1 else _ReduceScatterFn.apply(x, comm, self.dim % x.dim())
+
+    def forward_collective(self) -> str | None:
+        return "reduce-scatter"
+
+    def backward_collective(self) -> str | None:
+        return "all-gather"
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}, dim={self.dim}"
+
+
+class LocalShard(CollectiveNode):
+    """Replicate -> Shard(dim) with no communication; backward all-gathers the gradient."""
+
+    kind = "all-gather"
+
+    def __init__(self, axis: str, dim: int):
+        super().__init__(axis)
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        comm = self.comm
+        return x if comm.size == 1 else _LocalShardFn.apply(x, comm, self.dim % x.dim())
+
+    def backward_collective(self) -> str | None:
+        return "all-gather"
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}, dim={self.dim}"
+
+
+class AxisIndex(CollectiveNode):
+    """This rank's coordinate on `axis` as a Python int (vocab-parallel ops use it for their
+    slice offset). No communication, no gradient."""
+
+    kind = "none"
+
+    def forward(self) -> int:
+        return self.comm.rank

@@ -1,0 +1,558 @@
+"""Collectives over ONE group of ranks along one mesh axis, on real process groups or in memory.
+
+`Comm` is the interface the rest of the runtime talks to; it owns what every backend shares:
+argument checks, per-kind call and byte counters (`comm.stats`), timeline spans, and turning any
+backend failure into a CollectiveError that names the rank, collective, axis and group.
+
+- `ProcessGroupComm` runs torch.distributed on a ProcessGroup (gloo on CPU, NCCL on CUDA).
+- `ThreadComm` is the in-process simulator's backend: every rank of the mesh is a thread of one
+  process and the ranks of a group meet in a shared `ThreadGroup`. Each rank computes its result
+  from all ranks' inputs in rank order, so all ranks get bitwise identical sums.
+
+All methods take local tensors and return new ones; inputs are never modified. `peer` and `rank`
+are indices inside the group; `group_ranks` maps them to global ranks.
+
+Example (a group of one, which is what a size-1 mesh axis gets)::
+
+    comm = solo_comm("tp", global_rank=0, timeout=30.0)
+    assert torch.equal(comm.all_reduce(torch.ones(2)), torch.ones(2))
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from .errors import CollectiveContext, CollectiveError, CollectiveTimeout
+from .trace import SpanToken, Timeline
+
+ReduceOp = Literal["sum", "max"]
+_TORCH_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+# torch 2.9 renamed the tensor-in/tensor-out collectives; keep working on older releases.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommStats:
+    """Per-kind call counts and payload bytes issued by one rank on one group.
+
+    Bytes are the size of the local tensor this rank hands to the collective (for recv: the
+    tensor received); the wire traffic of a ring algorithm is a known multiple of it. Groups of
+    size one move nothing and count 0 bytes.
+    """
+
+    calls: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+
+    def record(self, kind: str, nbytes: int) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += nbytes
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+
+class Work:
+    """A launched collective: `wait()` blocks until the result tensor is valid.
+
+    wait() is idempotent; a failure is re-raised on every later wait().
+    """
+
+    def __init__(self, wait_fn: Callable[[], None] | None = None, poll_fn: Callable[[], bool] | None = None):
+        self._wait_fn = wait_fn
+        self._poll_fn = poll_fn
+        self._done = wait_fn is None
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._done:
+            return
+        try:
+            self._wait_fn()
+        except BaseException as exc:
+            self._error = exc
+            raise
+        self._done = True
+
+    def is_completed(self) -> bool:
+        """True once wait() would return at once (the transfer is done, or was waited for)."""
+        return self._done or (self._poll_fn is not None and self._poll_fn())
+
+
+def _normalize_dim(t: torch.Tensor, dim: int, kind: str) -> int:
+    if t.dim() == 0 or not -t.dim() <= dim < t.dim():
+        raise ValueError(f"{kind}: dim {dim} is out of range for a tensor of shape {tuple(t.shape)}")
+    return dim % t.dim()
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    """Backends report timeouts as plain RuntimeErrors; gloo says 'Operation timed out!'."""
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
+
+
+class Comm(ABC):
+    """Collectives over one group along one mesh axis (see the module docstring)."""
+
+    def __init__(self, *, axis: str, rank: int, group_ranks: Sequence[int], timeout: float):
+        self.axis = axis
+        self.rank = rank
+        self.group_ranks = tuple(group_ranks)
+        self.size = len(self.group_ranks)
+        self.timeout = float(timeout)
+        self.stats = CommStats()
+        self.timeline: Timeline | None = None  # None: no recording overhead
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(axis={self.axis!r}, rank={self.rank}, group_ranks={self.group_ranks})"
+
+    @property
+    def global_rank(self) -> int:
+        return self.group_ranks[self.rank]
+
+    # ----------------------------------------------------------------- public collectives
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum", async_op: bool = False) -> Any:
+        """Elementwise sum (or max) over the group; every rank gets the same tensor."""
+        if op not in _TORCH_REDUCE_OPS:
+            raise ValueError(f"all_reduce: op must be one of {sorted(_TORCH_REDUCE_OPS)}, got {op!r}")
+        return self._run("all-reduce", t, async_op, lambda: self._all_reduce(t, op, async_op))
+
+    def all_gather(self, t: torch.Tensor, dim: int, async_op: bool = False) -> Any:
+        """Concatenate every rank's tensor along `dim`, in group-rank order."""
+        dim = _normalize_dim(t, dim, "all_gather")
+        return self._run("all-gather", t, async_op, lambda: self._all_gather(t, dim, async_op))
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int, async_op: bool = False) -> Any:
+        """Sum over the group, then keep this rank's chunk along `dim` (size divisible by group)."""
+        dim = _normalize_dim(t, dim, "reduce_scatter")
+        self._check_divisible(t, dim, "reduce_scatter")
+        return self._run("reduce-scatter", t, async_op, lambda: self._reduce_scatter(t, dim, async_op))
+
+    def all_to_all(self, t: torch.Tensor, split_dim: int, cat_dim: int) -> torch.Tensor:
+        """Split along split_dim into `size` even chunks, send chunk j to rank j, concat received
+        chunks along cat_dim in rank order (the Ulysses / expert-parallel exchange)."""
+        split_dim = _normalize_dim(t, split_dim, "all_to_all")
+        cat_dim = _normalize_dim(t, cat_dim, "all_to_all")
+        self._check_divisible(t, split_dim, "all_to_all")
+        return self._run("all-to-all", t, False, lambda: self._all_to_all(t, split_dim, cat_dim))
+
+    def all_to_all_single(self, t: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int]) -> torch.Tensor:
+        """Uneven exchange along dim 0: rows in_splits[j] go to rank j; out_splits[i] come from i."""
+        self._check_splits(t, list(out_splits), list(in_splits))
+        return self._run("all-to-all", t, False, lambda: self._all_to_all_single(t, list(out_splits), list(in_splits)))
+
+    def send(self, t: torch.Tensor, peer: int) -> None:
+        """Send to the group member `peer`; matched by a recv(like, this rank) there."""
+        self._check_peer(peer)
+        self._run("send/recv", t, False, lambda: self._send(t, peer))
+
+    def recv(self, like: torch.Tensor, peer: int) -> torch.Tensor:
+        """Receive a tensor shaped and typed like `like` from the group member `peer`."""
+        self._check_peer(peer)
+        return self._run("send/recv", like, False, lambda: self._recv(like, peer))
+
+    def barrier(self) -> None:
+        """Block until every member of the group has reached the barrier."""
+        self._run("barrier", None, False, self._barrier)
+
+    def abort(self, reason: str) -> None:
+        """Wake every rank blocked on this group with a CollectiveError (simulator only)."""
+
+    # ------------------------------------------------------------------ backend interface
+    # Each returns (result, Work); result is valid after Work.wait().
+    @abstractmethod
+    def _all_reduce(self, t: torch.Tensor, op: str, async_op: bool) -> tuple[torch.Tensor, Work]: ...
+
+    @abstractmethod
+    def _all_gather(self, t: torch.Tensor, dim: int, async_op: bool) -> tuple[torch.Tensor, Work]: ...
+
+    @abstractmethod
+    def _reduce_scatter(self, t: torch.Tensor, dim: int, async_op: bool) -> tuple[torch.Tensor, Work]: ...
+
+    @abstractmethod
+    def _all_to_all(self, t: torch.Tensor, split_dim: int, cat_dim: int) -> tuple[torch.Tensor, Work]: ...
+
+    @abstractmethod
+    def _all_to_all_single(self, t: torch.Tensor, out_splits: list, in_splits: list) -> tuple[torch.Tensor, Work]: ...
+
+    @abstractmethod
+    def _send(self, t: torch.Tensor, peer: int) -> tuple[None, Work]: ...
+
+    @abstractmethod
+    def _recv(self, like: torch.Tensor, peer: int) -> tuple[torch.Tensor, Work]: ...
+
+    @abstractmethod
+    def _barrier(self) -> tuple[None, Work]: ...
+
+    # ---------------------------------------------------------------------- shared plumbing
+    def context(self, kind: str) -> CollectiveContext:
+        return CollectiveContext(self.global_rank, kind, self.axis, self.group_ranks, self.timeout)
+
+    def _run(self, kind: str, t: torch.Tensor | None, async_op: bool, launch: Callable) -> Any:
+        """Count, trace, launch and (unless async) wait; all failures become CollectiveErrors."""
+        self.stats.record(kind, _nbytes(t) if self.size > 1 else 0)
+        token = self._begin_span(kind)
+        try:
+            out, work = self._guard(kind, launch)
+        except BaseException:
+            self._end_span(token)
+            raise
+        work = self._traced(kind, work, token)
+        if async_op:
+            return out, work
+        work.wait()
+        return out.contiguous() if isinstance(out, torch.Tensor) else out
+
+    def _guard(self, kind: str, fn: Callable) -> Any:
+        try:
+            return fn()
+        except CollectiveError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised with the collective's context
+            error = CollectiveTimeout if _is_timeout(exc) else CollectiveError
+            raise error(self.context(kind), f"{type(exc).__name__}: {exc}") from exc
+
+    def _traced(self, kind: str, work: Work, token: SpanToken | None) -> Work:
+        """A Work whose wait() also wraps errors and closes the span (end = when waited for)."""
+
+        def wait() -> None:
+            try:
+                self._guard(kind, work.wait)
+            finally:
+                self._end_span(token)
+
+        return Work(wait, work.is_completed)
+
+    def _begin_span(self, kind: str) -> SpanToken | None:
+        if self.timeline is None or self.size == 1:
+            return None
+        return self.timeline.begin(f"{kind}[{self.axis}]", "comm", rank=self.global_rank)
+
+    def _end_span(self, token: SpanToken | None) -> None:
+        if token is not None and self.timeline is not None:
+            self.timeline.end(token)
+
+    def _check_divisible(self, t: torch.Tensor, dim: int, kind: str) -> None:
+        if t.shape[dim] % self.size:
+            raise ValueError(
+                f"{kind} over mesh axis {self.axis!r}: dim {dim} of shape {tuple(t.shape)} is not "
+                f"divisible by the group size {self.size}; pad it or choose a divisible mesh"
+            )
+
+    def _check_splits(self, t: torch.Tensor, out_splits: list, in_splits: list) -> None:
+        if len(out_splits) != self.size or len(in_splits) != self.size:
+            raise ValueError(f"all_to_all_single: need {self.size} out and in splits, got {out_splits}, {in_splits}")
+        if t.dim() == 0 or sum(in_splits) != t.shape[0]:
+            raise ValueError(f"all_to_all_single: in_splits {in_splits} do not add up to dim 0 of {tuple(t.shape)}")
+
+    def _check_peer(self, peer: int) -> None:
+        if not 0 <= peer < self.size:
+            raise ValueError(f"peer {peer} is not in the group along {self.axis!r} (size {self.size})")
+
+
+# =============================================================================== torch.distributed
+class ProcessGroupComm(Comm):
+    """torch.distributed collectives on one ProcessGroup (gloo on CPU, NCCL on CUDA).
+
+    CPU (gloo): sync calls wait with `timeout` (a dead peer shows up as a connection error at
+    once). CUDA: async calls run on a side 'comm' stream so they overlap the compute stream (the
+    pattern of torch DDP / Megatron): the comm stream first waits for the current stream (the
+    inputs are ready), and Work.wait() makes the current stream wait for the comm stream; the
+    tensors crossing streams are record_stream()'d so the caching allocator does not reuse them
+    early. NCCL timeouts are enforced by the group's watchdog (the group's timeout), because a CPU
+    wait with a timeout would serialise the host with the GPU.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, axis: str, timeout: float):
+        super().__init__(
+            axis=axis,
+            rank=dist.get_rank(group),
+            group_ranks=dist.get_process_group_ranks(group),
+            timeout=timeout,
+        )
+        self.group = group
+        self._streams: dict[int, Any] = {}
+
+    def _all_reduce(self, t, op, async_op):
+        def issue():
+            out = t.clone(memory_format=torch.contiguous_format)
+            return out, dist.all_reduce(out, op=_TORCH_REDUCE_OPS[op], group=self.group, async_op=True)
+
+        return self._launch([t], issue, async_op)
+
+    def _all_gather(self, t, dim, async_op):
+        def issue():
+            inp = t.movedim(dim, 0).contiguous()
+            buf = inp.new_empty((self.size * inp.shape[0], *inp.shape[1:]))
+            work = _all_gather_single(buf, inp, group=self.group, async_op=True)
+            return buf.movedim(0, dim), work
+
+        return self._launch([t], issue, async_op)
+
+    def _reduce_scatter(self, t, dim, async_op):
+        def issue():
+            inp = t.movedim(dim, 0).contiguous()
+            buf = inp.new_empty((inp.shape[0] // self.size, *inp.shape[1:]))
+            work = _reduce_scatter_single(buf, inp, group=self.group, async_op=True)
+            return buf.movedim(0, dim), work
+
+        return self._launch([t], issue, async_op)
+
+    def _all_to_all(self, t, split_dim, cat_dim):
+        stacked = torch.stack(t.chunk(self.size, split_dim)).contiguous()
+        received = torch.empty_like(stacked)
+        self._wait_torch(dist.all_to_all_single(received, stacked, group=self.group, async_op=True), t)
+        return torch.cat(received.unbind(0), dim=cat_dim), Work()
+
+    def _all_to_all_single(self, t, out_splits, in_splits):
+        def issue():
+            buf = t.new_empty((sum(out_splits), *t.shape[1:]))
+            inp = t.contiguous()
+            return buf, dist.all_to_all_single(buf, inp, out_splits, in_splits, group=self.group, async_op=True)
+
+        return self._launch([t], issue, False)
+
+    def _send(self, t, peer):
+        work = dist.isend(t.contiguous(), group=self.group, group_dst=peer)
+        return None, Work(lambda: self._wait_torch(work, t), work.is_completed)
+
+    def _recv(self, like, peer):
+        buf = torch.empty_like(like, memory_format=torch.contiguous_format)
+        work = dist.irecv(buf, group=self.group, group_src=peer)
+        return buf, Work(lambda: self._wait_torch(work, buf), work.is_completed)
+
+    def _barrier(self):
+        work = dist.barrier(group=self.group, async_op=True)
+        return None, Work(lambda: self._wait_torch(work, None), work.is_completed)
+
+    # ----------------------------------------------------------------------------- helpers
+    def _launch(self, inputs: list[torch.Tensor], issue: Callable, async_op: bool) -> tuple[torch.Tensor, Work]:
+        if async_op and inputs[0].is_cuda:
+            return self._launch_on_comm_stream(inputs, issue)
+        out, work = issue()
+        return out, Work(lambda: self._wait_torch(work, out), work.is_completed)
+
+    def _wait_torch(self, work: Any, like: torch.Tensor | None) -> None:
+        if like is not None and like.is_cuda:
+            work.wait()  # stream-ordered; the NCCL watchdog enforces the group timeout
+            return
+        if not work.wait(timeout=datetime.timedelta(seconds=self.timeout)):
+            raise TimeoutError(f"no completion within {self.timeout:g}s")
+
+    def _comm_stream(self, device: torch.device) -> Any:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._streams:
+            self._streams[index] = torch.cuda.Stream(device=index)
+        return self._streams[index]
+
+    def _launch_on_comm_stream(self, inputs: list[torch.Tensor], issue: Callable) -> tuple[torch.Tensor, Work]:
+        """Issue on the side stream after the current stream's pending work (see class doc)."""
+        device = inputs[0].device
+        producer = torch.cuda.current_stream(device)
+        comm_stream = self._comm_stream(device)
+        inputs_ready = torch.cuda.Event()
+        inputs_ready.record(producer)
+        comm_stream.wait_event(inputs_ready)
+        with torch.cuda.stream(comm_stream):
+            out, work = issue()  # out is allocated on the comm stream
+        for t in inputs:
+            t.record_stream(comm_stream)  # freed on the producer while the comm stream reads it
+
+        def wait() -> None:
+            with torch.cuda.stream(comm_stream):
+                work.wait()  # NCCL: the comm stream waits for the collective's own stream
+            done = torch.cuda.Event()
+            done.record(comm_stream)
+            consumer = torch.cuda.current_stream(device)
+            consumer.wait_event(done)
+            out.record_stream(consumer)
+
+        return out, Work(wait, work.is_completed)
+
+
+# ========================================================================== in-process simulator
+@dataclass
+class _Slot:
+    """The meeting point of one collective call (the n-th call on the group)."""
+
+    kinds: dict[int, str] = field(default_factory=dict)
+    payloads: dict[int, Any] = field(default_factory=dict)
+    readers: int = 0
+
+
+class ThreadGroup:
+    """Rendezvous shared by the threads that simulate the ranks of one group.
+
+    Calls are matched by their sequence number on the group (every rank counts its own calls),
+    so consecutive collectives cannot mix; point-to-point messages are matched by
+    (source, destination, n-th message between them).
+    """
+
+    def __init__(self, ranks: Sequence[int]):
+        self.ranks = tuple(ranks)
+        self.size = len(self.ranks)
+        self._cond = threading.Condition()
+        self._slots: dict[int, _Slot] = {}
+        self._mail: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._abort_reason: str | None = None
+
+    def abort(self, reason: str) -> None:
+        """Make every pending and future call on this group fail with `reason`."""
+        with self._cond:
+            self._abort_reason = self._abort_reason or reason
+            self._cond.notify_all()
+
+    def exchange(self, rank: int, seq: int, kind: str, payload: Any, timeout: float) -> list[Any]:
+        """Deposit this rank's payload for call `seq`; return all ranks' payloads in rank order."""
+        with self._cond:
+            self._raise_if_aborted()
+            slot = self._slots.setdefault(seq, _Slot())
+            slot.kinds[rank], slot.payloads[rank] = kind, payload
+            self._cond.notify_all()
+            arrived = self._cond.wait_for(lambda: len(slot.kinds) == self.size or self._abort_reason, timeout)
+            self._raise_if_aborted()
+            if not arrived:
+                self._timeout(f"call #{seq} ({kind})", sorted(set(range(self.size)) - set(slot.kinds)), timeout)
+            return self._read(slot, seq)
+
+    def post(self, src: int, dst: int, n: int, tensor: torch.Tensor) -> None:
+        """Buffered send: the message waits in the mailbox until dst receives it."""
+        with self._cond:
+            self._raise_if_aborted()
+            self._mail[(src, dst, n)] = tensor
+            self._cond.notify_all()
+
+    def take(self, src: int, dst: int, n: int, timeout: float) -> torch.Tensor:
+        """Receive message n from src to dst, waiting up to `timeout` seconds."""
+        key = (src, dst, n)
+        with self._cond:
+            arrived = self._cond.wait_for(lambda: key in self._mail or self._abort_reason, timeout)
+            self._raise_if_aborted()
+            if not arrived:
+                self._timeout(f"message #{n} from group rank {src}", [src], timeout)
+            return self._mail.pop(key)
+
+    def _read(self, slot: _Slot, seq: int) -> list[Any]:
+        if len(set(slot.kinds.values())) > 1:
+            calls = ", ".join(f"rank {self.ranks[r]} called {k}" for r, k in sorted(slot.kinds.items()))
+            raise RuntimeError(f"ranks took different code paths at call #{seq} on this group: {calls}")
+        slot.readers += 1
+        if slot.readers == self.size:
+            del self._slots[seq]
+        return [slot.payloads[r] for r in range(self.size)]
+
+    def _timeout(self, what: str, missing: list[int], timeout: float) -> None:
+        names = [self.ranks[r] for r in missing]
+        detail = f"rank(s) {names} never arrived at {what} within {timeout:g}s"
+        self._abort_reason = self._abort_reason or f"group aborted: {detail}"
+        self._cond.notify_all()
+        raise TimeoutError(detail)
+
+    def _raise_if_aborted(self) -> None:
+        if self._abort_reason is not None:
+            raise RuntimeError(self._abort_reason)
+
+
+def _snapshot(t: torch.Tensor, size: int) -> torch.Tensor:
+    """What a rank deposits: a private copy, since the caller may modify t once we return."""
+    return t.detach().clone() if size > 1 else t.detach()
+
+
+def _check_same_shapes(values: list[torch.Tensor], kind: str) -> None:
+    shapes = [tuple(v.shape) for v in values]
+    if len(set(shapes)) > 1:
+        raise RuntimeError(f"ranks passed different shapes to {kind}: {shapes} (in group-rank order)")
+
+
+def _reduce_in_rank_order(values: list[torch.Tensor], op: str) -> torch.Tensor:
+    """Sum (or max) in rank order 0..n-1 so every rank computes bitwise the same tensor."""
+    acc = values[0].clone()
+    for v in values[1:]:
+        acc = acc.add_(v) if op == "sum" else torch.maximum(acc, v, out=acc)
+    return acc
+
+
+class ThreadComm(Comm):
+    """In-memory collectives for ranks that are threads of one process (see ThreadGroup)."""
+
+    def __init__(self, group: ThreadGroup, rank: int, *, axis: str, timeout: float):
+        super().__init__(axis=axis, rank=rank, group_ranks=group.ranks, timeout=timeout)
+        self.group = group
+        self._calls = 0
+        self._sent: Counter = Counter()
+        self._received: Counter = Counter()
+
+    def abort(self, reason: str) -> None:
+        self.group.abort(reason)
+
+    def _exchange(self, kind: str, payload: Any) -> list[Any]:
+        seq, self._calls = self._calls, self._calls + 1
+        return self.group.exchange(self.rank, seq, kind, payload, self.timeout)
+
+    def _all_reduce(self, t, op, async_op):
+        values = self._exchange(f"all-reduce({op})", _snapshot(t, self.size))
+        _check_same_shapes(values, "all-reduce")
+        return _reduce_in_rank_order(values, op), Work()
+
+    def _all_gather(self, t, dim, async_op):
+        return torch.cat(self._exchange("all-gather", _snapshot(t, self.size)), dim=dim), Work()
+
+    def _reduce_scatter(self, t, dim, async_op):
+        values = self._exchange("reduce-scatter", _snapshot(t, self.size))
+        _check_same_shapes(values, "reduce-scatter")
+        mine = [v.chunk(self.size, dim)[self.rank] for v in values]
+        return _reduce_in_rank_order(mine, "sum").contiguous(), Work()
+
+    def _all_to_all(self, t, split_dim, cat_dim):
+        values = self._exchange("all-to-all", _snapshot(t, self.size))
+        return torch.cat([v.chunk(self.size, split_dim)[self.rank] for v in values], dim=cat_dim), Work()
+
+    def _all_to_all_single(self, t, out_splits, in_splits):
+        values = self._exchange("all-to-all", (_snapshot(t, self.size), in_splits))
+        pieces = [v.split(splits)[self.rank] for v, splits in values]
+        got = [p.shape[0] for p in pieces]
+        if got != out_splits:
+            raise RuntimeError(f"all_to_all_single: out_splits {out_splits} but the peers send {got} rows")
+        return torch.cat(pieces), Work()
+
+    def _send(self, t, peer):
+        n, self._sent[peer] = self._sent[peer], self._sent[peer] + 1
+        self.group.post(self.rank, peer, n, t.detach().clone())
+        return None, Work()
+
+    def _recv(self, like, peer):
+        n, self._received[peer] = self._received[peer], self._received[peer] + 1
+        got = self.group.take(peer, self.rank, n, self.timeout)
+        if got.shape != like.shape or got.dtype != like.dtype:
+            raise RuntimeError(f"recv expected {tuple(like.shape)} {like.dtype}, got {tuple(got.shape)} {got.dtype}")
+        return got, Work()
+
+    def _barrier(self):
+        self._exchange("barrier", None)
+        return None, Work()
+
+
+def solo_comm(axis: str, global_rank: int, timeout: float) -> ThreadComm:
+    """The trivial comm of a size-1 (or absent) mesh axis: every collective is the identity."""
+    return ThreadComm(ThreadGroup((global_rank,)), 0, axis=axis, timeout=timeout)

@@ -1,0 +1,218 @@
+"""Bucketed gradient all-reduce for data parallelism, overlapped with the backward pass.
+
+The scheme of PyTorch DDP (Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data
+Parallel Training", sec. 3.2): parameters are packed into buckets of about `bucket_bytes` in
+REVERSE order of the list, since gradients arrive roughly in reverse order of use; the moment the
+last gradient of a bucket is accumulated (a post-accumulate-grad hook, which fires once per leaf
+after all uses are summed, so tied weights are handled) the bucket is flattened and an async
+all-reduce is launched while backward goes on. `finish()` waits, writes the sums back into
+`param.grad`, and resets for the next step.
+
+A parameter may need its gradient summed over several mesh axes (e.g. dp and cp). The first axis
+is reduced from the hook; the following ones are issued by finish() in launch order. That keeps
+the order of collectives on every group identical on all ranks without the hook having to block
+(NCCL requires the same order on every rank of a group; a completion-driven order would not be).
+
+Limitation: every rank of a group must produce gradients for the same parameters in a step (a
+bucket launched in backward on one rank and in finish() on another would reorder the
+collectives). Parameters without a gradient on ALL ranks are fine: they count as zeros.
+
+Example::
+
+    reducer = GradReducer([(n, p, ("dp",)) for n, p in model.named_parameters()], mesh,
+                          bucket_bytes=25 * 2**20)
+    loss.backward()       # buckets are launched during this call
+    reducer.finish()      # now every p.grad holds the sum over dp
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .comm import Work
+from .trace import SpanToken, Timeline
+
+if TYPE_CHECKING:
+    from .mesh import Mesh
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """Parameters reduced together: same axes, dtype and device; contiguous in one flat buffer."""
+
+    index: int
+    axes: tuple[str, ...]
+    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    ready: set[int] = field(default_factory=set)  # id(param) of gradients arrived this step
+    flat: torch.Tensor | None = None
+    work: Work | None = None
+    stage: int = 0  # number of axes launched so far
+    span: SpanToken | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for _, p in self.params)
+
+    @property
+    def launched(self) -> bool:
+        return self.flat is not None
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.params]
+
+
+def _grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
+    return param.grad if param.grad is not None else torch.zeros_like(param)
+
+
+def _build_buckets(
+    params: Sequence[tuple[str, nn.Parameter, Sequence[str]]], mesh: Mesh, bucket_bytes: int
+) -> list[_Bucket]:
+    """Pack in reverse list order; one open bucket per (axes, dtype, device), closed when full.
+
+    Axes of size 1 are dropped; parameters left with no axis (or no grad) need no reduction.
+    """
+    buckets: list[_Bucket] = []
+    open_by_key: dict[tuple, _Bucket] = {}
+    seen: set[int] = set()
+    for name, param, axes in reversed(list(params)):
+        reduce_axes = tuple(a for a in axes if mesh.size(a) > 1)
+        if id(param) in seen or not param.requires_grad or not reduce_axes:
+            continue
+        seen.add(id(param))
+        key = (reduce_axes, param.dtype, param.device)
+        if key not in open_by_key:
+            open_by_key[key] = _Bucket(len(buckets), reduce_axes)
+            buckets.append(open_by_key[key])
+        bucket = open_by_key[key]
+        bucket.params.append((name, param))
+        if bucket.nbytes >= bucket_bytes:
+            del open_by_key[key]
+    return buckets
+
+
+class GradReducer:
+    """Sums gradients over mesh axes in buckets launched during backward (see module doc).
+
+    `params`: (name, parameter, axes) with the mesh axes over which that gradient is summed.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[tuple[str, nn.Parameter, Sequence[str]]],
+        mesh: Mesh,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeline: Timeline | None = None,
+    ):
+        self.mesh = mesh
+        self.timeline = timeline
+        self.buckets = _build_buckets(params, mesh, bucket_bytes)
+        self._bucket_of = {id(p): b for b in self.buckets for _, p in b.params}
+        self._launch_order: list[_Bucket] = []
+        self._sync = True
+        self.launched_during_backward = 0  # buckets launched from hooks in the current step
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in self.buckets for _, p in b.params]
+
+    def __repr__(self) -> str:
+        sizes = [len(b.params) for b in self.buckets]
+        return f"GradReducer({len(self.buckets)} buckets, params per bucket {sizes})"
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (micro-batches but the last); nothing is launched."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def finish(self) -> int:
+        """Launch what backward did not, wait for all, write sums into param.grad, reset.
+
+        Returns how many buckets had been launched during backward (the overlap achieved).
+        """
+        for bucket in self.buckets:
+            if not bucket.launched:
+                self._launch(bucket)
+        self._complete_all()
+        overlapped = self.launched_during_backward
+        self._reset()
+        return overlapped
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------------------------ internals
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        bucket = self._bucket_of[id(param)]
+        if bucket.launched or id(param) in bucket.ready:
+            name = next(n for n, p in bucket.params if p is param)
+            raise RuntimeError(
+                f"GradReducer: {name!r} received a second gradient in the same step; call "
+                f"reducer.finish() after each backward, or run earlier micro-batches under "
+                f"reducer.no_sync()"
+            )
+        bucket.ready.add(id(param))
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+            self.launched_during_backward += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        """Flatten the bucket's gradients (missing ones as zeros) and reduce over its first axis."""
+        bucket.flat = torch.cat([_grad_or_zeros(p).reshape(-1) for _, p in bucket.params])
+        if self.timeline is not None:
+            bucket.span = self.timeline.begin(f"grad-bucket{bucket.index}{list(bucket.axes)}", "comm")
+        self._launch_next_axis(bucket)
+        self._launch_order.append(bucket)
+
+    def _launch_next_axis(self, bucket: _Bucket) -> None:
+        comm = self.mesh.comm(bucket.axes[bucket.stage])
+        bucket.flat, bucket.work = comm.all_reduce(bucket.flat, "sum", async_op=True)
+        bucket.stage += 1
+
+    def _complete_all(self) -> None:
+        """Wait for each bucket in launch order; issue its next axis or write it back."""
+        pending = list(self._launch_order)
+        while pending:
+            still_running = []
+            for bucket in pending:
+                bucket.work.wait()
+                if bucket.stage < len(bucket.axes):
+                    self._launch_next_axis(bucket)
+                    still_running.append(bucket)
+                else:
+                    self._write_back(bucket)
+            pending = still_running
+
+    def _write_back(self, bucket: _Bucket) -> None:
+        offset = 0
+        for _, param in bucket.params:
+            reduced = bucket.flat[offset : offset + param.numel()].view_as(param)
+            offset += param.numel()
+            if param.grad is None:
+                param.grad = reduced.clone()
+            else:
+                param.grad.copy_(reduced)
+        if bucket.span is not None and self.timeline is not None:
+            self.timeline.end(bucket.span)
+
+    def _reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.flat, bucket.work, bucket.stage, bucket.span = None, None, 0, None
+        self._launch_order = []
+        self.launched_during_backward = 0

@@ -1,0 +1,91 @@
+"""Failures and timeouts surface fast, on every rank, with messages that say what to do."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from usc.runtime.errors import CollectiveError, CollectiveTimeout
+from usc.runtime.mesh import run_in_threads, simulated_meshes
+
+
+def test_missing_rank_times_out_with_a_clear_message():
+    meshes = simulated_meshes(("dp", "tp"), (1, 2), timeout=0.5)
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeout) as info:
+        meshes[0].comm("tp").all_reduce(torch.ones(2))  # rank 1 never arrives
+    assert time.monotonic() - start < 2.0
+    message = str(info.value)
+    for part in ["rank 0", "all-reduce", "'tp'", "group ranks (0, 1)", "timeout 0.5s", "[1] never arrived"]:
+        assert part in message, part
+    assert "raise timeout=SECONDS in the plan" in message and "other ranks' logs" in message
+
+
+def test_missing_sender_times_out():
+    meshes = simulated_meshes(("pp",), (2,), timeout=0.3)
+    with pytest.raises(CollectiveTimeout, match="send/recv.*message #0 from group rank 0"):
+        meshes[1].comm("pp").recv(torch.empty(2), 0)
+
+
+def test_a_timeout_aborts_the_group_for_the_others():
+    meshes = simulated_meshes(("tp",), (3,), timeout=0.3)
+
+    def rank(mesh):
+        if mesh.rank == 2:
+            time.sleep(0.6)  # arrives after the others timed out
+        return mesh.comm("tp").all_reduce(torch.ones(1))
+
+    with pytest.raises(CollectiveError):
+        run_in_threads(meshes, rank, timeout=5.0)
+
+
+def test_one_rank_raising_fails_the_run_fast_with_that_ranks_error():
+    meshes = simulated_meshes(("dp", "tp"), (2, 2), timeout=30.0)  # long: abort must wake them
+
+    def rank(mesh):
+        if mesh.rank == 2:
+            raise ValueError("bad batch on rank 2")
+        mesh.comm("tp").all_reduce(torch.ones(1))
+        mesh.comm("dp").all_reduce(torch.ones(1))
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="bad batch on rank 2") as info:
+        run_in_threads(meshes, rank, timeout=30.0)
+    assert time.monotonic() - start < 2.0
+    assert "simulated rank 2" in "".join(getattr(info.value, "__notes__", []))
+
+
+def test_peers_of_a_failed_rank_get_a_collective_error_naming_it():
+    meshes = simulated_meshes(("tp",), (2,), timeout=30.0)
+    errors = []
+
+    def peer():
+        try:
+            meshes[0].comm("tp").all_gather(torch.ones(1), 0)
+        except CollectiveError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=peer)
+    thread.start()
+    time.sleep(0.1)
+    meshes[1].abort("simulated rank 1 failed first: OOM")
+    thread.join(2.0)
+    assert not thread.is_alive()
+    assert "rank 0: all-gather over mesh axis 'tp'" in str(errors[0]) and "OOM" in str(errors[0])
+
+
+def test_run_in_threads_deadline_reports_hung_ranks():
+    meshes = simulated_meshes(("tp",), (2,), timeout=60.0)
+    stop = threading.Event()
+
+    def rank(mesh):
+        if mesh.rank == 1:
+            stop.wait(5.0)  # stuck in 'compute', not in a collective
+        return mesh.rank
+
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeout, match=r"simulated ranks \[1\] did not finish"):
+        run_in_threads(meshes, rank, timeout=0.5)
+    stop.set()
+    assert time.monotonic() - start < 2.0
