@@ -31,7 +31,7 @@ def render(report) -> str:
     for i, c in enumerate(report.collectives, 1):
         shape = "[" + ", ".join(str(s) for s in c.shape) + "]"
         where = f"{c.module} ({c.source})" if c.source else c.module
-        lines.append(f"  {i:>3}  {c.kind:<14} {c.axis:<4} {c.group_size:>3}  {c.direction[:3]:<3}  {shape:<16} "
+        lines.append(f"  {i:>3}  {c.kind:<14} {c.axis:<4} {c.group_size:>3}  {'fwd' if c.direction == 'forward' else 'bwd':<3}  {shape:<16} "
                      f"{c.dtype:<8} {human_bytes(c.bytes_per_call):>10} {human_bytes(c.bytes_per_step):>10}  {where}")
     lines.append("")
     lines.append("totals per axis:")

@@ -212,7 +212,9 @@ class AllGather(CollectiveNode):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         comm = self.comm
-        return x if comm.size == 1 else _AllGatherFn.apply(x, comm, self.dim % x.dim(), self.grad == "partial")
+        return (
+            x if comm.size == 1 else _AllGatherFn.apply(x, comm, self.dim % x.dim(), self.grad == "partial")
+        )
 
     def forward_collective(self) -> str | None:
         return "all-gather"

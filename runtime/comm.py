@@ -157,10 +157,14 @@ class Comm(ABC):
         self._check_divisible(t, split_dim, "all_to_all")
         return self._run("all-to-all", t, False, lambda: self._all_to_all(t, split_dim, cat_dim))
 
-    def all_to_all_single(self, t: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int]) -> torch.Tensor:
+    def all_to_all_single(
+        self, t: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int]
+    ) -> torch.Tensor:
         """Uneven exchange along dim 0: rows in_splits[j] go to rank j; out_splits[i] come from i."""
         self._check_splits(t, list(out_splits), list(in_splits))
-        return self._run("all-to-all", t, False, lambda: self._all_to_all_single(t, list(out_splits), list(in_splits)))
+        return self._run(
+            "all-to-all", t, False, lambda: self._all_to_all_single(t, list(out_splits), list(in_splits))
+        )
 
     def send(self, t: torch.Tensor, peer: int) -> None:
         """Send to the group member `peer`; matched by a recv(like, this rank) there."""
@@ -194,7 +198,9 @@ class Comm(ABC):
     def _all_to_all(self, t: torch.Tensor, split_dim: int, cat_dim: int) -> tuple[torch.Tensor, Work]: ...
 
     @abstractmethod
-    def _all_to_all_single(self, t: torch.Tensor, out_splits: list, in_splits: list) -> tuple[torch.Tensor, Work]: ...
+    def _all_to_all_single(
+        self, t: torch.Tensor, out_splits: list, in_splits: list
+    ) -> tuple[torch.Tensor, Work]: ...
 
     @abstractmethod
     def _send(self, t: torch.Tensor, peer: int) -> tuple[None, Work]: ...
@@ -262,9 +268,13 @@ class Comm(ABC):
 
     def _check_splits(self, t: torch.Tensor, out_splits: list, in_splits: list) -> None:
         if len(out_splits) != self.size or len(in_splits) != self.size:
-            raise ValueError(f"all_to_all_single: need {self.size} out and in splits, got {out_splits}, {in_splits}")
+            raise ValueError(
+                f"all_to_all_single: need {self.size} out and in splits, got {out_splits}, {in_splits}"
+            )
         if t.dim() == 0 or sum(in_splits) != t.shape[0]:
-            raise ValueError(f"all_to_all_single: in_splits {in_splits} do not add up to dim 0 of {tuple(t.shape)}")
+            raise ValueError(
+                f"all_to_all_single: in_splits {in_splits} do not add up to dim 0 of {tuple(t.shape)}"
+            )
 
     def _check_peer(self, peer: int) -> None:
         if not 0 <= peer < self.size:
@@ -329,7 +339,9 @@ class ProcessGroupComm(Comm):
         def issue():
             buf = t.new_empty((sum(out_splits), *t.shape[1:]))
             inp = t.contiguous()
-            return buf, dist.all_to_all_single(buf, inp, out_splits, in_splits, group=self.group, async_op=True)
+            return buf, dist.all_to_all_single(
+                buf, inp, out_splits, in_splits, group=self.group, async_op=True
+            )
 
         return self._launch([t], issue, False)
 
@@ -347,7 +359,9 @@ class ProcessGroupComm(Comm):
         return None, Work(lambda: self._wait_torch(work, None), work.is_completed)
 
     # ----------------------------------------------------------------------------- helpers
-    def _launch(self, inputs: list[torch.Tensor], issue: Callable, async_op: bool) -> tuple[torch.Tensor, Work]:
+    def _launch(
+        self, inputs: list[torch.Tensor], issue: Callable, async_op: bool
+    ) -> tuple[torch.Tensor, Work]:
         if async_op and inputs[0].is_cuda:
             return self._launch_on_comm_stream(inputs, issue)
         out, work = issue()
@@ -366,7 +380,9 @@ class ProcessGroupComm(Comm):
             self._streams[index] = torch.cuda.Stream(device=index)
         return self._streams[index]
 
-    def _launch_on_comm_stream(self, inputs: list[torch.Tensor], issue: Callable) -> tuple[torch.Tensor, Work]:
+    def _launch_on_comm_stream(
+        self, inputs: list[torch.Tensor], issue: Callable
+    ) -> tuple[torch.Tensor, Work]:
         """Issue on the side stream after the current stream's pending work (see class doc)."""
         device = inputs[0].device
         producer = torch.cuda.current_stream(device)
@@ -433,7 +449,9 @@ class ThreadGroup:
             arrived = self._cond.wait_for(lambda: len(slot.kinds) == self.size or self._abort_reason, timeout)
             self._raise_if_aborted()
             if not arrived:
-                self._timeout(f"call #{seq} ({kind})", sorted(set(range(self.size)) - set(slot.kinds)), timeout)
+                self._timeout(
+                    f"call #{seq} ({kind})", sorted(set(range(self.size)) - set(slot.kinds)), timeout
+                )
             return self._read(slot, seq)
 
     def post(self, src: int, dst: int, n: int, tensor: torch.Tensor) -> None:
@@ -545,7 +563,9 @@ class ThreadComm(Comm):
         n, self._received[peer] = self._received[peer], self._received[peer] + 1
         got = self.group.take(peer, self.rank, n, self.timeout)
         if got.shape != like.shape or got.dtype != like.dtype:
-            raise RuntimeError(f"recv expected {tuple(like.shape)} {like.dtype}, got {tuple(got.shape)} {got.dtype}")
+            raise RuntimeError(
+                f"recv expected {tuple(like.shape)} {like.dtype}, got {tuple(got.shape)} {got.dtype}"
+            )
         return got, Work()
 
     def _barrier(self):

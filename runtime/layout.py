@@ -81,7 +81,10 @@ def local_shape(
 
 
 def _region(
-    global_shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int], coord: Sequence[int]
+    global_shape: Sequence[int],
+    placements: Sequence[Placement],
+    mesh_shape: Sequence[int],
+    coord: Sequence[int],
 ) -> tuple[slice, ...]:
     """The slice of the global tensor that the rank at `coord` holds."""
     sizes = local_shape(global_shape, placements, mesh_shape)

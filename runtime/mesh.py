@@ -176,7 +176,9 @@ def _select_device() -> torch.device:
 def _init_default_group(device: torch.device, rank: int, world: int, timeout: float) -> None:
     if dist.is_initialized():
         if dist.get_world_size() != world:
-            raise LaunchError(f"the default process group has {dist.get_world_size()} ranks, expected {world}")
+            raise LaunchError(
+                f"the default process group has {dist.get_world_size()} ranks, expected {world}"
+            )
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
@@ -263,7 +265,9 @@ def run_in_threads(meshes: Sequence[Mesh], fn: Callable[[Mesh], Any], *, timeout
     """
     outcomes = _Outcomes(len(meshes))
     threads = [
-        threading.Thread(target=_rank_thread, args=(m, fn, outcomes, meshes), name=f"usc-rank{m.rank}", daemon=True)
+        threading.Thread(
+            target=_rank_thread, args=(m, fn, outcomes, meshes), name=f"usc-rank{m.rank}", daemon=True
+        )
         for m in meshes
     ]
     for thread in threads:

@@ -121,7 +121,11 @@ class GradReducer:
         self._launch_order: list[_Bucket] = []
         self._sync = True
         self.launched_during_backward = 0  # buckets launched from hooks in the current step
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in self.buckets for _, p in b.params]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            for b in self.buckets
+            for _, p in b.params
+        ]
 
     def __repr__(self) -> str:
         sizes = [len(b.params) for b in self.buckets]

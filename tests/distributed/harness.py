@@ -32,8 +32,16 @@ from collections.abc import Callable, Collection
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-# The forkserver imports these once; every child is forked from it with torch already loaded.
-_PRELOAD = ["torch", "torch.distributed"]
+# The forkserver imports these once; every child is forked from it with them already loaded
+# (importing torch.distributed.tensor and the runtime in each child would cost seconds per world).
+# A module that fails to import here is skipped silently by multiprocessing.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "usc.runtime.mesh",
+    "usc.runtime.layout",
+]
 
 
 class WorldFailure(RuntimeError):

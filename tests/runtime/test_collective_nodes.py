@@ -153,7 +153,9 @@ NODES = [
 ]
 
 
-@pytest.mark.parametrize("node, kind, fwd, bwd", NODES, ids=lambda v: repr(v) if isinstance(v, nn.Module) else None)
+@pytest.mark.parametrize(
+    "node, kind, fwd, bwd", NODES, ids=lambda v: repr(v) if isinstance(v, nn.Module) else None
+)
 def test_node_describes_its_collectives(node, kind, fwd, bwd):
     assert (node.kind, node.forward_collective(), node.backward_collective()) == (kind, fwd, bwd)
 

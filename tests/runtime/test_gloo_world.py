@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from harness import run_world
+from harness import WorldFailure, run_world
 from torch import nn
 from torch.distributed.tensor import Partial, Shard
 
@@ -63,7 +63,9 @@ def _check_uneven_all_to_all_and_p2p(comm: ProcessGroupComm) -> None:
     peer = (r + 1) % size
     if r == 0:
         comm.send(_x(comm.global_rank), peer)
-        assert torch.equal(comm.recv(torch.empty(4, 6, dtype=torch.float64), peer), _x(comm.group_ranks[peer]))
+        assert torch.equal(
+            comm.recv(torch.empty(4, 6, dtype=torch.float64), peer), _x(comm.group_ranks[peer])
+        )
     else:
         received = comm.recv(torch.empty(4, 6, dtype=torch.float64), peer)
         comm.send(_x(comm.global_rank), peer)
@@ -164,7 +166,12 @@ def test_a_dead_rank_makes_its_peers_fail_fast_with_a_clear_error():
     assert time.monotonic() - start < 20.0
     kind, message, elapsed = results[0]
     assert kind in ("CollectiveError", "CollectiveTimeout") and elapsed < 15.0
-    for part in ["rank 0: all-reduce over mesh axis 'dp'", "group ranks (0, 1)", "timeout 5s", "other ranks' logs"]:
+    for part in [
+        "rank 0: all-reduce over mesh axis 'dp'",
+        "group ranks (0, 1)",
+        "timeout 5s",
+        "other ranks' logs",
+    ]:
         assert part in message, message
 
 
@@ -172,7 +179,7 @@ def _silent_peer_world(rank: int, world_size: int):
     mesh = Mesh.from_environment(("dp",), (world_size,), timeout=1.0)
     mesh.comm("dp").barrier()
     if rank == 1:
-        time.sleep(3.0)  # alive, but never issues the collective
+        time.sleep(2.0)  # alive, but never issues the collective
         return None
     start = time.monotonic()
     try:
@@ -184,7 +191,7 @@ def _silent_peer_world(rank: int, world_size: int):
 
 def test_a_silent_peer_makes_the_collective_time_out():
     kind, message, elapsed = run_world(_silent_peer_world, 2, timeout=30.0)[0]
-    assert kind == "CollectiveTimeout" and elapsed < 3.0, message
+    assert kind == "CollectiveTimeout" and elapsed < 2.0, message
     assert "raise timeout=SECONDS in the plan" in message
 
 
@@ -195,3 +202,16 @@ def test_launch_local_is_its_own_torchrun():
 def _launched(value: float):
     mesh = Mesh.from_environment(("dp", "tp"), (2, 1), timeout=30.0)
     return mesh.rank, mesh.comm("dp").all_reduce(torch.tensor([value])).item()
+
+
+def _one_rank_raises(rank: int, world_size: int):
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    time.sleep(30.0)  # would hang the suite if the harness waited for it
+
+
+def test_harness_raises_the_first_failure_and_kills_the_rest():
+    start = time.monotonic()
+    with pytest.raises(WorldFailure, match=r"(?s)rank 1 failed.*ValueError: rank one is broken"):
+        run_world(_one_rank_raises, 2, timeout=20.0)
+    assert time.monotonic() - start < 10.0

@@ -42,7 +42,12 @@ def test_reduced_grads_are_the_sum_and_buckets_launch_during_backward(dp):
         model(_batch(mesh.rank)).square().sum().backward()
         launched_before_finish = reducer.launched_during_backward
         overlapped = reducer.finish()
-        return launched_before_finish, overlapped, len(reducer.buckets), {n: p.grad for n, p in model.named_parameters()}
+        return (
+            launched_before_finish,
+            overlapped,
+            len(reducer.buckets),
+            {n: p.grad for n, p in model.named_parameters()},
+        )
 
     expected = _summed(base, range(dp))
     for launched, overlapped, n_buckets, grads in run_in_threads(meshes, rank, timeout=30.0):
@@ -74,7 +79,9 @@ def test_tied_weight_is_reduced_once_with_its_accumulated_gradient():
 
     def rank(mesh):
         weight = nn.Parameter(embedding.clone())
-        reducer = GradReducer([("embed", weight, ("dp",)), ("lm_head", weight, ("dp",))], mesh, bucket_bytes=1)
+        reducer = GradReducer(
+            [("embed", weight, ("dp",)), ("lm_head", weight, ("dp",))], mesh, bucket_bytes=1
+        )
         loss(weight, mesh.rank).backward()
         reducer.finish()
         return weight.grad
@@ -96,7 +103,10 @@ def test_several_axes_no_axis_and_missing_gradients():
     meshes = simulated_meshes(("dp", "cp"), (2, 2), timeout=10.0)
 
     def rank(mesh):
-        params = {k: nn.Parameter(torch.ones(4, dtype=torch.float64)) for k in ["shared", "dp_only", "local", "unused"]}
+        params = {
+            k: nn.Parameter(torch.ones(4, dtype=torch.float64))
+            for k in ["shared", "dp_only", "local", "unused"]
+        }
         axes = {"shared": ("dp", "cp"), "dp_only": ("dp",), "local": (), "unused": ("dp", "cp")}
         reducer = GradReducer([(k, p, axes[k]) for k, p in params.items()], mesh, bucket_bytes=1)
         scale = float(mesh.rank + 1)
@@ -152,7 +162,10 @@ def test_bucket_spans_are_recorded_on_the_timeline():
     def rank(mesh):
         model = _model()
         reducer = GradReducer(
-            [(n, p, ("dp",)) for n, p in model.named_parameters()], mesh, bucket_bytes=10**9, timeline=timelines[mesh.rank]
+            [(n, p, ("dp",)) for n, p in model.named_parameters()],
+            mesh,
+            bucket_bytes=10**9,
+            timeline=timelines[mesh.rank],
         )
         model(_batch(mesh.rank)).sum().backward()
         reducer.finish()

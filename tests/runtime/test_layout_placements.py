@@ -90,7 +90,9 @@ def test_gather_full_with_collectives_matches_assemble(placements):
     full = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     meshes = simulated_meshes(("dp", "tp"), (2, 2), timeout=10.0)
     results = run_in_threads(
-        meshes, lambda m: gather_full(local_chunk(full, placements, m.shape, m.coord), placements, m), timeout=20.0
+        meshes,
+        lambda m: gather_full(local_chunk(full, placements, m.shape, m.coord), placements, m),
+        timeout=20.0,
     )
     for got in results:
         torch.testing.assert_close(got, full)

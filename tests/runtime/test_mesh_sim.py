@@ -39,7 +39,9 @@ def test_absent_and_size_one_axes_get_identity_comms():
 def test_every_rank_of_a_mesh_sees_its_own_groups():
     meshes = simulated_meshes(("dp", "cp", "tp"), (2, 2, 2), timeout=5.0)
     sums = run_in_threads(
-        meshes, lambda m: [m.comm(a).all_reduce(torch.tensor([float(m.rank)])).item() for a in m.axes], timeout=10.0
+        meshes,
+        lambda m: [m.comm(a).all_reduce(torch.tensor([float(m.rank)])).item() for a in m.axes],
+        timeout=10.0,
     )
     assert sums[0] == [0 + 4, 0 + 2, 0 + 1]
     assert sums[7] == [3 + 7, 5 + 7, 6 + 7]

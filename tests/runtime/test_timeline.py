@@ -56,5 +56,10 @@ def test_comms_record_spans_only_when_a_timeline_is_attached():
 
     run_in_threads(meshes, rank, timeout=5.0)
     names = sorted((s.rank, s.name) for s in tl.spans if s.category == "comm")
-    assert names == [(0, "all-gather[tp]"), (0, "all-reduce[tp]"), (1, "all-gather[tp]"), (1, "all-reduce[tp]")]
+    assert names == [
+        (0, "all-gather[tp]"),
+        (0, "all-reduce[tp]"),
+        (1, "all-gather[tp]"),
+        (1, "all-reduce[tp]"),
+    ]
     assert tl.exposed_comm_seconds() >= 0.0
