@@ -235,7 +235,7 @@ class Comm(ABC):
             return fn()
         except CollectiveError:
             raise
-        except Exception as exc:  # noqa: BLE001 - re-raised with the collective's context
+        except Exception as exc:
             error = CollectiveTimeout if _is_timeout(exc) else CollectiveError
             raise error(self.context(kind), f"{type(exc).__name__}: {exc}") from exc
 

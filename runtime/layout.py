@@ -41,7 +41,7 @@ def _check_placements(placements: Sequence[Placement], mesh_shape: Sequence[int]
         if isinstance(p, Partial) and p.reduce_op != "sum":
             raise ValueError(f"only Partial(sum) is supported, got {p}")
         if not isinstance(p, (Shard, Replicate, Partial)):
-            raise ValueError(f"unknown placement {p!r}; use Replicate(), Shard(dim) or Partial()")
+            raise TypeError(f"unknown placement {p!r}; use Replicate(), Shard(dim) or Partial()")
 
 
 def _sharding_axes(placements: Sequence[Placement], ndim: int) -> dict[int, list[int]]:

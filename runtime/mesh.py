@@ -23,7 +23,6 @@ import itertools
 import math
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any

@@ -5,7 +5,6 @@ import copy
 import pytest
 import torch
 from torch import nn
-
 from usc.runtime.collectives import (
     AllGather,
     AllReduce,

@@ -5,7 +5,6 @@ import time
 
 import pytest
 import torch
-
 from usc.runtime.errors import CollectiveError, CollectiveTimeout
 from usc.runtime.mesh import run_in_threads, simulated_meshes
 

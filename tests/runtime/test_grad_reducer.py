@@ -5,7 +5,6 @@ import copy
 import pytest
 import torch
 from torch import nn
-
 from usc.runtime.mesh import run_in_threads, simulated_meshes
 from usc.runtime.reducer import GradReducer
 from usc.runtime.trace import Timeline

@@ -8,7 +8,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
-
 from usc.runtime.layout import assemble, gather_full, local_chunk, local_shape
 from usc.runtime.mesh import run_in_threads, simulated_meshes
 

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from usc.runtime.errors import LaunchError
 from usc.runtime.mesh import Mesh, axis_groups, coord_of_rank, rank_of_coord, run_in_threads, simulated_meshes
 

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from usc.runtime.comm import CommStats
 from usc.runtime.errors import CollectiveError
 from usc.runtime.mesh import run_in_threads, simulated_meshes

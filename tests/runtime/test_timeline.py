@@ -3,7 +3,6 @@
 import json
 
 import torch
-
 from usc.runtime.mesh import run_in_threads, simulated_meshes
 from usc.runtime.trace import Span, Timeline
 
@@ -50,7 +49,7 @@ def test_comms_record_spans_only_when_a_timeline_is_attached():
     def rank(mesh):
         with tl.span("matmul", "compute", rank=mesh.rank):
             torch.ones(8, 8) @ torch.ones(8, 8)
-        out, work = mesh.comm("tp").all_reduce(torch.ones(2), async_op=True)
+        _, work = mesh.comm("tp").all_reduce(torch.ones(2), async_op=True)
         work.wait()
         mesh.comm("tp").all_gather(torch.ones(2), 0)
 

@@ -1,0 +1,47 @@
+"""Rank-side functions for the gloo tests (module level, so the harness can pickle them)."""
+
+import os
+import time
+
+import torch
+
+import usc
+from usc.testing.models import TinyGPT2, TinyLlama, shifted_batch, token_batch
+
+MODELS = {
+    "llama": (TinyLlama, lambda seed: token_batch(128, 4, 16, seed=seed)),
+    "gpt2": (TinyGPT2, lambda seed: shifted_batch(128, 4, 16, seed=seed)),
+}
+
+
+def train_cases(rank: int, world_size: int, cases: list[tuple[str, str]], steps: int) -> list:
+    """Every rank builds the same model from the same seed and passes the same global batches."""
+    torch.set_num_threads(1)
+    out = []
+    for model_name, plan in cases:
+        factory, batch = MODELS[model_name]
+        torch.manual_seed(0)
+        model = factory()
+        batches = [batch(seed) for seed in range(steps)]
+        step = usc.compile(model, plan, example_inputs=batches[0])
+        losses = [step.step(*b) for b in batches]
+        # numpy arrays pickle by value; tensors would travel as shared memory of an exiting process.
+        full = {k: v.detach().numpy().copy() for k, v in step.full_state_dict().items()}
+        out.append((losses, full if rank == 0 else None))
+    return out
+
+
+def die_mid_training(rank: int, world_size: int, plan: str) -> str:
+    torch.manual_seed(0)
+    model = TinyLlama()
+    batch = token_batch(128, 4, 16)
+    step = usc.compile(model, plan, example_inputs=batch)
+    step.step(*batch)
+    if rank == 1:
+        os._exit(1)  # a rank dies between steps
+    start = time.monotonic()
+    try:
+        step.step(*batch)
+    except usc.CollectiveError as err:
+        return f"{time.monotonic() - start:.1f}|{err}"
+    return "no error"
