@@ -13,6 +13,7 @@ from usc.compiler.ir import MeshSpec
 from usc.compiler.pipeline import CompileContext, PassSpec, run_pipeline
 from usc.compiler.program import Program, build_program
 from usc.compiler.trace import Traced
+from usc.dsl import OPTIONS
 
 from .grad_sync import grad_sync_pass
 from .layouts import batch_layouts, merge_layouts, tp_layouts
@@ -20,8 +21,7 @@ from .localize import localize_pass
 from .propagate import propagate_pass
 
 # Options whose pass does not exist yet: a value other than the default is refused by name.
-UNIMPLEMENTED_VALUES = {"zero": 0, "mb": 1, "sp": "off", "recompute": "none", "fuse": "off", "v": 1,
-                        "dtype": "fp32", "split": "auto"}
+UNIMPLEMENTED_VALUES = ("zero", "mb", "sp", "recompute", "fuse", "v", "dtype", "split")
 UNIMPLEMENTED_OPTIONS = ("schedule", "cp_mode", "capacity_factor")
 SUPPORTED_AXES = ("dp", "tp")
 
@@ -44,10 +44,12 @@ def check_supported(plan) -> None:
         if axis not in SUPPORTED_AXES and plan.size(axis) > 1:
             raise plan.error_at(axis, f"mesh axis '{axis}' is not implemented yet (supported today: dp, tp)",
                                 hint=f"remove {axis}={plan.size(axis)} or set it to 1")
-    for name, default in UNIMPLEMENTED_VALUES.items():
+    for name in UNIMPLEMENTED_VALUES:
+        default = OPTIONS[name].default
         if plan.is_set(name) and plan.get(name) != default:
-            raise plan.error_at(name, f"option {name}={plan.get(name)} is not implemented yet "
-                                      f"(only {name}={default} today)", hint=f"remove {name}=...")
+            shown = "on" if default is True else "off" if default is False else default
+            raise plan.error_at(name, f"option {name} is not implemented yet (only {name}={shown} today)",
+                                hint=f"remove the {name} option")
     for name in UNIMPLEMENTED_OPTIONS:
         if plan.is_set(name):
             raise plan.error_at(name, f"option '{name}' is not implemented yet", hint=f"remove {name}=...")
