@@ -218,7 +218,7 @@ class Comm(ABC):
     def _run(self, kind: str, t: torch.Tensor | None, async_op: bool, launch: Callable) -> Any:
         """Count, trace, launch and (unless async) wait; all failures become CollectiveErrors."""
         self.stats.record(kind, _nbytes(t) if self.size > 1 else 0)
-        token = self._begin_span(kind)
+        token = self._begin_span(kind, async_op)
         try:
             out, work = self._guard(kind, launch)
         except BaseException:
@@ -250,10 +250,13 @@ class Comm(ABC):
 
         return Work(wait, work.is_completed)
 
-    def _begin_span(self, kind: str) -> SpanToken | None:
+    def _begin_span(self, kind: str, async_op: bool = True) -> SpanToken | None:
+        """Async work is "comm" (compute may run under it); a blocking call is "comm-sync": the
+        caller waits through it, so no compute span around it counts as overlapping it."""
         if self.timeline is None or self.size == 1:
             return None
-        return self.timeline.begin(f"{kind}[{self.axis}]", "comm", rank=self.global_rank)
+        category = "comm" if async_op else "comm-sync"
+        return self.timeline.begin(f"{kind}[{self.axis}]", category, rank=self.global_rank)
 
     def _end_span(self, token: SpanToken | None) -> None:
         if token is not None and self.timeline is not None:

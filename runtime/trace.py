@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-CATEGORIES = ("compute", "comm")
+CATEGORIES = ("compute", "comm", "comm-sync")
 
 
 @dataclass(frozen=True)
@@ -143,8 +143,29 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
     return total
 
 
+def _subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """a minus b, both sorted disjoint interval lists."""
+    out = []
+    for start, end in a:
+        for b_start, b_end in b:
+            if b_end <= start or b_start >= end:
+                continue
+            if b_start > start:
+                out.append((start, b_start))
+            start = max(start, b_end)
+            if start >= end:
+                break
+        if start < end:
+            out.append((start, end))
+    return out
+
+
 def _exposed_on_rank(spans: list[Span]) -> float:
-    """|union(comm) - union(compute)|: concurrent comm spans count once, overlapped parts not at all."""
-    comm = _union([(s.start, s.end) for s in spans if s.category == "comm"])
-    compute = _union([(s.start, s.end) for s in spans if s.category == "compute"])
+    """|union(comm) - union(compute)|: concurrent comm spans count once, overlapped parts not at all.
+
+    A blocking ("comm-sync") call is never overlapped: the compute span around it (a whole
+    forward, say) is idle while it runs, so those intervals are removed from compute first."""
+    comm = _union([(s.start, s.end) for s in spans if s.category in ("comm", "comm-sync")])
+    blocking = _union([(s.start, s.end) for s in spans if s.category == "comm-sync"])
+    compute = _subtract(_union([(s.start, s.end) for s in spans if s.category == "compute"]), blocking)
     return sum(end - start for start, end in comm) - _overlap(comm, compute)

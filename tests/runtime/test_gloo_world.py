@@ -108,7 +108,7 @@ def _collectives_world(rank: int, world_size: int) -> dict:
     return {
         "groups": {a: mesh.comm(a).group_ranks for a in mesh.axes},
         "all_reduce_bytes": mesh.comm("tp").stats.bytes["all-reduce"],
-        "comm_spans": sum(s.category == "comm" for s in timeline.spans),
+        "comm_spans": sum(s.category in ("comm", "comm-sync") for s in timeline.spans),
     }
 
 

@@ -54,7 +54,7 @@ def test_comms_record_spans_only_when_a_timeline_is_attached():
         mesh.comm("tp").all_gather(torch.ones(2), 0)
 
     run_in_threads(meshes, rank, timeout=5.0)
-    names = sorted((s.rank, s.name) for s in tl.spans if s.category == "comm")
+    names = sorted((s.rank, s.name) for s in tl.spans if s.category in ("comm", "comm-sync"))
     assert names == [
         (0, "all-gather[tp]"),
         (0, "all-reduce[tp]"),
@@ -62,3 +62,11 @@ def test_comms_record_spans_only_when_a_timeline_is_attached():
         (1, "all-reduce[tp]"),
     ]
     assert tl.exposed_comm_seconds() >= 0.0
+
+
+def test_blocking_comm_inside_a_compute_span_is_exposed():
+    """A blocking all-reduce inside a forward span hides nothing: the forward waits on it."""
+    tl = _timeline([("forward", "compute", 0.0, 4.0, 0), ("ar", "comm-sync", 1.0, 2.0, 0),
+                    ("bucket", "comm", 3.0, 5.0, 0)])
+    # blocking 1..2 exposed; async 3..4 hidden by compute, 4..5 exposed.
+    assert tl.exposed_comm_seconds(rank=0) == pytest.approx(2.0)
