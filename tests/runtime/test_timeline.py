@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 import torch
 from usc.runtime.mesh import run_in_threads, simulated_meshes
 from usc.runtime.trace import Span, Timeline
