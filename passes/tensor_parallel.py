@@ -16,7 +16,6 @@ and the report says why.
 from __future__ import annotations
 
 import operator
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -137,7 +136,3 @@ def is_token_embedding(node: fx.Node, user_inputs: set[str]) -> bool:
     while ids.op != "placeholder" and ids.target in TO_LOSS | {aten.slice.Tensor}:
         ids = ids.args[0]
     return ids.op == "placeholder" and ids.name in user_inputs
-
-
-def defaultdict_list():
-    return defaultdict(list)

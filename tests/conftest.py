@@ -5,6 +5,8 @@ import os
 # Before torch starts its thread pools: 2-core CI boxes run several ranks (threads or processes)
 # at once, and oversubscribed OpenMP pools make them crawl.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Run the IR verifier after every compiler pass in tests (usc.compiler.pipeline.run_pipeline).
+os.environ.setdefault("USC_DEBUG", "1")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
 import torch
 from torch import nn

@@ -1,5 +1,6 @@
 """Rank-side functions for the gloo tests (module level, so the harness can pickle them)."""
 
+import io
 import os
 import time
 
@@ -25,9 +26,10 @@ def train_cases(rank: int, world_size: int, cases: list[tuple[str, str]], steps:
         batches = [batch(seed) for seed in range(steps)]
         step = usc.compile(model, plan, example_inputs=batches[0])
         losses = [step.step(*b) for b in batches]
-        # numpy arrays pickle by value; tensors would travel as shared memory of an exiting process.
-        full = {k: v.detach().numpy().copy() for k, v in step.full_state_dict().items()}
-        out.append((losses, full if rank == 0 else None))
+        # Bytes travel by value; tensors would travel as shared memory of an exiting process.
+        buffer = io.BytesIO()
+        torch.save({k: v.detach().clone() for k, v in step.full_state_dict().items()}, buffer)
+        out.append((losses, buffer.getvalue() if rank == 0 else None))
     return out
 
 
