@@ -21,7 +21,7 @@ from .localize import localize_pass
 from .propagate import propagate_pass
 
 # Options whose pass does not exist yet: a value other than the default is refused by name.
-UNIMPLEMENTED_VALUES = ("zero", "mb", "sp", "recompute", "fuse", "v", "dtype", "split")
+UNIMPLEMENTED_VALUES = ("zero", "mb", "recompute", "fuse", "v", "dtype", "split")
 UNIMPLEMENTED_OPTIONS = ("schedule", "cp_mode", "capacity_factor")
 SUPPORTED_AXES = ("dp", "tp")
 
@@ -50,6 +50,9 @@ def check_supported(plan) -> None:
             shown = "on" if default is True else "off" if default is False else default
             raise plan.error_at(name, f"option {name} is not implemented yet (only {name}={shown} today)",
                                 hint=f"remove the {name} option")
+    if plan.get("sp") and plan.size("tp") == 1:
+        raise plan.error_at("sp", "sp=on (sequence parallelism) shards activations over the tp axis and needs tp>1",
+                            hint="add tp=N (N>1) or remove sp=on")
     for name in UNIMPLEMENTED_OPTIONS:
         if plan.is_set(name):
             raise plan.error_at(name, f"option '{name}' is not implemented yet", hint=f"remove {name}=...")

@@ -39,8 +39,10 @@ class Propagation:
     mesh: MeshSpec
     input_layouts: dict[str, Layout]
     grad_inputs: set[str]
+    sequence_parallel: bool = False
     editor: GraphEditor = field(init=False)
     cache: dict[tuple[fx.Node, Layout], fx.Node] = field(default_factory=dict)
+    reduced: dict[fx.Node, fx.Node] = field(default_factory=dict)  # partial value -> first reduced copy
 
     def __post_init__(self) -> None:
         self.editor = GraphEditor(self.gm)
@@ -48,7 +50,7 @@ class Propagation:
 
 def propagate_pass(gm: fx.GraphModule, ctx, *, input_layouts: dict[str, Layout], grad_inputs: set[str]):
     """Place every node on the mesh (see the module docstring)."""
-    state = Propagation(gm, ctx.mesh, input_layouts, grad_inputs)
+    state = Propagation(gm, ctx.mesh, input_layouts, grad_inputs, sequence_parallel=bool(ctx.plan.get("sp")))
     for node in list(gm.graph.nodes):
         place(state, node)
     gm.graph.lint()
@@ -96,11 +98,8 @@ def _use_reduced_copies(state: Propagation, node: fx.Node) -> None:
     """A partial value already reduced for another consumer is used reduced here too: keeping the
     partial would only be correct, and costs a second reduction further down."""
     for x in set(flat_inputs(node)):
-        layout = x.meta[META].layout
-        if any(isinstance(p, Partial) for p in layout.placements):
-            whole = Layout(tuple(R if isinstance(p, Partial) else p for p in layout.placements))
-            if (x, whole) in state.cache:
-                node.replace_input_with(x, state.cache[(x, whole)])
+        if x in state.reduced:
+            node.replace_input_with(x, state.reduced[x])
 
 
 def _differentiable(node: fx.Node) -> bool:
@@ -113,7 +112,8 @@ def _decide(state: Propagation, node: fx.Node, inputs, layouts) -> tuple[list[La
     required: list[list] = [list(lay.placements) for lay in layouts]
     out = []
     for i, (axis, size) in enumerate(zip(state.mesh.axes, state.mesh.shape)):
-        view = OpView(node, tuple(lay.placements[i] for lay in layouts), shapes, shape_of(node), axis, size)
+        view = OpView(node, tuple(lay.placements[i] for lay in layouts), shapes, shape_of(node), axis, size,
+                      sequence_parallel=state.sequence_parallel and axis == "tp")
         decision = _rule_decision(state, node, rule, view)
         for j, p in enumerate(decision.inputs):
             required[j][i] = p
@@ -178,6 +178,9 @@ def redistribute(state: Propagation, x: fx.Node, target: Layout, consumer: fx.No
         if have != need:
             current, layout = _shard_step(state, current, layout, i, need, consumer)
     state.cache[key] = current
+    partial = any(isinstance(p, Partial) for p in x.meta[META].layout.placements)
+    if partial and not any(isinstance(p, Partial) for p in target.placements):
+        state.reduced.setdefault(x, current)
     return current
 
 

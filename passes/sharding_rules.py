@@ -41,6 +41,7 @@ class OpView:
     out_shape: tuple[int, ...] | None  # global output shape (first element for tuple outputs)
     axis: str
     size: int
+    sequence_parallel: bool = False  # sp=on and this is the tp axis
 
     def arg(self, index: int, default=None):
         args = self.node.args
@@ -124,10 +125,21 @@ def pointwise(linear: str = "none") -> Rule:
             kept = _keep_partial(view, linear, partial)
             if kept is not None:
                 return kept
-        cleaned = tuple(R if isinstance(p, Partial) else p for p in view.placements)
+        reduced = _sequence_shard(view) if any(partial) else R
+        cleaned = tuple(reduced if isinstance(p, Partial) else p for p in view.placements)
         return _broadcast_choice(view, cleaned)
 
     return rule
+
+
+def _sequence_shard(view: OpView) -> Placement:
+    """Sequence parallelism (Korthikanti et al. 2022): outside the tp regions, partial sums are
+    reduce-scattered along the sequence (dim 1 of [batch, seq, hidden] activations) instead of
+    all-reduced, so norms and residual adds work on a 1/tp slice of the sequence."""
+    out = view.out_shape or ()
+    if view.sequence_parallel and len(out) == 3 and out[1] % view.size == 0:
+        return Shard(1)
+    return R
 
 
 def _keep_partial(view: OpView, linear: str, partial: list[bool]) -> Decision | None:
