@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
+import tempfile
 import traceback
 from dataclasses import dataclass, field
 
@@ -25,6 +27,8 @@ from torch.export.graph_signature import InputKind
 from .errors import TraceError
 
 TORCH_DIR = os.path.dirname(torch.__file__)
+USC_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + d + os.sep
+                 for d in ("usc", "compiler", "passes", "runtime", "dsl"))
 
 
 @dataclass(frozen=True)
@@ -61,13 +65,15 @@ def module_path(node: fx.Node) -> str:
 
 def user_source(node: fx.Node) -> str:
     """'file:line' of the deepest frame outside torch itself, e.g. 'model.py:42'."""
+    if node.meta.get("usc_source"):
+        return node.meta["usc_source"]
     trace = node.meta.get("stack_trace") or ""
     best = ""
     for line in trace.splitlines():
         line = line.strip()
         if line.startswith('File "'):
             path = line.split('"')[1]
-            if not path.startswith(TORCH_DIR):
+            if not path.startswith(TORCH_DIR) and not path.startswith(USC_DIRS):
                 number = line.split("line ")[1].split(",")[0]
                 best = f"{os.path.basename(path)}:{number}"
     return best
@@ -116,7 +122,9 @@ def _trace_error(exc: BaseException, model: nn.Module) -> TraceError:
     else:
         fix = "make forward traceable by torch.export (no data-dependent Python control flow, no .item())"
     at = f" in module '{where}' ({line})" if where else ""
-    return TraceError(f"usc could not trace {type(model).__name__}{at}: {reason}\n  fix: {fix}")
+    error = TraceError(f"usc could not trace {type(model).__name__}{at}: {reason}\n  fix: {fix}")
+    error.__cause__ = exc
+    return error
 
 
 def _state_inputs(exported, model: nn.Module) -> list[StateInput]:
@@ -151,7 +159,50 @@ def _quiet_torch_logs():
             lg.setLevel(level)
 
 
-def trace(model: nn.Module, example_inputs: tuple) -> Traced:
+class _Held:
+    def __init__(self, file) -> None:
+        self.file = file
+
+    def replay(self) -> None:
+        """Pass on what the model itself printed while it was traced."""
+        self.file.seek(0)
+        text = self.file.read()
+        self.file.close()
+        if text:
+            sys.stderr.write(text)
+
+
+@contextlib.contextmanager
+def _held_output():
+    """Hold stdout/stderr (at the file-descriptor level) while tracing: on failure torch prints the
+    partial graph before raising, which would bury our TraceError. A model's own prints are
+    replayed after a successful trace."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    file = tempfile.TemporaryFile(mode="w+")
+    saved = [os.dup(1), os.dup(2)]
+    os.dup2(file.fileno(), 1)
+    os.dup2(file.fileno(), 2)
+    try:
+        with contextlib.redirect_stdout(file), contextlib.redirect_stderr(file):
+            yield _Held(file)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+
+
+def _attribute_wrapper_frames(gm: fx.GraphModule, source: str) -> None:
+    """Nodes traced inside usc's own loss wrapper come from the user's loss_fn: say so."""
+    for node in gm.graph.nodes:
+        if not user_source(node) and any(d in (node.meta.get("stack_trace") or "") for d in USC_DIRS):
+            node.meta["usc_source"] = source
+
+
+def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "") -> Traced:
     """Trace ``model(*example_inputs)`` into an ATen-level GraphModule with global shapes.
 
     >>> from usc.testing.models import TinyLlama, token_batch
@@ -162,11 +213,15 @@ def trace(model: nn.Module, example_inputs: tuple) -> Traced:
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     example_inputs = _to_device(example_inputs, _model_device(model))
-    try:
-        with _quiet_torch_logs():
+    error = None
+    with _quiet_torch_logs(), _held_output() as held:
+        try:
             exported = torch.export.export(model, example_inputs, strict=False)
-    except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
-        raise _trace_error(exc, model) from exc
+        except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
+            error = _trace_error(exc, model)  # formatting torch's error can print too: keep it held
+    if error is not None:
+        raise error from error.__cause__
+    held.replay()
     user = [s.arg.name for s in exported.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     outputs = exported.graph_signature.output_specs
     if len(outputs) != 1 or str(outputs[0].kind) not in ("OutputKind.USER_OUTPUT", "USER_OUTPUT"):
@@ -174,6 +229,8 @@ def trace(model: nn.Module, example_inputs: tuple) -> Traced:
         raise TraceError(f"{type(model).__name__}.forward must return one scalar loss (got outputs: {kinds}); "
                          "pass loss_fn= to compile, or return the loss from forward")
     gm = exported.graph_module
+    if wrapper_source:
+        _attribute_wrapper_frames(gm, wrapper_source)
     types = {name: type(m).__name__ for name, m in model.named_modules()}
     return Traced(gm, _state_inputs(exported, model), user, types, type(model).__name__, dict(exported.constants))
 

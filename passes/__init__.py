@@ -77,8 +77,9 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
     check_supported(plan)
     params = {s.placeholder for s in traced.state if s.trainable}
     replicated: dict[int, str] = {}
+    replicated_cols: dict[str, str] = {}
     while True:
-        tp = tp_layouts(traced, plan, mesh, replicated)
+        tp = tp_layouts(traced, plan, mesh, replicated, replicated_cols)
         layouts = merge_layouts(mesh, batch_layouts(traced, plan, mesh), tp.layouts)
         ctx = CompileContext(mesh, plan)
         passes = build_pipeline(input_layouts=layouts, grad_inputs=params, params=params)
@@ -89,7 +90,12 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
             index = _group_of(err, tp.groups, replicated)
             if index is None:
                 raise _as_plan_error(plan, err) from None
-            replicated[index] = f"kept replicated: {err.reason}"
+            reason = f"kept replicated: {err.reason}"
+            at_fault = _cols_at_fault(err, tp.groups[index], replicated_cols)
+            if at_fault:
+                replicated_cols.update({name: reason for name in at_fault})
+            else:
+                replicated[index] = reason
     if tp.groups and len(replicated) == len(tp.groups) and not any(c.style == "vocab" for c in tp.choices):
         first = next(iter(replicated.values()))
         raise plan.error_at("tp", f"tp={mesh.size('tp')} cannot split any layer of this model ({first})",
@@ -103,6 +109,13 @@ def _group_of(err: ShardingError, groups, replicated) -> int | None:
         if index not in replicated and module in group.region:
             return index
     return None
+
+
+def _cols_at_fault(err: ShardingError, group, replicated_cols) -> list[str]:
+    """The column-parallel linears feeding exactly the inputs a rule rejected (not all of them)."""
+    bad = set(getattr(err, "bad_inputs", ()))
+    cols = [c.name for c in group.cols if c.name not in replicated_cols and group.reached[c.name] & bad]
+    return cols if cols and len(cols) < len(group.cols) else []
 
 
 def _as_plan_error(plan, err: ShardingError):

@@ -74,7 +74,7 @@ class _Builder:
         return new
 
     def _inherit(self, new: fx.Node) -> None:
-        for key in ("nn_module_stack", "stack_trace"):
+        for key in ("nn_module_stack", "stack_trace", "usc_source"):
             if key in self.node.meta:
                 new.meta[key] = self.node.meta[key]
         self.created.append(new)

@@ -80,11 +80,15 @@ def _split_dim(style: str, node: fx.Node) -> int | None:
     return None
 
 
-def tp_layouts(traced: Traced, plan, mesh: MeshSpec, replicated: dict[int, str]) -> LayoutChoice:
+def tp_layouts(traced: Traced, plan, mesh: MeshSpec, replicated: dict[int, str],
+               replicated_cols: dict[str, str] | None = None) -> LayoutChoice:
     """Per-parameter tp placements from explicit rules, then from the Megatron pairs.
 
-    ``replicated``: pair groups (by index) kept whole after an earlier attempt failed, with why.
+    ``replicated``: pair groups (by index) kept whole after an earlier attempt failed, with why;
+    ``replicated_cols``: single column-parallel linears (by node name) kept whole, e.g. the k/v
+    projections when tp does not divide the key/value heads (their pair stays split).
     """
+    replicated_cols = replicated_cols or {}
     tp = mesh.size("tp")
     result = LayoutChoice({})
     if tp == 1:
@@ -101,6 +105,9 @@ def tp_layouts(traced: Traced, plan, mesh: MeshSpec, replicated: dict[int, str])
             continue
         names = ", ".join(module_path(c).rsplit(".", 1)[-1] for c in group.cols)
         for col in group.cols:
+            if col.name in replicated_cols:
+                auto[col] = ("replicate", replicated_cols[col.name])
+                continue
             auto[col] = ("colwise", f"column-parallel; pairs with row-parallel {module_path(group.row)} "
                                     f"(one all-reduce per direction for {names} -> "
                                     f"{module_path(group.row).rsplit('.', 1)[-1]})")

@@ -140,8 +140,9 @@ def _no_rule(view: OpView) -> Decision:
     placed = ", ".join(str(p) for p in view.placements)
     raise ShardingError(
         f"no sharding rule for {view.node.target} with inputs placed ({placed}) on mesh axis '{view.axis}'",
-        hint="add a rule to usc.passes.sharding_rules.SHARDING_RULES, or keep this module replicated "
-             "with a plan rule `<module>: replicate`")
+        hint=f"{view.node.target} needs its inputs whole on '{view.axis}' and usc has no rule for its sharded "
+             f"form yet: register one in usc.passes.sharding_rules.SHARDING_RULES, or compute it outside the "
+             f"model's forward")
 
 
 def located(err: ShardingError, node: fx.Node) -> ShardingError:
@@ -152,6 +153,8 @@ def located(err: ShardingError, node: fx.Node) -> ShardingError:
     src = user_source(node)
     op = getattr(node.target, "__name__", str(node.target))
     new = ShardingError(f"{op} in module '{where}'{f' ({src})' if src else ''}: {err.reason}", hint=err.hint)
+    inputs = flat_inputs(node)
+    new.bad_inputs = tuple(inputs[i].name for i in getattr(err, "bad_args", ()) if i < len(inputs))
     new.node = node
     new.module = where
     new.source = src

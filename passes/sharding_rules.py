@@ -464,6 +464,12 @@ def sdpa_rule(view: OpView) -> Decision:
     """q, k, v are [B, H, S, D]: batch or heads may be sharded (the same on all three); an optional
     attention mask follows by broadcasting. Sequence sharding is context parallelism (not here)."""
     q, k, v = view.placements[:3]
+    if any(is_shard(p, 3) for p in (q, k, v)):
+        err = ShardingError(f"attention inputs are split on the head dimension: {view.axis}={view.size} does "
+                            "not divide the number of (key/value) heads",
+                            hint=f"use a {view.axis} size that divides the heads and the key/value heads")
+        err.bad_args = tuple(i for i, p in enumerate((q, k, v)) if is_shard(p, 3))
+        raise err
     dim = next((p.dim for p in (q, k, v) if is_shard(p) and p.dim in (0, 1)), None)
     qkv = (Shard(dim),) * 3 if dim is not None else (R, R, R)
     mask = []

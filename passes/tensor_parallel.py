@@ -56,6 +56,7 @@ class PairGroup:
     row: fx.Node
     cols: list[fx.Node]
     region: set[str] = field(default_factory=set)
+    reached: dict[str, set[str]] = field(default_factory=dict)  # col node name -> names of nodes it feeds
 
 
 def weight_module(traced: Traced, placeholder: str) -> list[str]:
@@ -69,17 +70,16 @@ def _users(node: fx.Node) -> list[fx.Node]:
     return list(node.users)
 
 
-def reach(start: fx.Node) -> tuple[set[fx.Node], set[fx.Node], bool, set[str]]:
+def reach(start: fx.Node) -> tuple[set[fx.Node], set[fx.Node], bool, set[fx.Node]]:
     """Follow ``start``'s value forward through CARRIERS. Returns (linears it enters as input,
-    cross-entropy nodes it reaches through TO_LOSS ops only, escaped, module paths visited)."""
-    rows, losses, escaped, seen, modules = set(), set(), False, set(), set()
+    cross-entropy nodes it reaches through TO_LOSS ops only, escaped, nodes visited)."""
+    rows, losses, escaped, seen = set(), set(), False, set()
     stack = [(u, start, True) for u in _users(start)]
     while stack:
         node, src, loss_path = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        modules.add(module_path(node))
         if node.target == aten.linear.default and node.args[0] is src:
             rows.add(node)
         elif node.target == aten.cross_entropy_loss.default and loss_path and node.args[0] is src:
@@ -88,7 +88,7 @@ def reach(start: fx.Node) -> tuple[set[fx.Node], set[fx.Node], bool, set[str]]:
             stack.extend((u, node, loss_path and node.target in TO_LOSS) for u in _users(node))
         else:
             escaped = True
-    return rows, losses, escaped, modules
+    return rows, losses, escaped, seen
 
 
 def find_pairs(gm: fx.GraphModule, params: set[str]) -> tuple[list[PairGroup], list[fx.Node]]:
@@ -98,14 +98,17 @@ def find_pairs(gm: fx.GraphModule, params: set[str]) -> tuple[list[PairGroup], l
     for node in gm.graph.nodes:
         if node.target != aten.linear.default or getattr(node.args[1], "name", None) not in params:
             continue
-        rows, losses, escaped, modules = reach(node)
+        if node in by_row:
+            continue  # already the row-parallel half of a pair: it cannot also open one
+        rows, losses, escaped, seen = reach(node)
         if losses and not rows and not escaped:
             heads.append(node)
         elif len(rows) == 1 and not escaped and not losses:
             row = next(iter(rows))
             group = by_row.setdefault(row, PairGroup(row, []))
             group.cols.append(node)
-            group.region |= modules
+            group.region |= {module_path(n) for n in seen}
+            group.reached[node.name] = {n.name for n in seen}
     return list(by_row.values()), heads
 
 

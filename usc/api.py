@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from typing import Callable, Iterable
@@ -44,6 +45,16 @@ class _WithLoss(nn.Module):
         return self._loss_fn(self._wrapped[0](*inputs), target)
 
 
+def _source_of(fn) -> str:
+    """'file:line' where a loss function is defined (torch's own functions give '')."""
+    try:
+        path = inspect.getsourcefile(fn)
+        line = inspect.getsourcelines(fn)[1]
+    except (TypeError, OSError):
+        return ""
+    return f"{os.path.basename(path)}:{line}" if path and "torch" not in path.split(os.sep) else ""
+
+
 def _as_plan(plan: str | Plan) -> Plan:
     if isinstance(plan, Plan):
         return plan
@@ -67,6 +78,7 @@ class _Compiled:
                  optimizer: OptimizerFactory | None = None) -> None:
         self.plan = _as_plan(plan)
         self.model = _WithLoss(model, loss_fn) if loss_fn is not None else model
+        self._loss_source = _source_of(loss_fn) if loss_fn is not None else ""
         self._user_model = model
         self._optimizer = optimizer
         self._program = None
@@ -76,7 +88,7 @@ class _Compiled:
 
     def _build(self, batch: tuple) -> None:
         start = time.perf_counter()
-        traced = trace(self.model, batch)
+        traced = trace(self.model, batch, wrapper_source=self._loss_source)
         check_rules_match(self.plan, list(traced.module_types))
         self._traced = traced
         self._program = parallelize(traced, self.plan)

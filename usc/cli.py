@@ -17,19 +17,23 @@ from usc.compiler.errors import CompileError
 from usc.dsl import PlanError
 
 
+class UsageError(Exception):
+    """Bad command-line use: exit status 2."""
+
+
 def _load_factory(spec: str):
     if ":" not in spec:
-        raise SystemExit(f"usc-lint: expected FILE.py:FACTORY, got '{spec}'")
+        raise UsageError(f"expected FILE.py:FACTORY, got '{spec}'")
     path, name = spec.rsplit(":", 1)
     file = Path(path)
     if not file.exists():
-        raise SystemExit(f"usc-lint: no such file '{path}'")
+        raise UsageError(f"no such file '{path}'")
     module_spec = importlib.util.spec_from_file_location(file.stem, file)
     module = importlib.util.module_from_spec(module_spec)
     sys.path.insert(0, str(file.parent.resolve()))
     module_spec.loader.exec_module(module)
     if not hasattr(module, name):
-        raise SystemExit(f"usc-lint: '{path}' has no function '{name}'")
+        raise UsageError(f"'{path}' has no function '{name}'")
     return getattr(module, name)
 
 
@@ -37,7 +41,7 @@ def _plan_text(args) -> str:
     if args.plan_file:
         return Path(args.plan_file).read_text()
     if args.plan is None:
-        raise SystemExit("usc-lint: give --plan \"dp=2 tp=2\" or --plan-file PLAN.usc")
+        raise UsageError("give --plan \"dp=2 tp=2\" or --plan-file PLAN.usc")
     return args.plan
 
 
@@ -54,8 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     import usc
 
     args = parser().parse_args(argv)
-    plan = _plan_text(args)
-    model, example_inputs = _load_factory(args.target)()
+    try:
+        plan = _plan_text(args)
+        model, example_inputs = _load_factory(args.target)()
+    except UsageError as err:
+        print(f"usc-lint: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         report = usc.lint(model, plan, example_inputs=example_inputs)
     except (PlanError, CompileError) as err:

@@ -144,10 +144,6 @@ def test_three_linear_chain_trains_like_one_device():
     assert_one_step_matches(ThreeLinears, "tp=2", torch.randn(4, 16, generator=torch.Generator().manual_seed(1)))
 
 
-@pytest.mark.xfail(strict=True, reason="find_pairs lets fc2 be the row of pair (fc1, fc2) and the column of "
-                                       "pair (fc2, fc3); the later one wins, so fc1 and fc2 are both colwise and "
-                                       "an all-gather (fwd) + reduce-scatter (bwd) appear at fc2, while the report "
-                                       "still says 'pairs with row-parallel fc2 (one all-reduce per direction)'")
 def test_three_linear_chain_pairs_do_not_overlap():
     report = usc.lint(ThreeLinears(), "tp=2", example_inputs=(torch.randn(4, 16),))
     styles = {c.module: c.style for c in report.tp_choices}
@@ -187,15 +183,13 @@ def test_op_without_rule_on_a_sharded_tensor_names_op_and_module(inner, op):
     usc.lint(Ruleless(inner()), "dp=1", example_inputs=(x,))  # whole tensors: no rule needed
 
 
-@pytest.mark.xfail(strict=True, reason="the no-rule hint says to keep the module replicated with "
-                                       "'<module>: replicate', but under dp that rule changes nothing (it only "
-                                       "places weights) and the same error comes back")
-def test_following_the_no_rule_hint_fixes_the_error():
+def test_no_rule_hint_names_the_op_and_the_real_remedies():
+    """The hint must not promise a plan rule that changes nothing (a replicate rule only places weights)."""
     x = torch.randn(4, 16)
     with pytest.raises(usc.PlanError) as info:
         usc.lint(Ruleless(Scan()), "dp=2", example_inputs=(x,))
-    assert "replicate" in info.value.hint
-    usc.lint(Ruleless(Scan()), "dp=2 inner: replicate", example_inputs=(x,))
+    assert "cumsum" in info.value.hint and "SHARDING_RULES" in info.value.hint
+    assert "replicate" not in info.value.hint
 
 
 # ---------------------------------------------------------------- means over a sharded batch

@@ -1,0 +1,337 @@
+"""Ring attention: exact attention over a sequence sharded along one mesh axis (context parallel).
+
+Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context". Rank r of
+the cp group holds Q_r, K_r, V_r ([B, H, S_local, D]) for its part of the sequence. At step
+s = 0..n-1 it attends Q_r to the K/V block that originated at rank (r - s) mod n while passing its
+current block on to rank r + 1. Blocks are merged with their log-sum-exps, so no rank ever holds
+the full S x S scores or the full K/V:
+
+    O = sigmoid(LSE1 - LSE2) * O1 + sigmoid(LSE2 - LSE1) * O2,   LSE = logaddexp(LSE1, LSE2)
+
+Backward follows FlashAttention-2 (Dao 2023, alg. 2): each block's probabilities are recomputed
+from the saved LSE, P = exp(QK^T * scale - LSE), with D_i = rowsum(dO * O); dQ accumulates
+locally and dK/dV travel around the ring with their K/V block, so after n steps each block's
+gradient is back on its owner.
+
+Layouts (which global positions a rank holds; positions are increasing in local index in both):
+
+- "contiguous": rank r holds [r * S_local, (r + 1) * S_local).
+- "zigzag": the sequence is cut into 2n chunks of S_local / 2 and rank r holds chunks r and
+  2n - 1 - r, so every rank does the same causal work (Brandon et al. 2023, "Striped Attention";
+  the zig-zag variant of Megatron-LM's context parallelism).
+
+Causal masks come from global positions, per tile: a tile is one layout chunk of this rank's
+query rows against the prefix of the key block that some row of the chunk may see. A block
+entirely in the future yields no tile (no compute); a tile every row sees whole is unmasked.
+
+Example (simulated, 2 ranks, zig-zag; each rank's q/k/v is its two chunks concatenated)::
+
+    meshes = simulated_meshes(("cp",), (2,), timeout=10.0)
+    def rank_fn(mesh):
+        q = k = v = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(mesh.rank))
+        return ring_attention(q, k, v, mesh.comm("cp"), causal=True, scale=None, layout="zigzag")
+    outs = run_in_threads(meshes, rank_fn, timeout=10.0)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .collectives import CollectiveNode
+from .comm import Comm
+
+Layout = Literal["contiguous", "zigzag"]
+LAYOUTS = ("contiguous", "zigzag")
+
+
+# ===================================================================== the schedule as data
+@dataclass(frozen=True)
+class Chunk:
+    """Local rows [start, start + length) of a rank hold global positions [position, ...)."""
+
+    start: int
+    position: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Query rows [q_lo, q_hi) against the first k_hi keys of a block; `masked`: some row sees
+    only part of those keys, so the causal mask applies."""
+
+    q_lo: int
+    q_hi: int
+    k_hi: int
+    masked: bool
+
+
+def layout_chunks(layout: Layout, rank: int, n: int, s_local: int) -> tuple[Chunk, ...]:
+    """The chunks of the global sequence that `rank` holds, in local order."""
+    _check_layout(layout, s_local)
+    if layout == "contiguous":
+        return (Chunk(0, rank * s_local, s_local),)
+    half = s_local // 2
+    return (Chunk(0, rank * half, half), Chunk(half, (2 * n - 1 - rank) * half, half))
+
+
+def block_tiles(q_chunks: Sequence[Chunk], k_chunks: Sequence[Chunk], *, causal: bool) -> list[Tile]:
+    """The work of one ring step: which query rows meet which keys (empty: skip the block)."""
+    s_local = sum(c.length for c in k_chunks)
+    if not causal:
+        return [Tile(0, s_local, s_local, False)]
+    tiles = []
+    for qc in q_chunks:
+        last_q = qc.position + qc.length - 1
+        # positions grow with the local index, so the keys a row may see form a prefix
+        k_hi = sum(min(max(last_q - kc.position + 1, 0), kc.length) for kc in k_chunks)
+        if k_hi:
+            masked = _position(k_chunks, k_hi - 1) > qc.position
+            tiles.append(Tile(qc.start, qc.start + qc.length, k_hi, masked))
+    return tiles
+
+
+def ring_schedule(layout: Layout, rank: int, n: int, s_local: int, *, causal: bool) -> list[list[Tile]]:
+    """The tiles `rank` computes at each ring step s (against the block of rank (rank - s) % n)."""
+    mine = layout_chunks(layout, rank, n, s_local)
+    return [
+        block_tiles(mine, layout_chunks(layout, (rank - s) % n, n, s_local), causal=causal) for s in range(n)
+    ]
+
+
+def _position(chunks: Sequence[Chunk], index: int) -> int:
+    for c in chunks:
+        if c.start <= index < c.start + c.length:
+            return c.position + index - c.start
+    raise IndexError(f"local index {index} is outside the chunks {chunks}")
+
+
+def _positions(chunks: Sequence[Chunk]) -> torch.Tensor:
+    return torch.cat([torch.arange(c.position, c.position + c.length) for c in chunks])
+
+
+def _check_layout(layout: str, s_local: int) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"ring attention layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "zigzag" and s_local % 2:
+        raise ValueError(
+            f"zigzag layout splits each rank's {s_local} positions into two chunks: the local "
+            f"sequence length must be even (pad the sequence to a multiple of 2 * cp)"
+        )
+
+
+# ======================================================================== cost model helpers
+def attention_flops(
+    S_local: int, n: int, rank: int, causal: bool, layout: Layout, B: int, H: int, D: int
+) -> int:
+    """Multiply-adds of QK^T and PV that `rank` computes in forward (1 multiply-add = 2 FLOPs).
+
+    Skipped blocks cost 0. A masked (diagonal) tile counts fully: it is computed whole and then
+    masked, which is what the kernel does.
+    """
+    tiles = [t for step in ring_schedule(layout, rank, n, S_local, causal=causal) for t in step]
+    return sum(2 * B * H * (t.q_hi - t.q_lo) * t.k_hi * D for t in tiles)
+
+
+def p2p_bytes_per_step(k_local_shape: Sequence[int], dtype: torch.dtype, n: int) -> int:
+    """Bytes one rank sends in one forward ring step (its current K and V block); 0 if n == 1.
+
+    Forward sends n - 1 such blocks; backward additionally sends n - 1 K/V blocks and n dK/dV
+    blocks (these in float32, or float64 for float64 inputs).
+    """
+    if n == 1:
+        return 0
+    return 2 * math.prod(k_local_shape) * torch.empty((), dtype=dtype).element_size()
+
+
+# ============================================================================ the ring kernel
+def _pass_on(comm: Comm, t: torch.Tensor) -> torch.Tensor:
+    """Send t to the next rank of the ring and return the previous rank's.
+
+    Comm.send/recv block, so even ranks send first and odd ranks receive first: on real process
+    groups every blocking send then meets a posted recv (a ring of sends-first would wait in a
+    cycle). With an odd ring, rank n-1 and rank 0 are both even; rank 0's first send goes to odd
+    rank 1, which receives first, so the chain still unwinds.
+    """
+    nxt, prev = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    if comm.rank % 2 == 0:
+        comm.send(t, nxt)
+        return comm.recv(t, prev)
+    got = comm.recv(t, prev)
+    comm.send(t, nxt)
+    return got
+
+
+def _tile_scores(q, k, tile: Tile, q_pos, k_pos, scale: float) -> torch.Tensor:
+    s = (q[..., tile.q_lo : tile.q_hi, :] @ k[..., : tile.k_hi, :].transpose(-2, -1)) * scale
+    if tile.masked:
+        visible = k_pos[: tile.k_hi] <= q_pos[tile.q_lo : tile.q_hi, None]
+        s = s.masked_fill(~visible, float("-inf"))
+    return s
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o_t, lse_t) -> None:
+    """Fold a tile's normalised output into the running (out, lse) of its rows, in place."""
+    lse_old = lse[..., rows, :]
+    out[..., rows, :] = (
+        torch.sigmoid(lse_old - lse_t) * out[..., rows, :] + torch.sigmoid(lse_t - lse_old) * o_t
+    )
+    lse[..., rows, :] = torch.logaddexp(lse_old, lse_t)
+
+
+@dataclass(frozen=True)
+class _Ring:
+    """What forward and backward share: the group, the schedule and the positions."""
+
+    comm: Comm
+    schedule: list[list[Tile]]
+    q_pos: torch.Tensor
+    block_pos: list[torch.Tensor]  # global positions of the block seen at each step
+    scale: float
+
+    @classmethod
+    def build(cls, comm: Comm, s_local: int, d: int, causal: bool, scale: float | None, layout: Layout):
+        n, r = comm.size, comm.rank
+        chunks = [layout_chunks(layout, b, n, s_local) for b in range(n)]
+        return cls(
+            comm,
+            ring_schedule(layout, r, n, s_local, causal=causal),
+            _positions(chunks[r]),
+            [_positions(chunks[(r - s) % n]) for s in range(n)],
+            1.0 / math.sqrt(d) if scale is None else float(scale),
+        )
+
+
+def _ring_forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised output and per-row LSE ([B, H, S_local, 1]) in the compute dtype."""
+    comm, kv = ring.comm, torch.stack([k, v])
+    out = torch.zeros_like(q)
+    lse = q.new_full((*q.shape[:-1], 1), float("-inf"))
+    for step, tiles in enumerate(ring.schedule):
+        # the next block is exchanged before this one is computed: with an async send/recv this is
+        # where transfer and compute overlap; Comm's p2p blocks today, so nothing overlaps yet
+        following = _pass_on(comm, kv) if step < comm.size - 1 else None
+        k_blk, v_blk = kv.to(q.dtype).unbind(0)
+        for tile in tiles:
+            s = _tile_scores(q, k_blk, tile, ring.q_pos, ring.block_pos[step], ring.scale)
+            lse_t = torch.logsumexp(s, dim=-1, keepdim=True)
+            o_t = torch.exp(s - lse_t) @ v_blk[..., : tile.k_hi, :]
+            _merge(out, lse, slice(tile.q_lo, tile.q_hi), o_t, lse_t)
+        kv = following
+    return out, lse
+
+
+def _ring_backward(ring: _Ring, q, k, v, out, lse, dout) -> tuple[torch.Tensor, ...]:
+    """dQ, dK, dV (compute dtype); dK/dV ride the ring with their block and end on its owner."""
+    comm, kv = ring.comm, torch.stack([k, v])
+    delta = (dout * out).sum(dim=-1, keepdim=True)  # D_i = rowsum(dO * O), FlashAttention-2
+    dq = torch.zeros_like(q)
+    dkv = q.new_zeros((2, *k.shape))
+    for step, tiles in enumerate(ring.schedule):
+        k_blk, v_blk = kv.to(q.dtype).unbind(0)
+        for tile in tiles:
+            rows, keys = slice(tile.q_lo, tile.q_hi), slice(0, tile.k_hi)
+            p = torch.exp(
+                _tile_scores(q, k_blk, tile, ring.q_pos, ring.block_pos[step], ring.scale) - lse[..., rows, :]
+            )
+            dkv[1, ..., keys, :] += p.transpose(-2, -1) @ dout[..., rows, :]
+            ds = p * (dout[..., rows, :] @ v_blk[..., keys, :].transpose(-2, -1) - delta[..., rows, :])
+            dq[..., rows, :] += (ds @ k_blk[..., keys, :]) * ring.scale
+            dkv[0, ..., keys, :] += (ds.transpose(-2, -1) @ q[..., rows, :]) * ring.scale
+        if comm.size > 1:
+            kv = _pass_on(comm, kv) if step < comm.size - 1 else None
+            dkv = _pass_on(comm, dkv)  # n passes: the last one brings it home
+    return dq, dkv[0], dkv[1]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 math for float32 and narrower inputs; float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _RingAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, comm: Comm, causal: bool, scale: float | None, layout: Layout):
+        ring = _Ring.build(comm, q.shape[-2], q.shape[-1], causal, scale, layout)
+        qc = q.to(_compute_dtype(q.dtype))
+        out, lse = _ring_forward(ring, qc, k, v)
+        ctx.ring = ring
+        ctx.save_for_backward(qc, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        qc, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(ctx.ring, qc, k, v, out, lse, dout.to(qc.dtype))
+        return dq.to(dout.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    comm: Comm,
+    *,
+    causal: bool,
+    scale: float | None,
+    layout: Layout,
+) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence, sharded along `comm`'s axis.
+
+    q, k, v: [B, H, S_local, D], this rank's positions in `layout` (see the module docstring).
+    Equals torch's scaled_dot_product_attention on the full sequence, restricted to these rows.
+    `scale` None means 1 / sqrt(D).
+    """
+    _check_inputs(q, k, v, layout)
+    return _RingAttentionFn.apply(q, k, v, comm, causal, scale, layout)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> None:
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(
+            f"ring_attention: q, k, v must all be [B, H, S_local, D] of one shape, got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (repeat kv heads for GQA first)"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"ring_attention: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    _check_layout(layout, q.shape[-2])
+
+
+# ================================================================================ graph node
+class RingAttention(CollectiveNode):
+    """Context-parallel attention over mesh axis `axis`: send/recv around the ring both ways.
+
+    Inputs are the local [B, H, S_local, D] shards in `layout`; on a group of one it is plain
+    attention. `global_fn` is the single-device op it replaces (for shape inference).
+    """
+
+    kind = "send/recv"
+
+    def __init__(
+        self, axis: str, causal: bool = False, scale: float | None = None, layout: Layout = "contiguous"
+    ):
+        super().__init__(axis)
+        _check_layout(layout, 0)
+        self.causal, self.scale, self.layout = causal, scale, layout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, self.comm, causal=self.causal, scale=self.scale, layout=self.layout)
+
+    def global_fn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The whole-sequence attention this node computes a shard of (works on fake tensors)."""
+        return torch.ops.aten.scaled_dot_product_attention.default(
+            q, k, v, None, 0.0, self.causal, scale=self.scale
+        )
+
+    def forward_collective(self) -> str | None:
+        return "send/recv"
+
+    def backward_collective(self) -> str | None:
+        return "send/recv"
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}, causal={self.causal}, scale={self.scale}, layout={self.layout!r}"
