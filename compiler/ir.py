@@ -28,10 +28,15 @@ class MeshSpec:
 
     axes: tuple[str, ...]
     shape: tuple[int, ...]
+    zigzag: tuple[str, ...] = ()  # axes whose Shard placements hold zigzag chunks (cp_mode=zigzag)
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape):
             raise ValueError(f"mesh axes {self.axes} and shape {self.shape} differ in length")
+
+    def order(self, axis: str) -> str:
+        """How a Shard on ``axis`` cuts a dim: 'contiguous' chunks, or 'zigzag' (chunks r, 2n-1-r)."""
+        return "zigzag" if axis in self.zigzag else "contiguous"
 
     def size(self, axis: str) -> int:
         return self.shape[self.axes.index(axis)] if axis in self.axes else 1

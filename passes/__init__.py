@@ -22,8 +22,8 @@ from .propagate import propagate_pass
 
 # Options whose pass does not exist yet: a value other than the default is refused by name.
 UNIMPLEMENTED_VALUES = ("zero", "mb", "recompute", "fuse", "v", "dtype", "split")
-UNIMPLEMENTED_OPTIONS = ("schedule", "cp_mode", "capacity_factor")
-SUPPORTED_AXES = ("dp", "tp")
+UNIMPLEMENTED_OPTIONS = ("schedule", "capacity_factor")
+SUPPORTED_AXES = ("dp", "tp", "cp")
 
 
 def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) -> list[PassSpec]:
@@ -42,7 +42,7 @@ def check_supported(plan) -> None:
     """Refuse, by name, plan items whose pass does not exist yet."""
     for axis in plan.mesh_axes:
         if axis not in SUPPORTED_AXES and plan.size(axis) > 1:
-            raise plan.error_at(axis, f"mesh axis '{axis}' is not implemented yet (supported today: dp, tp)",
+            raise plan.error_at(axis, f"mesh axis '{axis}' is not implemented yet (supported today: dp, tp, cp)",
                                 hint=f"remove {axis}={plan.size(axis)} or set it to 1")
     for name in UNIMPLEMENTED_VALUES:
         default = OPTIONS[name].default
@@ -53,6 +53,9 @@ def check_supported(plan) -> None:
     if plan.get("sp") and plan.size("tp") == 1:
         raise plan.error_at("sp", "sp=on (sequence parallelism) shards activations over the tp axis and needs tp>1",
                             hint="add tp=N (N>1) or remove sp=on")
+    if plan.is_set("cp_mode") and plan.size("cp") == 1:
+        raise plan.error_at("cp_mode", "cp_mode chooses how attention runs under context parallelism and needs "
+                                       "cp>1", hint="add cp=N (N>1) or remove cp_mode")
     for name in UNIMPLEMENTED_OPTIONS:
         if plan.is_set(name):
             raise plan.error_at(name, f"option '{name}' is not implemented yet", hint=f"remove {name}=...")
@@ -73,7 +76,8 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 def parallelize(traced: Traced, plan, *, verify=None) -> Program:
     """Run the passes for ``plan``; a Megatron pair the graph cannot split falls back to replicated."""
-    mesh = MeshSpec(tuple(plan.mesh_axes), tuple(plan.mesh_shape))
+    zigzag = ("cp",) if plan.get("cp_mode") == "zigzag" and plan.size("cp") > 1 else ()
+    mesh = MeshSpec(tuple(plan.mesh_axes), tuple(plan.mesh_shape), zigzag)
     check_supported(plan)
     params = {s.placeholder for s in traced.state if s.trainable}
     replicated: dict[int, str] = {}

@@ -20,6 +20,8 @@ from torch.distributed.tensor import Replicate, Shard
 from usc.compiler.errors import CompileError
 from usc.compiler.ir import META, MeshSpec, NodeAnn
 from usc.compiler.trace import module_path, user_source
+from usc.runtime.collectives import AllGather, AllReduce, AllToAll, LocalShard, ReduceScatter
+from usc.runtime.ring_attention import RingAttention
 from usc.runtime.vocab import ShardedGather, VocabParallelEmbedding
 
 from .graph_edit import GraphEditor, shape_of
@@ -32,6 +34,7 @@ class ExpansionContext:
     gm: fx.GraphModule
     mesh: MeshSpec
     editor: GraphEditor
+    cp_mode: str = "ring"
 
 
 EXPANSIONS: dict = {}
@@ -140,35 +143,85 @@ def sharded_mean(ctx: ExpansionContext, node: fx.Node):
     return b.finish(b.call(aten.div.Tensor, total, float(prod(shape[d] for d in dims))))
 
 
+REDISTRIBUTIONS = (AllGather, AllReduce, AllToAll, LocalShard, ReduceScatter)
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _underlying(ctx: ExpansionContext, node: fx.Node) -> fx.Node:
+    """The value before any redistribution the propagation pass inserted."""
+    while node.op == "call_module" and isinstance(ctx.gm.get_submodule(node.target), REDISTRIBUTIONS):
+        node = node.args[0]
+    return node
+
+
+def _peel_flatten(ctx: ExpansionContext, logits: fx.Node, labels: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """``loss(x.view(-1, V), y.view(-1))`` is the same loss on ``x`` [..., V] and ``y`` [...]; using
+    them avoids a reshape that a sequence shard cannot survive."""
+    if logits.target not in VIEWS or labels.target not in VIEWS:
+        return logits, labels
+    x, y = _underlying(ctx, logits.args[0]), _underlying(ctx, labels.args[0])
+    xs, ys = shape_of(x), shape_of(y)
+    if xs is None or ys is None or len(xs) < 3 or tuple(xs[:-1]) != tuple(ys):
+        return logits, labels
+    return x, y
+
+
+def _peel_shift(ctx: ExpansionContext, b, logits: fx.Node, labels: fx.Node, ignore_index: int):
+    """The causal-LM shift ``loss(x[:, :-1], y[:, 1:])`` equals ``loss(x, y shifted left with the last
+    position ignored)``: the logits keep their sequence shards; only the (small) labels move."""
+    if logits.target != aten.slice.Tensor or labels.target != aten.slice.Tensor:
+        return logits, labels
+    x, y = _underlying(ctx, logits.args[0]), _underlying(ctx, labels.args[0])
+    (xs, ys) = shape_of(x), shape_of(y)
+    seq = xs[1] if xs and len(xs) >= 2 else None
+    lo_args = list(logits.args) + [0, None, None][len(logits.args) - 1:]
+    la_args = list(labels.args) + [0, None, None][len(labels.args) - 1:]
+    x_ok = lo_args[1] == 1 and (lo_args[2] or 0) == 0 and lo_args[3] in (-1, seq - 1 if seq else None)
+    y_ok = la_args[1] == 1 and la_args[2] == 1 and (la_args[3] is None or la_args[3] >= (seq or 0))
+    if not (x_ok and y_ok and ys and ys[1] == seq and len(ys) == len(xs) - 1):
+        return logits, labels
+    first = b.call(aten.slice.Tensor, labels, 1, 0, 1)
+    pad = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, first, 0), ignore_index)
+    return x, b.call(aten.cat.default, [labels, pad], 1)
+
+
 @register(aten.cross_entropy_loss.default)
 def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
     """Cross-entropy written so every piece shards (ALGORITHMS.md, 'Losses' and 'Tensor parallel'):
 
     with logits sharded on the vocab: global max by all-reduce(max), sum of exp by all-reduce(sum),
     the target logit from its owner by all-reduce(sum) — the full logits are never gathered.
-    With tokens sharded (dp): mean = (sum of per-shard sums) / (global count of counted tokens),
-    never a mean of per-shard means.
+    With tokens sharded (dp, cp): mean = (sum of per-shard sums) / (global count of counted
+    tokens), never a mean of per-shard means. A flatten before the loss and the causal-LM label
+    shift are looked through, so sequence shards (cp) stay sharded up to the loss.
     """
     logits, labels = node.args[0], node.args[1]
-    if all(isinstance(p, Replicate) for n in (logits, labels) for p in _layout(n).placements):
-        return None
     weight, reduction, ignore_index, smoothing = (list(node.args[2:]) + [None, 1, -100, 0.0][len(node.args) - 2:])[:4]
     reduction = node.kwargs.get("reduction", reduction)
     ignore_index = node.kwargs.get("ignore_index", ignore_index)
+    b = _Builder(ctx, node)
+    logits, labels = _peel_flatten(ctx, logits, labels)
+    logits, labels = _peel_shift(ctx, b, logits, labels, ignore_index)
+    sources = (logits, labels) if reduction != 0 else (node.args[0], node.args[1])
+    if reduction == 0:
+        logits, labels = node.args[0], node.args[1]
+    if all(isinstance(p, Replicate) for n in (_underlying(ctx, s) for s in sources) for p in _layout(n).placements):
+        for extra in reversed(b.created):
+            ctx.gm.graph.erase_node(extra)
+        return None
     if weight is not None or node.kwargs.get("weight") is not None or (smoothing or node.kwargs.get("label_smoothing")):
         raise CompileError(f"cross_entropy in '{module_path(node)}': class weights and label smoothing are not "
                            "supported on sharded logits yet; compute the loss without them")
-    if len(shape_of(logits)) != 2:
-        raise CompileError(f"cross_entropy in '{module_path(node)}': usc shards 2-D logits [tokens, classes]; "
-                           "flatten the logits with .view(-1, vocab) before the loss")
-    b = _Builder(ctx, node)
-    top = b.call(aten.detach.default, b.call(aten.amax.default, logits, [1], True))
+    if len(shape_of(logits)) != len(shape_of(labels)) + 1:
+        raise CompileError(f"cross_entropy in '{module_path(node)}': usc shards logits [..., classes] with "
+                           "labels [...]; put the class dim last (e.g. .view(-1, vocab))")
+    top = b.call(aten.detach.default, b.call(aten.amax.default, logits, [-1], True))
     shifted = b.call(aten.sub.Tensor, logits, top)
-    log_total = b.call(aten.log.default, b.call(aten.sum.dim_IntList, b.call(aten.exp.default, shifted), [1]))
+    log_total = b.call(aten.log.default, b.call(aten.sum.dim_IntList, b.call(aten.exp.default, shifted), [-1]))
     counted = b.call(aten.ne.Scalar, labels, ignore_index)
     safe = b.call(aten.mul.Tensor, labels, counted)
-    target = b.call(aten.gather.default, shifted, 1, b.call(aten.unsqueeze.default, safe, 1))
-    per_token = b.call(aten.sub.Tensor, log_total, b.call(aten.squeeze.dim, target, 1))
+    target = b.call(aten.gather.default, shifted, -1, b.call(aten.unsqueeze.default, safe, -1))
+    per_token = b.call(aten.sub.Tensor, log_total, b.call(aten.squeeze.dim, target, -1))
     per_token = b.call(aten.mul.Tensor, per_token, counted)
     if reduction == 0:
         return b.finish(per_token)
@@ -176,3 +229,43 @@ def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
     if reduction == 2:
         return b.finish(total)
     return b.finish(b.call(aten.div.Tensor, total, b.call(aten.sum.default, counted)))
+
+
+def _sdpa_args(node: fx.Node) -> dict:
+    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
+    defaults = [None, None, None, None, 0.0, False, None, False]
+    values = dict(zip(names, defaults))
+    values.update(zip(names, node.args))
+    values.update(node.kwargs)
+    return values
+
+
+@register(aten.scaled_dot_product_attention.default)
+def context_parallel_attention(ctx: ExpansionContext, node: fx.Node):
+    """Attention over a sequence sharded on an axis (context parallelism, cp_mode):
+
+    ring / zigzag: K/V blocks travel around the ring while each rank attends its queries to them,
+    merged by online softmax (Liu et al. 2023); no rank holds the full scores or the full K/V.
+    ulysses: all-to-all from sequence shards to head shards, ordinary attention, and back
+    (Jacobs et al. 2023)."""
+    args = _sdpa_args(node)
+    q = args["query"]
+    axes = [i for i, p in enumerate(_layout(q).placements) if isinstance(p, Shard) and p.dim == 2]
+    if not axes:
+        return None
+    axis = ctx.mesh.axes[axes[0]]
+    where = module_path(node) or "<root>"
+    if args["attn_mask"] is not None or args["dropout_p"] or args["enable_gqa"]:
+        raise CompileError(f"attention in '{where}': context parallelism supports scaled_dot_product_attention "
+                           "without an explicit mask, dropout or enable_gqa (use is_causal=True and repeat the "
+                           "key/value heads)")
+    b = _Builder(ctx, node)
+    qkv = (args["query"], args["key"], args["value"])
+    if ctx.cp_mode == "ulysses":
+        heads = [b.module(AllToAll(axis, 2, 1), t, stem="all_to_all") for t in qkv]
+        out = b.call(aten.scaled_dot_product_attention.default, *heads, None, 0.0, args["is_causal"],
+                     scale=args["scale"])
+        return b.finish(b.module(AllToAll(axis, 1, 2), out, stem="all_to_all"))
+    layout = "zigzag" if ctx.mesh.order(axis) == "zigzag" else "contiguous"
+    ring = RingAttention(axis, causal=bool(args["is_causal"]), scale=args["scale"], layout=layout)
+    return b.finish(b.module(ring, *qkv, stem="ring_attention"))

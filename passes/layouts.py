@@ -42,6 +42,14 @@ def batch_layouts(traced: Traced, plan, mesh: MeshSpec) -> dict[str, Layout]:
                                           f"(shape {list(value.shape)})",
                                     hint=f"pass a global batch whose first dim is a multiple of {dp}")
             placements[mesh.axes.index("dp")] = Shard(0)
+        cp = mesh.size("cp")
+        if cp > 1 and isinstance(value, torch.Tensor) and value.dim() > 1:
+            pieces = 2 * cp if "cp" in mesh.zigzag else cp
+            if value.shape[1] % pieces:
+                raise plan.error_at("cp", f"cp={cp} needs the sequence of input '{name}' (dim 1 of "
+                                          f"{list(value.shape)}) to divide into {pieces} pieces",
+                                    hint=f"use a sequence length that is a multiple of {pieces}")
+            placements[mesh.axes.index("cp")] = Shard(1)
         out[name] = Layout(tuple(placements))
     return out
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from usc.compiler.errors import ShardingError
 from usc.compiler.ir import META, Layout, MeshSpec, NodeAnn
 from usc.compiler.trace import module_path, user_source
-from usc.runtime.collectives import AllGather, AllReduce, LocalShard, ReduceScatter
+from usc.runtime.collectives import AllGather, AllReduce, AllToAll, LocalShard, ReduceScatter
 from usc.runtime.vocab import ShardedGather, VocabParallelEmbedding
 
 from .expansions import EXPANSIONS, ExpansionContext
@@ -40,6 +40,7 @@ class Propagation:
     input_layouts: dict[str, Layout]
     grad_inputs: set[str]
     sequence_parallel: bool = False
+    cp_mode: str = "ring"
     editor: GraphEditor = field(init=False)
     cache: dict[tuple[fx.Node, Layout], fx.Node] = field(default_factory=dict)
     reduced: dict[fx.Node, fx.Node] = field(default_factory=dict)  # partial value -> first reduced copy
@@ -50,12 +51,23 @@ class Propagation:
 
 def propagate_pass(gm: fx.GraphModule, ctx, *, input_layouts: dict[str, Layout], grad_inputs: set[str]):
     """Place every node on the mesh (see the module docstring)."""
-    state = Propagation(gm, ctx.mesh, input_layouts, grad_inputs, sequence_parallel=bool(ctx.plan.get("sp")))
+    state = Propagation(gm, ctx.mesh, input_layouts, grad_inputs, sequence_parallel=bool(ctx.plan.get("sp")),
+                        cp_mode=ctx.plan.get("cp_mode"))
     for node in list(gm.graph.nodes):
-        place(state, node)
+        if node.graph is gm.graph and (node.users or node.op in ("output", "placeholder")):
+            place(state, node)
+    _remove_dead(gm)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _remove_dead(gm: fx.GraphModule) -> None:
+    """Drop nodes an expansion made unused (e.g. a gather and flatten the loss looked through).
+    Nothing here has side effects: collectives without users are dead too."""
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op not in ("placeholder", "output") and not node.users:
+            gm.graph.erase_node(node)
 
 
 def place(state: Propagation, node: fx.Node) -> None:
@@ -70,7 +82,7 @@ def place(state: Propagation, node: fx.Node) -> None:
         return
     expand = EXPANSIONS.get(_op_key(state.gm, node))
     if expand is not None:
-        new_nodes = expand(ExpansionContext(state.gm, state.mesh, state.editor), node)
+        new_nodes = expand(ExpansionContext(state.gm, state.mesh, state.editor, state.cp_mode), node)
         if new_nodes is not None:
             for new in new_nodes:
                 place(state, new)
@@ -189,14 +201,18 @@ def redistribute(state: Propagation, x: fx.Node, target: Layout, consumer: fx.No
 
 def _unshard_step(state, x, layout, i, have, need, consumer):
     axis = state.mesh.axes[i]
+    order = state.mesh.order(axis)
     if isinstance(have, Partial):
         if is_shard(need) and have.reduce_op == "sum":
-            return _insert(state, x, layout.with_axis(i, need), ReduceScatter(axis, need.dim), "reduce_scatter",
-                           consumer, f"partial sums on {axis} feed an op that wants Shard({need.dim})")
+            return _insert(state, x, layout.with_axis(i, need), ReduceScatter(axis, need.dim, order),
+                           "reduce_scatter", consumer, f"partial sums on {axis} feed an op that wants Shard({need.dim})")
         return _insert(state, x, layout.with_axis(i, R), AllReduce(axis, op=have.reduce_op), "all_reduce",
                        consumer, f"partial {have.reduce_op} on {axis} feeds an op that needs the whole value")
     if is_shard(have):
-        return _insert(state, x, layout.with_axis(i, R), AllGather(axis, have.dim), "all_gather",
+        if is_shard(need) and state.mesh.order(axis) == "contiguous":
+            return _insert(state, x, layout.with_axis(i, need), AllToAll(axis, have.dim, need.dim), "all_to_all",
+                           consumer, f"resharded from dim {have.dim} to dim {need.dim} on {axis}")
+        return _insert(state, x, layout.with_axis(i, R), AllGather(axis, have.dim, order=order), "all_gather",
                        consumer, f"dim {have.dim} is sharded on {axis} but the op needs it whole")
     return x, layout
 
@@ -204,7 +220,8 @@ def _unshard_step(state, x, layout, i, have, need, consumer):
 def _shard_step(state, x, layout, i, need, consumer):
     axis = state.mesh.axes[i]
     if is_shard(need):
-        return _insert(state, x, layout.with_axis(i, need), LocalShard(axis, need.dim), "local_shard",
+        return _insert(state, x, layout.with_axis(i, need), LocalShard(axis, need.dim, state.mesh.order(axis)),
+                       "local_shard",
                        consumer, f"take this rank's slice of dim {need.dim} on {axis} (no communication)")
     raise ShardingError(f"cannot produce {need} on axis '{axis}' from {layout.placements[i]}")
 

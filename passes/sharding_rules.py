@@ -24,6 +24,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from usc.compiler.errors import ShardingError
+from usc.runtime.collectives import AllToAll
+from usc.runtime.ring_attention import RingAttention
 from usc.runtime.vocab import ShardedGather, VocabParallelEmbedding
 
 aten = torch.ops.aten
@@ -288,6 +290,10 @@ def view_rule(view: OpView) -> Decision:
         outer_src = next(d for d in gi if src[d] != 1)
         outer_dst = next((d for d in gj if dst[d] != 1), None)
         if p.dim != outer_src or outer_dst is None:
+            if view.axis != "tp":
+                # dp/cp: gather and reshape whole (correct; the cross-entropy expansion looks
+                # through this gather for the common [B, S, V] -> [B*S, V] flatten before a loss).
+                return Decision((R,), R)
             raise ShardingError(
                 f"reshape {list(src)} -> {list(dst)} moves sharded dim {p.dim} (size {src[p.dim]}) inside "
                 f"another dim; only the outermost dim of a merged or split group can stay sharded")
@@ -539,6 +545,22 @@ def sharded_gather_rule(view: OpView) -> Decision:
     px, pi = view.placements
     chosen = px if is_shard(px) else pi if is_shard(pi) else R
     return Decision((chosen, chosen), chosen)
+
+
+@register(RingAttention)
+def ring_attention_rule(view: OpView) -> Decision:
+    """On its own axis q, k, v and the output are sequence shards; elsewhere it is attention."""
+    if view.axis == _module(view).axis:
+        return Decision((Shard(2),) * 3, Shard(2))
+    return sdpa_rule(view)
+
+
+@register(AllToAll)
+def all_to_all_rule(view: OpView) -> Decision:
+    module = _module(view)
+    if view.axis == module.axis:
+        return Decision((Shard(module.from_dim),), Shard(module.to_dim))
+    return keep(view, view.placements[0])
 
 
 def rule_for(target) -> Rule | None:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .comm import Comm
+from .layout import zigzag_permute, zigzag_unpermute
 
 if TYPE_CHECKING:
     from .mesh import Mesh
@@ -204,17 +205,19 @@ class AllGather(CollectiveNode):
 
     kind = "all-gather"
 
-    def __init__(self, axis: str, dim: int, grad: str = "replicated"):
+    def __init__(self, axis: str, dim: int, grad: str = "replicated", order: str = "contiguous"):
         super().__init__(axis)
         if grad not in ("replicated", "partial"):
             raise ValueError(f"AllGather grad must be 'replicated' or 'partial', got {grad!r}")
-        self.dim, self.grad = dim, grad
+        self.dim, self.grad, self.order = dim, grad, _check_order(order)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         comm = self.comm
-        return (
-            x if comm.size == 1 else _AllGatherFn.apply(x, comm, self.dim % x.dim(), self.grad == "partial")
-        )
+        if comm.size == 1:
+            return x
+        dim = self.dim % x.dim()
+        out = _AllGatherFn.apply(x, comm, dim, self.grad == "partial")
+        return zigzag_unpermute(out, dim, comm.size) if self.order == "zigzag" else out
 
     def forward_collective(self) -> str | None:
         return "all-gather"
@@ -223,7 +226,7 @@ class AllGather(CollectiveNode):
         return "reduce-scatter" if self.grad == "partial" else None
 
     def extra_repr(self) -> str:
-        return f"axis={self.axis!r}, dim={self.dim}, grad={self.grad!r}"
+        return f"axis={self.axis!r}, dim={self.dim}, grad={self.grad!r}" + _order_repr(self.order)
 
 
 class ReduceScatter(CollectiveNode):
@@ -231,13 +234,18 @@ class ReduceScatter(CollectiveNode):
 
     kind = "reduce-scatter"
 
-    def __init__(self, axis: str, dim: int):
+    def __init__(self, axis: str, dim: int, order: str = "contiguous"):
         super().__init__(axis)
-        self.dim = dim
+        self.dim, self.order = dim, _check_order(order)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         comm = self.comm
-        return x if comm.size == 1 else _ReduceScatterFn.apply(x, comm, self.dim % x.dim())
+        if comm.size == 1:
+            return x
+        dim = self.dim % x.dim()
+        if self.order == "zigzag":
+            x = zigzag_permute(x, dim, comm.size)
+        return _ReduceScatterFn.apply(x, comm, dim)
 
     def forward_collective(self) -> str | None:
         return "reduce-scatter"
@@ -246,7 +254,7 @@ class ReduceScatter(CollectiveNode):
         return "all-gather"
 
     def extra_repr(self) -> str:
-        return f"axis={self.axis!r}, dim={self.dim}"
+        return f"axis={self.axis!r}, dim={self.dim}" + _order_repr(self.order)
 
 
 class LocalShard(CollectiveNode):
@@ -254,19 +262,83 @@ class LocalShard(CollectiveNode):
 
     kind = "all-gather"
 
-    def __init__(self, axis: str, dim: int):
+    def __init__(self, axis: str, dim: int, order: str = "contiguous"):
         super().__init__(axis)
-        self.dim = dim
+        self.dim, self.order = dim, _check_order(order)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         comm = self.comm
-        return x if comm.size == 1 else _LocalShardFn.apply(x, comm, self.dim % x.dim())
+        if comm.size == 1:
+            return x
+        dim = self.dim % x.dim()
+        if self.order == "zigzag":
+            x = zigzag_permute(x, dim, comm.size)
+        return _LocalShardFn.apply(x, comm, dim)
 
     def backward_collective(self) -> str | None:
         return "all-gather"
 
     def extra_repr(self) -> str:
-        return f"axis={self.axis!r}, dim={self.dim}"
+        return f"axis={self.axis!r}, dim={self.dim}" + _order_repr(self.order)
+
+
+class AllToAll(CollectiveNode):
+    """Shard(from_dim) -> Shard(to_dim) on one axis (Ulysses: sequence shards for head shards).
+
+    Each rank splits its piece along ``to_dim``, sends part j to rank j, and concatenates what it
+    receives along ``from_dim``. Backward is the reverse exchange."""
+
+    kind = "all-to-all"
+
+    def __init__(self, axis: str, from_dim: int, to_dim: int):
+        super().__init__(axis)
+        self.from_dim, self.to_dim = from_dim, to_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        comm = self.comm
+        if comm.size == 1:
+            return x
+        return _AllToAllFn.apply(x, comm, self.from_dim % x.dim(), self.to_dim % x.dim())
+
+    @staticmethod
+    def global_fn(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def forward_collective(self) -> str | None:
+        return "all-to-all"
+
+    def backward_collective(self) -> str | None:
+        return "all-to-all"
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis!r}, from_dim={self.from_dim}, to_dim={self.to_dim}"
+
+
+class _AllToAllFn(torch.autograd.Function):
+    """x sharded on from_dim -> sharded on to_dim: split along to_dim, exchange, concatenate along
+    from_dim. Backward: the same exchange with the dims swapped."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, from_dim: int, to_dim: int) -> torch.Tensor:
+        ctx.comm, ctx.from_dim, ctx.to_dim = comm, from_dim, to_dim
+        return comm.all_to_all(x.contiguous(), to_dim, from_dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.comm.all_to_all(grad.contiguous(), ctx.from_dim, ctx.to_dim), None, None, None
+
+
+ORDERS = ("contiguous", "zigzag")
+
+
+def _check_order(order: str) -> str:
+    if order not in ORDERS:
+        raise ValueError(f"chunk order must be one of {ORDERS}, got {order!r}")
+    return order
+
+
+def _order_repr(order: str) -> str:
+    return "" if order == "contiguous" else f", order={order!r}"
 
 
 class AxisIndex(CollectiveNode):

@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 import torch.fx as fx
 
-from .layout import gather_full, local_chunk
+from .layout import gather_full, local_chunk, zigzag_permute
 from .reducer import GradReducer
 from .trace import Timeline
 
@@ -78,6 +78,9 @@ class RankExecutor:
             raise ValueError(f"input '{spec.placeholder}' has shape {list(value.shape)} but the model was compiled "
                              f"for {list(spec.global_shape)}; pass the same global batch shape on every step "
                              "(compile again for another shape)")
+        for axis, placement in zip(self.program.mesh.axes, spec.layout.placements):
+            if axis in self.program.mesh.zigzag and hasattr(placement, "dim"):
+                value = zigzag_permute(value, placement.dim, self.mesh.size(axis))
         return local_chunk(value, spec.layout.placements, self.mesh.shape, self.mesh.coord)
 
     def _loss(self, batch: tuple) -> torch.Tensor:

@@ -161,3 +161,23 @@ def gather_full(t: torch.Tensor, placements: Sequence[Placement], mesh: Mesh) ->
         if isinstance(p, Shard):
             t = mesh.comm(axis).all_gather(t, p.dim % t.dim())
     return t
+
+
+def zigzag_index(length: int, n: int, device=None) -> torch.Tensor:
+    """Global positions in zigzag order: the sequence cut in 2n chunks, rank r's contiguous piece
+    of the permuted tensor holding chunks r and 2n-1-r (balanced causal attention work)."""
+    if length % (2 * n):
+        raise ValueError(f"zigzag needs the sequence length ({length}) to divide by 2 x {n}")
+    chunk = length // (2 * n)
+    order = [c for r in range(n) for c in (r, 2 * n - 1 - r)]
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in order])
+
+
+def zigzag_permute(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """Global order -> zigzag order along dim (then a contiguous chunk is a rank's zigzag piece)."""
+    return t.index_select(dim, zigzag_index(t.shape[dim], n, t.device))
+
+
+def zigzag_unpermute(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """Zigzag order -> global order along dim."""
+    return t.index_select(dim, torch.argsort(zigzag_index(t.shape[dim], n, t.device)))
