@@ -166,23 +166,29 @@ def _peel_flatten(ctx: ExpansionContext, logits: fx.Node, labels: fx.Node) -> tu
     return x, y
 
 
-def _peel_shift(ctx: ExpansionContext, b, logits: fx.Node, labels: fx.Node, ignore_index: int):
+def _peel_shift(ctx: ExpansionContext, logits: fx.Node, labels: fx.Node) -> tuple[fx.Node, fx.Node, bool]:
     """The causal-LM shift ``loss(x[:, :-1], y[:, 1:])`` equals ``loss(x, y shifted left with the last
-    position ignored)``: the logits keep their sequence shards; only the (small) labels move."""
+    position ignored)``: the logits keep their sequence shards; only the (small) labels move.
+    Returns (logits, labels, shifted?) without editing the graph."""
     if logits.target != aten.slice.Tensor or labels.target != aten.slice.Tensor:
-        return logits, labels
+        return logits, labels, False
     x, y = _underlying(ctx, logits.args[0]), _underlying(ctx, labels.args[0])
-    (xs, ys) = shape_of(x), shape_of(y)
+    xs, ys = shape_of(x), shape_of(y)
     seq = xs[1] if xs and len(xs) >= 2 else None
-    lo_args = list(logits.args) + [0, None, None][len(logits.args) - 1:]
-    la_args = list(labels.args) + [0, None, None][len(labels.args) - 1:]
-    x_ok = lo_args[1] == 1 and (lo_args[2] or 0) == 0 and lo_args[3] in (-1, seq - 1 if seq else None)
-    y_ok = la_args[1] == 1 and la_args[2] == 1 and (la_args[3] is None or la_args[3] >= (seq or 0))
+    lo = list(logits.args) + [0, None, None][len(logits.args) - 1:]
+    la = list(labels.args) + [0, None, None][len(labels.args) - 1:]
+    x_ok = lo[1] == 1 and (lo[2] or 0) == 0 and seq is not None and lo[3] in (-1, seq - 1)
+    y_ok = la[1] == 1 and la[2] == 1 and (la[3] is None or la[3] >= (seq or 0))
     if not (x_ok and y_ok and ys and ys[1] == seq and len(ys) == len(xs) - 1):
-        return logits, labels
+        return logits, labels, False
+    return x, labels, True
+
+
+def _shifted_labels(b, labels: fx.Node, ignore_index: int) -> fx.Node:
+    """labels[:, 1:] followed by one ignored position: the same length as the unshifted logits."""
     first = b.call(aten.slice.Tensor, labels, 1, 0, 1)
     pad = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, first, 0), ignore_index)
-    return x, b.call(aten.cat.default, [labels, pad], 1)
+    return b.call(aten.cat.default, [labels, pad], 1)
 
 
 @register(aten.cross_entropy_loss.default)
@@ -199,16 +205,16 @@ def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
     weight, reduction, ignore_index, smoothing = (list(node.args[2:]) + [None, 1, -100, 0.0][len(node.args) - 2:])[:4]
     reduction = node.kwargs.get("reduction", reduction)
     ignore_index = node.kwargs.get("ignore_index", ignore_index)
-    b = _Builder(ctx, node)
-    logits, labels = _peel_flatten(ctx, logits, labels)
-    logits, labels = _peel_shift(ctx, b, logits, labels, ignore_index)
-    sources = (logits, labels) if reduction != 0 else (node.args[0], node.args[1])
-    if reduction == 0:
-        logits, labels = node.args[0], node.args[1]
-    if all(isinstance(p, Replicate) for n in (_underlying(ctx, s) for s in sources) for p in _layout(n).placements):
-        for extra in reversed(b.created):
-            ctx.gm.graph.erase_node(extra)
+    shift = False
+    if reduction != 0:  # per-token losses keep the caller's shape: nothing to look through
+        logits, labels = _peel_flatten(ctx, logits, labels)
+        logits, labels, shift = _peel_shift(ctx, logits, labels)
+    sources = (logits, _underlying(ctx, labels.args[0]) if shift else labels)
+    if all(isinstance(p, Replicate) for n in sources for p in _layout(_underlying(ctx, n)).placements):
         return None
+    b = _Builder(ctx, node)
+    if shift:
+        labels = _shifted_labels(b, labels, ignore_index)
     if weight is not None or node.kwargs.get("weight") is not None or (smoothing or node.kwargs.get("label_smoothing")):
         raise CompileError(f"cross_entropy in '{module_path(node)}': class weights and label smoothing are not "
                            "supported on sharded logits yet; compute the loss without them")
