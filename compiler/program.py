@@ -44,6 +44,7 @@ class Program:
     loss_layout: Layout
     tp_choices: list = field(default_factory=list)
     timings: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
 
     @property
     def loss_partial_axes(self) -> tuple[str, ...]:

@@ -53,6 +53,7 @@ class Report:
     compile_seconds: float = 0.0
     pass_timings: list = field(default_factory=list)
     exposed_comm_seconds: float | None = None
+    attention_flops: dict = field(default_factory=dict)  # cp axis -> multiply-adds per rank
 
     def count(self, kind: str | None = None, *, axis: str | None = None, direction: str | None = None,
               module_prefix: str | None = None) -> int:
@@ -80,7 +81,13 @@ class Report:
             "param_bytes_per_rank": self.param_bytes_per_rank,
             "compile_seconds": round(self.compile_seconds, 3),
             "exposed_comm_seconds": self.exposed_comm_seconds,
+            "attention_flops_per_rank": self.attention_flops,
+            "p2p_bytes_per_step": self.p2p_bytes_per_step,
         }
+
+    @property
+    def p2p_bytes_per_step(self) -> int:
+        return sum(c.bytes_per_step for c in self.collectives if c.kind == "send/recv")
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -113,6 +120,9 @@ def graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveReco
             continue
         ann = node.meta[META]
         source = node.args[0]
+        if hasattr(module, "traffic"):
+            out += _p2p_records(node, module, mesh)
+            continue
         for direction, kind, shaped in (("forward", fwd(), source), ("backward", bwd() if ann.needs_grad else None, node)):
             if kind is None or kind == "none":
                 continue
@@ -120,6 +130,32 @@ def graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveReco
             out.append(CollectiveRecord(kind, module.axis, mesh.size(module.axis), direction, shape,
                                         str(dtype).replace("torch.", ""), _nbytes(shape, dtype), 1,
                                         ann.module or "<root>", ann.source, ann.reason, node.name))
+    return out
+
+
+def _p2p_records(node: fx.Node, module, mesh: MeshSpec) -> list[CollectiveRecord]:
+    shape, dtype = _local(node.args[0], mesh)
+    ann = node.meta[META]
+    return [CollectiveRecord(module.forward_collective(), module.axis, mesh.size(module.axis), direction, shape,
+                             str(dtype).replace("torch.", ""), nbytes, calls, ann.module or "<root>", ann.source,
+                             "ring attention: K/V blocks passed to the next rank", node.name)
+            for direction, nbytes, calls in module.traffic(shape, dtype, mesh.size(module.axis)) if calls]
+
+
+def attention_flops_per_rank(gm: fx.GraphModule, mesh: MeshSpec) -> dict[str, list[int]]:
+    """Per cp rank: multiply-adds of the attention it computes (shows zig-zag balance)."""
+    from usc.runtime.ring_attention import attention_flops  # the schedule is the runtime's data
+
+    out: dict[str, list[int]] = {}
+    for node in gm.graph.nodes:
+        module = gm.get_submodule(node.target) if node.op == "call_module" else None
+        if module is None or not hasattr(module, "traffic"):
+            continue
+        (b, h, s, d), _ = _local(node.args[0], mesh)
+        n = mesh.size(module.axis)
+        per_rank = [attention_flops(s, n, r, module.causal, module.layout, b, h, d) for r in range(n)]
+        totals = out.setdefault(module.axis, [0] * n)
+        out[module.axis] = [a + x for a, x in zip(totals, per_rank)]
     return out
 
 
@@ -157,6 +193,8 @@ def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, 
     collectives = graph_collectives(program.gm, program.mesh) + gradient_buckets(program, bucket_bytes)
     params = sum(_nbytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
                  for s in program.state if s.kind == "param")
-    warnings = list(warnings or []) + [f"{c.module}: {c.reason}" for c in program.tp_choices if c.style == "replicate"]
+    warnings = list(warnings or []) + list(program.warnings) + [
+        f"{c.module}: {c.reason}" for c in program.tp_choices if c.style == "replicate"]
     return Report(model, plan, program.mesh, collectives, list(program.tp_choices), warnings, params,
-                  compile_seconds, list(program.timings))
+                  compile_seconds, list(program.timings),
+                  attention_flops=attention_flops_per_rank(program.gm, program.mesh))

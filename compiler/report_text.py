@@ -42,6 +42,10 @@ def render(report) -> str:
         lines.append("  (none)")
     lines.append(f"parameters per rank: {human_bytes(report.param_bytes_per_rank)}; compiled in "
                  f"{report.compile_seconds:.2f} s")
+    for axis, flops in report.attention_flops.items():
+        spread = (max(flops) - min(flops)) / max(max(flops), 1)
+        lines.append(f"attention multiply-adds per {axis} rank: {', '.join(f'{f:,}' for f in flops)} "
+                     f"(spread {spread:.0%}); send/recv {human_bytes(report.p2p_bytes_per_step)} per step")
     if report.exposed_comm_seconds is not None:
         lines.append(f"exposed communication in the last traced step: {report.exposed_comm_seconds * 1e3:.2f} ms")
     for w in report.warnings:

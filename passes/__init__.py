@@ -104,7 +104,18 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
         first = next(iter(replicated.values()))
         raise plan.error_at("tp", f"tp={mesh.size('tp')} cannot split any layer of this model ({first})",
                             hint="choose a tp size that divides the heads and hidden sizes")
-    return build_program(gm, mesh, traced.state, traced.user_inputs, tp.choices, ctx.timings)
+    program = build_program(gm, mesh, traced.state, traced.user_inputs, tp.choices, ctx.timings)
+    program.warnings.extend(plan_warnings(mesh, plan))
+    return program
+
+
+def plan_warnings(mesh: MeshSpec, plan) -> list[str]:
+    """Plans that are correct but slower than an equivalent one."""
+    out = []
+    if plan.get("sp") and mesh.size("cp") > 1 and mesh.axes.index("tp") < mesh.axes.index("cp"):
+        out.append("tp is outside cp in the mesh: sequence shards of the two axes nest the wrong way round and "
+                   "need extra cp gathers; write cp before tp (e.g. 'cp=2 tp=2 sp=on') to keep tp innermost")
+    return out
 
 
 def _group_of(err: ShardingError, groups, replicated) -> int | None:

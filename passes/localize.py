@@ -58,4 +58,16 @@ def _check_divisible(node: fx.Node, mesh) -> None:
                 err = ShardingError(f"dim {dim} of size {v.shape[dim]} (shape {list(v.shape)}) is split over "
                                     f"{names}, which does not divide it",
                                     hint=f"choose mesh sizes that divide {v.shape[dim]}")
-                raise located(err, node)
+                if _is_all_to_all(node):
+                    err = ShardingError(f"cp_mode=ulysses trades sequence shards for head shards: {names} must "
+                                        f"divide the {v.shape[dim]} attention heads",
+                                        hint=f"use cp_mode=ring or zigzag, or a cp size that divides {v.shape[dim]}")
+                err = located(err, node)
+                err.axis = mesh.axes[axes[0]]
+                raise err
+
+
+def _is_all_to_all(node: fx.Node) -> bool:
+    if node.op != "call_module":
+        return False
+    return type(node.graph.owning_module.get_submodule(node.target)).__name__ == "AllToAll"

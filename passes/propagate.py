@@ -183,6 +183,11 @@ def redistribute(state: Propagation, x: fx.Node, target: Layout, consumer: fx.No
     current = x
     layout = x.meta[META].layout
     n = len(state.mesh.axes)
+    # Several axes sharding one dim split it outer axis first. Changing an outer axis's shard of a
+    # dim that an inner axis also shards needs the inner shard undone first (and redone after).
+    for j in reversed(range(n)):
+        if _blocks_outer_shard(layout, target, j):
+            current, layout = _unshard_step(state, current, layout, j, layout.placements[j], R, consumer)
     # Reduce and gather inner axes first: an inner axis subdivides the chunks of an outer one.
     for i in reversed(range(n)):
         have, need = layout.placements[i], target.placements[i]
@@ -197,6 +202,17 @@ def redistribute(state: Propagation, x: fx.Node, target: Layout, consumer: fx.No
     if partial and not any(isinstance(p, Partial) for p in target.placements):
         state.reduced.setdefault(x, current)
     return current
+
+
+def _blocks_outer_shard(layout: Layout, target: Layout, j: int) -> bool:
+    """Axis j shards dim d now, and an outer axis i < j must shard or unshard that same dim: the
+    outer axis owns the coarse chunks, so j's fine split must be undone first (and redone after)."""
+    have = layout.placements[j]
+    if not is_shard(have):
+        return False
+    return any(layout.placements[i] != target.placements[i]
+               and (is_shard(target.placements[i], have.dim) or is_shard(layout.placements[i], have.dim))
+               for i in range(j))
 
 
 def _unshard_step(state, x, layout, i, have, need, consumer):

@@ -114,6 +114,23 @@ class RankExecutor:
             self.optimizer.zero_grad(set_to_none=True)
         return self._global(loss)
 
+    def activation_bytes(self, batch: tuple) -> int:
+        """Bytes of the activations autograd saves for backward in one forward (unique storages,
+        parameters excluded): the activation memory a step holds at its peak, measured."""
+        params = {p.untyped_storage().data_ptr() for p in self.params}
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                seen[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = self._loss(batch)
+        del loss
+        return sum(seen.values())
+
     @torch.no_grad()
     def evaluate(self, batch: tuple) -> float:
         return self._global(self._loss(batch))

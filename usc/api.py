@@ -169,6 +169,11 @@ class Compiled(_Compiled):
         self._ensure_built(batch)
         return self._rank().evaluate(batch)
 
+    def activation_bytes(self, *batch) -> int:
+        """Measured bytes of activations this rank saves for backward in one forward."""
+        self._ensure_built(batch)
+        return self._rank().activation_bytes(batch)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) tensors under the model's own state_dict names (a collective call)."""
         full = self._rank().full_state_dict()
@@ -213,6 +218,10 @@ class Simulated(_Compiled):
 
     def __call__(self, *batch) -> float:
         return self._run(lambda rank: rank.evaluate(batch))[0]
+
+    def activation_bytes(self, *batch) -> list[int]:
+        """Measured bytes of activations saved for backward by one forward, per rank."""
+        return self._run(lambda rank: rank.activation_bytes(batch))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         full = self._run(lambda rank: rank.full_state_dict())[0]

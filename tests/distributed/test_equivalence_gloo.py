@@ -11,8 +11,11 @@ from usc.testing.equivalence import compare_states, reference_run
 
 pytestmark = pytest.mark.distributed
 STEPS = 3
-WORLDS = {2: [("llama", "dp=2"), ("llama", "tp=2"), ("gpt2", "dp=2"), ("gpt2", "tp=2")],
-          4: [("llama", "dp=2 tp=2"), ("llama", "tp=4"), ("gpt2", "dp=2 tp=2"), ("gpt2", "tp=4")]}
+WORLDS = {2: [("llama", "dp=2"), ("llama", "tp=2"), ("gpt2", "dp=2"), ("gpt2", "tp=2"),
+              ("llama", "tp=2 sp=on"), ("gpt2", "tp=2 sp=on"), ("llama", "cp=2"), ("gpt2", "cp=2"),
+              ("llama", "cp=2 cp_mode=zigzag"), ("gpt2", "cp=2 cp_mode=zigzag")],
+          4: [("llama", "dp=2 tp=2"), ("llama", "tp=4"), ("gpt2", "dp=2 tp=2"), ("gpt2", "tp=4"),
+              ("llama", "dp=2 tp=2 sp=on"), ("gpt2", "dp=2 tp=2 sp=on")]}
 
 
 def _reference(model_name: str):

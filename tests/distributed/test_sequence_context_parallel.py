@@ -1,0 +1,103 @@
+"""Sequence and context parallelism: equal to one device, and the collectives and balance asserted."""
+
+import pytest
+
+import usc
+from usc.testing import assert_equivalent
+from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
+
+PLANS = ["tp=2 sp=on", "dp=2 tp=2 sp=on", "cp=2", "cp=4", "cp=2 cp_mode=zigzag", "cp=4 cp_mode=zigzag",
+         "cp=2 cp_mode=ulysses", "tp=2 cp=2 sp=on", "cp=2 tp=2 sp=on", "dp=2 cp=2"]
+MODELS = {
+    "llama": (TinyLlama, lambda seed: token_batch(128, 4, 16, seed=seed)),
+    "gpt2": (TinyGPT2, lambda seed: shifted_batch(128, 4, 16, seed=seed)),
+}
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_three_adamw_steps_match_one_device(model, plan):
+    factory, batch = MODELS[model]
+    result = assert_equivalent(factory, plan, [batch(seed) for seed in range(3)])
+    assert result.max_param_diff <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def llama_sp():
+    return usc.lint(TinyLlama(LlamaConfig(layers=2)), "tp=2 sp=on", example_inputs=token_batch(128, 4, 16))
+
+
+@pytest.mark.parametrize("layer", range(2))
+def test_sequence_parallel_replaces_all_reduces(llama_sp, layer):
+    """Per TP region and direction: one all-gather before the column-parallel linears and one
+    reduce-scatter after the row-parallel one; no all-reduce left in the block."""
+    block = [c for c in llama_sp.collectives
+             if c.module.startswith(f"layers.{layer}.") and c.source != "gradient bucket"]
+    assert not [c for c in block if c.kind == "all-reduce"]
+    pairs = sorted((c.module.rsplit(".", 1)[-1], c.kind, c.direction) for c in block)
+    assert pairs == sorted([
+        ("q_proj", "all-gather", "forward"), ("q_proj", "reduce-scatter", "backward"),
+        ("o_proj", "reduce-scatter", "forward"), ("o_proj", "all-gather", "backward"),
+        ("gate_proj", "all-gather", "forward"), ("gate_proj", "reduce-scatter", "backward"),
+        ("down_proj", "reduce-scatter", "forward"), ("down_proj", "all-gather", "backward"),
+    ])
+    gathered = next(c for c in block if c.kind == "all-gather" and c.direction == "forward")
+    assert gathered.shape == (4, 8, 64)  # this rank's half of the sequence goes in
+
+
+def test_sequence_parallel_norm_weights_are_reduced_over_tp(llama_sp):
+    norms = [c for c in llama_sp.collectives if c.source == "gradient bucket" and c.axis == "tp"]
+    assert norms and all("layernorm" in c.module or c.module == "norm.weight" or "norm" in c.module for c in norms)
+
+
+def test_zigzag_balances_causal_attention_work():
+    batch = token_batch(128, 2, 64)
+    ring = usc.lint(TinyLlama(), "cp=4", example_inputs=batch).attention_flops["cp"]
+    zigzag = usc.lint(TinyLlama(), "cp=4 cp_mode=zigzag", example_inputs=batch).attention_flops["cp"]
+    spread = lambda flops: (max(flops) - min(flops)) / max(flops)  # noqa: E731
+    assert spread(zigzag) < 0.10
+    assert spread(ring) > 0.5
+    # contiguous causal: rank r attends r+1 blocks of the 4 (its diagonal block counted whole)
+    assert [f // ring[0] for f in ring] == [1, 2, 3, 4]
+
+
+def test_ring_p2p_bytes_are_reported():
+    report = usc.lint(TinyLlama(), "cp=2", example_inputs=token_batch(128, 4, 16))
+    sends = [c for c in report.collectives if c.kind == "send/recv"]
+    assert len(sends) == 2 * 2  # forward and backward, per layer
+    k_block = 4 * 2 * 8 * 16 * 4  # [B, kv heads repeated to 4? no: heads after repeat] checked below
+    forward = next(c for c in sends if c.direction == "forward")
+    assert forward.shape == (4, 4, 8, 16)  # [batch, heads, seq/2, head_dim]
+    assert forward.bytes_per_call == 2 * 4 * 4 * 8 * 16 * 4  # K and V of one block
+    assert forward.calls_per_step == 1 and k_block > 0
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_activation_memory_divides_by_cp(cp):
+    cfg = GPT2Config(vocab=64, hidden=64, heads=4, layers=2, max_seq=128)
+    batch = shifted_batch(64, 2, 128)
+    one = max(usc.simulate(TinyGPT2(cfg), "dp=1", example_inputs=batch).activation_bytes(*batch))
+    split = max(usc.simulate(TinyGPT2(cfg), f"cp={cp}", example_inputs=batch).activation_bytes(*batch))
+    assert split / one == pytest.approx(1 / cp, rel=0.15)
+
+
+def test_ulysses_needs_heads_divisible_by_cp():
+    with pytest.raises(usc.PlanError) as info:
+        usc.lint(TinyLlama(), "cp=8 cp_mode=ulysses", example_inputs=token_batch(128, 4, 32))
+    assert "heads" in str(info.value) and (info.value.line, info.value.column) == (1, 1)
+    assert "cp=8" in str(info.value).splitlines()[1]
+
+
+def test_sequence_parallel_needs_tp():
+    with pytest.raises(usc.PlanError) as info:
+        usc.lint(TinyLlama(), "dp=2 sp=on", example_inputs=token_batch(128, 4, 16))
+    assert "tp" in str(info.value)
+
+
+def test_tp_outside_cp_with_sp_is_correct_but_warned():
+    batch = token_batch(128, 4, 16)
+    outer = usc.lint(TinyLlama(), "tp=2 cp=2 sp=on", example_inputs=batch)
+    inner = usc.lint(TinyLlama(), "cp=2 tp=2 sp=on", example_inputs=batch)
+    assert any("write cp before tp" in w for w in outer.warnings)
+    assert not any("write cp before tp" in w for w in inner.warnings)
+    assert inner.totals_by_axis()["cp"]["calls"] < outer.totals_by_axis()["cp"]["calls"]
