@@ -176,6 +176,27 @@ class Comm(ABC):
         self._check_peer(peer)
         return self._run("send/recv", like, False, lambda: self._recv(like, peer))
 
+    def send_recv(self, t: torch.Tensor, to_peer: int, from_peer: int, async_op: bool = False) -> Any:
+        """Send t to `to_peer` and receive a tensor like t from `from_peer`, both at once (one ring
+        step). With async_op the transfer runs while the caller computes: (tensor, Work)."""
+        self._check_peer(to_peer)
+        self._check_peer(from_peer)
+        return self._run("send/recv", t, async_op, lambda: self._send_recv(t, to_peer, from_peer))
+
+    def _send_recv(self, t: torch.Tensor, to_peer: int, from_peer: int) -> tuple[torch.Tensor, Work]:
+        """Both halves posted before either is waited for, so a ring of them cannot deadlock."""
+        _, sent = self._send(t, to_peer)
+        buf, received = self._recv_later(t, from_peer)
+
+        def wait() -> None:
+            sent.wait()
+            received.wait()
+
+        return buf, Work(wait)
+
+    def _recv_later(self, like: torch.Tensor, peer: int) -> tuple[torch.Tensor, Work]:
+        return self._recv(like, peer)
+
     def barrier(self) -> None:
         """Block until every member of the group has reached the barrier."""
         self._run("barrier", None, False, self._barrier)
@@ -570,6 +591,20 @@ class ThreadComm(Comm):
                 f"recv expected {tuple(like.shape)} {like.dtype}, got {tuple(got.shape)} {got.dtype}"
             )
         return got, Work()
+
+    def _recv_later(self, like, peer):
+        """Sends are buffered here, so the matching take can wait until the caller waits."""
+        buf = torch.empty_like(like, memory_format=torch.contiguous_format)
+        n, self._received[peer] = self._received[peer], self._received[peer] + 1  # matched in post order
+
+        def take() -> None:
+            got = self.group.take(peer, self.rank, n, self.timeout)
+            if got.shape != like.shape or got.dtype != like.dtype:
+                raise RuntimeError(
+                    f"recv expected {tuple(like.shape)} {like.dtype}, got {tuple(got.shape)} {got.dtype}")
+            buf.copy_(got)
+
+        return buf, Work(take)
 
     def _barrier(self):
         self._exchange("barrier", None)

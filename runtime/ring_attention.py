@@ -149,21 +149,12 @@ def p2p_bytes_per_step(k_local_shape: Sequence[int], dtype: torch.dtype, n: int)
 
 
 # ============================================================================ the ring kernel
-def _pass_on(comm: Comm, t: torch.Tensor) -> torch.Tensor:
-    """Send t to the next rank of the ring and return the previous rank's.
-
-    Comm.send/recv block, so even ranks send first and odd ranks receive first: on real process
-    groups every blocking send then meets a posted recv (a ring of sends-first would wait in a
-    cycle). With an odd ring, rank n-1 and rank 0 are both even; rank 0's first send goes to odd
-    rank 1, which receives first, so the chain still unwinds.
-    """
+def _pass_on(comm: Comm, t: torch.Tensor, *, async_op: bool = False):
+    """Send t to the next rank of the ring and receive the previous rank's. Both halves are posted
+    together (no send-first cycle can deadlock); with async_op the caller computes meanwhile and
+    waits on the returned Work before using the block."""
     nxt, prev = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
-    if comm.rank % 2 == 0:
-        comm.send(t, nxt)
-        return comm.recv(t, prev)
-    got = comm.recv(t, prev)
-    comm.send(t, nxt)
-    return got
+    return comm.send_recv(t.contiguous(), nxt, prev, async_op=async_op)
 
 
 def _tile_scores(q, k, tile: Tile, q_pos, k_pos, scale: float) -> torch.Tensor:
@@ -212,15 +203,16 @@ def _ring_forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.zeros_like(q)
     lse = q.new_full((*q.shape[:-1], 1), float("-inf"))
     for step, tiles in enumerate(ring.schedule):
-        # the next block is exchanged before this one is computed: with an async send/recv this is
-        # where transfer and compute overlap; Comm's p2p blocks today, so nothing overlaps yet
-        following = _pass_on(comm, kv) if step < comm.size - 1 else None
+        # the next block travels while this one is computed (async send/recv, waited after)
+        following, transfer = _pass_on(comm, kv, async_op=True) if step < comm.size - 1 else (None, None)
         k_blk, v_blk = kv.to(q.dtype).unbind(0)
         for tile in tiles:
             s = _tile_scores(q, k_blk, tile, ring.q_pos, ring.block_pos[step], ring.scale)
             lse_t = torch.logsumexp(s, dim=-1, keepdim=True)
             o_t = torch.exp(s - lse_t) @ v_blk[..., : tile.k_hi, :]
             _merge(out, lse, slice(tile.q_lo, tile.q_hi), o_t, lse_t)
+        if transfer is not None:
+            transfer.wait()
         kv = following
     return out, lse
 
@@ -232,6 +224,8 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, dout) -> tuple[torch.Tensor, 
     dq = torch.zeros_like(q)
     dkv = q.new_zeros((2, *k.shape))
     for step, tiles in enumerate(ring.schedule):
+        more = comm.size > 1 and step < comm.size - 1
+        following, transfer = _pass_on(comm, kv, async_op=True) if more else (None, None)
         k_blk, v_blk = kv.to(q.dtype).unbind(0)
         for tile in tiles:
             rows, keys = slice(tile.q_lo, tile.q_hi), slice(0, tile.k_hi)
@@ -243,8 +237,10 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, dout) -> tuple[torch.Tensor, 
             dq[..., rows, :] += (ds @ k_blk[..., keys, :]) * ring.scale
             dkv[0, ..., keys, :] += (ds.transpose(-2, -1) @ q[..., rows, :]) * ring.scale
         if comm.size > 1:
-            kv = _pass_on(comm, kv) if step < comm.size - 1 else None
             dkv = _pass_on(comm, dkv)  # n passes: the last one brings it home
+            if transfer is not None:
+                transfer.wait()
+            kv = following
     return dq, dkv[0], dkv[1]
 
 

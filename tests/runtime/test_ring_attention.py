@@ -123,12 +123,10 @@ def test_forward_sends_n_minus_1_kv_blocks_and_backward_brings_dkv_home():
         return forward, comm.stats.calls["send/recv"]
 
     results = run_in_threads(simulated_meshes(("cp",), (n,), timeout=30), rank_fn, timeout=30)
-    # forward: n-1 (send, recv) pairs of one stacked K/V block; stats count sends and recvs alike
-    assert all(
-        fwd == (2 * (n - 1), 2 * (n - 1) * p2p_bytes_per_step(shape, torch.float32, n)) for fwd, _ in results
-    )
-    # backward: n-1 K/V pairs and n dK/dV pairs on top
-    assert all(total == 2 * (n - 1) + 2 * (n - 1) + 2 * n for _, total in results)
+    # forward: n-1 exchanges (one send + one recv each) of one stacked K/V block; bytes = bytes sent
+    assert all(fwd == (n - 1, (n - 1) * p2p_bytes_per_step(shape, torch.float32, n)) for fwd, _ in results)
+    # backward: n-1 K/V exchanges and n dK/dV exchanges on top
+    assert all(total == (n - 1) + (n - 1) + n for _, total in results)
     assert p2p_bytes_per_step(shape, torch.bfloat16, 1) == 0
     assert p2p_bytes_per_step(shape, torch.bfloat16, 2) == 2 * 64 * 2
 
