@@ -63,5 +63,5 @@ def build_program(gm: fx.GraphModule, mesh: MeshSpec, state: list[StateInput], u
                                tuple(value.shape), value.dtype, ann.partial_grad_axes))
     inputs = [InputSpec(n, nodes[n].meta[META].layout, tuple(nodes[n].meta["val"].shape)) for n in user_inputs]
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+    loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]  # (loss[, count])
     return Program(gm, mesh, specs, inputs, loss.meta[META].layout, tp_choices, timings)

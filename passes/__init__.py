@@ -18,10 +18,11 @@ from usc.dsl import OPTIONS
 from .grad_sync import grad_sync_pass
 from .layouts import batch_layouts, merge_layouts, tp_layouts
 from .localize import localize_pass
+from .loss_count import expose_loss_count_pass
 from .propagate import propagate_pass
 
 # Options whose pass does not exist yet: a value other than the default is refused by name.
-UNIMPLEMENTED_VALUES = ("zero", "mb", "recompute", "fuse", "v", "dtype", "split")
+UNIMPLEMENTED_VALUES = ("recompute", "fuse", "v", "split")
 UNIMPLEMENTED_OPTIONS = ("schedule", "capacity_factor")
 SUPPORTED_AXES = ("dp", "tp", "cp")
 
@@ -35,6 +36,7 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) ->
         PassSpec("propagate", propagate_pass, {"input_layouts": input_layouts, "grad_inputs": grad_inputs}),
         PassSpec("grad_sync", grad_sync_pass, {"params": params}),
         PassSpec("localize", localize_pass),
+        PassSpec("expose_loss_count", expose_loss_count_pass),
     ]
 
 
@@ -44,6 +46,9 @@ def check_supported(plan) -> None:
         if axis not in SUPPORTED_AXES and plan.size(axis) > 1:
             raise plan.error_at(axis, f"mesh axis '{axis}' is not implemented yet (supported today: dp, tp, cp)",
                                 hint=f"remove {axis}={plan.size(axis)} or set it to 1")
+    if plan.get("zero") == 3:
+        raise plan.error_at("zero", "zero=3 (parameters sharded and gathered per layer) is not implemented yet; "
+                                    "zero=1 and zero=2 are", hint="use zero=2")
     for name in UNIMPLEMENTED_VALUES:
         default = OPTIONS[name].default
         if plan.is_set(name) and plan.get(name) != default:

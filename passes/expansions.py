@@ -35,6 +35,7 @@ class ExpansionContext:
     mesh: MeshSpec
     editor: GraphEditor
     cp_mode: str = "ring"
+    microbatches: int = 1
 
 
 EXPANSIONS: dict = {}
@@ -210,8 +211,9 @@ def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
         logits, labels = _peel_flatten(ctx, logits, labels)
         logits, labels, shift = _peel_shift(ctx, logits, labels)
     sources = (logits, _underlying(ctx, labels.args[0]) if shift else labels)
-    if all(isinstance(p, Replicate) for n in sources for p in _layout(_underlying(ctx, n)).placements):
-        return None
+    whole = all(isinstance(p, Replicate) for n in sources for p in _layout(_underlying(ctx, n)).placements)
+    if whole and not (ctx.microbatches > 1 and reduction == 1):
+        return None  # (with microbatches a mean loss is expanded anyway: its count is needed)
     b = _Builder(ctx, node)
     if shift:
         labels = _shifted_labels(b, labels, ignore_index)
@@ -234,7 +236,9 @@ def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
     total = b.call(aten.sum.default, per_token)
     if reduction == 2:
         return b.finish(total)
-    return b.finish(b.call(aten.div.Tensor, total, b.call(aten.sum.default, counted)))
+    mean = b.call(aten.div.Tensor, total, b.call(aten.sum.default, counted))
+    mean.meta["usc_token_mean"] = True  # expose_loss_count_pass returns its denominator too
+    return b.finish(mean)
 
 
 def _sdpa_args(node: fx.Node) -> dict:

@@ -41,6 +41,7 @@ class Propagation:
     grad_inputs: set[str]
     sequence_parallel: bool = False
     cp_mode: str = "ring"
+    microbatches: int = 1
     editor: GraphEditor = field(init=False)
     cache: dict[tuple[fx.Node, Layout], fx.Node] = field(default_factory=dict)
     reduced: dict[fx.Node, fx.Node] = field(default_factory=dict)  # partial value -> first reduced copy
@@ -52,7 +53,7 @@ class Propagation:
 def propagate_pass(gm: fx.GraphModule, ctx, *, input_layouts: dict[str, Layout], grad_inputs: set[str]):
     """Place every node on the mesh (see the module docstring)."""
     state = Propagation(gm, ctx.mesh, input_layouts, grad_inputs, sequence_parallel=bool(ctx.plan.get("sp")),
-                        cp_mode=ctx.plan.get("cp_mode"))
+                        cp_mode=ctx.plan.get("cp_mode"), microbatches=int(ctx.plan.get("mb")))
     for node in list(gm.graph.nodes):
         if node.graph is gm.graph and (node.users or node.op in ("output", "placeholder")):
             place(state, node)
@@ -82,7 +83,8 @@ def place(state: Propagation, node: fx.Node) -> None:
         return
     expand = EXPANSIONS.get(_op_key(state.gm, node))
     if expand is not None:
-        new_nodes = expand(ExpansionContext(state.gm, state.mesh, state.editor, state.cp_mode), node)
+        new_nodes = expand(ExpansionContext(state.gm, state.mesh, state.editor, state.cp_mode, state.microbatches),
+                           node)
         if new_nodes is not None:
             for new in new_nodes:
                 place(state, new)

@@ -8,6 +8,7 @@ in-memory collectives): only the Mesh it is given differs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Callable, Iterable, Mapping
 
@@ -17,6 +18,7 @@ import torch.fx as fx
 from .layout import gather_full, local_chunk, zigzag_permute
 from .reducer import GradReducer
 from .trace import Timeline
+from .zero import ZeroOptimizer
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -40,9 +42,11 @@ class RankExecutor:
     """One rank: local shards of the state, the bound program, the optimizer and the grad reducer."""
 
     def __init__(self, program, mesh, full_state: Mapping[str, torch.Tensor], *,
-                 optimizer: OptimizerFactory | None = None, bucket_bytes: int = 25 * 2**20) -> None:
+                 optimizer: OptimizerFactory | None = None, bucket_bytes: int = 25 * 2**20,
+                 zero: int = 0, microbatches: int = 1, compute_dtype: torch.dtype | None = None) -> None:
         self.program, self.mesh = program, mesh
         self.gm = bind_graph(program.gm, mesh)
+        self.microbatches, self.compute_dtype = microbatches, compute_dtype
         self.state: dict[str, torch.Tensor] = {}
         self.params: list[torch.nn.Parameter] = []
         for spec in program.state:
@@ -50,8 +54,12 @@ class RankExecutor:
         entries = [(s.name, self.state[s.placeholder], s.grad_axes) for s in program.state
                    if isinstance(self.state[s.placeholder], torch.nn.Parameter)]
         self.timeline: Timeline | None = None
-        self.reducer = GradReducer(entries, mesh, bucket_bytes=bucket_bytes)
-        self.optimizer = (optimizer or default_optimizer)(self.params)
+        sharded = zero >= 1 and mesh.size("dp") > 1
+        self.reducer = GradReducer(entries, mesh, bucket_bytes=bucket_bytes,
+                                   scatter_axis="dp" if sharded and zero >= 2 else None)
+        factory = optimizer or default_optimizer
+        self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, self.params) if sharded \
+            else factory(self.params)
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
 
     def _local_state(self, spec, full: torch.Tensor) -> torch.Tensor:
@@ -63,13 +71,28 @@ class RankExecutor:
         return local
 
     def _arguments(self, batch: tuple) -> list[torch.Tensor]:
+        values = {name: self._compute(t) for name, t in self.state.items()}
+        for spec, value in zip(self.program.inputs, batch):
+            values[spec.placeholder] = self._compute(self._local_input(spec, value))
+        return [values[name] for name in self._order]
+
+    def _compute(self, t):
+        """dtype=bf16: float tensors enter the graph in bfloat16 (a differentiable cast, so the
+        float32 master weights receive float32 gradients)."""
+        if self.compute_dtype is None or not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            return t
+        return t.to(self.compute_dtype)
+
+    def _split(self, batch: tuple) -> list[tuple]:
+        """The global batch as `microbatches` global microbatches along dim 0."""
         if len(batch) != len(self.program.inputs):
             raise TypeError(f"the compiled model takes {len(self.program.inputs)} inputs "
                             f"({', '.join(i.placeholder for i in self.program.inputs)}); got {len(batch)}")
-        values = dict(self.state)
-        for spec, value in zip(self.program.inputs, batch):
-            values[spec.placeholder] = self._local_input(spec, value)
-        return [values[name] for name in self._order]
+        if self.microbatches == 1:
+            return [batch]
+        pieces = [v.chunk(self.microbatches, 0) if isinstance(v, torch.Tensor) else [v] * self.microbatches
+                  for v in batch]
+        return [tuple(p[m] for p in pieces) for m in range(self.microbatches)]
 
     def _local_input(self, spec, value) -> torch.Tensor:
         if not isinstance(value, torch.Tensor):
@@ -83,12 +106,18 @@ class RankExecutor:
                 value = zigzag_permute(value, placement.dim, self.mesh.size(axis))
         return local_chunk(value, spec.layout.placements, self.mesh.shape, self.mesh.coord)
 
-    def _loss(self, batch: tuple) -> torch.Tensor:
+    def _loss(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """(loss, count): count is the global number of tokens the loss averaged over when the
+        program exposes it (a mean cross-entropy), else 1."""
         out = self.gm(*self._arguments(batch))
-        return out[0] if isinstance(out, (tuple, list)) else out
+        if not isinstance(out, (tuple, list)):
+            return out, 1.0
+        return (out[0], out[1].detach().to(torch.float64)) if len(out) > 1 else (out[0], 1.0)
 
     def _global(self, loss: torch.Tensor) -> float:
         value = loss.detach()
+        if value.dtype in (torch.bfloat16, torch.float16):
+            value = value.float()
         for axis in self.program.loss_partial_axes:
             value = self.mesh.comm(axis).all_reduce(value)
         return float(value)
@@ -103,16 +132,37 @@ class RankExecutor:
         return self.timeline.span(name, "compute")
 
     def step(self, batch: tuple) -> float:
-        """One optimizer step on the global batch; returns the global mean loss."""
-        with self._span("forward"):
-            loss = self._loss(batch)
-        with self._span("backward"):
-            loss.backward()
+        """One optimizer step on the global batch; returns the global mean loss.
+
+        With microbatches the loss is the global token mean, not a mean of microbatch means:
+        microbatch m contributes sum_m / N where N is the total count, so each backward is scaled
+        by count_m / N once N is known (after the last forward); the gradient reduction runs
+        once, during the last microbatch's backward."""
+        micro = self._split(batch)
+        total, count, weighted = 0.0, 0.0, []
+        for m, piece in enumerate(micro):
+            last = m == len(micro) - 1
+            with self._span("forward"):
+                loss, n = self._loss(piece)
+            count += float(n)
+            if last:
+                self._scale_grads(1.0 / count if len(micro) > 1 else 1.0)
+            scale = float(n) / count if last else float(n)
+            weighted.append(loss.detach() * float(n))
+            with self._span("backward"), (contextlib.nullcontext() if last else self.reducer.no_sync()):
+                (loss * scale).backward() if scale != 1.0 else loss.backward()
         self.reducer.finish()
         with self._span("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return self._global(loss)
+        return self._global(sum(weighted) / count)
+
+    def _scale_grads(self, factor: float) -> None:
+        if factor == 1.0:
+            return
+        for param in self.params:
+            if param.grad is not None:
+                param.grad.mul_(factor)
 
     def activation_bytes(self, batch: tuple) -> int:
         """Bytes of the activations autograd saves for backward in one forward (unique storages,
@@ -127,13 +177,33 @@ class RankExecutor:
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = self._loss(batch)
+            loss, _ = self._loss(self._split(batch)[0])
         del loss
         return sum(seen.values())
 
     @torch.no_grad()
     def evaluate(self, batch: tuple) -> float:
-        return self._global(self._loss(batch))
+        pieces = [self._loss(piece) for piece in self._split(batch)]
+        count = sum(float(n) for _, n in pieces)
+        return self._global(sum(loss * float(n) for loss, n in pieces) / count)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now in parameters, gradients and optimizer state (unique storages)."""
+        def nbytes(tensors) -> int:
+            seen = {}
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return sum(seen.values())
+
+        grads = [p.grad for p in self.params] + [b.shard_grad for b in self.reducer.buckets]
+        if isinstance(self.optimizer, ZeroOptimizer):
+            grads += [m.grad for m in self.optimizer.masters]
+            states = self.optimizer.inner.state.values()
+        else:
+            states = self.optimizer.state.values()
+        return {"params": nbytes(self.params), "grads": nbytes(grads),
+                "optimizer": nbytes(t for state in states for t in state.values())}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded state under every state_dict name (tied weights appear under each name)."""

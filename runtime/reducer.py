@@ -57,6 +57,8 @@ class _Bucket:
     work: Work | None = None
     stage: int = 0  # number of axes launched so far
     span: SpanToken | None = None
+    shard: str | None = None  # ZeRO-2: this axis is reduce-scattered; the bucket keeps one slice
+    shard_grad: torch.Tensor | None = None  # after finish(): this rank's slice of the summed gradient
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +70,12 @@ class _Bucket:
 
     def names(self) -> list[str]:
         return [name for name, _ in self.params]
+
+
+def pad_to_multiple(flat: torch.Tensor, n: int) -> torch.Tensor:
+    """Zero-pad a flat buffer so it splits into n equal slices (ZeRO's partitioning)."""
+    extra = (-flat.numel()) % n
+    return torch.cat([flat, flat.new_zeros(extra)]) if extra else flat
 
 
 def _grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
@@ -113,10 +121,19 @@ class GradReducer:
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeline: Timeline | None = None,
+        scatter_axis: str | None = None,
     ):
+        """scatter_axis (ZeRO-2): buckets reduced over this axis are reduce-scattered over it first
+        (padded to a multiple of its size); each rank keeps only its slice in `bucket.shard_grad`
+        and the parameters' full gradients are dropped."""
         self.mesh = mesh
         self.timeline = timeline
         self.buckets = _build_buckets(params, mesh, bucket_bytes)
+        if scatter_axis is not None and mesh.size(scatter_axis) > 1:
+            for bucket in self.buckets:
+                if scatter_axis in bucket.axes:
+                    bucket.shard = scatter_axis
+                    bucket.axes = (scatter_axis,) + tuple(a for a in bucket.axes if a != scatter_axis)
         self._bucket_of = {id(p): b for b in self.buckets for _, p in b.params}
         self._launch_order: list[_Bucket] = []
         self._sync = True
@@ -178,14 +195,22 @@ class GradReducer:
     def _launch(self, bucket: _Bucket) -> None:
         """Flatten the bucket's gradients (missing ones as zeros) and reduce over its first axis."""
         bucket.flat = torch.cat([_grad_or_zeros(p).reshape(-1) for _, p in bucket.params])
+        if bucket.shard is not None:
+            bucket.flat = pad_to_multiple(bucket.flat, self.mesh.size(bucket.shard))
+            for _, p in bucket.params:
+                p.grad = None  # ZeRO-2: only this rank's slice of the sum is kept
         if self.timeline is not None:
             bucket.span = self.timeline.begin(f"grad-bucket{bucket.index}{list(bucket.axes)}", "comm")
         self._launch_next_axis(bucket)
         self._launch_order.append(bucket)
 
     def _launch_next_axis(self, bucket: _Bucket) -> None:
-        comm = self.mesh.comm(bucket.axes[bucket.stage])
-        bucket.flat, bucket.work = comm.all_reduce(bucket.flat, "sum", async_op=True)
+        axis = bucket.axes[bucket.stage]
+        comm = self.mesh.comm(axis)
+        if axis == bucket.shard:
+            bucket.flat, bucket.work = comm.reduce_scatter(bucket.flat, 0, async_op=True)
+        else:
+            bucket.flat, bucket.work = comm.all_reduce(bucket.flat, "sum", async_op=True)
         bucket.stage += 1
 
     def _complete_all(self) -> None:
@@ -203,6 +228,11 @@ class GradReducer:
             pending = still_running
 
     def _write_back(self, bucket: _Bucket) -> None:
+        if bucket.shard is not None:
+            bucket.shard_grad = bucket.flat
+            if bucket.span is not None and self.timeline is not None:
+                self.timeline.end(bucket.span)
+            return
         offset = 0
         for _, param in bucket.params:
             reduced = bucket.flat[offset : offset + param.numel()].view_as(param)

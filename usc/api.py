@@ -88,12 +88,29 @@ class _Compiled:
 
     def _build(self, batch: tuple) -> None:
         start = time.perf_counter()
-        traced = trace(self.model, batch, wrapper_source=self._loss_source)
+        traced = trace(self.model, self._microbatch(batch), wrapper_source=self._loss_source)
         check_rules_match(self.plan, list(traced.module_types))
         self._traced = traced
         self._program = parallelize(traced, self.plan)
         self._report = build_report(self._program, model=type(self._user_model).__name__, plan=str(self.plan),
                                     bucket_bytes=self.bucket_bytes, compile_seconds=time.perf_counter() - start)
+
+    def _microbatch(self, batch: tuple) -> tuple:
+        """The program is compiled for one global microbatch (mb=M splits the batch's dim 0)."""
+        mb = int(self.plan.get("mb"))
+        if mb == 1:
+            return batch
+        first = next((v for v in batch if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+        if first is None or first.shape[0] % mb:
+            size = None if first is None else first.shape[0]
+            raise self.plan.error_at("mb", f"mb={mb} microbatches do not divide the global batch of {size}",
+                                     hint=f"use a batch that is a multiple of {mb}")
+        return tuple(v.chunk(mb, 0)[0] if isinstance(v, torch.Tensor) else v for v in batch)
+
+    def _executor_options(self) -> dict:
+        return {"bucket_bytes": self.bucket_bytes, "zero": int(self.plan.get("zero")),
+                "microbatches": int(self.plan.get("mb")),
+                "compute_dtype": torch.bfloat16 if self.plan.get("dtype") == "bf16" else None}
 
     @property
     def bucket_bytes(self) -> int:
@@ -134,7 +151,7 @@ class Compiled(_Compiled):
         if self._executor is None:
             mesh = self._mesh()
             self._executor = RankExecutor(self._program, mesh, _full_state(self.model, self._traced),
-                                          optimizer=self._optimizer, bucket_bytes=self.bucket_bytes)
+                                          optimizer=self._optimizer, **self._executor_options())
         return self._executor
 
     def _mesh(self) -> Mesh:
@@ -196,7 +213,7 @@ class Simulated(_Compiled):
         self._ensure_built(())
         self.meshes = simulated_meshes(tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), timeout=self.timeout)
         state = _full_state(self.model, self._traced)
-        self.ranks = [RankExecutor(self._program, mesh, state, optimizer=optimizer, bucket_bytes=self.bucket_bytes)
+        self.ranks = [RankExecutor(self._program, mesh, state, optimizer=optimizer, **self._executor_options())
                       for mesh in self.meshes]
 
     def _run(self, fn) -> list:
@@ -218,6 +235,10 @@ class Simulated(_Compiled):
 
     def __call__(self, *batch) -> float:
         return self._run(lambda rank: rank.evaluate(batch))[0]
+
+    def memory_bytes(self) -> list[dict[str, int]]:
+        """Measured bytes held per rank in parameters, gradients and optimizer state."""
+        return [rank.memory_bytes() for rank in self.ranks]
 
     def activation_bytes(self, *batch) -> list[int]:
         """Measured bytes of activations saved for backward by one forward, per rank."""

@@ -1,0 +1,86 @@
+"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020) over the data-parallel axis.
+
+The gradient reducer's buckets are the partition: each bucket's parameters are laid out
+contiguously in one flat buffer (the parameters become views into it), padded to a multiple of
+dp, and rank r owns slice r of every bucket. The optimizer the user's factory builds sees one
+"master" parameter per bucket — a view of this rank's slice, so it costs no extra memory — plus
+the parameters that are not reduced over dp. An element-wise optimizer (Adam, AdamW, SGD with
+momentum) on the slices equals the full update exactly.
+
+Stage 1: gradients are all-reduced in full (as plain data parallelism does); each rank steps its
+slice, then the updated slices are all-gathered into every rank's parameters.
+Stage 2: gradients are reduce-scattered during backward (the reducer's scatter_axis); each rank
+keeps only its slice of the summed gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from .reducer import GradReducer, pad_to_multiple
+
+
+class ZeroOptimizer:
+    """Wraps the user's optimizer so it only holds state for this rank's slices."""
+
+    def __init__(self, reducer: GradReducer, axis: str, stage: int, factory: Callable[[Iterable], torch.optim.Optimizer],
+                 other_params: list[nn.Parameter]) -> None:
+        self.reducer, self.axis, self.stage = reducer, axis, stage
+        self.comm = reducer.mesh.comm(axis)
+        self.buckets = [b for b in reducer.buckets if axis in b.axes]
+        self.flats: list[torch.Tensor] = []
+        self.masters: list[nn.Parameter] = []
+        for bucket in self.buckets:
+            flat, master = self._partition(bucket)
+            self.flats.append(flat)
+            self.masters.append(master)
+        sharded = {id(p) for b in self.buckets for _, p in b.params}
+        rest = [p for p in other_params if id(p) not in sharded]
+        self.inner = factory(self.masters + rest)
+
+    def _partition(self, bucket) -> tuple[torch.Tensor, nn.Parameter]:
+        """One flat buffer per bucket; parameters become views into it; the master is my slice."""
+        flat = pad_to_multiple(torch.cat([p.detach().reshape(-1) for _, p in bucket.params]), self.comm.size)
+        offset = 0
+        for _, param in bucket.params:
+            param.data = flat[offset: offset + param.numel()].view_as(param)
+            offset += param.numel()
+        size = flat.numel() // self.comm.size
+        master = nn.Parameter(flat[self.comm.rank * size: (self.comm.rank + 1) * size])
+        return flat, master
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    def _slice_grads(self) -> None:
+        size_of = lambda flat: flat.numel() // self.comm.size  # noqa: E731
+        for bucket, flat, master in zip(self.buckets, self.flats, self.masters):
+            if self.stage >= 2:
+                master.grad = bucket.shard_grad
+                bucket.shard_grad = None
+                continue
+            full = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for _, p in bucket.params])
+            full = pad_to_multiple(full, self.comm.size)
+            size = size_of(flat)
+            master.grad = full[self.comm.rank * size: (self.comm.rank + 1) * size].clone()
+            for _, p in bucket.params:
+                p.grad = None  # the full gradient is not needed past this point
+
+    def step(self) -> None:
+        self._slice_grads()
+        self.inner.step()
+        for flat, master in zip(self.flats, self.masters):
+            gathered = self.comm.all_gather(master.detach(), 0)
+            flat.copy_(gathered)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for state in self.inner.state.values()
+                   for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
