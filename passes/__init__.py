@@ -46,6 +46,9 @@ def check_supported(plan) -> None:
         if axis not in SUPPORTED_AXES and plan.size(axis) > 1:
             raise plan.error_at(axis, f"mesh axis '{axis}' is not implemented yet (supported today: dp, tp, cp)",
                                 hint=f"remove {axis}={plan.size(axis)} or set it to 1")
+    if plan.get("zero") and plan.size("dp") == 1:
+        raise plan.error_at("zero", "ZeRO shards optimizer state, gradients and parameters over dp and needs dp>1",
+                            hint="add dp=N (N>1) or remove zero=")
     if plan.get("zero") == 3:
         raise plan.error_at("zero", "zero=3 (parameters sharded and gathered per layer) is not implemented yet; "
                                     "zero=1 and zero=2 are", hint="use zero=2")

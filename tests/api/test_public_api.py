@@ -248,8 +248,8 @@ def test_dp_that_does_not_divide_the_batch_names_dp_and_the_batch():
 
 @pytest.mark.parametrize("plan, position, name", [
     ("dp=1 pp=2", (1, 6), "pp"),
-    ("dp=1\nzero=1", (2, 1), "zero"),
-    ("tp=1  dtype=bf16", (1, 7), "dtype"),
+    ("dp=2\nzero=3", (2, 1), "zero"),
+    ("tp=1  recompute=full", (1, 7), "recompute"),
 ])
 def test_unimplemented_options_are_refused_by_name(plan, position, name):
     err = plan_error(TwoLinears(), plan, (torch.randn(4, 8),))
