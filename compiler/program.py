@@ -24,6 +24,7 @@ class StateSpec:
     global_shape: tuple[int, ...]
     dtype: torch.dtype
     grad_axes: tuple[str, ...] = ()
+    trainable: bool = True
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def build_program(gm: fx.GraphModule, mesh: MeshSpec, state: list[StateInput], u
         ann = node.meta[META]
         value = node.meta["val"]
         specs.append(StateSpec(s.placeholder, s.name, s.kind, s.aliases or (s.name,), ann.layout,
-                               tuple(value.shape), value.dtype, ann.partial_grad_axes))
+                               tuple(value.shape), value.dtype, ann.partial_grad_axes, s.trainable))
     inputs = [InputSpec(n, nodes[n].meta[META].layout, tuple(nodes[n].meta["val"].shape)) for n in user_inputs]
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]  # (loss[, count])

@@ -54,6 +54,8 @@ class Report:
     pass_timings: list = field(default_factory=list)
     exposed_comm_seconds: float | None = None
     attention_flops: dict = field(default_factory=dict)  # cp axis -> multiply-adds per rank
+    memory: dict = field(default_factory=dict)  # ZeRO stage -> predicted bytes per rank by kind
+    zero_stage: int = 0
 
     def count(self, kind: str | None = None, *, axis: str | None = None, direction: str | None = None,
               module_prefix: str | None = None) -> int:
@@ -82,6 +84,8 @@ class Report:
             "compile_seconds": round(self.compile_seconds, 3),
             "exposed_comm_seconds": self.exposed_comm_seconds,
             "attention_flops_per_rank": self.attention_flops,
+            "memory_per_rank_by_zero_stage": self.memory,
+            "zero_stage": self.zero_stage,
             "p2p_bytes_per_step": self.p2p_bytes_per_step,
         }
 
@@ -188,8 +192,46 @@ def _bucket_records(program: Program, axes, bucket, dtype) -> list[CollectiveRec
             for axis in axes]
 
 
+def _buckets(program: Program, bucket_bytes: int) -> list[tuple[tuple[str, ...], int]]:
+    """(axes, bytes) per gradient bucket, packed as the runtime packs them (see gradient_buckets)."""
+    done, open_buckets = [], {}
+    for spec in reversed(program.state):
+        axes = tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1)
+        if not axes:
+            continue
+        shape = spec.layout.local_shape(spec.global_shape, program.mesh)
+        open_buckets[axes] = open_buckets.get(axes, 0) + _nbytes(shape, spec.dtype)
+        if open_buckets[axes] >= bucket_bytes:
+            done.append((axes, open_buckets.pop(axes)))
+    return done + list(open_buckets.items())
+
+
+def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_states: int = 2) -> dict[int, dict]:
+    """Predicted bytes per rank in parameters, gradients and optimizer state for ZeRO stages 0-3.
+
+    Rajbhandari et al. 2020: stage 1 shards the optimizer state over dp, stage 2 also the
+    gradients, stage 3 also the parameters. Sharded buffers are the gradient buckets reduced over
+    dp, each padded to a multiple of dp. optimizer_states: tensors of the parameter's size the
+    optimizer keeps per parameter (2 for Adam/AdamW: exp_avg, exp_avg_sq). Gradients are counted
+    at their peak, after the reduction and before the optimizer step.
+    """
+    params = sum(_nbytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
+                 for s in program.state if s.kind == "param" and s.trainable)
+    dp = program.mesh.size("dp")
+    sharded = sum(nbytes for axes, nbytes in _buckets(program, bucket_bytes) if "dp" in axes) if dp > 1 else 0
+    padded_slice = sum(-(-nbytes // (4 * dp)) * 4 for axes, nbytes in _buckets(program, bucket_bytes)
+                       if "dp" in axes) if dp > 1 else 0
+    whole, part = params - sharded, padded_slice
+    return {
+        0: {"params": params, "grads": params, "optimizer": optimizer_states * params},
+        1: {"params": params, "grads": params, "optimizer": optimizer_states * (whole + part)},
+        2: {"params": params, "grads": whole + part, "optimizer": optimizer_states * (whole + part)},
+        3: {"params": whole + part, "grads": whole + part, "optimizer": optimizer_states * (whole + part)},
+    }
+
+
 def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, compile_seconds: float,
-                 warnings: list[str] | None = None) -> Report:
+                 warnings: list[str] | None = None, zero_stage: int = 0) -> Report:
     collectives = graph_collectives(program.gm, program.mesh) + gradient_buckets(program, bucket_bytes)
     params = sum(_nbytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
                  for s in program.state if s.kind == "param")
@@ -197,4 +239,5 @@ def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, 
         f"{c.module}: {c.reason}" for c in program.tp_choices if c.style == "replicate"]
     return Report(model, plan, program.mesh, collectives, list(program.tp_choices), warnings, params,
                   compile_seconds, list(program.timings),
-                  attention_flops=attention_flops_per_rank(program.gm, program.mesh))
+                  attention_flops=attention_flops_per_rank(program.gm, program.mesh),
+                  memory=memory_by_zero_stage(program, bucket_bytes), zero_stage=zero_stage)

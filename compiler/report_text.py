@@ -46,6 +46,13 @@ def render(report) -> str:
         spread = (max(flops) - min(flops)) / max(max(flops), 1)
         lines.append(f"attention multiply-adds per {axis} rank: {', '.join(f'{f:,}' for f in flops)} "
                      f"(spread {spread:.0%}); send/recv {human_bytes(report.p2p_bytes_per_step)} per step")
+    if report.memory:
+        lines.append("predicted bytes per rank (params + grads + AdamW state), by ZeRO stage:")
+        for stage, m in report.memory.items():
+            mark = "  <- this plan" if stage == report.zero_stage else ""
+            lines.append(f"  zero={stage}: params {human_bytes(m['params'])}, grads {human_bytes(m['grads'])}, "
+                         f"optimizer {human_bytes(m['optimizer'])}, total "
+                         f"{human_bytes(m['params'] + m['grads'] + m['optimizer'])}{mark}")
     if report.exposed_comm_seconds is not None:
         lines.append(f"exposed communication in the last traced step: {report.exposed_comm_seconds * 1e3:.2f} ms")
     for w in report.warnings:

@@ -152,6 +152,7 @@ class RankExecutor:
             with self._span("backward"), (contextlib.nullcontext() if last else self.reducer.no_sync()):
                 (loss * scale).backward() if scale != 1.0 else loss.backward()
         self.reducer.finish()
+        self.peak_state_bytes = self.memory_bytes()  # gradients are at their peak here
         with self._span("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
