@@ -18,6 +18,8 @@ import torch.fx as fx
 from .layout import gather_full, local_chunk, zigzag_permute
 from .reducer import GradReducer
 from .trace import Timeline
+from .checkpoint import CheckpointError
+from .reducer import pad_to_multiple
 from .zero import ZeroOptimizer
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -187,6 +189,102 @@ class RankExecutor:
         pieces = [self._loss(piece) for piece in self._split(batch)]
         count = sum(float(n) for _, n in pieces)
         return self._global(sum(loss * float(n) for loss, n in pieces) / count)
+
+    # ------------------------------------------------------------------ checkpoints (full tensors)
+    def _named_params(self) -> dict[str, tuple]:
+        return {spec.name: (spec, self.state[spec.placeholder]) for spec in self.program.state
+                if isinstance(self.state[spec.placeholder], torch.nn.Parameter)}
+
+    def _local_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Optimizer state per parameter name, shaped like this rank's parameter (ZeRO slices
+        are gathered over dp and cut back into parameters)."""
+        by_param = {id(p): name for name, (_, p) in self._named_params().items()}
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        inner = self.optimizer.inner if isinstance(self.optimizer, ZeroOptimizer) else self.optimizer
+        for param, state in inner.state.items():
+            if id(param) in by_param:
+                out[by_param[id(param)]] = dict(state)
+        if isinstance(self.optimizer, ZeroOptimizer):
+            for bucket, master in zip(self.optimizer.buckets, self.optimizer.masters):
+                for key, value in inner.state.get(master, {}).items():
+                    full = self.optimizer.comm.all_gather(value, 0) if value.dim() else value
+                    offset = 0
+                    for name, p in bucket.params:
+                        piece = full[offset: offset + p.numel()].view_as(p) if value.dim() else value
+                        out.setdefault(name, {})[key] = piece
+                        offset += p.numel()
+        return out
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Full tensors for a checkpoint: 'model/<name>' and 'optim/<name>/<key>' (a collective call)."""
+        tensors = {}
+        for spec in self.program.state:
+            tensors[f"model/{spec.name}"] = gather_full(self.state[spec.placeholder].detach(),
+                                                        spec.layout.placements, self.mesh)
+        params = self._named_params()
+        for name, state in sorted(self._local_optimizer_state().items()):
+            spec = params[name][0]
+            for key, value in state.items():
+                full = gather_full(value, spec.layout.placements, self.mesh) if value.dim() else value
+                tensors[f"optim/{name}/{key}"] = full
+        inner = self.optimizer.inner if isinstance(self.optimizer, ZeroOptimizer) else self.optimizer
+        groups = [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str, type(None),
+                                                                                  list, tuple))}
+                  for g in inner.param_groups]
+        return tensors, {"param_groups": groups}
+
+    def load_checkpoint_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Take this rank's shards of a full checkpoint (any plan wrote it)."""
+        for spec in self.program.state:
+            full = tensors.get(f"model/{spec.name}")
+            if full is None:
+                raise CheckpointError(f"the checkpoint has no tensor for '{spec.name}'")
+            if tuple(full.shape) != spec.global_shape:
+                raise CheckpointError(f"'{spec.name}' is {list(full.shape)} in the checkpoint but "
+                                      f"{list(spec.global_shape)} in the model")
+            local = local_chunk(full, spec.layout.placements, self.mesh.shape, self.mesh.coord)
+            with torch.no_grad():
+                self.state[spec.placeholder].copy_(local)
+        local_state: dict[str, dict[str, torch.Tensor]] = {}
+        params = self._named_params()
+        for key, full in tensors.items():
+            if key.startswith("optim/"):
+                name, field = key[len("optim/"):].rsplit("/", 1)
+                spec = params[name][0]
+                local = local_chunk(full, spec.layout.placements, self.mesh.shape, self.mesh.coord) \
+                    if full.dim() else full
+                local_state.setdefault(name, {})[field] = local.clone()
+        self._set_optimizer_state(local_state)
+        inner = self.optimizer.inner if isinstance(self.optimizer, ZeroOptimizer) else self.optimizer
+        for group, saved in zip(inner.param_groups, meta.get("param_groups", [])):
+            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+
+    def _set_optimizer_state(self, local_state: dict[str, dict[str, torch.Tensor]]) -> None:
+        params = self._named_params()
+        if not isinstance(self.optimizer, ZeroOptimizer):
+            for name, state in local_state.items():
+                self.optimizer.state[params[name][1]] = state
+            return
+        inner, zero = self.optimizer.inner, self.optimizer
+        in_bucket = set()
+        for bucket, master in zip(zero.buckets, zero.masters):
+            names = [n for n, _ in bucket.params]
+            in_bucket.update(names)
+            keys = set().union(*(local_state.get(n, {}).keys() for n in names))
+            state = {}
+            for key in keys:
+                values = [local_state[n][key] for n in names]
+                if values[0].dim() == 0:
+                    state[key] = values[0]
+                    continue
+                flat = pad_to_multiple(torch.cat([v.reshape(-1) for v in values]), zero.comm.size)
+                size = flat.numel() // zero.comm.size
+                state[key] = flat[zero.comm.rank * size: (zero.comm.rank + 1) * size].clone()
+            if state:
+                inner.state[master] = state
+        for name, state in local_state.items():
+            if name not in in_bucket:
+                inner.state[params[name][1]] = state
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now in parameters, gradients and optimizer state (unique storages)."""

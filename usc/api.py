@@ -16,6 +16,7 @@ from usc.compiler.report import Report, build_report
 from usc.compiler.trace import is_meta_model, trace
 from usc.dsl import Plan, PlanError, check_rules_match, parse_plan
 from usc.passes import parallelize
+from usc.runtime import checkpoint
 from usc.runtime.executor import RankExecutor
 from usc.runtime.mesh import Mesh, run_in_threads, simulated_meshes
 from usc.runtime.trace import Timeline
@@ -192,10 +193,33 @@ class Compiled(_Compiled):
         self._ensure_built(batch)
         return self._rank().activation_bytes(batch)
 
+    def save(self, path: str | os.PathLike) -> None:
+        """Write model and optimizer state with torch.distributed.checkpoint (every rank calls it;
+        rank 0 writes). The checkpoint is plan-independent: load it under any plan."""
+        rank = self._rank()
+        tensors, meta = rank.checkpoint_state()
+        if rank.mesh.rank == 0:
+            checkpoint.write(path, tensors, {**meta, "plan": str(self.plan)})
+        _barrier()
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Read a checkpoint saved under any plan; this rank takes its shards."""
+        if self._program is None:
+            raise RuntimeError("compile with example_inputs= (or call step() once) before load()")
+        tensors, meta = checkpoint.read_all(path)
+        self._rank().load_checkpoint_state(tensors, meta)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) tensors under the model's own state_dict names (a collective call)."""
         full = self._rank().full_state_dict()
         return {k: full[k] for k in self._user_model.state_dict() if k in full}
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def _rank_path(path: str, rank: int) -> str:
@@ -244,6 +268,17 @@ class Simulated(_Compiled):
     def activation_bytes(self, *batch) -> list[int]:
         """Measured bytes of activations saved for backward by one forward, per rank."""
         return self._run(lambda rank: rank.activation_bytes(batch))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write model and optimizer state with torch.distributed.checkpoint; loads under any plan."""
+        tensors, meta = self._run(lambda rank: rank.checkpoint_state())[0]
+        checkpoint.write(path, tensors, {**meta, "plan": str(self.plan)})
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Read a checkpoint saved under any plan; every rank takes its shards."""
+        tensors, meta = checkpoint.read_all(path)
+        for rank in self.ranks:
+            rank.load_checkpoint_state(tensors, meta)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         full = self._run(lambda rank: rank.full_state_dict())[0]
