@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.fx as fx
@@ -113,7 +113,12 @@ def _local(node: fx.Node, mesh: MeshSpec) -> tuple[tuple[int, ...], torch.dtype]
     return node.meta[META].layout.local_shape(tuple(value.shape), mesh), value.dtype
 
 
-def graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRecord]:
+def graph_collectives(gm: fx.GraphModule, mesh: MeshSpec, microbatches: int = 1) -> list[CollectiveRecord]:
+    """Collectives of the graph; each runs once per microbatch."""
+    return [replace(c, calls_per_step=c.calls_per_step * microbatches) for c in _graph_collectives(gm, mesh)]
+
+
+def _graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRecord]:
     out = []
     for node in gm.graph.nodes:
         if node.op != "call_module":
@@ -230,9 +235,17 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
     }
 
 
+def loss_value_records(program: Program) -> list[CollectiveRecord]:
+    """The runtime sums the partial loss over these axes once per step to return it (no gradient)."""
+    return [CollectiveRecord("all-reduce", axis, program.mesh.size(axis), "forward", (), "float32", 4, 1,
+                             "<loss value>", "step()", "the returned loss is a partial sum on this axis", "executor")
+            for axis in program.loss_partial_axes if program.mesh.size(axis) > 1]
+
+
 def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, compile_seconds: float,
-                 warnings: list[str] | None = None, zero_stage: int = 0) -> Report:
-    collectives = graph_collectives(program.gm, program.mesh) + gradient_buckets(program, bucket_bytes)
+                 warnings: list[str] | None = None, zero_stage: int = 0, microbatches: int = 1) -> Report:
+    collectives = graph_collectives(program.gm, program.mesh, microbatches) + gradient_buckets(program, bucket_bytes)
+    collectives += loss_value_records(program)
     params = sum(_nbytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
                  for s in program.state if s.kind == "param")
     warnings = list(warnings or []) + list(program.warnings) + [

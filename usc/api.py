@@ -95,7 +95,7 @@ class _Compiled:
         self._program = parallelize(traced, self.plan)
         self._report = build_report(self._program, model=type(self._user_model).__name__, plan=str(self.plan),
                                     bucket_bytes=self.bucket_bytes, compile_seconds=time.perf_counter() - start,
-                                    zero_stage=int(self.plan.get("zero")))
+                                    zero_stage=int(self.plan.get("zero")), microbatches=int(self.plan.get("mb")))
 
     def _microbatch(self, batch: tuple) -> tuple:
         """The program is compiled for one global microbatch (mb=M splits the batch's dim 0)."""

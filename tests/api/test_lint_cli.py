@@ -38,18 +38,18 @@ def test_text_report_lists_collectives_and_per_axis_totals(capsys):
     assert code == 0
     collective_lines = [line for line in out.splitlines() if re.match(r"\s+\d+\s+all-reduce\s", line)]
     # 2 layers x (2 forward + 2 backward) + embedding + lm head + 3 for the loss on tp; on dp the token
-    # count of the loss and one gradient bucket.
-    assert len(collective_lines) == 2 * 4 + 1 + 1 + 3 + 2
+    # count of the loss, one gradient bucket and the sum of the returned loss value.
+    assert len(collective_lines) == 2 * 4 + 1 + 1 + 3 + 3
     assert "totals per axis:" in out
     assert any(line.strip().startswith("tp: 13 calls/step") for line in out.splitlines())
-    assert any(line.strip().startswith("dp: 2 calls/step") for line in out.splitlines())
+    assert any(line.strip().startswith("dp: 3 calls/step") for line in out.splitlines())
 
 
 def test_json_report_parses_and_matches_usc_lint(capsys, expected_report):
     code, out, _ = run_main(capsys, FACTORY, "--plan", "dp=2 tp=2", "--json")
     assert code == 0
     data = json.loads(out)
-    assert len(data["collectives"]) == len(expected_report.collectives) == 15
+    assert len(data["collectives"]) == len(expected_report.collectives) == 16  # 15 in the program + the returned loss value
     assert data["world_size"] == 4 and data["mesh"] == {"dp": 2, "tp": 2}
     assert data["totals_by_axis"]["tp"]["calls"] == 13
 

@@ -1,0 +1,140 @@
+"""ZeRO-1/2, microbatches, bf16 and checkpoints across plans — each against one device."""
+
+import os
+
+import pytest
+import torch
+
+import usc
+from usc.testing import assert_equivalent
+from usc.testing.equivalence import compare_states, reference_run
+from usc.testing.models import TinyGPT2, TinyLlama, shifted_batch, token_batch
+
+MODELS = {
+    "llama": (TinyLlama, lambda seed: token_batch(128, 4, 16, seed=seed)),
+    "gpt2": (TinyGPT2, lambda seed: shifted_batch(128, 4, 16, seed=seed)),
+}
+ZERO_PLANS = ["dp=2 zero=1", "dp=2 zero=2", "dp=4 zero=1", "dp=4 zero=2", "dp=2 tp=2 zero=2",
+              "dp=2 zero=2 mb=2", "mb=2", "dp=2 mb=2"]
+
+
+@pytest.mark.parametrize("plan", ZERO_PLANS)
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_zero_and_microbatches_match_one_device(model, plan):
+    factory, batch = MODELS[model]
+    result = assert_equivalent(factory, plan, [batch(seed) for seed in range(3)])
+    assert result.max_param_diff <= 1e-5
+
+
+@pytest.mark.parametrize("plan", ["dp=2 zero=1", "dp=4 zero=2", "dp=2 tp=2 zero=2", "dp=2 mb=2 zero=2"])
+def test_zero_is_exact_in_float64(plan):
+    """No tolerance needed beyond float64 rounding: the sharded update is the full update."""
+    result = assert_equivalent(lambda: TinyGPT2().double(), plan, [shifted_batch(128, 4, 16, seed=s) for s in range(3)],
+                               rtol=1e-12, atol=1e-12, param_atol=1e-10)
+    assert result.max_param_diff <= 1e-10
+
+
+def test_microbatches_reduce_gradients_once_per_step():
+    batch = token_batch(128, 8, 16)
+    sim = usc.simulate(TinyLlama(), "dp=2 mb=4", example_inputs=batch)
+    comm = sim.ranks[0].mesh.comm("dp")
+    before = comm.stats.calls.get("all-reduce", 0)
+    sim.step(*batch)
+    buckets = len(sim.ranks[0].reducer.buckets)
+    # per microbatch: one all-reduce of the token count (forward); gradients: one per bucket, once;
+    # and one of the loss value the step returns.
+    assert comm.stats.calls["all-reduce"] - before == 4 + buckets + 1
+    listed = [c for c in sim.report.collectives if c.axis == "dp"]
+    assert sum(c.calls_per_step for c in listed) == 4 + buckets + 1
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_bf16_losses_within_two_percent(model):
+    factory, batch = MODELS[model]
+    batches = [batch(seed) for seed in range(3)]
+    torch.manual_seed(0)
+    reference, mesh_model = factory(), factory()
+    mesh_model.load_state_dict(reference.state_dict())
+    expected, _ = reference_run(reference, batches, lambda p: torch.optim.AdamW(p))
+    sim = usc.simulate(mesh_model, "dp=2 tp=2 dtype=bf16", example_inputs=batches[0])
+    losses = [sim.step(*b) for b in batches]
+    assert losses == pytest.approx(expected, rel=2e-2)
+    assert losses != pytest.approx(expected, rel=1e-6)  # it really ran in bf16
+    assert all(p.dtype == torch.float32 for p in sim.ranks[0].params)  # float32 master weights
+
+
+def test_memory_prediction_matches_measurement_at_dp4():
+    batch = token_batch(128, 8, 16)
+    for stage in range(3):
+        torch.manual_seed(0)
+        plan = f"dp=4 zero={stage}" if stage else "dp=4"
+        sim = usc.simulate(TinyLlama(), plan, example_inputs=batch)
+        sim.step(*batch)
+        sim.step(*batch)  # the optimizer state exists from the first step on
+        measured = sim.ranks[1].peak_state_bytes
+        predicted = sim.report.memory[stage]
+        for kind in ("params", "grads", "optimizer"):
+            assert measured[kind] == pytest.approx(predicted[kind], rel=0.05), (stage, kind)
+    params = sum(p.numel() * 4 for p in TinyLlama().parameters())
+    assert sim.report.memory[0]["optimizer"] == 2 * params
+    assert sim.report.memory[2]["grads"] == pytest.approx(params / 4, rel=0.01)
+    assert sim.report.memory[3]["params"] == pytest.approx(params / 4, rel=0.01)
+
+
+CHECKPOINT_PLANS = [("dp=2 tp=2", "dp=4"), ("tp=2", "dp=1"), ("dp=2 zero=2", "dp=1"), ("dp=1", "dp=2 zero=1"),
+                    ("cp=2", "tp=2 sp=on")]
+
+
+@pytest.mark.parametrize("plan_a, plan_b", CHECKPOINT_PLANS)
+def test_checkpoint_moves_between_plans_and_training_continues_exactly(tmp_path, plan_a, plan_b):
+    batches = [token_batch(128, 4, 16, seed=s) for s in range(4)]
+    torch.manual_seed(0)
+    reference, first, second = TinyLlama(), TinyLlama(), TinyLlama()
+    first.load_state_dict(reference.state_dict())
+    expected, grad_max = reference_run(reference, batches, lambda p: torch.optim.AdamW(p))
+    run_a = usc.simulate(first, plan_a, example_inputs=batches[0])
+    losses = [run_a.step(*b) for b in batches[:2]]
+    run_a.save(tmp_path / "ckpt")
+    run_b = usc.simulate(second, plan_b, example_inputs=batches[0])  # different random weights
+    run_b.load(tmp_path / "ckpt")
+    losses += [run_b.step(*b) for b in batches[2:]]
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    worst, _ = compare_states(run_b.full_state_dict(), reference.state_dict(), atol=1e-5, grad_max=grad_max,
+                              zero_grad_atol=4e-3)
+    assert worst <= 1e-5
+
+
+def test_checkpoint_with_a_missing_piece_names_it(tmp_path):
+    batch = token_batch(128, 4, 16)
+    sim = usc.simulate(TinyLlama(), "dp=2", example_inputs=batch)
+    sim.step(*batch)
+    sim.save(tmp_path / "ckpt")
+    piece = next(p for p in os.listdir(tmp_path / "ckpt") if p.endswith(".distcp"))
+    os.remove(tmp_path / "ckpt" / piece)
+    with pytest.raises(usc.CheckpointError) as info:
+        sim.load(tmp_path / "ckpt")
+    assert piece in str(info.value)
+
+
+def test_no_partial_checkpoint_is_left_under_the_name(tmp_path, monkeypatch):
+    batch = token_batch(128, 4, 16)
+    sim = usc.simulate(TinyLlama(), "dp=2", example_inputs=batch)
+    import torch.distributed.checkpoint as dcp
+
+    def broken_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dcp, "save", broken_save)
+    with pytest.raises(OSError):
+        sim.save(tmp_path / "ckpt")
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(usc.CheckpointError):
+        sim.load(tmp_path / "ckpt")
+
+
+def test_zero3_and_zero_without_dp_are_refused():
+    batch = token_batch(128, 4, 16)
+    with pytest.raises(usc.PlanError, match="zero=3"):
+        usc.lint(TinyLlama(), "dp=2 zero=3", example_inputs=batch)
+    with pytest.raises(usc.PlanError, match="dp>1"):
+        usc.lint(TinyLlama(), "zero=1", example_inputs=batch)
