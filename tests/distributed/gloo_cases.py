@@ -47,3 +47,14 @@ def die_mid_training(rank: int, world_size: int, plan: str) -> str:
     except usc.CollectiveError as err:
         return f"{time.monotonic() - start:.1f}|{err}"
     return "no error"
+
+
+def save_after_two_steps(rank: int, world_size: int, plan: str, path: str) -> list[float]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyLlama()
+    batches = [token_batch(128, 4, 16, seed=s) for s in range(2)]
+    step = usc.compile(model, plan, example_inputs=batches[0])
+    losses = [step.step(*b) for b in batches]
+    step.save(path)
+    return losses
