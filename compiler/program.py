@@ -25,6 +25,7 @@ class StateSpec:
     dtype: torch.dtype
     grad_axes: tuple[str, ...] = ()
     trainable: bool = True
+    zero3: bool = False  # the placeholder holds this rank's 1/dp slice (ZeRO-3)
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ def build_program(gm: fx.GraphModule, mesh: MeshSpec, state: list[StateInput], u
         ann = node.meta[META]
         value = node.meta["val"]
         specs.append(StateSpec(s.placeholder, s.name, s.kind, s.aliases or (s.name,), ann.layout,
-                               tuple(value.shape), value.dtype, ann.partial_grad_axes, s.trainable))
+                               tuple(value.shape), value.dtype, ann.partial_grad_axes, s.trainable,
+                               bool(ann.extra.get("zero3"))))
     inputs = [InputSpec(n, nodes[n].meta[META].layout, tuple(nodes[n].meta["val"].shape)) for n in user_inputs]
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]  # (loss[, count])

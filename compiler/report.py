@@ -143,12 +143,14 @@ def _graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRec
 
 
 def _p2p_records(node: fx.Node, module, mesh: MeshSpec) -> list[CollectiveRecord]:
-    shape, dtype = _local(node.args[0], mesh)
+    """Nodes whose traffic is not one tensor per call (ring attention, ZeRO-3 gathers) say it."""
+    shape, dtype = _local(node.args[-1], mesh)
     ann = node.meta[META]
-    return [CollectiveRecord(module.forward_collective(), module.axis, mesh.size(module.axis), direction, shape,
+    return [CollectiveRecord(kind, module.axis, mesh.size(module.axis), direction, call_shape,
                              str(dtype).replace("torch.", ""), nbytes, calls, ann.module or "<root>", ann.source,
-                             "ring attention: K/V blocks passed to the next rank", node.name)
-            for direction, nbytes, calls in module.traffic(shape, dtype, mesh.size(module.axis)) if calls]
+                             ann.reason or "ring attention: K/V blocks passed to the next rank", node.name)
+            for direction, kind, call_shape, nbytes, calls in module.traffic(shape, dtype, mesh.size(module.axis))
+            if calls]
 
 
 def attention_flops_per_rank(gm: fx.GraphModule, mesh: MeshSpec) -> dict[str, list[int]]:
@@ -159,6 +161,8 @@ def attention_flops_per_rank(gm: fx.GraphModule, mesh: MeshSpec) -> dict[str, li
     for node in gm.graph.nodes:
         module = gm.get_submodule(node.target) if node.op == "call_module" else None
         if module is None or not hasattr(module, "traffic"):
+            continue
+        if not hasattr(module, "causal"):
             continue
         (b, h, s, d), _ = _local(node.args[0], mesh)
         n = mesh.size(module.axis)

@@ -20,6 +20,7 @@ from .layouts import batch_layouts, merge_layouts, tp_layouts
 from .localize import localize_pass
 from .loss_count import expose_loss_count_pass
 from .propagate import propagate_pass
+from .zero3 import zero3_pass
 
 # Options whose pass does not exist yet: a value other than the default is refused by name.
 UNIMPLEMENTED_VALUES = ("recompute", "fuse", "v", "split")
@@ -37,6 +38,7 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) ->
         PassSpec("grad_sync", grad_sync_pass, {"params": params}),
         PassSpec("localize", localize_pass),
         PassSpec("expose_loss_count", expose_loss_count_pass),
+        PassSpec("zero3", zero3_pass, {"params": params}),
     ]
 
 
@@ -49,9 +51,6 @@ def check_supported(plan) -> None:
     if plan.get("zero") and plan.size("dp") == 1:
         raise plan.error_at("zero", "ZeRO shards optimizer state, gradients and parameters over dp and needs dp>1",
                             hint="add dp=N (N>1) or remove zero=")
-    if plan.get("zero") == 3:
-        raise plan.error_at("zero", "zero=3 (parameters sharded and gathered per layer) is not implemented yet; "
-                                    "zero=1 and zero=2 are", hint="use zero=2")
     for name in UNIMPLEMENTED_VALUES:
         default = OPTIONS[name].default
         if plan.is_set(name) and plan.get(name) != default:

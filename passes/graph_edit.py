@@ -58,9 +58,10 @@ def _tensors(tree) -> list[torch.Tensor]:
 class GraphEditor:
     """Inserts annotated nodes into one GraphModule; names inserted modules uniquely."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, mesh=None) -> None:
         self.gm = gm
         self.graph = gm.graph
+        self.mesh = mesh
         self._count = 0
 
     def call_function(self, before: fx.Node, target, args: tuple, kwargs: dict | None = None, *,

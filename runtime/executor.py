@@ -21,6 +21,7 @@ from .trace import Timeline
 from .checkpoint import CheckpointError
 from .reducer import pad_to_multiple
 from .zero import ZeroOptimizer
+from .zero3 import ZeroFetch, ZeroGather, Zero3Registry, shard_of, unshard
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -49,14 +50,19 @@ class RankExecutor:
         self.program, self.mesh = program, mesh
         self.gm = bind_graph(program.gm, mesh)
         self.microbatches, self.compute_dtype = microbatches, compute_dtype
+        self.zero3 = Zero3Registry() if any(s.zero3 for s in program.state) else None
+        for module in self.gm.modules():
+            if isinstance(module, (ZeroFetch, ZeroGather)):
+                module.registry = self.zero3
         self.state: dict[str, torch.Tensor] = {}
         self.params: list[torch.nn.Parameter] = []
         for spec in program.state:
             self.state[spec.placeholder] = self._local_state(spec, full_state[spec.name])
-        entries = [(s.name, self.state[s.placeholder], s.grad_axes) for s in program.state
-                   if isinstance(self.state[s.placeholder], torch.nn.Parameter)]
+        # ZeRO-3 slices get their dp sum from the graph's reduce-scatter; other axes stay here
+        entries = [(s.name, self.state[s.placeholder], tuple(a for a in s.grad_axes if not (s.zero3 and a == "dp")))
+                   for s in program.state if isinstance(self.state[s.placeholder], torch.nn.Parameter)]
         self.timeline: Timeline | None = None
-        sharded = zero >= 1 and mesh.size("dp") > 1
+        sharded = zero in (1, 2) and mesh.size("dp") > 1
         self.reducer = GradReducer(entries, mesh, bucket_bytes=bucket_bytes,
                                    scatter_axis="dp" if sharded and zero >= 2 else None)
         factory = optimizer or default_optimizer
@@ -66,6 +72,8 @@ class RankExecutor:
 
     def _local_state(self, spec, full: torch.Tensor) -> torch.Tensor:
         local = local_chunk(full.detach(), spec.layout.placements, self.mesh.shape, self.mesh.coord).clone()
+        if spec.zero3:
+            local = shard_of(local, self.mesh.comm("dp"))
         if spec.kind == "param" and full.requires_grad:
             param = torch.nn.Parameter(local)
             self.params.append(param)
@@ -111,7 +119,10 @@ class RankExecutor:
     def _loss(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor | float]:
         """(loss, count): count is the global number of tokens the loss averaged over when the
         program exposes it (a mean cross-entropy), else 1."""
-        out = self.gm(*self._arguments(batch))
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.zero3.pack, self.zero3.unpack) \
+            if self.zero3 is not None else contextlib.nullcontext()
+        with hooks:
+            out = self.gm(*self._arguments(batch))
         if not isinstance(out, (tuple, list)):
             return out, 1.0
         return (out[0], out[1].detach().to(torch.float64)) if len(out) > 1 else (out[0], 1.0)
@@ -195,6 +206,13 @@ class RankExecutor:
         return {spec.name: (spec, self.state[spec.placeholder]) for spec in self.program.state
                 if isinstance(self.state[spec.placeholder], torch.nn.Parameter)}
 
+    def _dp_whole(self, spec, value: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's local tensor of a state entry (a ZeRO-3 slice gathered back over dp)."""
+        value = self.state[spec.placeholder].detach() if value is None else value
+        if not spec.zero3:
+            return value
+        return unshard(value, spec.layout.local_shape(spec.global_shape, self.program.mesh), self.mesh.comm("dp"))
+
     def _local_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Optimizer state per parameter name, shaped like this rank's parameter (ZeRO slices
         are gathered over dp and cut back into parameters)."""
@@ -219,13 +237,13 @@ class RankExecutor:
         """Full tensors for a checkpoint: 'model/<name>' and 'optim/<name>/<key>' (a collective call)."""
         tensors = {}
         for spec in self.program.state:
-            tensors[f"model/{spec.name}"] = gather_full(self.state[spec.placeholder].detach(),
-                                                        spec.layout.placements, self.mesh)
+            tensors[f"model/{spec.name}"] = gather_full(self._dp_whole(spec), spec.layout.placements, self.mesh)
         params = self._named_params()
         for name, state in sorted(self._local_optimizer_state().items()):
             spec = params[name][0]
             for key, value in state.items():
-                full = gather_full(value, spec.layout.placements, self.mesh) if value.dim() else value
+                full = gather_full(self._dp_whole(spec, value), spec.layout.placements, self.mesh) \
+                    if value.dim() else value
                 tensors[f"optim/{name}/{key}"] = full
         inner = self.optimizer.inner if isinstance(self.optimizer, ZeroOptimizer) else self.optimizer
         groups = [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str, type(None),
@@ -243,6 +261,8 @@ class RankExecutor:
                 raise CheckpointError(f"'{spec.name}' is {list(full.shape)} in the checkpoint but "
                                       f"{list(spec.global_shape)} in the model")
             local = local_chunk(full, spec.layout.placements, self.mesh.shape, self.mesh.coord)
+            if spec.zero3:
+                local = shard_of(local, self.mesh.comm("dp"))
             with torch.no_grad():
                 self.state[spec.placeholder].copy_(local)
         local_state: dict[str, dict[str, torch.Tensor]] = {}
@@ -253,6 +273,8 @@ class RankExecutor:
                 spec = params[name][0]
                 local = local_chunk(full, spec.layout.placements, self.mesh.shape, self.mesh.coord) \
                     if full.dim() else full
+                if spec.zero3 and full.dim():
+                    local = shard_of(local, self.mesh.comm("dp"))
                 local_state.setdefault(name, {})[field] = local.clone()
         self._set_optimizer_state(local_state)
         inner = self.optimizer.inner if isinstance(self.optimizer, ZeroOptimizer) else self.optimizer
@@ -308,7 +330,7 @@ class RankExecutor:
         """Unsharded state under every state_dict name (tied weights appear under each name)."""
         out = {}
         for spec in self.program.state:
-            full = gather_full(self.state[spec.placeholder].detach(), spec.layout.placements, self.mesh)
+            full = gather_full(self._dp_whole(spec), spec.layout.placements, self.mesh)
             for name in spec.aliases:
                 out[name] = full
         return out

@@ -323,11 +323,13 @@ class RingAttention(CollectiveNode):
             q, k, v, None, 0.0, self.causal, scale=self.scale
         )
 
-    def traffic(self, local_shape: Sequence[int], dtype: torch.dtype, n: int) -> list[tuple[str, int, int]]:
-        """(direction, bytes per call, calls per step) of this rank's sends: forward passes its K/V
+    def traffic(self, local_shape: Sequence[int], dtype: torch.dtype, n: int) -> list[tuple]:
+        """(direction, kind, shape, bytes per call, calls per step) of this rank's sends: forward passes its K/V
         block n-1 times; backward passes K/V n-1 times and dK/dV n times."""
         block = p2p_bytes_per_step(local_shape, dtype, n)
-        return [("forward", block, n - 1), ("backward", block, 2 * n - 1)] if n > 1 else []
+        shape = tuple(local_shape)
+        return [("forward", "send/recv", shape, block, n - 1),
+                ("backward", "send/recv", shape, block, 2 * n - 1)] if n > 1 else []
 
     def forward_collective(self) -> str | None:
         return "send/recv"

@@ -8,13 +8,14 @@ import torch
 import usc
 from usc.testing import assert_equivalent
 from usc.testing.equivalence import compare_states, reference_run
-from usc.testing.models import TinyGPT2, TinyLlama, shifted_batch, token_batch
+from usc.testing.models import LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
 
 MODELS = {
     "llama": (TinyLlama, lambda seed: token_batch(128, 4, 16, seed=seed)),
     "gpt2": (TinyGPT2, lambda seed: shifted_batch(128, 4, 16, seed=seed)),
 }
-ZERO_PLANS = ["dp=2 zero=1", "dp=2 zero=2", "dp=4 zero=1", "dp=4 zero=2", "dp=2 tp=2 zero=2",
+ZERO_PLANS = ["dp=2 zero=1", "dp=2 zero=2", "dp=2 zero=3", "dp=4 zero=1", "dp=4 zero=2", "dp=4 zero=3",
+              "dp=2 tp=2 zero=2", "dp=2 tp=2 zero=3", "dp=2 zero=3 mb=2",
               "dp=2 zero=2 mb=2", "mb=2", "dp=2 mb=2"]
 
 
@@ -26,7 +27,8 @@ def test_zero_and_microbatches_match_one_device(model, plan):
     assert result.max_param_diff <= 1e-5
 
 
-@pytest.mark.parametrize("plan", ["dp=2 zero=1", "dp=4 zero=2", "dp=2 tp=2 zero=2", "dp=2 mb=2 zero=2"])
+@pytest.mark.parametrize("plan", ["dp=2 zero=1", "dp=4 zero=2", "dp=2 tp=2 zero=2", "dp=2 mb=2 zero=2",
+                                  "dp=4 zero=3", "cp=2 dp=2 zero=3"])
 def test_zero_is_exact_in_float64(plan):
     """No tolerance needed beyond float64 rounding: the sharded update is the full update."""
     result = assert_equivalent(lambda: TinyGPT2().double(), plan, [shifted_batch(128, 4, 16, seed=s) for s in range(3)],
@@ -65,7 +67,7 @@ def test_bf16_losses_within_two_percent(model):
 
 def test_memory_prediction_matches_measurement_at_dp4():
     batch = token_batch(128, 8, 16)
-    for stage in range(3):
+    for stage in range(4):
         torch.manual_seed(0)
         plan = f"dp=4 zero={stage}" if stage else "dp=4"
         sim = usc.simulate(TinyLlama(), plan, example_inputs=batch)
@@ -82,7 +84,7 @@ def test_memory_prediction_matches_measurement_at_dp4():
 
 
 CHECKPOINT_PLANS = [("dp=2 tp=2", "dp=4"), ("tp=2", "dp=1"), ("dp=2 zero=2", "dp=1"), ("dp=1", "dp=2 zero=1"),
-                    ("cp=2", "tp=2 sp=on")]
+                    ("cp=2", "tp=2 sp=on"), ("dp=2 zero=3", "dp=2"), ("tp=2", "dp=2 zero=3")]
 
 
 @pytest.mark.parametrize("plan_a, plan_b", CHECKPOINT_PLANS)
@@ -132,9 +134,20 @@ def test_no_partial_checkpoint_is_left_under_the_name(tmp_path, monkeypatch):
         sim.load(tmp_path / "ckpt")
 
 
-def test_zero3_and_zero_without_dp_are_refused():
-    batch = token_batch(128, 4, 16)
-    with pytest.raises(usc.PlanError, match="zero=3"):
-        usc.lint(TinyLlama(), "dp=2 zero=3", example_inputs=batch)
+def test_zero_without_dp_is_refused():
     with pytest.raises(usc.PlanError, match="dp>1"):
-        usc.lint(TinyLlama(), "zero=1", example_inputs=batch)
+        usc.lint(TinyLlama(), "zero=1", example_inputs=token_batch(128, 4, 16))
+
+
+def test_zero3_holds_at_most_two_layers_whole():
+    """Current layer + the prefetched one: never the whole model."""
+    batch = token_batch(128, 8, 16)
+    sim = usc.simulate(TinyLlama(LlamaConfig(layers=4)), "dp=4 zero=3", example_inputs=batch)
+    sim.step(*batch)
+    assert [rank.zero3.peak_live_groups for rank in sim.ranks] == [2, 2, 2, 2]
+    # layer by layer: a fetch of the next layer is issued before each layer computes
+    gathers = [c for c in sim.report.collectives if c.kind == "all-gather" and c.direction == "forward"]
+    assert [c.module for c in gathers] == ["embed_tokens", "layers.0", "layers.1", "layers.2", "layers.3",
+                                           "norm", "lm_head"]
+    total = sum(p.numel() for p in TinyLlama(LlamaConfig(layers=4)).parameters())
+    assert sum(p.numel() for p in sim.ranks[0].params) == pytest.approx(total / 4, rel=0.01)
