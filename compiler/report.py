@@ -172,47 +172,42 @@ def attention_flops_per_rank(gm: fx.GraphModule, mesh: MeshSpec) -> dict[str, li
     return out
 
 
-def gradient_buckets(program: Program, bucket_bytes: int) -> list[CollectiveRecord]:
-    """Data-parallel gradient reductions, bucketed as the runtime buckets them: packed in reverse
-    order of the parameters, one open bucket per set of axes, closed once it holds bucket_bytes."""
-    records, open_buckets = [], {}
-    for spec in reversed(program.state):
-        axes = tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1)
-        if not axes:
-            continue
-        shape = spec.layout.local_shape(spec.global_shape, program.mesh)
-        bucket = open_buckets.setdefault(axes, {"bytes": 0, "names": []})
-        bucket["bytes"] += _nbytes(shape, spec.dtype)
-        bucket["names"].append(spec.name)
-        if bucket["bytes"] >= bucket_bytes:
-            records += _bucket_records(program, axes, open_buckets.pop(axes), spec.dtype)
-    for axes, bucket in open_buckets.items():
-        records += _bucket_records(program, axes, bucket, torch.float32)
-    return records
-
-
-def _bucket_records(program: Program, axes, bucket, dtype) -> list[CollectiveRecord]:
-    names = bucket["names"]
-    label = names[0] if len(names) == 1 else f"{names[-1]} .. {names[0]} ({len(names)} params)"
-    elements = bucket["bytes"] // (torch.finfo(dtype).bits // 8)
-    return [CollectiveRecord("all-reduce", axis, program.mesh.size(axis), "backward", (elements,),
-                             str(dtype).replace("torch.", ""), bucket["bytes"], 1, label, "gradient bucket",
-                             "data-parallel gradient sum, launched during backward as the bucket fills", "reducer")
-            for axis in axes]
-
-
-def _buckets(program: Program, bucket_bytes: int) -> list[tuple[tuple[str, ...], int]]:
-    """(axes, bytes) per gradient bucket, packed as the runtime packs them (see gradient_buckets)."""
+def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: bool = True
+                  ) -> list[tuple[tuple[str, ...], list[str], int]]:
+    """(axes, parameter names, bytes) per gradient bucket, packed as the runtime packs them: in
+    reverse order of the parameters, one open bucket per set of axes, closed once it holds
+    bucket_bytes. ZeRO-3 parameters get their dp sum inside the graph, so dp is not theirs here."""
     done, open_buckets = [], {}
     for spec in reversed(program.state):
-        axes = tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1)
+        in_graph = graph_reduces_zero3 and spec.zero3
+        axes = tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1 and not (in_graph and a == "dp"))
         if not axes:
             continue
         shape = spec.layout.local_shape(spec.global_shape, program.mesh)
-        open_buckets[axes] = open_buckets.get(axes, 0) + _nbytes(shape, spec.dtype)
-        if open_buckets[axes] >= bucket_bytes:
-            done.append((axes, open_buckets.pop(axes)))
-    return done + list(open_buckets.items())
+        names, nbytes = open_buckets.get(axes, ([], 0))
+        open_buckets[axes] = (names + [spec.name], nbytes + _nbytes(shape, spec.dtype))
+        if open_buckets[axes][1] >= bucket_bytes:
+            done.append((axes, *open_buckets.pop(axes)))
+    return done + [(axes, names, nbytes) for axes, (names, nbytes) in open_buckets.items()]
+
+
+def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0) -> list[CollectiveRecord]:
+    """Gradient reductions per bucket (all-reduce; reduce-scatter over dp at zero=2), and with
+    zero=1/2 the all-gather of the updated slices after the optimizer step."""
+    records = []
+    for axes, names, nbytes in _pack_buckets(program, bucket_bytes):
+        label = names[0] if len(names) == 1 else f"{names[-1]} .. {names[0]} ({len(names)} params)"
+        for axis in axes:
+            kind = "reduce-scatter" if zero_stage == 2 and axis == "dp" else "all-reduce"
+            records.append(CollectiveRecord(kind, axis, program.mesh.size(axis), "backward", (nbytes // 4,),
+                                            "float32", nbytes, 1, label, "gradient bucket",
+                                            "data-parallel gradient sum, launched during backward as the bucket "
+                                            "fills", "reducer"))
+        if zero_stage in (1, 2) and "dp" in axes:
+            records.append(CollectiveRecord("all-gather", "dp", program.mesh.size("dp"), "optimizer", (nbytes // 4,),
+                                            "float32", nbytes, 1, label, "ZeRO step",
+                                            "each rank updated its slice; the slices are gathered", "optimizer"))
+    return records
 
 
 def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_states: int = 2) -> dict[int, dict]:
@@ -227,9 +222,9 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
     params = sum(_nbytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
                  for s in program.state if s.kind == "param" and s.trainable)
     dp = program.mesh.size("dp")
-    sharded = sum(nbytes for axes, nbytes in _buckets(program, bucket_bytes) if "dp" in axes) if dp > 1 else 0
-    padded_slice = sum(-(-nbytes // (4 * dp)) * 4 for axes, nbytes in _buckets(program, bucket_bytes)
-                       if "dp" in axes) if dp > 1 else 0
+    buckets = [(axes, nbytes) for axes, _, nbytes in _pack_buckets(program, bucket_bytes, graph_reduces_zero3=False)]
+    sharded = sum(nbytes for axes, nbytes in buckets if "dp" in axes) if dp > 1 else 0
+    padded_slice = sum(-(-nbytes // (4 * dp)) * 4 for axes, nbytes in buckets if "dp" in axes) if dp > 1 else 0
     whole, part = params - sharded, padded_slice
     return {
         0: {"params": params, "grads": params, "optimizer": optimizer_states * params},
@@ -248,13 +243,14 @@ def loss_value_records(program: Program) -> list[CollectiveRecord]:
 
 def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, compile_seconds: float,
                  warnings: list[str] | None = None, zero_stage: int = 0, microbatches: int = 1) -> Report:
-    collectives = graph_collectives(program.gm, program.mesh, microbatches) + gradient_buckets(program, bucket_bytes)
+    collectives = graph_collectives(program.gm, program.mesh, microbatches) + gradient_buckets(
+        program, bucket_bytes, zero_stage)
     collectives += loss_value_records(program)
-    params = sum(_nbytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
-                 for s in program.state if s.kind == "param")
+    memory = memory_by_zero_stage(program, bucket_bytes)
+    params = memory[zero_stage]["params"]
     warnings = list(warnings or []) + list(program.warnings) + [
         f"{c.module}: {c.reason}" for c in program.tp_choices if c.style == "replicate"]
     return Report(model, plan, program.mesh, collectives, list(program.tp_choices), warnings, params,
                   compile_seconds, list(program.timings),
                   attention_flops=attention_flops_per_rank(program.gm, program.mesh),
-                  memory=memory_by_zero_stage(program, bucket_bytes), zero_stage=zero_stage)
+                  memory=memory, zero_stage=zero_stage)

@@ -31,13 +31,14 @@ def render(report) -> str:
     for i, c in enumerate(report.collectives, 1):
         shape = "[" + ", ".join(str(s) for s in c.shape) + "]"
         where = f"{c.module} ({c.source})" if c.source else c.module
-        lines.append(f"  {i:>3}  {c.kind:<14} {c.axis:<4} {c.group_size:>3}  {'fwd' if c.direction == 'forward' else 'bwd':<3}  {shape:<16} "
+        lines.append(f"  {i:>3}  {c.kind:<14} {c.axis:<4} {c.group_size:>3}  {c.direction[:3].replace('for', 'fwd').replace('bac', 'bwd'):<3}  {shape:<16} "
                      f"{c.dtype:<8} {human_bytes(c.bytes_per_call):>10} {human_bytes(c.bytes_per_step):>10}  {where}")
     lines.append("")
     lines.append("totals per axis:")
     for axis, t in report.totals_by_axis().items():
+        extra = f", {human_bytes(t['optimizer_bytes'])} after the optimizer step" if t.get("optimizer_bytes") else ""
         lines.append(f"  {axis}: {t['calls']} calls/step, {human_bytes(t.get('forward_bytes', 0))} forward, "
-                     f"{human_bytes(t.get('backward_bytes', 0))} backward")
+                     f"{human_bytes(t.get('backward_bytes', 0))} backward{extra}")
     if not report.collectives:
         lines.append("  (none)")
     lines.append(f"parameters per rank: {human_bytes(report.param_bytes_per_rank)}; compiled in "

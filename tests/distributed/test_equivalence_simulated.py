@@ -7,14 +7,11 @@ usc.testing.equivalence.compare_states).
 
 import pytest
 
+from gloo_cases import MODELS
 from usc.testing import assert_equivalent
 from usc.testing.models import TinyGPT2, TinyLlama, shifted_batch, token_batch
 
 PLANS = ["dp=2", "tp=2", "dp=2 tp=2", "tp=4"]
-MODELS = {
-    "llama": (TinyLlama, lambda seed: token_batch(128, 4, 16, seed=seed)),
-    "gpt2": (TinyGPT2, lambda seed: shifted_batch(128, 4, 16, seed=seed)),
-}
 
 
 @pytest.mark.parametrize("plan", PLANS)

@@ -3,15 +3,12 @@
 import pytest
 
 import usc
+from gloo_cases import MODELS
 from usc.testing import assert_equivalent
 from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
 
 PLANS = ["tp=2 sp=on", "dp=2 tp=2 sp=on", "cp=2", "cp=4", "cp=2 cp_mode=zigzag", "cp=4 cp_mode=zigzag",
          "cp=2 cp_mode=ulysses", "tp=2 cp=2 sp=on", "cp=2 tp=2 sp=on", "dp=2 cp=2"]
-MODELS = {
-    "llama": (TinyLlama, lambda seed: token_batch(128, 4, 16, seed=seed)),
-    "gpt2": (TinyGPT2, lambda seed: shifted_batch(128, 4, 16, seed=seed)),
-}
 
 
 @pytest.mark.parametrize("plan", PLANS)

@@ -6,14 +6,11 @@ import pytest
 import torch
 
 import usc
+from gloo_cases import MODELS
 from usc.testing import assert_equivalent
 from usc.testing.equivalence import compare_states, reference_run
 from usc.testing.models import LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
 
-MODELS = {
-    "llama": (TinyLlama, lambda seed: token_batch(128, 4, 16, seed=seed)),
-    "gpt2": (TinyGPT2, lambda seed: shifted_batch(128, 4, 16, seed=seed)),
-}
 ZERO_PLANS = ["dp=2 zero=1", "dp=2 zero=2", "dp=2 zero=3", "dp=4 zero=1", "dp=4 zero=2", "dp=4 zero=3",
               "dp=2 tp=2 zero=2", "dp=2 tp=2 zero=3", "dp=2 zero=3 mb=2",
               "dp=2 zero=2 mb=2", "mb=2", "dp=2 mb=2"]
@@ -151,3 +148,14 @@ def test_zero3_holds_at_most_two_layers_whole():
                                            "norm", "lm_head"]
     total = sum(p.numel() for p in TinyLlama(LlamaConfig(layers=4)).parameters())
     assert sum(p.numel() for p in sim.ranks[0].params) == pytest.approx(total / 4, rel=0.01)
+
+
+def test_report_names_the_zero_collectives():
+    batch = token_batch(128, 8, 16)
+    kinds = lambda plan: {(c.kind, c.direction) for c in usc.lint(TinyLlama(), plan, example_inputs=batch).collectives  # noqa: E731
+                          if c.axis == "dp" and c.source != "step()"}
+    assert ("all-reduce", "backward") in kinds("dp=2") and ("all-gather", "optimizer") not in kinds("dp=2")
+    assert ("all-gather", "optimizer") in kinds("dp=2 zero=1")
+    assert {("reduce-scatter", "backward"), ("all-gather", "optimizer")} <= kinds("dp=2 zero=2")
+    assert ("all-reduce", "backward") not in kinds("dp=2 zero=3")
+    assert {("all-gather", "forward"), ("reduce-scatter", "backward"), ("all-gather", "backward")} <= kinds("dp=2 zero=3")
