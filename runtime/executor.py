@@ -152,7 +152,7 @@ class RankExecutor:
         by count_m / N once N is known (after the last forward); the gradient reduction runs
         once, during the last microbatch's backward."""
         micro = self._split(batch)
-        total, count, weighted = 0.0, 0.0, []
+        count, weighted = 0.0, []
         for m, piece in enumerate(micro):
             last = m == len(micro) - 1
             with self._span("forward"):
