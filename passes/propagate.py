@@ -105,7 +105,13 @@ def _apply_rules(state: Propagation, node: fx.Node) -> None:
         if have != need:
             node.replace_input_with(x, redistribute(state, x, need, node))
     needs_grad = is_float(node) and any(x.meta[META].needs_grad for x in inputs) and _differentiable(node)
-    node.meta[META] = NodeAnn(output, needs_grad=needs_grad, module=module_path(node), source=user_source(node))
+    ann = NodeAnn(output, needs_grad=needs_grad, module=module_path(node), source=user_source(node))
+    if any(isinstance(p, Partial) for p in output.placements):
+        # where the partial sums were made: a cast or view passing them on is not their cause
+        passed_on = [x for x in flat_inputs(node) if any(isinstance(p, Partial) for p in x.meta[META].layout.placements)]
+        origin = passed_on[0].meta[META].extra.get("partial_origin") if passed_on else None
+        ann.extra["partial_origin"] = origin or (ann.module, ann.source)
+    node.meta[META] = ann
 
 
 def _use_reduced_copies(state: Propagation, node: fx.Node) -> None:
@@ -248,8 +254,8 @@ def _insert(state, x, layout, module, stem, consumer, reason):
     """A reduction is caused by the producer of the partial sums (a row-parallel linear, say);
     a gather or a slice by the consumer that needs the other layout."""
     base = x.meta[META]
-    if isinstance(module, (AllReduce, ReduceScatter)) and base.module:
-        where, source = base.module, base.source
+    if isinstance(module, (AllReduce, ReduceScatter)) and (base.extra.get("partial_origin") or base.module):
+        where, source = base.extra.get("partial_origin") or (base.module, base.source)
     else:
         where, source = module_path(consumer) or base.module, user_source(consumer) or base.source
     ann = NodeAnn(layout, needs_grad=base.needs_grad, module=where, source=source, reason=reason)

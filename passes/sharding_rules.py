@@ -369,12 +369,15 @@ def expand_rule(view: OpView) -> Decision:
 
 
 def _dim_arg_rule(dim_index: int, removes_dim: bool = False) -> Rule:
-    """Ops that cut along one dim (slice, select, chunk, split, unbind, narrow): that dim must be whole."""
+    """Ops that cut along one dim (slice, select, chunk, split, unbind, narrow): that dim must be
+    whole — unless the cut keeps all of it (``x[:, 0:]``, as Hugging Face models write)."""
 
     def rule(view: OpView) -> Decision:
         p = view.placements[0]
         ndim = len(view.shapes[0])
         dim = norm_dim(view.arg(dim_index, 0), ndim)
+        if view.out_shape == view.shapes[0] and view.node.target == aten.slice.Tensor:
+            return Decision(view.placements, p)  # a slice that keeps everything
         if is_shard(p, dim):
             return Decision((R,) + tuple(R for _ in view.placements[1:]), R)
         if removes_dim and is_shard(p) and p.dim > dim:
@@ -389,6 +392,17 @@ register(aten.narrow.default)(_dim_arg_rule(1))
 register(aten.select.int)(_dim_arg_rule(1, removes_dim=True))
 register(aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default)(_dim_arg_rule(2))
 register(aten.unbind.int)(_dim_arg_rule(1, removes_dim=True))
+
+
+@register(aten.pad.default, aten.constant_pad_nd.default)
+def pad_rule(view: OpView) -> Decision:
+    """pad(x, [left_last, right_last, left_prev, ...]): a padded dim must be whole; others keep."""
+    p = view.placements[0]
+    ndim = len(view.shapes[0])
+    padded = {ndim - 1 - i // 2 for i, amount in enumerate(view.arg(1)) if amount}
+    if isinstance(p, Partial) or (is_shard(p) and p.dim in padded):
+        return Decision((R,), R)
+    return keep(view, p)
 
 
 @register(aten.repeat_interleave.self_int)
@@ -463,6 +477,20 @@ def matmul_rule(view: OpView) -> Decision:
     if is_partial(pb, "sum") and pa == R:
         return Decision((R, pb), pb)
     return Decision((R, R), R)
+
+
+@register(aten.addmm.default)
+def addmm_rule(view: OpView) -> Decision:
+    """bias + mat1 @ mat2 (Hugging Face's Conv1D): the product's rule, with the bias following the
+    output's columns; a partial product would add the bias on every rank, so it is reduced first."""
+    bias_shape, shapes = view.shapes[0], view.shapes[1:]
+    product = matmul_rule(OpView(view.node, view.placements[1:], shapes, view.out_shape, view.axis, view.size))
+    if isinstance(product.output, Partial):
+        return Decision((R, R, R), R)
+    cols = is_shard(product.output, 1) and len(bias_shape) >= 1 and bias_shape[-1] == view.out_shape[-1]
+    rows = is_shard(product.output, 0) and len(bias_shape) == 2 and bias_shape[0] == view.out_shape[0]
+    bias = Shard(len(bias_shape) - 1) if cols else Shard(0) if rows else R
+    return Decision((bias,) + product.inputs, product.output)
 
 
 @register(aten.scaled_dot_product_attention.default)

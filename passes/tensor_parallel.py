@@ -33,10 +33,13 @@ CARRIERS = {
     aten.scaled_dot_product_attention.default, aten.clone.default, aten.contiguous.default, aten._to_copy.default,
     aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.div.Tensor, aten.silu.default,
     aten.gelu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten.dropout.default,
-    aten.slice.Tensor, aten.select.int,
+    aten.slice.Tensor, aten.select.int, aten.to.dtype, aten.to.dtype_layout, aten.alias.default,
 }
+# Nodes that only check a value (export's dtype/shape assertions) are not uses of it.
+IGNORED_USERS = {aten._assert_tensor_metadata.default}
 TO_LOSS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor,
-           aten.contiguous.default, aten.clone.default, aten._to_copy.default}
+           aten.contiguous.default, aten.clone.default, aten._to_copy.default, aten.to.dtype,
+           aten.to.dtype_layout, aten.alias.default}
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ def reach(start: fx.Node) -> tuple[set[fx.Node], set[fx.Node], bool, set[fx.Node
     stack = [(u, start, True) for u in _users(start)]
     while stack:
         node, src, loss_path = stack.pop()
-        if node in seen:
+        if node in seen or node.target in IGNORED_USERS:
             continue
         seen.add(node)
         if node.target == aten.linear.default and node.args[0] is src:

@@ -1,0 +1,67 @@
+"""Models users bring are not written for us: Hugging Face's Llama and GPT-2, built from configs with
+random weights (nothing is downloaded), trained on a mesh equal one device."""
+
+import pytest
+import torch
+
+import usc
+from usc.testing import assert_equivalent
+
+transformers = pytest.importorskip("transformers")
+
+
+class LossOf(torch.nn.Module):
+    """The model's own causal-LM loss (labels shifted inside, as Hugging Face does)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids, labels):
+        return self.m(input_ids=ids, labels=labels).loss
+
+
+def llama():
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="sdpa", use_cache=False)
+    return LossOf(transformers.LlamaForCausalLM(cfg))
+
+
+def gpt2():
+    cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                  attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0, use_cache=False)
+    return LossOf(transformers.GPT2LMHeadModel(cfg))
+
+
+def batch(seed: int):
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(seed))
+    return ids, ids
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "tp=2", "dp=2 tp=2 sp=on zero=2", "dp=2 zero=3"])
+def test_hf_llama_matches_one_device(plan):
+    result = assert_equivalent(llama, plan, [batch(s) for s in range(2)])
+    assert result.max_param_diff <= 1e-5
+
+
+def test_hf_llama_tensor_parallel_finds_the_megatron_pairs():
+    report = usc.lint(llama(), "tp=2", example_inputs=batch(0))
+    styles = {c.module: c.style for c in report.tp_choices}
+    assert styles["m.model.layers.0.self_attn.q_proj"] == "colwise"
+    assert styles["m.model.layers.0.self_attn.o_proj"] == "rowwise"
+    assert styles["m.model.layers.0.mlp.down_proj"] == "rowwise"
+    assert styles["m.lm_head"] == "vocab"
+    assert report.count("all-reduce", axis="tp", direction="forward", module_prefix="m.model.layers.0.") == 2
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "dp=2 zero=2"])
+def test_hf_gpt2_matches_one_device(plan):
+    result = assert_equivalent(gpt2, plan, [batch(s) for s in range(2)])
+    assert result.max_param_diff <= 1e-5
+
+
+def test_hf_attention_with_a_mask_under_cp_is_a_clear_error():
+    with pytest.raises(usc.CompileError, match="context parallelism"):
+        usc.lint(llama(), "cp=2", example_inputs=batch(0))
