@@ -33,6 +33,7 @@ class InputSpec:
     placeholder: str
     layout: Layout
     global_shape: tuple[int, ...]
+    dtype: torch.dtype = torch.int64
 
 
 @dataclass
@@ -64,7 +65,8 @@ def build_program(gm: fx.GraphModule, mesh: MeshSpec, state: list[StateInput], u
         specs.append(StateSpec(s.placeholder, s.name, s.kind, s.aliases or (s.name,), ann.layout,
                                tuple(value.shape), value.dtype, ann.partial_grad_axes, s.trainable,
                                bool(ann.extra.get("zero3"))))
-    inputs = [InputSpec(n, nodes[n].meta[META].layout, tuple(nodes[n].meta["val"].shape)) for n in user_inputs]
+    inputs = [InputSpec(n, nodes[n].meta[META].layout, tuple(nodes[n].meta["val"].shape), nodes[n].meta["val"].dtype)
+              for n in user_inputs]
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]  # (loss[, count])
     return Program(gm, mesh, specs, inputs, loss.meta[META].layout, tp_choices, timings)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -56,6 +57,16 @@ class Report:
     attention_flops: dict = field(default_factory=dict)  # cp axis -> multiply-adds per rank
     memory: dict = field(default_factory=dict)  # ZeRO stage -> predicted bytes per rank by kind
     zero_stage: int = 0
+    activation_estimate: Callable[[], int] | None = field(default=None, repr=False)
+    _activation_bytes: int | None = field(default=None, repr=False)
+
+    @property
+    def activation_bytes(self) -> int | None:
+        """Bytes of activations rank 0 saves for backward in one (micro)batch: its program run on
+        fake tensors, so it costs no memory (computed on first use)."""
+        if self._activation_bytes is None and self.activation_estimate is not None:
+            self._activation_bytes = self.activation_estimate()
+        return self._activation_bytes
 
     def count(self, kind: str | None = None, *, axis: str | None = None, direction: str | None = None,
               module_prefix: str | None = None) -> int:
@@ -85,6 +96,7 @@ class Report:
             "exposed_comm_seconds": self.exposed_comm_seconds,
             "attention_flops_per_rank": self.attention_flops,
             "memory_per_rank_by_zero_stage": self.memory,
+            "activation_bytes_per_rank": self.activation_bytes,
             "zero_stage": self.zero_stage,
             "p2p_bytes_per_step": self.p2p_bytes_per_step,
         }

@@ -54,6 +54,9 @@ def render(report) -> str:
             lines.append(f"  zero={stage}: params {human_bytes(m['params'])}, grads {human_bytes(m['grads'])}, "
                          f"optimizer {human_bytes(m['optimizer'])}, total "
                          f"{human_bytes(m['params'] + m['grads'] + m['optimizer'])}{mark}")
+    if report.activation_bytes is not None:
+        lines.append(f"activations saved for backward per rank (one microbatch, estimated on fake tensors): "
+                     f"{human_bytes(report.activation_bytes)}")
     if report.exposed_comm_seconds is not None:
         lines.append(f"exposed communication in the last traced step: {report.exposed_comm_seconds * 1e3:.2f} ms")
     for w in report.warnings:

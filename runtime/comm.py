@@ -614,3 +614,36 @@ class ThreadComm(Comm):
 def solo_comm(axis: str, global_rank: int, timeout: float) -> ThreadComm:
     """The trivial comm of a size-1 (or absent) mesh axis: every collective is the identity."""
     return ThreadComm(ThreadGroup((global_rank,)), 0, axis=axis, timeout=timeout)
+
+
+class ShapeComm(Comm):
+    """Collectives that give results of the right shape and dtype without any peer: rank 0 of a
+    group of `size` that is alone. With fake tensors, this lets one rank's program run for its
+    shapes and memory alone (usc.lint's activation estimate) on a mesh of any size."""
+
+    def __init__(self, axis: str, size: int, timeout: float = 1.0):
+        super().__init__(axis=axis, rank=0, group_ranks=tuple(range(size)), timeout=timeout)
+
+    def _all_reduce(self, t, op, async_op):
+        return t.clone(), Work()
+
+    def _all_gather(self, t, dim, async_op):
+        return torch.cat([t] * self.size, dim=dim), Work()
+
+    def _reduce_scatter(self, t, dim, async_op):
+        return t.chunk(self.size, dim)[0].clone(), Work()
+
+    def _all_to_all(self, t, split_dim, cat_dim):
+        return torch.cat([t.chunk(self.size, split_dim)[0]] * self.size, dim=cat_dim), Work()
+
+    def _all_to_all_single(self, t, out_splits, in_splits):
+        return t.new_empty((sum(out_splits), *t.shape[1:])), Work()
+
+    def _send(self, t, peer):
+        return None, Work()
+
+    def _recv(self, like, peer):
+        return torch.empty_like(like), Work()
+
+    def _barrier(self):
+        return None, Work()

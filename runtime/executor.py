@@ -119,13 +119,28 @@ class RankExecutor:
     def _loss(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor | float]:
         """(loss, count): count is the global number of tokens the loss averaged over when the
         program exposes it (a mean cross-entropy), else 1."""
-        hooks = torch.autograd.graph.saved_tensors_hooks(self.zero3.pack, self.zero3.unpack) \
-            if self.zero3 is not None else contextlib.nullcontext()
-        with hooks:
+        with self._saved_tensor_hooks():
             out = self.gm(*self._arguments(batch))
         if not isinstance(out, (tuple, list)):
             return out, 1.0
         return (out[0], out[1].detach().to(torch.float64)) if len(out) > 1 else (out[0], 1.0)
+
+    _measure = None  # set by activation_bytes: sees every tensor autograd saves
+
+    def _saved_tensor_hooks(self):
+        """ZeRO-3 drops saved gathered parameters (re-gathered in backward); activation_bytes
+        counts what is saved. One hook pair does both: only the innermost pair would run."""
+        if self.zero3 is None and self._measure is None:
+            return contextlib.nullcontext()
+        measure, zero3 = self._measure, self.zero3
+
+        def pack(t):
+            packed = zero3.pack(t) if zero3 is not None else t
+            if measure is not None and packed is t:  # a re-gatherable parameter is not an activation
+                measure(t)
+            return packed
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, Zero3Registry.unpack)
 
     def _global(self, loss: torch.Tensor) -> float:
         value = loss.detach()
@@ -181,17 +196,19 @@ class RankExecutor:
     def activation_bytes(self, batch: tuple) -> int:
         """Bytes of the activations autograd saves for backward in one forward (unique storages,
         parameters excluded): the activation memory a step holds at its peak, measured."""
-        params = {p.untyped_storage().data_ptr() for p in self.params}
+        params = {p.untyped_storage()._cdata for p in self.params}  # _cdata: also unique for fake tensors
         seen: dict[int, int] = {}
 
-        def pack(t: torch.Tensor):
+        def measure(t: torch.Tensor) -> None:
             storage = t.untyped_storage()
-            if storage.data_ptr() not in params:
-                seen[storage.data_ptr()] = storage.nbytes()
-            return t
+            if storage._cdata not in params:
+                seen[storage._cdata] = storage.nbytes()
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        self._measure = measure
+        try:
             loss, _ = self._loss(self._split(batch)[0])
+        finally:
+            self._measure = None
         del loss
         return sum(seen.values())
 
@@ -345,3 +362,23 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def estimate_activation_bytes(program, **options) -> int:
+    """Activation bytes rank 0 saves for backward in one forward, found by running its program on
+    fake tensors with peerless collectives (ShapeComm): no memory, no processes, any mesh size."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .comm import ShapeComm
+    from .mesh import Mesh
+
+    mesh = Mesh(program.mesh.axes, program.mesh.shape, 0, torch.device("cpu"),
+                {a: ShapeComm(a, n) for a, n in zip(program.mesh.axes, program.mesh.shape)})
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        state = {}
+        for spec in program.state:
+            tensor = torch.zeros(spec.global_shape, dtype=spec.dtype)
+            state[spec.name] = torch.nn.Parameter(tensor) if spec.kind == "param" and spec.trainable else tensor
+        batch = tuple(torch.zeros(spec.global_shape, dtype=spec.dtype) for spec in program.inputs)
+        rank = RankExecutor(program, mesh, state, microbatches=1, **options)
+        return rank.activation_bytes(batch)

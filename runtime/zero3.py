@@ -37,7 +37,7 @@ class Zero3Registry:
     def gathered(self, group: str, buf: torch.Tensor, comm, shard: torch.Tensor) -> None:
         self.live[group] = self.live.get(group, 0) + 1
         self.peak_live_groups = max(self.peak_live_groups, sum(1 for n in self.live.values() if n))
-        ptr = buf.untyped_storage().data_ptr()
+        ptr = buf.untyped_storage()._cdata  # unique per storage, fake tensors included
         self.sources[ptr] = (comm, shard, group)
         weakref.finalize(buf.untyped_storage(), self._freed, group, ptr)
 
@@ -46,7 +46,7 @@ class Zero3Registry:
         self.sources.pop(ptr, None)
 
     def pack(self, t: torch.Tensor):
-        source = self.sources.get(t.untyped_storage().data_ptr()) if isinstance(t, torch.Tensor) else None
+        source = self.sources.get(t.untyped_storage()._cdata) if isinstance(t, torch.Tensor) else None
         if source is None:
             return t
         return _Regather(source[0], source[1], tuple(t.shape), tuple(t.stride()), t.storage_offset())

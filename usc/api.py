@@ -17,7 +17,7 @@ from usc.compiler.trace import is_meta_model, trace
 from usc.dsl import Plan, PlanError, check_rules_match, parse_plan
 from usc.passes import parallelize
 from usc.runtime import checkpoint
-from usc.runtime.executor import RankExecutor
+from usc.runtime.executor import RankExecutor, estimate_activation_bytes
 from usc.runtime.mesh import Mesh, run_in_threads, simulated_meshes
 from usc.runtime.trace import Timeline
 
@@ -96,6 +96,9 @@ class _Compiled:
         self._report = build_report(self._program, model=type(self._user_model).__name__, plan=str(self.plan),
                                     bucket_bytes=self.bucket_bytes, compile_seconds=time.perf_counter() - start,
                                     zero_stage=int(self.plan.get("zero")), microbatches=int(self.plan.get("mb")))
+        program, options = self._program, self._executor_options()
+        options.pop("microbatches")
+        self._report.activation_estimate = lambda: estimate_activation_bytes(program, **options)
 
     def _microbatch(self, batch: tuple) -> tuple:
         """The program is compiled for one global microbatch (mb=M splits the batch's dim 0)."""
