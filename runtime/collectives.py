@@ -239,13 +239,7 @@ class ReduceScatter(CollectiveNode):
         self.dim, self.order = dim, _check_order(order)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        comm = self.comm
-        if comm.size == 1:
-            return x
-        dim = self.dim % x.dim()
-        if self.order == "zigzag":
-            x = zigzag_permute(x, dim, comm.size)
-        return _ReduceScatterFn.apply(x, comm, dim)
+        return _split_along(x, self.comm, self.dim, self.order, _ReduceScatterFn)
 
     def forward_collective(self) -> str | None:
         return "reduce-scatter"
@@ -267,13 +261,7 @@ class LocalShard(CollectiveNode):
         self.dim, self.order = dim, _check_order(order)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        comm = self.comm
-        if comm.size == 1:
-            return x
-        dim = self.dim % x.dim()
-        if self.order == "zigzag":
-            x = zigzag_permute(x, dim, comm.size)
-        return _LocalShardFn.apply(x, comm, dim)
+        return _split_along(x, self.comm, self.dim, self.order, _LocalShardFn)
 
     def backward_collective(self) -> str | None:
         return "all-gather"
@@ -326,6 +314,17 @@ class _AllToAllFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return ctx.comm.all_to_all(grad.contiguous(), ctx.from_dim, ctx.to_dim), None, None, None
+
+
+def _split_along(x: torch.Tensor, comm: Comm, dim: int, order: str, fn) -> torch.Tensor:
+    """Apply a splitting collective (reduce-scatter, local shard) along dim in the axis's chunk
+    order: zigzag permutes the dim first, so a contiguous chunk is the rank's zigzag piece."""
+    if comm.size == 1:
+        return x
+    dim = dim % x.dim()
+    if order == "zigzag":
+        x = zigzag_permute(x, dim, comm.size)
+    return fn.apply(x, comm, dim)
 
 
 ORDERS = ("contiguous", "zigzag")
