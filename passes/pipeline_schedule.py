@@ -46,6 +46,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 
 
 class ComputeOp(Enum):
@@ -201,7 +202,7 @@ class Schedule:
     def rank_of(self, stage: int) -> int:
         return stage % self.pp
 
-    @property
+    @cached_property
     def is_lowered(self) -> bool:
         """True once any send or recv is present: cross-rank data then moves only through them."""
         return any(isinstance(a, Comm) for acts in self.actions.values() for a in acts)
@@ -317,25 +318,32 @@ def interleaved(pp: int, v: int, mb: int) -> Schedule:
 
 
 def zero_bubble_h1(pp: int, mb: int) -> Schedule:
-    """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec. 3.1): 1F1B's order with each
-    backward split into I (input grad, critical path) and W (weight grad). W of microbatch i-1 is
-    deferred to just before I of microbatch i, where 1F1B would wait for the next stage's gradient,
-    and the last W ends the list. Forwards and I's keep 1F1B's positions, so the in-flight peak
-    (F done, I not) is 1F1B's; the bubble drops from 3(pp-1) to (pp-1) unit slots per rank.
+    """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec. 3.1): 1F1B with each backward
+    split into I (input grad, on the critical path) and W (weight grad, deferred into the bubble).
+
+    Forwards and I's keep 1F1B's order, so the peak in flight (F done, I not) is 1F1B's. Rank r runs
+    its first r steady steps without W (as torch.distributed.pipelining's ``_get_1f1b_rank_ops`` with
+    ``num_1f1b_microbatches=rank``), then one W per step, one per cool-down step, and the r W's still
+    owed at the end, where 1F1B's cool-down bubble was. With unit F=I=W the bubble is p-1 slots per
+    rank, against 3(p-1) for 1F1B, and every rank holds at most p microbatches whose W has not run.
     """
     _require_sizes(pp, 1, mb)
-    actions = {}
-    for r in range(pp):
-        forwards = _ops(r, ComputeOp.FORWARD, mb)
-        warmup = min(pp - r - 1, mb)
-        acts: list[Action] = list(forwards[:warmup])
-        for i in range(mb):
-            acts += forwards[warmup + i : warmup + i + 1]
-            acts += [Compute(r, ComputeOp.WEIGHT_GRAD, i - 1)] if i > 0 else []
-            acts.append(Compute(r, ComputeOp.INPUT_GRAD, i))
-        acts.append(Compute(r, ComputeOp.WEIGHT_GRAD, mb - 1))
-        actions[r] = acts
-    return Schedule("zb", pp, 1, mb, actions)
+    return Schedule("zb", pp, 1, mb, {r: _zero_bubble_h1_rank(pp, mb, r) for r in range(pp)})
+
+
+def _zero_bubble_h1_rank(pp: int, mb: int, rank: int) -> list[Action]:
+    forward, input_grad, weight_grad = ComputeOp.FORWARD, ComputeOp.INPUT_GRAD, ComputeOp.WEIGHT_GRAD
+    warmup = min(pp - rank - 1, mb)
+    acts: list[Action] = _ops(rank, forward, warmup)
+    weights_done = 0
+    for i in range(mb):
+        cooldown = warmup + i >= mb
+        acts += [] if cooldown else [Compute(rank, forward, warmup + i)]
+        acts.append(Compute(rank, input_grad, i))
+        if cooldown or i >= rank:
+            acts.append(Compute(rank, weight_grad, weights_done))
+            weights_done += 1
+    return acts + [Compute(rank, weight_grad, m) for m in range(weights_done, mb)]
 
 
 def _one_chunk(generator: Callable[[int, int], Schedule]) -> Callable[[int, int, int], Schedule]:

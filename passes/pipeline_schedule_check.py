@@ -48,26 +48,25 @@ class Done(NamedTuple):
     mb: int
 
     def __str__(self) -> str:
-        names = {"F": "F", "dX": "B or I", "I": "I"}
-        return (
-            f"{self.stage}{names[self.kind]}{self.mb}"
-            if self.kind != "dX"
-            else f"{self.stage}B{self.mb} or {self.stage}I{self.mb}"
-        )
+        if self.kind == "dX":
+            return f"{self.stage}B{self.mb} or {self.stage}I{self.mb}"
+        return f"{self.stage}{self.kind}{self.mb}"
 
 
 Event = Done | Comm
 
 
+def _backward_needs(act: Compute, last: int) -> list[Done]:
+    """B or I of (s, m): the forward of (s, m), and the gradient coming back from (s+1, m)."""
+    upstream = [Done("dX", act.stage + 1, act.mb)] if act.stage < last else []
+    return [Done("F", act.stage, act.mb), *upstream]
+
+
 # What each compute op needs, as events on any stage (translated to recvs when lowered).
 _REQUIRES: dict[ComputeOp, Callable[[Compute, int], list[Done]]] = {
     F: lambda a, last: [Done("F", a.stage - 1, a.mb)] if a.stage > 0 else [],
-    B: lambda a, last: (
-        [Done("F", a.stage, a.mb)] + ([Done("dX", a.stage + 1, a.mb)] if a.stage < last else [])
-    ),
-    I: lambda a, last: (
-        [Done("F", a.stage, a.mb)] + ([Done("dX", a.stage + 1, a.mb)] if a.stage < last else [])
-    ),
+    B: _backward_needs,
+    I: _backward_needs,
     W: lambda a, last: [Done("I", a.stage, a.mb)],
 }
 _PRODUCES: dict[ComputeOp, Callable[[Compute], list[Done]]] = {
@@ -77,7 +76,9 @@ _PRODUCES: dict[ComputeOp, Callable[[Compute], list[Done]]] = {
     W: lambda a: [],
 }
 # A send needs the data it sends: the forward output or the input gradient of its own stage.
-_SEND_NEEDS = {"SF": "F", "SB": "dX"}
+_SEND_NEEDS = {CommOp.SEND_F: "F", CommOp.SEND_B: "dX"}
+# Which send carries a compute event to the neighbouring rank: forward outputs up, input gradients down.
+_SENT_BY = {"F": CommOp.SEND_F, "dX": CommOp.SEND_B}
 
 
 def _as_recv(schedule: Schedule, stage: int, event: Done) -> Event:
@@ -87,16 +88,12 @@ def _as_recv(schedule: Schedule, stage: int, event: Done) -> Event:
     return Comm(event.stage, _SENT_BY[event.kind], event.mb, stage).matching()
 
 
-# Which send carries a compute event to the next rank: forward outputs go up, input gradients down.
-_SENT_BY = {"F": CommOp.SEND_F, "dX": CommOp.SEND_B}
-
-
 def requires(schedule: Schedule, act: Action) -> list[Event]:
     """The events ``act`` waits for."""
     if isinstance(act, Compute):
         return [_as_recv(schedule, act.stage, e) for e in _REQUIRES[act.op](act, schedule.stages - 1)]
     if act.is_send:
-        return [Done(_SEND_NEEDS[act.op.value], act.stage, act.mb)]
+        return [Done(_SEND_NEEDS[act.op], act.stage, act.mb)]
     return [act.matching()]
 
 
@@ -197,11 +194,10 @@ def _check_transfers_matched(schedule: Schedule) -> None:
     for rank, acts in schedule.actions.items():
         for pos, act in enumerate(acts):
             if isinstance(act, Comm) and act.matching() not in comms:
-                kind = "send" if act.is_send else "recv"
-                other = "recv" if act.is_send else "send"
+                kind, other = ("send", "recv") if act.is_send else ("recv", "send")
                 raise ScheduleError(
-                    f"{_where(rank, pos, act)}: {kind} has no matching {other} {act.matching()} on rank "
-                    f"{schedule.rank_of(act.peer)}"
+                    f"rank {rank}, position {pos}: {kind} {act} has no matching {other} {act.matching()} "
+                    f"on rank {schedule.rank_of(act.peer)}"
                 )
 
 
@@ -321,8 +317,8 @@ def check_schedule(schedule: Schedule, *, costs: Mapping[ComputeOp, float] = UNI
     _check_placement(schedule)
     _check_no_duplicates(schedule)
     _check_coverage(schedule)
-    _check_program_order(schedule)
     _check_transfers_matched(schedule)
+    _check_program_order(schedule)
     return timeline_metrics(simulate(schedule, costs=costs))
 
 
