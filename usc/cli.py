@@ -21,7 +21,9 @@ class UsageError(Exception):
     """Bad command-line use: exit status 2."""
 
 
-def _load_factory(spec: str):
+def _load_factory(spec: str | None):
+    if spec is None:
+        raise UsageError("give the model as FILE.py:FACTORY")
     if ":" not in spec:
         raise UsageError(f"expected FILE.py:FACTORY, got '{spec}'")
     path, name = spec.rsplit(":", 1)
@@ -47,17 +49,52 @@ def _plan_text(args) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="usc-lint", description=__doc__.split("\n\n")[0])
-    p.add_argument("target", help="FILE.py:FACTORY, FACTORY() returning (model, example_inputs)")
+    p.add_argument("target", nargs="?", help="FILE.py:FACTORY, FACTORY() returning (model, example_inputs)")
     p.add_argument("--plan", help="plan text, e.g. \"dp=2 tp=2\"")
     p.add_argument("--plan-file", help="a .usc file with the plan")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--schedule", action="store_true",
+                   help="print the pipeline schedule of the plan's pp/mb/schedule/v (timeline per rank, "
+                        "bubble, in-flight microbatches) and exit; needs no model")
     return p
+
+
+def print_schedule(plan_text: str, as_json: bool) -> int:
+    """The schedule is data: generated, checked and drawn without running (or tracing) anything."""
+    from usc.dsl import parse_plan
+    from usc.passes.pipeline_schedule import build_schedule
+    from usc.passes.pipeline_schedule_check import check_schedule, render_timeline
+
+    plan = parse_plan(plan_text)
+    pp, v, mb, name = plan.size("pp"), int(plan.get("v")), int(plan.get("mb")), plan.get("schedule")
+    schedule = build_schedule(name, pp, v, mb)
+    metrics = check_schedule(schedule)
+    if as_json:
+        print(json.dumps({"schedule": str(schedule), "makespan": metrics.makespan,
+                          "bubble_fraction": metrics.bubble_fraction, "bubble_ratio": metrics.bubble_ratio,
+                          "peak_in_flight": list(metrics.peak_in_flight)}))
+        return 0
+    print(f"schedule {name}: pp={pp} v={v} mb={mb} (unit costs: forward 1, backward 2)")
+    print(render_timeline(schedule))
+    print(f"makespan {metrics.makespan:g}; bubble {metrics.bubble_fraction:.1%} of the makespan "
+          f"(idle/compute {metrics.bubble_ratio:.3f}); peak in-flight microbatches per rank "
+          f"{', '.join(str(n) for n in metrics.peak_in_flight)}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     import usc
 
     args = parser().parse_args(argv)
+    if args.schedule:
+        try:
+            return print_schedule(_plan_text(args), args.json)
+        except UsageError as err:
+            print(f"usc-lint: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+        except (PlanError, ValueError, NotImplementedError) as err:
+            print(f"usc-lint: {type(err).__name__}: {err}", file=sys.stderr)
+            return 1
     try:
         plan = _plan_text(args)
         model, example_inputs = _load_factory(args.target)()

@@ -108,3 +108,21 @@ def test_console_script_is_installed_and_runs():
                             check=False)
     assert result.returncode == 0, result.stderr
     assert "all-reduce" in result.stdout and "totals per axis:" in result.stdout
+
+
+def test_schedule_picture_needs_no_model(capsys):
+    code = usc.cli.main(["--schedule", "--plan", "pp=2 mb=2 schedule=gpipe"])
+    out = capsys.readouterr().out
+    assert code == 0
+    # rank 1 runs F0 F1 then B0 B0 B1 B1 (backward costs 2); rank 0 waits 3 units for B0's gradient
+    assert "rank 0 | F0 F1 .. .. .. B0 B0 B1 B1" in out
+    assert "rank 1 | .. F0 F1 B0 B0 B1 B1 .. .." in out
+    assert "peak in-flight microbatches per rank 2, 2" in out
+
+
+def test_schedule_json_and_bad_schedule(capsys):
+    assert usc.cli.main(["--schedule", "--json", "--plan", "pp=4 mb=8 schedule=1f1b"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["bubble_ratio"] == pytest.approx(3 / 8) and data["peak_in_flight"] == [4, 3, 2, 1]
+    assert usc.cli.main(["--schedule", "--plan", "pp=4 mb=6 v=2 schedule=interleaved"]) == 1
+    assert "multiple of pp" in capsys.readouterr().err
