@@ -69,4 +69,16 @@ def build_program(gm: fx.GraphModule, mesh: MeshSpec, state: list[StateInput], u
               for n in user_inputs]
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]  # (loss[, count])
-    return Program(gm, mesh, specs, inputs, loss.meta[META].layout, tp_choices, timings)
+    return Program(gm, mesh, specs, inputs, inner_node(gm, loss).meta[META].layout, tp_choices, timings)
+
+
+def inner_node(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+    """The annotated node behind a value of a pipeline orchestrator (a stage output), or node."""
+    if META in node.meta:
+        return node
+    index = None
+    if node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
+        node, index = node.args[0], node.args[1]
+    stage = gm.get_submodule(node.target)
+    out = next(n for n in stage.graph.nodes if n.op == "output").args[0]
+    return out[index] if index is not None else (out[0] if isinstance(out, (tuple, list)) else out)

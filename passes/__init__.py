@@ -19,13 +19,14 @@ from .grad_sync import grad_sync_pass
 from .layouts import batch_layouts, merge_layouts, tp_layouts
 from .localize import localize_pass
 from .loss_count import expose_loss_count_pass
+from .pipeline_split import pipeline_split_pass
 from .propagate import propagate_pass
 from .zero3 import zero3_pass
 
 # Options whose pass does not exist yet: a value other than the default is refused by name.
-UNIMPLEMENTED_VALUES = ("recompute", "fuse", "v", "split")
-UNIMPLEMENTED_OPTIONS = ("schedule", "capacity_factor")
-SUPPORTED_AXES = ("dp", "tp", "cp")
+UNIMPLEMENTED_VALUES = ("recompute", "fuse", "split")
+UNIMPLEMENTED_OPTIONS = ("capacity_factor",)
+SUPPORTED_AXES = ("dp", "tp", "cp", "pp")
 
 
 def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) -> list[PassSpec]:
@@ -39,6 +40,8 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) ->
         PassSpec("localize", localize_pass),
         PassSpec("expose_loss_count", expose_loss_count_pass),
         PassSpec("zero3", zero3_pass, {"params": params}),
+        # last: the stages are cuts of the finished per-rank program
+        PassSpec("pipeline_split", pipeline_split_pass),
     ]
 
 
@@ -46,7 +49,7 @@ def check_supported(plan) -> None:
     """Refuse, by name, plan items whose pass does not exist yet."""
     for axis in plan.mesh_axes:
         if axis not in SUPPORTED_AXES and plan.size(axis) > 1:
-            raise plan.error_at(axis, f"mesh axis '{axis}' is not implemented yet (supported today: dp, tp, cp)",
+            raise plan.error_at(axis, f"mesh axis '{axis}' is not implemented yet (supported today: dp, tp, cp, pp)",
                                 hint=f"remove {axis}={plan.size(axis)} or set it to 1")
     if plan.get("zero") and plan.size("dp") == 1:
         raise plan.error_at("zero", "ZeRO shards optimizer state, gradients and parameters over dp and needs dp>1",
@@ -60,6 +63,17 @@ def check_supported(plan) -> None:
     if plan.get("sp") and plan.size("tp") == 1:
         raise plan.error_at("sp", "sp=on (sequence parallelism) shards activations over the tp axis and needs tp>1",
                             hint="add tp=N (N>1) or remove sp=on")
+    if plan.size("pp") > 1:
+        if plan.get("schedule") not in ("gpipe", "1f1b"):
+            raise plan.error_at("schedule", f"schedule={plan.get('schedule')} can be drawn (usc-lint --schedule) "
+                                            "but not executed yet; gpipe and 1f1b run", hint="use schedule=1f1b")
+        if int(plan.get("v")) != 1:
+            raise plan.error_at("v", "virtual pipeline stages (v>1) are not executed yet", hint="remove v=")
+        if int(plan.get("zero")) == 3:
+            raise plan.error_at("zero", "zero=3 with pp>1 is not implemented yet", hint="use zero=1 or zero=2")
+    elif plan.is_set("schedule") or plan.is_set("v"):
+        raise plan.error_at("schedule" if plan.is_set("schedule") else "v",
+                            "schedule and v choose how pipeline stages run and need pp>1", hint="add pp=N")
     if plan.is_set("cp_mode") and plan.size("cp") == 1:
         raise plan.error_at("cp_mode", "cp_mode chooses how attention runs under context parallelism and needs "
                                        "cp>1", hint="add cp=N (N>1) or remove cp_mode")

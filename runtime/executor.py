@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from .layout import gather_full, local_chunk, zigzag_permute
+from .pipeline import PipelineMixin
 from .reducer import GradReducer
 from .trace import Timeline
 from .checkpoint import CheckpointError
@@ -35,8 +36,9 @@ def bind_graph(gm: fx.GraphModule, mesh) -> fx.GraphModule:
     modules = {}
     for name, module in gm.named_children():
         mine = copy.deepcopy(module)
-        if hasattr(mine, "bind"):
-            mine.bind(mesh)
+        for part in mine.modules():  # pipeline stages nest their collectives one level down
+            if hasattr(part, "bind") and not isinstance(part, fx.GraphModule):
+                part.bind(mesh)
         modules[name] = mine
     return fx.GraphModule(modules, gm.graph, class_name="RankProgram")
 
@@ -223,9 +225,12 @@ class RankExecutor:
         return {spec.name: (spec, self.state[spec.placeholder]) for spec in self.program.state
                 if isinstance(self.state[spec.placeholder], torch.nn.Parameter)}
 
+    def _owned(self, spec, value: torch.Tensor) -> torch.Tensor:
+        return value  # pipeline ranks take the owning stage's copy (PipelineMixin)
+
     def _dp_whole(self, spec, value: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's local tensor of a state entry (a ZeRO-3 slice gathered back over dp)."""
-        value = self.state[spec.placeholder].detach() if value is None else value
+        value = self._owned(spec, self.state[spec.placeholder].detach() if value is None else value)
         if not spec.zero3:
             return value
         return unshard(value, spec.layout.local_shape(spec.global_shape, self.program.mesh), self.mesh.comm("dp"))
@@ -382,3 +387,11 @@ def estimate_activation_bytes(program, **options) -> int:
         batch = tuple(torch.zeros(spec.global_shape, dtype=spec.dtype) for spec in program.inputs)
         rank = RankExecutor(program, mesh, state, microbatches=1, **options)
         return rank.activation_bytes(batch)
+
+
+class PipelineExecutor(PipelineMixin, RankExecutor):
+    """A pp rank: runs its stage of the program over microbatches in schedule order."""
+
+    def __init__(self, program, mesh, full_state, *, schedule, **options) -> None:
+        RankExecutor.__init__(self, program, mesh, full_state, **options)
+        self._setup_pipeline(schedule)

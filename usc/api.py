@@ -17,7 +17,9 @@ from usc.compiler.trace import is_meta_model, trace
 from usc.dsl import Plan, PlanError, check_rules_match, parse_plan
 from usc.passes import parallelize
 from usc.runtime import checkpoint
-from usc.runtime.executor import RankExecutor, estimate_activation_bytes
+from usc.passes.pipeline_schedule import build_schedule
+from usc.passes.pipeline_schedule_check import check_schedule
+from usc.runtime.executor import PipelineExecutor, RankExecutor, estimate_activation_bytes
 from usc.runtime.mesh import Mesh, run_in_threads, simulated_meshes
 from usc.runtime.trace import Timeline
 
@@ -112,6 +114,16 @@ class _Compiled:
                                      hint=f"use a batch that is a multiple of {mb}")
         return tuple(v.chunk(mb, 0)[0] if isinstance(v, torch.Tensor) else v for v in batch)
 
+    def _make_executor(self, mesh, state, optimizer):
+        """A plain rank, or a pipeline stage rank following the plan's schedule."""
+        options = self._executor_options()
+        pp = self.plan.size("pp")
+        if pp == 1:
+            return RankExecutor(self._program, mesh, state, optimizer=optimizer, **options)
+        schedule = build_schedule(self.plan.get("schedule"), pp, int(self.plan.get("v")), options["microbatches"])
+        check_schedule(schedule)
+        return PipelineExecutor(self._program, mesh, state, optimizer=optimizer, schedule=schedule, **options)
+
     def _executor_options(self) -> dict:
         return {"bucket_bytes": self.bucket_bytes, "zero": int(self.plan.get("zero")),
                 "microbatches": int(self.plan.get("mb")),
@@ -155,8 +167,7 @@ class Compiled(_Compiled):
     def _rank(self) -> RankExecutor:
         if self._executor is None:
             mesh = self._mesh()
-            self._executor = RankExecutor(self._program, mesh, _full_state(self.model, self._traced),
-                                          optimizer=self._optimizer, **self._executor_options())
+            self._executor = self._make_executor(mesh, _full_state(self.model, self._traced), self._optimizer)
         return self._executor
 
     def _mesh(self) -> Mesh:
@@ -241,8 +252,7 @@ class Simulated(_Compiled):
         self._ensure_built(())
         self.meshes = simulated_meshes(tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), timeout=self.timeout)
         state = _full_state(self.model, self._traced)
-        self.ranks = [RankExecutor(self._program, mesh, state, optimizer=optimizer, **self._executor_options())
-                      for mesh in self.meshes]
+        self.ranks = [self._make_executor(mesh, state, optimizer) for mesh in self.meshes]
 
     def _run(self, fn) -> list:
         return run_in_threads(self.meshes, lambda mesh: fn(self.ranks[mesh.rank]), timeout=self.timeout)

@@ -1,0 +1,111 @@
+"""Pipeline split: cut the per-rank program into pp stages, one GraphModule each.
+
+Requires: every earlier pass ran (the stage programs are the final per-rank programs, cut).
+Establishes: with pp>1 the returned GraphModule is an orchestrator whose ``submod_k`` children are
+    the stages in order; every value crossing a cut is an explicit input/output of the stages
+    (the runtime sends it between pp ranks). Nodes of one layer (module path up to its first
+    index, e.g. ``layers.3``) stay together; layers are assigned to stages contiguously so the
+    estimated compute per stage (FLOPs from the global shapes) is balanced; nodes outside layers
+    go with what they consume (or, with no computed input, with their first consumer).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+from usc.compiler.trace import module_path
+
+from .graph_edit import shape_of
+from .zero3 import layer_key
+
+aten = torch.ops.aten
+
+
+def node_flops(node: fx.Node) -> float:
+    """A rough cost: 2 * multiply-adds for matmuls and attention, else the output size."""
+    out = shape_of(node)
+    if out is None:
+        return 0.0
+    if node.target in (aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default,
+                       aten.addmm.default):
+        contracted = shape_of(node.args[1] if node.target != aten.addmm.default else node.args[2])
+        k = contracted[-1] if node.target == aten.linear.default else contracted[-2]
+        return 2.0 * math.prod(out) * k
+    if node.target == aten.scaled_dot_product_attention.default:
+        b, h, s, d = shape_of(node.args[0])
+        return 4.0 * b * h * s * shape_of(node.args[1])[2] * d
+    return float(math.prod(out))
+
+
+def balanced_cut(costs: list[float], parts: int) -> list[int]:
+    """Stage of each unit: contiguous, minimising the largest stage cost (exact DP; units are few)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    best = [[math.inf] * (parts + 1) for _ in range(n + 1)]
+    cut = [[0] * (parts + 1) for _ in range(n + 1)]
+    best[0][0] = 0.0
+    for i in range(1, n + 1):
+        for p in range(1, min(parts, i) + 1):
+            for j in range(p - 1, i):
+                value = max(best[j][p - 1], prefix[i] - prefix[j])
+                if value < best[i][p]:
+                    best[i][p], cut[i][p] = value, j
+    stages, i = [0] * n, n
+    for p in range(parts, 0, -1):
+        j = cut[i][p]
+        for unit in range(j, i):
+            stages[unit] = p - 1
+        i = j
+    return stages
+
+
+def assign_stages(gm: fx.GraphModule, pp: int) -> dict[fx.Node, int]:
+    computing = [n for n in gm.graph.nodes if n.op in ("call_function", "call_module")]
+    units: list[str] = []
+    for node in computing:
+        key = layer_key(module_path(node))
+        if module_path(node) and key not in units:
+            units.append(key)
+    if len(units) < pp:
+        raise ValueError(f"pp={pp} needs at least {pp} layers to cut between; the model has {len(units)} "
+                         f"({', '.join(units)})")
+    cost = {u: 0.0 for u in units}
+    for node in computing:
+        if module_path(node):
+            cost[layer_key(module_path(node))] += node_flops(node)
+    stage_of_unit = dict(zip(units, balanced_cut([cost[u] for u in units], pp)))
+    stage: dict[fx.Node, int] = {}
+    for node in computing:  # layer nodes first; the rest follow what they consume
+        if module_path(node):
+            stage[node] = stage_of_unit[layer_key(module_path(node))]
+    for node in computing:
+        if node not in stage:
+            inputs = [stage[x] for x in node.all_input_nodes if x in stage]
+            if inputs:
+                stage[node] = max(inputs)
+    for node in reversed(computing):
+        if node not in stage:
+            users = [stage[u] for u in node.users if u in stage]
+            stage[node] = min(users) if users else 0
+    for node in computing:  # a value is never consumed on an earlier stage than it is made
+        inputs = [stage[x] for x in node.all_input_nodes if x in stage]
+        if inputs and max(inputs) > stage[node]:
+            stage[node] = max(inputs)
+    return stage
+
+
+def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Cut the program into pp stage GraphModules (see the module docstring)."""
+    pp = ctx.mesh.size("pp")
+    if pp == 1:
+        return gm
+    stage = assign_stages(gm, pp)
+    split = split_module(gm, None, lambda node: stage[node], keep_original_order=True)
+    split.meta["usc_pipeline_stages"] = pp
+    return split
