@@ -39,7 +39,13 @@ class PassFailed(CompileError):
 
 
 def verify_annotated(gm: fx.GraphModule) -> None:
-    """The legal form after propagation: every computing node carries a layout of the mesh's rank."""
+    """The legal form after propagation: every computing node carries a layout of the mesh's rank
+    (for a pipeline orchestrator: every node of every stage)."""
+    stages = pipeline_stages(gm)
+    if stages:
+        for stage in stages:
+            verify_annotated(stage)
+        return
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_module", "placeholder"):
             ann = node.meta.get(META)
@@ -64,3 +70,11 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[PassSpec]
             except AssertionError as err:
                 raise PassFailed(f"after pass '{spec.name}': {err}") from err
     return gm
+
+
+def pipeline_stages(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """The stages of a pipeline orchestrator (marked by the split pass), else []. Other child
+    GraphModules (a higher-order op's body, e.g. torch.no_grad regions) are not stages."""
+    if not gm.meta.get("usc_pipeline_stages"):
+        return []
+    return [m for _, m in gm.named_children() if isinstance(m, fx.GraphModule)]

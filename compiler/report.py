@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from .ir import META, MeshSpec
+from .pipeline import pipeline_stages
 from .program import Program
 
 KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send/recv")
@@ -126,8 +127,43 @@ def _local(node: fx.Node, mesh: MeshSpec) -> tuple[tuple[int, ...], torch.dtype]
 
 
 def graph_collectives(gm: fx.GraphModule, mesh: MeshSpec, microbatches: int = 1) -> list[CollectiveRecord]:
-    """Collectives of the graph; each runs once per microbatch."""
-    return [replace(c, calls_per_step=c.calls_per_step * microbatches) for c in _graph_collectives(gm, mesh)]
+    """Collectives of the graph (and of its pipeline stages); each runs once per microbatch."""
+    records = []
+    for part in program_parts(gm):
+        records += _graph_collectives(part, mesh)
+    records += pipeline_transfers(gm, mesh)
+    return [replace(c, calls_per_step=c.calls_per_step * microbatches) for c in records]
+
+
+def program_parts(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """The per-rank program: the graph itself, or its pipeline stages."""
+    return pipeline_stages(gm) or [gm]
+
+
+def pipeline_transfers(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRecord]:
+    """Activations sent forward between pipeline stages, and their gradients sent back."""
+    if not pipeline_stages(gm):
+        return []
+    stages = {node: m for node in gm.graph.nodes if node.op == "call_module"
+              for m in [gm.get_submodule(node.target)] if isinstance(m, fx.GraphModule)}
+    index = {node: i for i, node in enumerate(stages)}
+    records = []
+    for consumer in stages:
+        for arg in consumer.args:
+            producer = arg.args[0] if arg.op == "call_function" else arg
+            if producer not in stages:
+                continue
+            position = arg.args[1] if arg.op == "call_function" else 0
+            outputs = next(n for n in stages[producer].graph.nodes if n.op == "output").args[0]
+            inner = outputs[position] if isinstance(outputs, (tuple, list)) else outputs
+            shape, dtype = _local(inner, mesh)
+            where = f"stage {index[producer]} -> stage {index[consumer]}"
+            directions = ["forward"] + (["backward"] if inner.meta[META].needs_grad else [])
+            for direction in directions:
+                records.append(CollectiveRecord("send/recv", "pp", mesh.size("pp"), direction, shape,
+                                                str(dtype).replace("torch.", ""), _nbytes(shape, dtype), 1, where,
+                                                inner.meta[META].source, "pipeline stage boundary", inner.name))
+    return records
 
 
 def _graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRecord]:
@@ -170,7 +206,7 @@ def attention_flops_per_rank(gm: fx.GraphModule, mesh: MeshSpec) -> dict[str, li
     from usc.runtime.ring_attention import attention_flops  # the schedule is the runtime's data
 
     out: dict[str, list[int]] = {}
-    for node in gm.graph.nodes:
+    for node, gm in ((n, part) for part in program_parts(gm) for n in part.graph.nodes):
         module = gm.get_submodule(node.target) if node.op == "call_module" else None
         if module is None or not hasattr(module, "traffic"):
             continue

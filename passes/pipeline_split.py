@@ -105,7 +105,10 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     pp = ctx.mesh.size("pp")
     if pp == 1:
         return gm
-    stage = assign_stages(gm, pp)
+    try:
+        stage = assign_stages(gm, pp)
+    except ValueError as err:
+        raise ctx.plan.error_at("pp", str(err), hint="use fewer pipeline stages") from None
     split = split_module(gm, None, lambda node: stage[node], keep_original_order=True)
     split.meta["usc_pipeline_stages"] = pp
     return split

@@ -166,10 +166,13 @@ class Comm(ABC):
             "all-to-all", t, False, lambda: self._all_to_all_single(t, list(out_splits), list(in_splits))
         )
 
-    def send(self, t: torch.Tensor, peer: int) -> None:
-        """Send to the group member `peer`; matched by a recv(like, this rank) there."""
+    def send(self, t: torch.Tensor, peer: int, async_op: bool = False) -> Work | None:
+        """Send to the group member `peer`; matched by a recv(like, this rank) there. With async_op
+        the call returns at once with a Work (keep `t` alive until it is waited for): a pipeline
+        must not block on a send whose receiver is itself still sending."""
         self._check_peer(peer)
-        self._run("send/recv", t, False, lambda: self._send(t, peer))
+        result = self._run("send/recv", t, async_op, lambda: self._send(t, peer))
+        return result[1] if async_op else None
 
     def recv(self, like: torch.Tensor, peer: int) -> torch.Tensor:
         """Receive a tensor shaped and typed like `like` from the group member `peer`."""

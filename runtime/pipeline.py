@@ -99,6 +99,7 @@ class PipelineMixin:
         self.stage_module = top.get_submodule(self.spec.module)
         self.pp = self.mesh.comm("pp")
         self.actions = [a for a in schedule.actions[self.stage]]
+        self._pending: list = []
         users: dict[str, set[int]] = {}
         for spec in self.specs:
             for source in spec.sources:
@@ -127,9 +128,19 @@ class PipelineMixin:
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
         for consumer in sorted({c for users in self.spec.consumers.values() for c in users}):
             for index in messages_from(self.specs, self.stage, consumer):
-                self.pp.send(outputs[index].detach().to(self._wire(outputs[index].dtype)), consumer)
+                self._send(outputs[index].detach().to(self._wire(outputs[index].dtype)), consumer)
         count = float(outputs[1]) if self._last and len(outputs) > 1 else 1.0
         return InFlight(received, outputs, count)
+
+    def _send(self, t: torch.Tensor, peer: int) -> None:
+        """Sends never block the schedule (a blocking send to a stage that is itself sending would
+        deadlock 1F1B); they are waited for at the end of the step."""
+        self._pending.append((t, self.pp.send(t, peer, async_op=True)))
+
+    def _wait_sends(self) -> None:
+        for _, work in self._pending:
+            work.wait()
+        self._pending = []
 
     def _wire(self, dtype: torch.dtype) -> torch.dtype:
         """Float activations and gradients travel in the compute dtype (bf16 under dtype=bf16)."""
@@ -164,7 +175,7 @@ class PipelineMixin:
             shape, dtype, needs = self.specs[producer].outputs[index]
             if needs and dtype.is_floating_point:
                 grad = value.grad if value.grad is not None else torch.zeros_like(value)
-                self.pp.send(grad.to(self._wire(dtype)), producer)
+                self._send(grad.to(self._wire(dtype)), producer)
 
     # ------------------------------------------------------------------------------------ a step
     def _run_schedule(self, batch: tuple, *, train: bool) -> tuple[torch.Tensor, float]:
@@ -197,6 +208,7 @@ class PipelineMixin:
 
     def step(self, batch: tuple) -> float:
         total, count = self._run_schedule(batch, train=True)
+        self._wait_sends()
         total, count = self._pipeline_global(total, count)
         self._scale_grads(1.0 / count)
         self._sum_shared_grads()  # before the dp reduction: ZeRO-2 keeps only slices after it
@@ -208,6 +220,7 @@ class PipelineMixin:
 
     def evaluate(self, batch: tuple) -> float:
         total, count = self._run_schedule(batch, train=False)
+        self._wait_sends()
         total, count = self._pipeline_global(total, count)
         return self._global(total / count)
 

@@ -100,7 +100,8 @@ class _Compiled:
                                     zero_stage=int(self.plan.get("zero")), microbatches=int(self.plan.get("mb")))
         program, options = self._program, self._executor_options()
         options.pop("microbatches")
-        self._report.activation_estimate = lambda: estimate_activation_bytes(program, **options)
+        if self.plan.size("pp") == 1:  # a pipeline rank holds one stage: not estimated yet
+            self._report.activation_estimate = lambda: estimate_activation_bytes(program, **options)
 
     def _microbatch(self, batch: tuple) -> tuple:
         """The program is compiled for one global microbatch (mb=M splits the batch's dim 0)."""

@@ -247,7 +247,7 @@ def test_dp_that_does_not_divide_the_batch_names_dp_and_the_batch():
 
 
 @pytest.mark.parametrize("plan, position, name", [
-    ("dp=1 pp=2", (1, 6), "pp"),
+    ("dp=1 ep=2", (1, 6), "ep"),
     ("dp=2\nfuse=on", (2, 1), "fuse"),
     ("tp=1  recompute=full", (1, 7), "recompute"),
 ])
