@@ -203,6 +203,7 @@ OPTIONS = _table(
     OptionSpec("sp", Switch(), False, "sequence parallelism for norms/dropout inside the tp group"),
     OptionSpec("cp_mode", Choice(("ring", "zigzag", "ulysses")), "ring", "context-parallel attention"),
     OptionSpec("dtype", Choice(("fp32", "bf16")), "fp32", "compute dtype"),
+    OptionSpec("reduce_dtype", Choice(("fp32", "bf16")), "fp32", "dtype of the gradient reduction over dp"),
     OptionSpec("fuse", Switch(), False, "fuse elementwise chains into generated kernels"),
     OptionSpec("gpus_per_node", WholeNumber(1), 8, "ranks per node: the innermost axes stay within a node"),
     OptionSpec("bucket_mb", PositiveNumber(), 25.0, "gradient all-reduce bucket size in MiB"),

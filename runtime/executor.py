@@ -48,7 +48,8 @@ class RankExecutor:
 
     def __init__(self, program, mesh, full_state: Mapping[str, torch.Tensor], *,
                  optimizer: OptimizerFactory | None = None, bucket_bytes: int = 25 * 2**20,
-                 zero: int = 0, microbatches: int = 1, compute_dtype: torch.dtype | None = None) -> None:
+                 zero: int = 0, microbatches: int = 1, compute_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         self.program, self.mesh = program, mesh
         self.gm = bind_graph(program.gm, mesh)
         self.microbatches, self.compute_dtype = microbatches, compute_dtype
@@ -66,7 +67,7 @@ class RankExecutor:
         self.timeline: Timeline | None = None
         sharded = zero in (1, 2) and mesh.size("dp") > 1
         self.reducer = GradReducer(entries, mesh, bucket_bytes=bucket_bytes,
-                                   scatter_axis="dp" if sharded and zero >= 2 else None)
+                                   scatter_axis="dp" if sharded and zero >= 2 else None, wire_dtype=reduce_dtype)
         factory = optimizer or default_optimizer
         self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, self.params) if sharded \
             else factory(self.params)

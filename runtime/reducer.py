@@ -122,12 +122,14 @@ class GradReducer:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeline: Timeline | None = None,
         scatter_axis: str | None = None,
+        wire_dtype: torch.dtype | None = None,
     ):
         """scatter_axis (ZeRO-2): buckets reduced over this axis are reduce-scattered over it first
         (padded to a multiple of its size); each rank keeps only its slice in `bucket.shard_grad`
         and the parameters' full gradients are dropped."""
         self.mesh = mesh
         self.timeline = timeline
+        self.wire_dtype = wire_dtype  # reduce_dtype=bf16: sums travel in bf16, halving the bytes
         self.buckets = _build_buckets(params, mesh, bucket_bytes)
         if scatter_axis is not None and mesh.size(scatter_axis) > 1:
             for bucket in self.buckets:
@@ -195,6 +197,8 @@ class GradReducer:
     def _launch(self, bucket: _Bucket) -> None:
         """Flatten the bucket's gradients (missing ones as zeros) and reduce over its first axis."""
         bucket.flat = torch.cat([_grad_or_zeros(p).reshape(-1) for _, p in bucket.params])
+        if self.wire_dtype is not None:
+            bucket.flat = bucket.flat.to(self.wire_dtype)
         if bucket.shard is not None:
             bucket.flat = pad_to_multiple(bucket.flat, self.mesh.size(bucket.shard))
             for _, p in bucket.params:
@@ -228,6 +232,8 @@ class GradReducer:
             pending = still_running
 
     def _write_back(self, bucket: _Bucket) -> None:
+        if self.wire_dtype is not None:
+            bucket.flat = bucket.flat.to(bucket.params[0][1].dtype)
         if bucket.shard is not None:
             bucket.shard_grad = bucket.flat
             if bucket.span is not None and self.timeline is not None:

@@ -100,6 +100,7 @@ class _Compiled:
                                     zero_stage=int(self.plan.get("zero")), microbatches=int(self.plan.get("mb")))
         program, options = self._program, self._executor_options()
         options.pop("microbatches")
+        options.pop("reduce_dtype")
         if self.plan.size("pp") == 1:  # a pipeline rank holds one stage: not estimated yet
             self._report.activation_estimate = lambda: estimate_activation_bytes(program, **options)
 
@@ -128,7 +129,8 @@ class _Compiled:
     def _executor_options(self) -> dict:
         return {"bucket_bytes": self.bucket_bytes, "zero": int(self.plan.get("zero")),
                 "microbatches": int(self.plan.get("mb")),
-                "compute_dtype": torch.bfloat16 if self.plan.get("dtype") == "bf16" else None}
+                "compute_dtype": torch.bfloat16 if self.plan.get("dtype") == "bf16" else None,
+                "reduce_dtype": torch.bfloat16 if self.plan.get("reduce_dtype") == "bf16" else None}
 
     @property
     def bucket_bytes(self) -> int:
