@@ -184,17 +184,18 @@ class PipelineMixin:
         total, count = torch.zeros((), dtype=torch.float64), 0.0
         for action in self.actions:
             if action.op.value == "F":
-                if train:
-                    flights[action.mb] = self._forward(micro[action.mb])
-                else:
-                    with torch.no_grad():
+                with self._span(f"F{action.mb}"):
+                    if train:
                         flights[action.mb] = self._forward(micro[action.mb])
+                    else:
+                        with torch.no_grad():
+                            flights[action.mb] = self._forward(micro[action.mb])
                 flight = flights[action.mb]
                 if self._last:
                     total = total + flight.outputs[0].detach().double() * flight.count
                     count += flight.count
             elif train:
-                with self.reducer.no_sync():
+                with self.reducer.no_sync(), self._span(f"B{action.mb}"):
                     self._backward(flights.pop(action.mb))
         return total, count
 
