@@ -202,19 +202,17 @@ def _p2p_records(node: fx.Node, module, mesh: MeshSpec) -> list[CollectiveRecord
 
 
 def attention_flops_per_rank(gm: fx.GraphModule, mesh: MeshSpec) -> dict[str, list[int]]:
-    """Per cp rank: multiply-adds of the attention it computes (shows zig-zag balance)."""
-    from usc.runtime.ring_attention import attention_flops  # the schedule is the runtime's data
-
+    """Per cp rank: multiply-adds of the attention it computes (shows zig-zag balance); the ring
+    node knows its own schedule, so the report only asks it."""
     out: dict[str, list[int]] = {}
     for node, gm in ((n, part) for part in program_parts(gm) for n in part.graph.nodes):
         module = gm.get_submodule(node.target) if node.op == "call_module" else None
         if module is None or not hasattr(module, "traffic"):
             continue
-        if not hasattr(module, "causal"):
+        if not hasattr(module, "attention_work"):
             continue
-        (b, h, s, d), _ = _local(node.args[0], mesh)
         n = mesh.size(module.axis)
-        per_rank = [attention_flops(s, n, r, module.causal, module.layout, b, h, d) for r in range(n)]
+        per_rank = module.attention_work(_local(node.args[0], mesh)[0], n)
         totals = out.setdefault(module.axis, [0] * n)
         out[module.axis] = [a + x for a, x in zip(totals, per_rank)]
     return out

@@ -331,6 +331,11 @@ class RingAttention(CollectiveNode):
         return [("forward", "send/recv", shape, block, n - 1),
                 ("backward", "send/recv", shape, block, 2 * n - 1)] if n > 1 else []
 
+    def attention_work(self, q_local_shape: Sequence[int], n: int) -> list[int]:
+        """Multiply-adds each rank of the ring computes (see attention_flops), for the report."""
+        b, h, s, d = q_local_shape
+        return [attention_flops(s, n, r, self.causal, self.layout, b, h, d) for r in range(n)]
+
     def forward_collective(self) -> str | None:
         return "send/recv"
 
