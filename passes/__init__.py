@@ -13,27 +13,22 @@ from usc.compiler.ir import MeshSpec
 from usc.compiler.pipeline import CompileContext, PassSpec, run_pipeline
 from usc.compiler.program import Program, build_program
 from usc.compiler.trace import Traced
-from usc.dsl import OPTIONS
 
 from .grad_sync import grad_sync_pass
 from .layouts import batch_layouts, merge_layouts, tp_layouts
 from .localize import localize_pass
 from .loss_count import expose_loss_count_pass
 from .pipeline_split import pipeline_split_pass
+from .plan_checks import check_supported
 from .propagate import propagate_pass
 from .zero3 import zero3_pass
-
-# Options whose pass does not exist yet: a value other than the default is refused by name.
-UNIMPLEMENTED_VALUES = ("recompute", "fuse", "split")
-UNIMPLEMENTED_OPTIONS = ("capacity_factor",)
-SUPPORTED_AXES = ("dp", "tp", "cp", "pp")
-
 
 def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) -> list[PassSpec]:
     """The ordered pass list. Order matters:
     propagate first (every later pass reads layouts); grad_sync needs the final layouts and the
-    inserted redistributions (an AllGather can absorb an f); localize last, since it rewrites
-    shapes for one rank and nothing after it may reason about global shapes in arguments."""
+    inserted redistributions (an AllGather can absorb an f); localize then rewrites shapes for one
+    rank, so nothing after it reasons about global shapes in arguments; expose_loss_count and
+    zero3 edit the finished per-rank program; pipeline_split cuts it last."""
     return [
         PassSpec("propagate", propagate_pass, {"input_layouts": input_layouts, "grad_inputs": grad_inputs}),
         PassSpec("grad_sync", grad_sync_pass, {"params": params}),
@@ -43,48 +38,6 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) ->
         # last: the stages are cuts of the finished per-rank program
         PassSpec("pipeline_split", pipeline_split_pass),
     ]
-
-
-def check_supported(plan) -> None:
-    """Refuse, by name, plan items whose pass does not exist yet."""
-    for axis in plan.mesh_axes:
-        if axis not in SUPPORTED_AXES and plan.size(axis) > 1:
-            raise plan.error_at(axis, f"mesh axis '{axis}' is not implemented yet (supported today: dp, tp, cp, pp)",
-                                hint=f"remove {axis}={plan.size(axis)} or set it to 1")
-    if plan.get("zero") and plan.size("dp") == 1:
-        raise plan.error_at("zero", "ZeRO shards optimizer state, gradients and parameters over dp and needs dp>1",
-                            hint="add dp=N (N>1) or remove zero=")
-    for name in UNIMPLEMENTED_VALUES:
-        default = OPTIONS[name].default
-        if plan.is_set(name) and plan.get(name) != default:
-            shown = "on" if default is True else "off" if default is False else default
-            raise plan.error_at(name, f"option {name} is not implemented yet (only {name}={shown} today)",
-                                hint=f"remove the {name} option")
-    if plan.get("sp") and plan.size("tp") == 1:
-        raise plan.error_at("sp", "sp=on (sequence parallelism) shards activations over the tp axis and needs tp>1",
-                            hint="add tp=N (N>1) or remove sp=on")
-    if plan.size("pp") > 1:
-        if plan.get("schedule") not in ("gpipe", "1f1b"):
-            raise plan.error_at("schedule", f"schedule={plan.get('schedule')} can be drawn (usc-lint --schedule) "
-                                            "but not executed yet; gpipe and 1f1b run", hint="use schedule=1f1b")
-        if int(plan.get("v")) != 1:
-            raise plan.error_at("v", "virtual pipeline stages (v>1) are not executed yet", hint="remove v=")
-        if int(plan.get("zero")) == 3:
-            raise plan.error_at("zero", "zero=3 with pp>1 is not implemented yet", hint="use zero=1 or zero=2")
-    elif plan.is_set("schedule") or plan.is_set("v"):
-        raise plan.error_at("schedule" if plan.is_set("schedule") else "v",
-                            "schedule and v choose how pipeline stages run and need pp>1", hint="add pp=N")
-    if plan.is_set("cp_mode") and plan.size("cp") == 1:
-        raise plan.error_at("cp_mode", "cp_mode chooses how attention runs under context parallelism and needs "
-                                       "cp>1", hint="add cp=N (N>1) or remove cp_mode")
-    for name in UNIMPLEMENTED_OPTIONS:
-        if plan.is_set(name):
-            raise plan.error_at(name, f"option '{name}' is not implemented yet", hint=f"remove {name}=...")
-    for rule in plan.rules:
-        for action in rule.actions:
-            if action.name not in ("colwise", "rowwise", "vocab", "replicate"):
-                raise plan.error_at(rule, f"rule action '{action}' is not implemented yet "
-                                          "(supported today: colwise, rowwise, vocab, replicate)")
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -1,0 +1,73 @@
+"""Plan items usc cannot run yet, or that contradict each other: refused by name, never ignored.
+
+A table of checks, one per rule: each names the plan item the error points at (its line and
+column), when it applies, and what to say.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from usc.dsl import OPTIONS
+
+SUPPORTED_AXES = ("dp", "tp", "cp", "pp")
+EXECUTED_SCHEDULES = ("gpipe", "1f1b")
+NOT_BUILT = ("recompute", "fuse", "split")  # a value other than the default is refused
+
+
+@dataclass(frozen=True)
+class PlanCheck:
+    item: Callable[[object], str]  # the axis/option the error points at
+    fails: Callable[[object], bool]
+    message: Callable[[object], str]
+    hint: str
+
+
+def _shown(value) -> str:
+    return "on" if value is True else "off" if value is False else str(value)
+
+
+CHECKS = [
+    PlanCheck(lambda p: "zero", lambda p: bool(p.get("zero")) and p.size("dp") == 1,
+              lambda p: "ZeRO shards optimizer state, gradients and parameters over dp and needs dp>1",
+              "add dp=N (N>1) or remove zero="),
+    *[PlanCheck(lambda p, n=name: n, lambda p, n=name: p.is_set(n) and p.get(n) != OPTIONS[n].default,
+                lambda p, n=name: f"option {n} is not implemented yet (only {n}={_shown(OPTIONS[n].default)} today)",
+                f"remove the {name} option") for name in NOT_BUILT],
+    PlanCheck(lambda p: "sp", lambda p: bool(p.get("sp")) and p.size("tp") == 1,
+              lambda p: "sp=on (sequence parallelism) shards activations over the tp axis and needs tp>1",
+              "add tp=N (N>1) or remove sp=on"),
+    PlanCheck(lambda p: "schedule", lambda p: p.size("pp") > 1 and p.get("schedule") not in EXECUTED_SCHEDULES,
+              lambda p: f"schedule={p.get('schedule')} can be drawn (usc-lint --schedule) but not executed yet; "
+                        "gpipe and 1f1b run", "use schedule=1f1b"),
+    PlanCheck(lambda p: "v", lambda p: p.size("pp") > 1 and int(p.get("v")) != 1,
+              lambda p: "virtual pipeline stages (v>1) are not executed yet", "remove v="),
+    PlanCheck(lambda p: "zero", lambda p: p.size("pp") > 1 and int(p.get("zero")) == 3,
+              lambda p: "zero=3 with pp>1 is not implemented yet", "use zero=1 or zero=2"),
+    PlanCheck(lambda p: "schedule" if p.is_set("schedule") else "v",
+              lambda p: p.size("pp") == 1 and (p.is_set("schedule") or p.is_set("v")),
+              lambda p: "schedule and v choose how pipeline stages run and need pp>1", "add pp=N"),
+    PlanCheck(lambda p: "cp_mode", lambda p: p.is_set("cp_mode") and p.size("cp") == 1,
+              lambda p: "cp_mode chooses how attention runs under context parallelism and needs cp>1",
+              "add cp=N (N>1) or remove cp_mode"),
+    PlanCheck(lambda p: "capacity_factor", lambda p: p.is_set("capacity_factor"),
+              lambda p: "option 'capacity_factor' is not implemented yet", "remove capacity_factor=..."),
+]
+RULE_ACTIONS = ("colwise", "rowwise", "vocab", "replicate")
+
+
+def check_supported(plan) -> None:
+    """Refuse, by name and position, plan items whose pass does not exist yet."""
+    for axis in plan.mesh_axes:
+        if axis not in SUPPORTED_AXES and plan.size(axis) > 1:
+            raise plan.error_at(axis, f"mesh axis '{axis}' is not implemented yet (supported today: "
+                                      f"{', '.join(SUPPORTED_AXES)})", hint=f"remove {axis}={plan.size(axis)}")
+    for check in CHECKS:
+        if check.fails(plan):
+            raise plan.error_at(check.item(plan), check.message(plan), hint=check.hint)
+    for rule in plan.rules:
+        for action in rule.actions:
+            if action.name not in RULE_ACTIONS:
+                raise plan.error_at(rule, f"rule action '{action}' is not implemented yet "
+                                          f"(supported today: {', '.join(RULE_ACTIONS)})")
