@@ -63,3 +63,17 @@ class CollectiveTimeout(CollectiveError):
 
 class LaunchError(RuntimeError):
     """The processes started do not match the mesh the plan needs (wrong torchrun command)."""
+
+
+class NonFiniteLoss(FloatingPointError):
+    """A step's loss was NaN or infinite: which step, which rank, and the usual causes. Every rank
+    sees the same global loss, so every rank raises it at the same point."""
+
+    raised_by_every_rank = True
+
+    def __init__(self, step: int, rank: int, value: float) -> None:
+        super().__init__(
+            f"step {step}: the loss is {value} on rank {rank}; the optimizer step was skipped. Usual causes: a "
+            f"learning rate too high, inputs outside the embedding's range, or a division by a zero token count "
+            f"(every label ignored)")
+        self.step, self.rank, self.value = step, rank, value

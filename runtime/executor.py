@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from typing import Callable, Iterable, Mapping
 
 import torch
@@ -20,6 +21,7 @@ from .pipeline import PipelineMixin
 from .reducer import GradReducer
 from .trace import Timeline
 from .checkpoint import CheckpointError
+from .errors import NonFiniteLoss
 from .reducer import pad_to_multiple
 from .zero import ZeroOptimizer
 from .zero3 import ZeroFetch, ZeroGather, Zero3Registry, shard_of, unshard
@@ -184,10 +186,21 @@ class RankExecutor:
                 (loss * scale).backward() if scale != 1.0 else loss.backward()
         self.reducer.finish()
         self.peak_state_bytes = self.memory_bytes()  # gradients are at their peak here
+        value = self._global(sum(weighted) / count)
+        self._check_finite(value)
         with self._span("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return self._global(sum(weighted) / count)
+        return value
+
+    steps_done = 0
+
+    def _check_finite(self, value: float) -> None:
+        """Every rank sees the same global loss, so all of them stop together (no hang)."""
+        self.steps_done += 1
+        if not math.isfinite(value):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLoss(self.steps_done, self.mesh.rank, value)
 
     def _scale_grads(self, factor: float) -> None:
         if factor == 1.0:

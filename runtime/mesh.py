@@ -247,7 +247,9 @@ def _rank_thread(mesh: Mesh, fn: Callable[[Mesh], Any], outcomes: _Outcomes, mes
     try:
         result = fn(mesh)
     except BaseException as exc:  # noqa: BLE001 - reported to the caller of run_in_threads
-        if outcomes.fail(mesh.rank, exc):
+        # An error every rank raises at the same point (a non-finite global loss) needs no abort:
+        # the peers are not waiting in a collective, and the groups stay usable afterwards.
+        if outcomes.fail(mesh.rank, exc) and not getattr(exc, "raised_by_every_rank", False):
             reason = f"simulated rank {mesh.rank} failed first: {type(exc).__name__}: {exc}"
             for other in meshes:
                 other.abort(reason)  # wake the peers blocked in collectives

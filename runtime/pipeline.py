@@ -215,9 +215,11 @@ class PipelineMixin:
         self._sum_shared_grads()  # before the dp reduction: ZeRO-2 keeps only slices after it
         self.reducer.finish()
         self.peak_state_bytes = self.memory_bytes()
+        value = self._global(total / count)
+        self._check_finite(value)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return self._global(total / count)
+        return value
 
     def evaluate(self, batch: tuple) -> float:
         total, count = self._run_schedule(batch, train=False)

@@ -8,11 +8,11 @@ from usc.compiler.errors import CompileError, ShardingError, TraceError
 from usc.compiler.report import CollectiveRecord, Report
 from usc.dsl import Plan, PlanError, load_plan, parse_plan
 from usc.runtime.checkpoint import CheckpointError
-from usc.runtime.errors import CollectiveError, CollectiveTimeout
+from usc.runtime.errors import CollectiveError, CollectiveTimeout, NonFiniteLoss
 
 from .api import Compiled, Simulated, compile, lint, simulate
 
 __all__ = ["compile", "simulate", "lint", "parse_plan", "load_plan", "Plan", "PlanError", "CompileError",
            "TraceError", "ShardingError", "CollectiveError", "CollectiveTimeout", "Compiled", "Simulated",
-           "Report", "CollectiveRecord", "CheckpointError"]
+           "Report", "CollectiveRecord", "CheckpointError", "NonFiniteLoss"]
 __version__ = "0.1.0"

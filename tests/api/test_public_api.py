@@ -300,3 +300,19 @@ def test_plan_text_reads_back_equal():
     again = usc.parse_plan(str(plan))
     assert again == plan
     assert again.mesh_axes == ("tp", "dp") and again.mesh_shape == (2, 2)
+
+
+def test_nan_loss_is_reported_with_step_and_rank_and_no_update_happens():
+    batch = token_batch(128, 4, 16)
+    model = TinyLlama(SMALL)
+    sim = usc.simulate(model, "dp=2 tp=2", example_inputs=batch)
+    sim.step(*batch)
+    before = {k: v.clone() for k, v in sim.full_state_dict().items()}
+    for rank in sim.ranks:  # poison one weight on every rank: the loss becomes NaN
+        next(iter(rank.params)).data.fill_(float("nan"))
+    with pytest.raises(usc.NonFiniteLoss) as info:
+        sim.step(*batch)
+    assert info.value.step == 2 and "step 2" in str(info.value) and "rank" in str(info.value)
+    after = sim.full_state_dict()
+    untouched = [k for k in before if not torch.isnan(after[k]).any()]
+    assert untouched and all(torch.equal(before[k], after[k]) for k in untouched)
