@@ -1,0 +1,44 @@
+"""Hypothesis strategies for plans over every landed dimension (needs `hypothesis` installed).
+
+>>> from hypothesis import given
+>>> from usc.testing.strategies import plans
+>>> @given(plans(max_ranks=16))
+... def test_my_model(plan): ...
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+SIZES = (1, 2, 4)
+
+
+@st.composite
+def plans(draw, *, max_ranks: int = 16, pipeline: bool = True) -> str:
+    """Plan text combining dp, tp (+sp), cp (+mode), pp (+schedule, mb), zero and dtype, with at
+    most ``max_ranks`` ranks. The text parses; whether it fits a given model is the compiler's say."""
+    axes = {}
+    for axis in ("dp", "cp", "tp") + (("pp",) if pipeline else ()):
+        size = draw(st.sampled_from(SIZES))
+        if size > 1 and _ranks(axes) * size <= max_ranks:
+            axes[axis] = size
+    items = [f"{a}={n}" for a, n in axes.items()]
+    if axes.get("tp", 1) > 1 and draw(st.booleans()):
+        items.append("sp=on")
+    if axes.get("cp", 1) > 1:
+        items.append(f"cp_mode={draw(st.sampled_from(['ring', 'zigzag', 'ulysses']))}")
+    if axes.get("pp", 1) > 1:
+        items.append(f"schedule={draw(st.sampled_from(['gpipe', '1f1b']))}")
+        items.append(f"mb={axes['pp'] * draw(st.sampled_from([1, 2]))}")
+    if axes.get("dp", 1) > 1:
+        zero = draw(st.sampled_from([0, 1, 2] + ([] if axes.get("pp", 1) > 1 else [3])))
+        if zero:
+            items.append(f"zero={zero}")
+    return " ".join(items) or "dp=1"
+
+
+def _ranks(axes: dict) -> int:
+    total = 1
+    for n in axes.values():
+        total *= n
+    return total
