@@ -9,7 +9,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.node import map_aggregate
 
-from usc.compiler.ir import META, Layout, NodeAnn
+from usc.compiler.ir import META, NodeAnn
 
 
 def flat_inputs(node: fx.Node) -> list[fx.Node]:
@@ -86,7 +86,3 @@ class GraphEditor:
         node.meta["val"] = val(same_value_as) if same_value_as is not None else fake_value(None, args, {}, module)
         node.meta[META] = ann
         return node
-
-
-def replace_layout(node: fx.Node, layout: Layout) -> None:
-    node.meta[META] = node.meta[META].__class__(**{**node.meta[META].__dict__, "layout": layout})

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
-from usc.compiler.trace import Traced, module_path
+from usc.compiler.trace import module_path
 
 aten = torch.ops.aten
 R = Replicate()
@@ -60,13 +60,6 @@ class PairGroup:
     cols: list[fx.Node]
     region: set[str] = field(default_factory=set)
     reached: dict[str, set[str]] = field(default_factory=dict)  # col node name -> names of nodes it feeds
-
-
-def weight_module(traced: Traced, placeholder: str) -> list[str]:
-    state = next((s for s in traced.state if s.placeholder == placeholder), None)
-    if state is None:
-        return []
-    return [name.rsplit(".", 1)[0] if "." in name else "" for name in (state.aliases or (state.name,))]
 
 
 def _users(node: fx.Node) -> list[fx.Node]:

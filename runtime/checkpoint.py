@@ -111,12 +111,6 @@ def read(path: str | os.PathLike, shapes: dict[str, tuple[torch.Size, torch.dtyp
     return {name[2:]: t for name, t in state.items()}, header.get("meta", {})
 
 
-def saved_names(path: str | os.PathLike) -> set[str]:
-    target = Path(path)
-    _check_complete(target)
-    return set(_header(target).get("names", []))
-
-
 def read_all(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
     """Every tensor of a checkpoint written by ``write`` (shapes from its metadata), and its meta."""
     target = Path(path)
