@@ -107,14 +107,16 @@ def tp_layouts(traced: Traced, plan, mesh: MeshSpec, replicated: dict[int, str],
     result.groups = groups
     auto: dict[fx.Node, tuple[str, str]] = {}
     for index, group in enumerate(groups):
-        if index in replicated:
+        indivisible = {c.name: why for c in group.cols if (why := _indivisible(c, "colwise", tp))}
+        whole = replicated.get(index) or _indivisible(group.row, "rowwise", tp)
+        if whole or len(indivisible) == len(group.cols):
             for node in group.cols + [group.row]:
-                auto[node] = ("replicate", replicated[index])
+                auto[node] = ("replicate", whole or next(iter(indivisible.values())))
             continue
         names = ", ".join(module_path(c).rsplit(".", 1)[-1] for c in group.cols)
         for col in group.cols:
-            if col.name in replicated_cols:
-                auto[col] = ("replicate", replicated_cols[col.name])
+            if col.name in replicated_cols or col.name in indivisible:
+                auto[col] = ("replicate", replicated_cols.get(col.name) or indivisible[col.name])
                 continue
             auto[col] = ("colwise", f"column-parallel; pairs with row-parallel {module_path(group.row)} "
                                     f"(one all-reduce per direction for {names} -> "
@@ -128,6 +130,16 @@ def tp_layouts(traced: Traced, plan, mesh: MeshSpec, replicated: dict[int, str],
             auto[node] = ("vocab", "token embedding: each rank holds a vocabulary slice")
     _assign(result, plan, mesh, _weighted_nodes(gm, params), auto, tp)
     return result
+
+
+def _indivisible(node: fx.Node, style: str, tp: int) -> str | None:
+    """Why automatic TP must keep this linear whole (its split dimension is not a multiple of tp),
+    or None. Explicit rules are not softened this way: they raise in `_assign`."""
+    dim = _split_dim(style, node)
+    shape = _weight_shape(node)
+    if dim is None or shape[dim] % tp == 0:
+        return None
+    return f"kept replicated: tp={tp} does not divide dim {dim} (size {shape[dim]}) of its weight {list(shape)}"
 
 
 def _assign(result: LayoutChoice, plan, mesh: MeshSpec, nodes, auto, tp: int) -> None:
