@@ -3,13 +3,14 @@
 must train exactly like one device (float64, tight bounds; see test_equivalence_properties for
 why float64).
 
-CI runs a few bounded examples up to 16 ranks; `pytest --hypothesis-profile=deep` draws up to 64
-simulated ranks. Every failure found is kept below as an explicit @example.
+CI runs the profile's bounded examples (6 each, up to 16 and up to 64 simulated ranks);
+`pytest --hypothesis-profile=deep` draws 200 each. A failure found here becomes a named
+regression test beside the code it fixed (e.g. test_public_api's indivisible-weight case).
 """
 
 import math
 
-from hypothesis import example, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import usc
@@ -56,6 +57,10 @@ def _check(case):
 
 
 @given(case=plan_and_model(max_ranks=16))
-@settings(max_examples=8)
-def test_any_plan_trains_like_one_device(case):
+def test_any_plan_up_to_16_ranks_trains_like_one_device(case):
+    _check(case)
+
+
+@given(case=plan_and_model(max_ranks=64))
+def test_any_plan_up_to_64_ranks_trains_like_one_device(case):
     _check(case)
