@@ -100,3 +100,18 @@ def losses_twice(rank: int, world_size: int, model_name: str, plan: str, steps: 
     """The same seed and plan trained twice in one world: the loss sequences of both runs."""
     torch.set_num_threads(1)
     return [[loss for loss in train_cases(rank, world_size, [(model_name, plan)], steps)[0][0]] for _ in range(2)]
+
+
+def train_from_state(rank: int, world_size: int, family: str, cfg, state: bytes, plan: str,
+                     batches: list) -> tuple[list[float], bytes | None]:
+    """Train a model of `family` built from `cfg` and loaded with `state` (float64) on this rank."""
+    from usc.testing.models import TinyGPT2 as GPT2, TinyLlama as Llama
+
+    torch.set_num_threads(1)
+    model = {"llama": Llama, "gpt2": GPT2}[family](cfg).double()
+    model.load_state_dict(torch.load(io.BytesIO(state)))
+    step = usc.compile(model, plan, example_inputs=batches[0])
+    losses = [step.step(*b) for b in batches]
+    buffer = io.BytesIO()
+    torch.save({k: v.detach().clone() for k, v in step.full_state_dict().items()}, buffer)
+    return losses, buffer.getvalue() if rank == 0 else None

@@ -8,15 +8,22 @@ CI runs the profile's bounded examples (6 each, up to 16 and up to 64 simulated 
 regression test beside the code it fixed (e.g. test_public_api's indivisible-weight case).
 """
 
+import io
 import math
 
-from hypothesis import given
+import pytest
+import torch
+
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import usc
 from usc.testing import assert_equivalent
 from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
 from usc.testing.strategies import plans
+
+from gloo_cases import train_from_state
+from harness import run_world
 
 FLOAT64 = {"rtol": 1e-10, "atol": 1e-12, "param_atol": 1e-9}
 
@@ -49,11 +56,23 @@ def plan_and_model(draw, *, max_ranks: int):
 FAMILIES = {"llama": (TinyLlama, token_batch), "gpt2": (TinyGPT2, shifted_batch)}
 
 
-def _check(case):
+def _check(case, *, runner=None):
     plan, family, cfg, batch, seq = case
     model, make_batch = FAMILIES[family]
     batches = [make_batch(cfg.vocab, batch, seq, seed=s) for s in range(2)]
-    assert_equivalent(lambda: model(cfg).double(), plan, batches, **FLOAT64)
+    assert_equivalent(lambda: model(cfg).double(), plan, batches, runner=runner, **FLOAT64)
+
+
+def _on_gloo(family, cfg):
+    """An assert_equivalent runner: the mesh run on real gloo processes, one per rank."""
+    def run(mesh_model, plan, batches, optimizer):
+        state = io.BytesIO()
+        torch.save(mesh_model.state_dict(), state)
+        world = usc.parse_plan(plan).world_size
+        results = run_world(train_from_state, world, family, cfg, state.getvalue(), plan, batches, timeout=120)
+        assert all(r[0] == results[0][0] for r in results), f"{plan}: ranks disagree on the losses"
+        return results[0][0], torch.load(io.BytesIO(results[0][1]))
+    return run
 
 
 @given(case=plan_and_model(max_ranks=16))
@@ -64,3 +83,10 @@ def test_any_plan_up_to_16_ranks_trains_like_one_device(case):
 @given(case=plan_and_model(max_ranks=64))
 def test_any_plan_up_to_64_ranks_trains_like_one_device(case):
     _check(case)
+
+
+@pytest.mark.distributed
+@given(case=plan_and_model(max_ranks=8))
+@settings(max_examples=max(2, settings.default.max_examples // 2))  # a world per example: half as many
+def test_any_plan_up_to_8_ranks_trains_like_one_device_on_gloo(case):
+    _check(case, runner=_on_gloo(case[1], case[2]))
