@@ -2,7 +2,7 @@
 
 Requires: every earlier pass ran (the stage programs are the final per-rank programs, cut).
 Establishes: with pp>1 the returned GraphModule is an orchestrator whose ``submod_k`` children are
-    the stages in order; every value crossing a cut is an explicit input/output of the stages
+    the ``pp * v`` stages in order (stage s runs on pp rank s % pp); every value crossing a cut is an explicit input/output of the stages
     (the runtime sends it between pp ranks). Nodes of one layer (module path up to its first
     index, e.g. ``layers.3``) stay together; layers are assigned to stages contiguously so the
     estimated compute per stage (FLOPs from the global shapes) is balanced; nodes outside layers
@@ -105,10 +105,13 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     pp = ctx.mesh.size("pp")
     if pp == 1:
         return gm
+    v = int(ctx.plan.get("v"))
     try:
-        stage = assign_stages(gm, pp)
+        stage = assign_stages(gm, pp * v)
     except ValueError as err:
-        raise ctx.plan.error_at("pp", str(err), hint="use fewer pipeline stages") from None
+        where = "v" if v > 1 else "pp"
+        raise ctx.plan.error_at(where, str(err).replace(f"pp={pp * v}", f"pp={pp}" if v == 1 else f"pp*v={pp * v}"),
+                                hint="use fewer pipeline stages") from None
     split = split_module(gm, None, lambda node: stage[node], keep_original_order=True)
-    split.meta["usc_pipeline_stages"] = pp
+    split.meta["usc_pipeline_stages"] = pp * v
     return split

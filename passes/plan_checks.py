@@ -12,7 +12,7 @@ from typing import Callable
 from usc.dsl import OPTIONS
 
 SUPPORTED_AXES = ("dp", "tp", "cp", "pp")
-EXECUTED_SCHEDULES = ("gpipe", "1f1b")
+EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 NOT_BUILT = ("recompute", "fuse", "split")  # a value other than the default is refused
 
 
@@ -40,9 +40,15 @@ CHECKS = [
               "add tp=N (N>1) or remove sp=on"),
     PlanCheck(lambda p: "schedule", lambda p: p.size("pp") > 1 and p.get("schedule") not in EXECUTED_SCHEDULES,
               lambda p: f"schedule={p.get('schedule')} can be drawn (usc-lint --schedule) but not executed yet; "
-                        "gpipe and 1f1b run", "use schedule=1f1b"),
-    PlanCheck(lambda p: "v", lambda p: p.size("pp") > 1 and int(p.get("v")) != 1,
-              lambda p: "virtual pipeline stages (v>1) are not executed yet", "remove v="),
+                        f"{', '.join(EXECUTED_SCHEDULES)} run", "use schedule=zb"),
+    PlanCheck(lambda p: "v", lambda p: p.size("pp") > 1 and int(p.get("v")) > 1 and p.get("schedule") != "interleaved",
+              lambda p: f"v={p.get('v')} virtual stages per rank need schedule=interleaved "
+                        f"(schedule={p.get('schedule')} runs one stage per rank)", "add schedule=interleaved"),
+    PlanCheck(lambda p: "mb", lambda p: p.size("pp") > 1 and p.get("schedule") == "interleaved"
+              and int(p.get("mb")) % p.size("pp") != 0,
+              lambda p: f"schedule=interleaved sends microbatches through the chunks in groups of pp, so mb must be "
+                        f"a multiple of pp={p.size('pp')}, got mb={p.get('mb')}",
+              "use mb=a multiple of pp"),
     PlanCheck(lambda p: "zero", lambda p: p.size("pp") > 1 and int(p.get("zero")) == 3,
               lambda p: "zero=3 with pp>1 is not implemented yet", "use zero=1 or zero=2"),
     PlanCheck(lambda p: "schedule" if p.is_set("schedule") else "v",

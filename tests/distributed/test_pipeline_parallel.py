@@ -7,7 +7,15 @@ from gloo_cases import MODELS
 from usc.testing import assert_equivalent
 from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
 
-FLOAT32_PLANS = ["pp=2 mb=2", "pp=2 mb=4 schedule=gpipe", "dp=2 pp=2 zero=1 mb=2", "dp=2 pp=2 zero=2 mb=2"]
+SCHEDULES = ["schedule=gpipe", "schedule=1f1b", "schedule=interleaved v=2", "schedule=zb"]
+
+
+def every_schedule(pp: int, extra: str = "") -> list[str]:
+    """Each executed schedule with mb in {pp, 2*pp}."""
+    return [f"{extra}pp={pp} mb={mb} {schedule}" for schedule in SCHEDULES for mb in (pp, 2 * pp)]
+
+
+FLOAT32_PLANS = [*every_schedule(2), "dp=2 pp=2 zero=1 mb=2", "dp=2 pp=2 zero=2 mb=2"]
 
 
 @pytest.mark.parametrize("plan", FLOAT32_PLANS)
@@ -18,19 +26,24 @@ def test_pipeline_matches_one_device(model, plan):
     assert result.max_param_diff <= 1e-5
 
 
-FOUR_LAYERS = {
-    "llama": (lambda: TinyLlama(LlamaConfig(layers=4)).double(), lambda s: token_batch(128, 4, 16, seed=s)),
-    "gpt2": (lambda: TinyGPT2(GPT2Config(layers=4)).double(), lambda s: shifted_batch(128, 4, 16, seed=s)),
+# 6 layers: embedding, 6 blocks, final norm and lm head are 9 pieces, enough for pp=4 v=2's 8 stages.
+DEEP = {
+    "llama": (lambda: TinyLlama(LlamaConfig(layers=6)).double(), lambda s: token_batch(128, 8, 16, seed=s)),
+    "gpt2": (lambda: TinyGPT2(GPT2Config(layers=6)).double(), lambda s: shifted_batch(128, 8, 16, seed=s)),
 }
+FLOAT64_PLANS = [*every_schedule(4), "pp=2 tp=2 mb=2", "dp=2 pp=2 tp=2 mb=2 schedule=gpipe", "cp=2 pp=2 mb=2",
+                 "dp=2 pp=2 mb=2 schedule=zb", "tp=2 pp=2 mb=4 schedule=zb",
+                 "dp=2 pp=2 mb=4 schedule=interleaved v=2", "tp=2 pp=2 mb=2 schedule=interleaved v=2",
+                 "pp=2 mb=4 schedule=interleaved v=3"]
 
 
-@pytest.mark.parametrize("plan", ["pp=4 mb=4", "pp=2 tp=2 mb=2", "dp=2 pp=2 tp=2 mb=2 schedule=gpipe",
-                                  "cp=2 pp=2 mb=2"])
-@pytest.mark.parametrize("model", sorted(FOUR_LAYERS))
+@pytest.mark.parametrize("plan", FLOAT64_PLANS)
+@pytest.mark.parametrize("model", sorted(DEEP))
 def test_pipeline_is_exact_in_float64(model, plan):
-    """GPT-2's tied embedding and lm head land on the first and last stage: their gradients are summed."""
-    factory, batch = FOUR_LAYERS[model]
-    result = assert_equivalent(factory, plan, [batch(s) for s in range(2)], rtol=1e-12, atol=1e-12,
+    """Float64, where float32 AdamW rounding would blur the 1e-5 bound on deeper models. GPT-2's tied
+    embedding and lm head land on the first and last stage: their gradients are summed."""
+    factory, batch = DEEP[model]
+    result = assert_equivalent(factory, plan, [batch(s) for s in range(3)], rtol=1e-12, atol=1e-12,
                                param_atol=1e-10)
     assert result.max_param_diff <= 1e-10
 
@@ -54,10 +67,32 @@ def test_lint_lists_the_stage_boundary_transfers():
 
 def test_unexecutable_schedules_are_refused_by_name():
     batch = token_batch(128, 4, 16)
-    with pytest.raises(usc.PlanError, match="zb"):
-        usc.lint(TinyLlama(), "pp=2 mb=2 schedule=zb", example_inputs=batch)
+    with pytest.raises(usc.PlanError, match="dualpipe"):
+        usc.lint(TinyLlama(), "pp=2 mb=2 schedule=dualpipe", example_inputs=batch)
+    with pytest.raises(usc.PlanError, match="need schedule=interleaved"):
+        usc.lint(TinyLlama(), "pp=2 v=2 mb=2 schedule=zb", example_inputs=batch)
+    with pytest.raises(usc.PlanError, match="multiple of pp=2, got mb=1"):
+        usc.lint(TinyLlama(), "pp=2 v=2 schedule=interleaved", example_inputs=batch)
     with pytest.raises(usc.PlanError, match="need pp>1"):
         usc.lint(TinyLlama(), "schedule=gpipe", example_inputs=batch)
     # embedding, 2 blocks, final norm, lm head: 5 pieces to cut between
     with pytest.raises(usc.PlanError, match="pp=8 needs at least 8 layers"):
         usc.lint(TinyLlama(), "pp=8 mb=8", example_inputs=token_batch(128, 8, 16))
+    with pytest.raises(usc.PlanError, match=r"pp\*v=6 needs at least 6 layers") as info:
+        usc.lint(TinyLlama(), "pp=2 v=3 mb=2 schedule=interleaved", example_inputs=batch)
+    assert info.value.column == 6  # points at v=3
+
+
+def test_messages_follow_the_senders_order_when_tags_are_ignored(monkeypatch):
+    """NCCL matches point-to-point messages by post order only. With every tag dropped, interleaved
+    v=2 (two stage pairs share each rank pair; stage 0 also feeds stage 3 directly) still matches
+    one device: receivers take each peer's messages in its posting order."""
+    from usc.runtime.comm import ThreadComm
+
+    send, recv = ThreadComm._send, ThreadComm._recv
+    monkeypatch.setattr(ThreadComm, "_send", lambda self, t, peer, tag: send(self, t, peer, 0))
+    monkeypatch.setattr(ThreadComm, "_recv", lambda self, like, peer, tag: recv(self, like, peer, 0))
+    factory, batch = DEEP["llama"]
+    result = assert_equivalent(factory, "pp=2 mb=4 schedule=interleaved v=2", [batch(s) for s in range(2)],
+                               rtol=1e-12, atol=1e-12, param_atol=1e-10)
+    assert result.max_param_diff <= 1e-10
