@@ -28,8 +28,8 @@ def test_pipeline_matches_one_device(model, plan):
 
 # 6 layers: embedding, 6 blocks, final norm and lm head are 9 pieces, enough for pp=4 v=2's 8 stages.
 DEEP = {
-    "llama": (lambda: TinyLlama(LlamaConfig(layers=6)).double(), lambda s: token_batch(128, 8, 16, seed=s)),
-    "gpt2": (lambda: TinyGPT2(GPT2Config(layers=6)).double(), lambda s: shifted_batch(128, 8, 16, seed=s)),
+    "llama": (lambda: TinyLlama(LlamaConfig(layers=6)).double(), lambda s: token_batch(128, 8, 8, seed=s)),
+    "gpt2": (lambda: TinyGPT2(GPT2Config(layers=6)).double(), lambda s: shifted_batch(128, 8, 8, seed=s)),
 }
 FLOAT64_PLANS = [*every_schedule(4), "pp=2 tp=2 mb=2", "dp=2 pp=2 tp=2 mb=2 schedule=gpipe", "cp=2 pp=2 mb=2",
                  "dp=2 pp=2 mb=2 schedule=zb", "tp=2 pp=2 mb=4 schedule=zb",
