@@ -6,7 +6,9 @@ Establishes: with pp>1 the returned GraphModule is an orchestrator whose ``submo
     (the runtime sends it between pp ranks). Nodes of one layer (module path up to its first
     index, e.g. ``layers.3``) stay together; layers are assigned to stages contiguously so the
     estimated compute per stage (FLOPs from the global shapes) is balanced; nodes outside layers
-    go with what they consume (or, with no computed input, with their first consumer).
+    go with what they consume (or, with no computed input, with their first consumer). The
+    orchestrator's meta["usc_stage_costs"] lists, per stage, its layers and estimated FLOPs per
+    microbatch (what the balance was computed from; the report prints it).
 """
 
 from __future__ import annotations
@@ -100,6 +102,17 @@ def assign_stages(gm: fx.GraphModule, pp: int) -> dict[fx.Node, int]:
     return stage
 
 
+def stage_costs(stage: dict[fx.Node, int], stages: int) -> list[dict]:
+    """Per stage: the layers (module paths up to their first index) in order, and estimated FLOPs."""
+    out = [{"modules": [], "flops": 0.0} for _ in range(stages)]
+    for node, s in stage.items():
+        key = layer_key(module_path(node)) if module_path(node) else None
+        if key is not None and key not in out[s]["modules"]:
+            out[s]["modules"].append(key)
+        out[s]["flops"] += node_flops(node)
+    return out
+
+
 def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Cut the program into pp stage GraphModules (see the module docstring)."""
     pp = ctx.mesh.size("pp")
@@ -114,4 +127,5 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                                 hint="use fewer pipeline stages") from None
     split = split_module(gm, None, lambda node: stage[node], keep_original_order=True)
     split.meta["usc_pipeline_stages"] = pp * v
+    split.meta["usc_stage_costs"] = stage_costs(stage, pp * v)
     return split

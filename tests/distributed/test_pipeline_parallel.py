@@ -96,3 +96,31 @@ def test_messages_follow_the_senders_order_when_tags_are_ignored(monkeypatch):
     result = assert_equivalent(factory, "pp=2 mb=4 schedule=interleaved v=2", [batch(s) for s in range(2)],
                                rtol=1e-12, atol=1e-12, param_atol=1e-10)
     assert result.max_param_diff <= 1e-10
+
+
+def test_report_lists_each_stage():
+    """8 layers on pp=4: stage FLOPs within 15% of each other, every layer in exactly one stage, in
+    order; parameter bytes add up; the hidden state crosses each cut with its gradient coming back."""
+    model = TinyLlama(LlamaConfig(layers=8))
+    report = usc.lint(model, "pp=4 mb=8", example_inputs=token_batch(128, 8, 64))
+    stages = report.stages
+    assert [s.rank for s in stages] == [0, 1, 2, 3]
+    flops = [s.flops for s in stages]
+    assert max(flops) / min(flops) <= 1.15
+    modules = [m for s in stages for m in s.modules]
+    assert modules == ["embed_tokens", *[f"layers.{i}" for i in range(8)], "norm", "lm_head"]
+    assert sum(s.param_bytes for s in stages) == sum(p.numel() * 4 for p in model.parameters())
+    for s in stages[:-1]:
+        hidden = [t for t in s.sends if t.to_stage == s.index + 1 and t.shape == (1, 64, 64)]
+        assert len(hidden) == 1 and hidden[0].grad and hidden[0].bytes == 64 * 64 * 4
+    assert not stages[-1].sends
+    text = str(report)
+    assert "stage 3 on pp rank 3:" in text and "layers.6, layers.7, norm, lm_head" in text
+    assert len(report.to_dict()["pipeline_stages"]) == 4
+
+
+def test_interleaved_stages_loop_over_the_ranks():
+    report = usc.lint(TinyLlama(LlamaConfig(layers=6)), "pp=2 v=2 mb=2 schedule=interleaved",
+                      example_inputs=token_batch(128, 4, 16))
+    assert [s.rank for s in report.stages] == [0, 1, 0, 1]
+    assert [m for s in report.stages for m in s.modules][1:7] == [f"layers.{i}" for i in range(6)]
