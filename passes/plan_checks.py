@@ -13,7 +13,7 @@ from usc.dsl import OPTIONS
 
 SUPPORTED_AXES = ("dp", "tp", "cp", "pp")
 EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-NOT_BUILT = ("recompute", "fuse", "split")  # a value other than the default is refused
+NOT_BUILT = ("recompute", "fuse")  # a value other than the default is refused
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,15 @@ CHECKS = [
     PlanCheck(lambda p: "schedule" if p.is_set("schedule") else "v",
               lambda p: p.size("pp") == 1 and (p.is_set("schedule") or p.is_set("v")),
               lambda p: "schedule and v choose how pipeline stages run and need pp>1", "add pp=N"),
+    PlanCheck(lambda p: "split", lambda p: p.get("split") != "auto" and p.size("pp") == 1,
+              lambda p: "split names pipeline cut points and needs pp>1", "add pp=N or remove split="),
+    PlanCheck(lambda p: "split", lambda p: p.get("split") != "auto" and p.size("pp") > 1
+              and len(p.get("split")) != p.size("pp") * int(p.get("v")) - 1,
+              lambda p: f"split names {len(p.get('split'))} cut point(s) but pp={p.size('pp')}"
+                        f"{' v=' + str(p.get('v')) if int(p.get('v')) > 1 else ''} has "
+                        f"{p.size('pp') * int(p.get('v'))} stages: name the module each stage after the "
+                        f"first starts at ({p.size('pp') * int(p.get('v')) - 1} paths, 'a|b|...')",
+              "use split=auto to let usc choose"),
     PlanCheck(lambda p: "cp_mode", lambda p: p.is_set("cp_mode") and p.size("cp") == 1,
               lambda p: "cp_mode chooses how attention runs under context parallelism and needs cp>1",
               "add cp=N (N>1) or remove cp_mode"),

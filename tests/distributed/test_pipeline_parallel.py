@@ -124,3 +124,29 @@ def test_interleaved_stages_loop_over_the_ranks():
                       example_inputs=token_batch(128, 4, 16))
     assert [s.rank for s in report.stages] == [0, 1, 0, 1]
     assert [m for s in report.stages for m in s.modules][1:7] == [f"layers.{i}" for i in range(6)]
+
+
+def test_manual_split_points():
+    """split=a|b starts stage k+1 at the k-th named layer; the run still equals one device."""
+    factory, batch = DEEP["gpt2"]
+    plan = "pp=3 mb=4 split=h.1|h.5"
+    report = usc.lint(factory(), plan, example_inputs=batch(0))
+    assert [s.modules[0] for s in report.stages[1:]] == ["h.1", "h.5"]
+    assert report.stages[0].modules[-1] == "h.0" and "lm_head" in report.stages[2].modules
+    result = assert_equivalent(factory, plan, [batch(s) for s in range(2)],
+                               rtol=1e-12, atol=1e-12, param_atol=1e-10)
+    assert result.max_param_diff <= 1e-10
+
+
+@pytest.mark.parametrize(("plan", "message"), [
+    ("pp=2 split=layers.9", "'layers.9' matches no layer of the model .* did you mean 'layers.3'"),
+    ("pp=2 split=layers.1.mlp", "'layers.1.mlp' is inside layer 'layers.1'"),
+    ("pp=3 split=layers.3|layers.1", "in model order"),
+    ("pp=3 split=layers.1", "split names 1 cut point\\(s\\) but pp=3 has 3 stages"),
+    ("pp=2 v=2 mb=2 schedule=interleaved split=layers.1", "but pp=2 v=2 has 4 stages"),
+    ("split=layers.1", "needs pp>1"),
+])
+def test_bad_split_points_are_plan_errors(plan, message):
+    with pytest.raises(usc.PlanError, match=message) as info:
+        usc.lint(TinyLlama(LlamaConfig(layers=4)), plan, example_inputs=token_batch(128, 4, 16))
+    assert info.value.column == plan.index("split") + 1
