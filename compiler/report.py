@@ -17,6 +17,7 @@ import torch.fx as fx
 from .ir import META, MeshSpec
 from .pipeline import pipeline_stages
 from .program import Program
+from .report_stages import StageRecord, stage_table
 
 KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send/recv")
 
@@ -58,6 +59,7 @@ class Report:
     attention_flops: dict = field(default_factory=dict)  # cp axis -> multiply-adds per rank
     memory: dict = field(default_factory=dict)  # ZeRO stage -> predicted bytes per rank by kind
     zero_stage: int = 0
+    stages: list[StageRecord] = field(default_factory=list)  # pipeline stages (pp > 1)
     activation_estimate: Callable[[], int] | None = field(default=None, repr=False)
     _activation_bytes: int | None = field(default=None, repr=False)
 
@@ -100,6 +102,7 @@ class Report:
             "activation_bytes_per_rank": self.activation_bytes,
             "zero_stage": self.zero_stage,
             "p2p_bytes_per_step": self.p2p_bytes_per_step,
+            "pipeline_stages": [asdict(s) for s in self.stages],
         }
 
     @property
@@ -299,4 +302,4 @@ def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, 
     return Report(model, plan, program.mesh, collectives, list(program.tp_choices), warnings, params,
                   compile_seconds, list(program.timings),
                   attention_flops=attention_flops_per_rank(program.gm, program.mesh),
-                  memory=memory, zero_stage=zero_stage)
+                  memory=memory, zero_stage=zero_stage, stages=stage_table(program))

@@ -47,6 +47,7 @@ def render(report) -> str:
         spread = (max(flops) - min(flops)) / max(max(flops), 1)
         lines.append(f"attention multiply-adds per {axis} rank: {', '.join(f'{f:,}' for f in flops)} "
                      f"(spread {spread:.0%}); send/recv {human_bytes(report.p2p_bytes_per_step)} per step")
+    lines += stage_lines(report)
     if report.memory:
         lines.append("predicted bytes per rank (params + grads + AdamW state), by ZeRO stage:")
         for stage, m in report.memory.items():
@@ -62,3 +63,20 @@ def render(report) -> str:
     for w in report.warnings:
         lines.append(f"warning: {w}")
     return "\n".join(lines)
+
+
+def stage_lines(report) -> list[str]:
+    """The pipeline stage table: layers, FLOPs, parameter bytes and what crosses each cut."""
+    if not report.stages:
+        return []
+    flops = [s.flops for s in report.stages]
+    lines = [f"pipeline stages (FLOPs per microbatch estimated from the shapes; largest/smallest "
+             f"{max(flops) / max(min(flops), 1):.2f}):"]
+    for s in report.stages:
+        lines.append(f"  stage {s.index} on pp rank {s.rank}: {s.flops / 1e6:,.2f} MFLOP, parameters "
+                     f"{human_bytes(s.param_bytes)}: {', '.join(s.modules) or '(no layer)'}")
+        for t in s.sends:
+            shape = "[" + ", ".join(str(d) for d in t.shape) + "]"
+            back = " (gradient back)" if t.grad else ""
+            lines.append(f"    -> stage {t.to_stage}: {t.value} {shape} {t.dtype} {human_bytes(t.bytes)}{back}")
+    return lines

@@ -12,8 +12,8 @@ from typing import Callable
 from usc.dsl import OPTIONS
 
 SUPPORTED_AXES = ("dp", "tp", "cp", "pp")
-EXECUTED_SCHEDULES = ("gpipe", "1f1b")
-NOT_BUILT = ("recompute", "fuse", "split")  # a value other than the default is refused
+EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+NOT_BUILT = ("recompute", "fuse")  # a value other than the default is refused
 
 
 @dataclass(frozen=True)
@@ -40,14 +40,29 @@ CHECKS = [
               "add tp=N (N>1) or remove sp=on"),
     PlanCheck(lambda p: "schedule", lambda p: p.size("pp") > 1 and p.get("schedule") not in EXECUTED_SCHEDULES,
               lambda p: f"schedule={p.get('schedule')} can be drawn (usc-lint --schedule) but not executed yet; "
-                        "gpipe and 1f1b run", "use schedule=1f1b"),
-    PlanCheck(lambda p: "v", lambda p: p.size("pp") > 1 and int(p.get("v")) != 1,
-              lambda p: "virtual pipeline stages (v>1) are not executed yet", "remove v="),
+                        f"{', '.join(EXECUTED_SCHEDULES)} run", "use schedule=zb"),
+    PlanCheck(lambda p: "v", lambda p: p.size("pp") > 1 and int(p.get("v")) > 1 and p.get("schedule") != "interleaved",
+              lambda p: f"v={p.get('v')} virtual stages per rank need schedule=interleaved "
+                        f"(schedule={p.get('schedule')} runs one stage per rank)", "add schedule=interleaved"),
+    PlanCheck(lambda p: "mb", lambda p: p.size("pp") > 1 and p.get("schedule") == "interleaved"
+              and int(p.get("mb")) % p.size("pp") != 0,
+              lambda p: f"schedule=interleaved sends microbatches through the chunks in groups of pp, so mb must be "
+                        f"a multiple of pp={p.size('pp')}, got mb={p.get('mb')}",
+              "use mb=a multiple of pp"),
     PlanCheck(lambda p: "zero", lambda p: p.size("pp") > 1 and int(p.get("zero")) == 3,
               lambda p: "zero=3 with pp>1 is not implemented yet", "use zero=1 or zero=2"),
     PlanCheck(lambda p: "schedule" if p.is_set("schedule") else "v",
               lambda p: p.size("pp") == 1 and (p.is_set("schedule") or p.is_set("v")),
               lambda p: "schedule and v choose how pipeline stages run and need pp>1", "add pp=N"),
+    PlanCheck(lambda p: "split", lambda p: p.get("split") != "auto" and p.size("pp") == 1,
+              lambda p: "split names pipeline cut points and needs pp>1", "add pp=N or remove split="),
+    PlanCheck(lambda p: "split", lambda p: p.get("split") != "auto" and p.size("pp") > 1
+              and len(p.get("split")) != p.size("pp") * int(p.get("v")) - 1,
+              lambda p: f"split names {len(p.get('split'))} cut point(s) but pp={p.size('pp')}"
+                        f"{' v=' + str(p.get('v')) if int(p.get('v')) > 1 else ''} has "
+                        f"{p.size('pp') * int(p.get('v'))} stages: name the module each stage after the "
+                        f"first starts at ({p.size('pp') * int(p.get('v')) - 1} paths, 'a|b|...')",
+              "use split=auto to let usc choose"),
     PlanCheck(lambda p: "cp_mode", lambda p: p.is_set("cp_mode") and p.size("cp") == 1,
               lambda p: "cp_mode chooses how attention runs under context parallelism and needs cp>1",
               "add cp=N (N>1) or remove cp_mode"),
