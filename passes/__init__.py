@@ -40,7 +40,7 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) ->
         PassSpec("pipeline_split", pipeline_split_pass),
         # after the split: regions are cut from each stage's final program, and a region never
         # spans a stage boundary
-        PassSpec("recompute", recompute_pass),
+        PassSpec("recompute", recompute_pass, {"params": params}),
     ]
 
 

@@ -137,18 +137,18 @@ def rule_marker(plan) -> Callable[[str], bool]:
     return marked
 
 
-def recompute_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+def recompute_pass(gm: fx.GraphModule, ctx, *, params: set[str] = frozenset()) -> fx.GraphModule:
     """Mark nodes kept/recomputed and wrap recompute regions (see the module docstring)."""
     mode = ctx.plan.get("recompute")
     marked = rule_marker(ctx.plan)
     if mode == "none" and not any(any(a.name == "recompute" for a in r.actions) for r in ctx.plan.rules):
         return gm
     for part in pipeline_stages(gm) or [gm]:
-        _recompute_graph(part, mode, marked)
+        _recompute_graph(part, mode, marked, params)
     return gm
 
 
-def _recompute_graph(gm: fx.GraphModule, mode: str, marked) -> None:
+def _recompute_graph(gm: fx.GraphModule, mode: str, marked, params: set[str]) -> None:
     decisions = {}
     for node in gm.graph.nodes:
         decision = decide(node, gm, mode, marked)
@@ -157,7 +157,8 @@ def _recompute_graph(gm: fx.GraphModule, mode: str, marked) -> None:
             node.meta[META].extra["recompute"] = decision
     runs = convex_runs(gm, decisions)
     for index, run in enumerate(r for r in runs if any(decisions[n] == RECOMPUTED for n in r)):
-        extract_region(gm, run, kept=tuple(n.name for n in run if decisions[n] == KEPT), index=index)
+        extract_region(gm, run, kept=tuple(n.name for n in run if decisions[n] == KEPT), index=index,
+                       params=params)
     gm.graph.lint()
     gm.recompile()
 
@@ -189,7 +190,8 @@ def convex_runs(gm: fx.GraphModule, decisions: dict) -> list[list[fx.Node]]:
     return done
 
 
-def extract_region(gm: fx.GraphModule, run: list[fx.Node], *, kept: tuple[str, ...], index: int) -> fx.Node:
+def extract_region(gm: fx.GraphModule, run: list[fx.Node], *, kept: tuple[str, ...], index: int,
+                   params: set[str] = frozenset()) -> fx.Node:
     """Replace ``run`` (convex, in graph order) by a call to a Recompute module holding it."""
     inside = set(run)
     inputs = list(dict.fromkeys(x for n in run for x in n.all_input_nodes if x not in inside))
@@ -198,6 +200,7 @@ def extract_region(gm: fx.GraphModule, run: list[fx.Node], *, kept: tuple[str, .
     for x in inputs:
         env[x] = body.placeholder(x.name)
         env[x].meta = copy.copy(x.meta)
+        env[x].meta["usc_region_input"] = "param" if _is_param(gm, x, params) else "activation"
     for n in run:
         env[n] = body.node_copy(n, lambda a: env[a])
     body.output(tuple(env[o] for o in outputs))
@@ -225,6 +228,15 @@ def extract_region(gm: fx.GraphModule, run: list[fx.Node], *, kept: tuple[str, .
     for target in moved:
         gm.delete_submodule(target)
     return call
+
+
+def _is_param(gm: fx.GraphModule, x: fx.Node, params: set[str]) -> bool:
+    """A parameter entering a region (saved, but not an activation)."""
+    if x.op == "placeholder":
+        return x.name in params
+    source = x.args[0] if x.target is operator.getitem and x.args else None
+    return isinstance(source, fx.Node) and source.op == "call_module" \
+        and isinstance(gm.get_submodule(source.target), ZeroGather)
 
 
 def _free_name(gm: fx.GraphModule, name: str) -> str:
