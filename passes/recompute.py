@@ -85,10 +85,12 @@ def _is_zero3(w: Where) -> bool:
 
 
 def _is_random(w: Where) -> bool:
-    target = w.node.target
+    """Draws random numbers: a seeded op, except dropout that is off (p=0 or not training)."""
+    target, args = w.node.target, w.node.args
     if target is aten.scaled_dot_product_attention.default:
-        p = w.node.args[4] if len(w.node.args) > 4 else w.node.kwargs.get("dropout_p", 0.0)
-        return bool(p)
+        return bool(args[4] if len(args) > 4 else w.node.kwargs.get("dropout_p", 0.0))
+    if target in (aten.dropout.default, aten.native_dropout.default):
+        return bool(args[1]) and bool(args[2])
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 

@@ -137,3 +137,14 @@ def test_gloo_recompute_matches_one_device():
         worst, _ = compare_states(full, model.state_dict(), atol=1e-5, grad_max=grad_max,
                                   zero_grad_atol=STEPS * 1e-3)
         assert worst <= 1e-5
+
+
+@pytest.mark.parametrize("model, plan", [("llama", "dp=2 tp=2 sp=on recompute=selective"), ("gpt2", "recompute=full")])
+def test_hugging_face_models_recompute_like_one_device(model, plan):
+    pytest.importorskip("transformers")
+    from test_huggingface_models import batch, gpt2, llama
+
+    factory = {"llama": llama, "gpt2": gpt2}[model]
+    report = usc.lint(factory(), plan, example_inputs=batch(0))
+    assert len({r.block for r in report.recompute}) == 2  # both decoder layers
+    assert_equivalent(factory, plan, [batch(s) for s in range(2)])
