@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .recompute_report import render_recompute
+
 
 def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -58,6 +60,7 @@ def render(report) -> str:
     if report.activation_bytes is not None:
         lines.append(f"activations saved for backward per rank (one microbatch, estimated on fake tensors): "
                      f"{human_bytes(report.activation_bytes)}")
+    lines += render_recompute(report)
     if report.exposed_comm_seconds is not None:
         lines.append(f"exposed communication in the last traced step: {report.exposed_comm_seconds * 1e3:.2f} ms")
     for w in report.warnings:

@@ -21,6 +21,7 @@ from .loss_count import expose_loss_count_pass
 from .pipeline_split import pipeline_split_pass
 from .plan_checks import check_supported
 from .propagate import propagate_pass
+from .recompute import recompute_pass
 from .zero3 import zero3_pass
 
 def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) -> list[PassSpec]:
@@ -37,6 +38,9 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) ->
         PassSpec("zero3", zero3_pass, {"params": params}),
         # last: the stages are cuts of the finished per-rank program
         PassSpec("pipeline_split", pipeline_split_pass),
+        # after the split: regions are cut from each stage's final program, and a region never
+        # spans a stage boundary
+        PassSpec("recompute", recompute_pass, {"params": params}),
     ]
 
 

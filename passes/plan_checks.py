@@ -13,7 +13,7 @@ from usc.dsl import OPTIONS
 
 SUPPORTED_AXES = ("dp", "tp", "cp", "pp")
 EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-NOT_BUILT = ("recompute", "fuse")  # a value other than the default is refused
+NOT_BUILT = ("fuse",)  # a value other than the default is refused
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ CHECKS = [
     PlanCheck(lambda p: "capacity_factor", lambda p: p.is_set("capacity_factor"),
               lambda p: "option 'capacity_factor' is not implemented yet", "remove capacity_factor=..."),
 ]
-RULE_ACTIONS = ("colwise", "rowwise", "vocab", "replicate")
+RULE_ACTIONS = ("colwise", "rowwise", "vocab", "replicate", "recompute")
 
 
 def check_supported(plan) -> None:

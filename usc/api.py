@@ -97,12 +97,25 @@ class _Compiled:
         self._program = parallelize(traced, self.plan)
         self._report = build_report(self._program, model=type(self._user_model).__name__, plan=str(self.plan),
                                     bucket_bytes=self.bucket_bytes, compile_seconds=time.perf_counter() - start,
-                                    zero_stage=int(self.plan.get("zero")), microbatches=int(self.plan.get("mb")))
+                                    zero_stage=int(self.plan.get("zero")), microbatches=int(self.plan.get("mb")),
+                                    recompute_mode=self.plan.get("recompute"))
         program, options = self._program, self._executor_options()
         options.pop("microbatches")
         options.pop("reduce_dtype")
         if self.plan.size("pp") == 1:  # a pipeline rank holds one stage: not estimated yet
             self._report.activation_estimate = lambda: estimate_activation_bytes(program, **options)
+            self._report.activation_estimate_by_recompute = lambda: self._activation_by_recompute(traced, options)
+
+    def _activation_by_recompute(self, traced, options: dict) -> dict[str, int]:
+        """The activation estimate of this plan under each recompute mode (rules kept)."""
+        out = {}
+        for mode in ("none", "selective", "full"):
+            if mode == self.plan.get("recompute"):
+                out[mode] = self._report.activation_bytes
+            else:
+                out[mode] = estimate_activation_bytes(parallelize(traced, self.plan.with_options(recompute=mode)),
+                                                      **options)
+        return out
 
     def _microbatch(self, batch: tuple) -> tuple:
         """The program is compiled for one global microbatch (mb=M splits the batch's dim 0)."""
