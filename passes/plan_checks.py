@@ -13,7 +13,7 @@ from usc.dsl import OPTIONS
 
 SUPPORTED_AXES = ("dp", "tp", "cp", "pp")
 EXECUTED_SCHEDULES = ("gpipe", "1f1b")
-NOT_BUILT = ("recompute", "fuse", "split")  # a value other than the default is refused
+NOT_BUILT = ("recompute", "split")  # a value other than the default is refused
 
 
 @dataclass(frozen=True)
