@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from .fusion_cost import fusion_summary, kernel_sources
 from .ir import META, MeshSpec
 from .pipeline import pipeline_stages
 from .program import Program
@@ -58,6 +59,8 @@ class Report:
     attention_flops: dict = field(default_factory=dict)  # cp axis -> multiply-adds per rank
     memory: dict = field(default_factory=dict)  # ZeRO stage -> predicted bytes per rank by kind
     zero_stage: int = 0
+    fusion: dict = field(default_factory=dict)  # fuse=on: kernels and bytes per step, eager vs fused
+    kernels: list = field(default_factory=list)  # fuse=on: each generated kernel (KernelInfo)
     activation_estimate: Callable[[], int] | None = field(default=None, repr=False)
     _activation_bytes: int | None = field(default=None, repr=False)
 
@@ -100,6 +103,8 @@ class Report:
             "activation_bytes_per_rank": self.activation_bytes,
             "zero_stage": self.zero_stage,
             "p2p_bytes_per_step": self.p2p_bytes_per_step,
+            "fusion": self.fusion,
+            "kernels": [{"name": k.name, "used_by": list(k.used_by)} for k in self.kernels],
         }
 
     @property
@@ -299,4 +304,6 @@ def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, 
     return Report(model, plan, program.mesh, collectives, list(program.tp_choices), warnings, params,
                   compile_seconds, list(program.timings),
                   attention_flops=attention_flops_per_rank(program.gm, program.mesh),
-                  memory=memory, zero_stage=zero_stage)
+                  memory=memory, zero_stage=zero_stage,
+                  fusion=fusion_summary(program.gm, program_parts(program.gm), program.mesh, microbatches),
+                  kernels=kernel_sources(program.gm, program_parts(program.gm)))
