@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from .fusion_cost import fusion_summary, kernel_sources
 from .ir import META, MeshSpec
 from .pipeline import pipeline_stages
 from .program import Program
@@ -61,6 +62,8 @@ class Report:
     memory: dict = field(default_factory=dict)  # ZeRO stage -> predicted bytes per rank by kind
     zero_stage: int = 0
     stages: list[StageRecord] = field(default_factory=list)  # pipeline stages (pp > 1)
+    fusion: dict = field(default_factory=dict)  # fuse=on: kernels and bytes per step, eager vs fused
+    kernels: list = field(default_factory=list)  # fuse=on: each generated kernel (KernelInfo)
     activation_estimate: Callable[[], int] | None = field(default=None, repr=False)
     _activation_bytes: int | None = field(default=None, repr=False)
     recompute: list[RecomputeRecord] = field(default_factory=list)  # tensors of recompute regions
@@ -124,6 +127,8 @@ class Report:
             "zero_stage": self.zero_stage,
             "p2p_bytes_per_step": self.p2p_bytes_per_step,
             "pipeline_stages": [asdict(s) for s in self.stages],
+            "fusion": self.fusion,
+            "kernels": [{"name": k.name, "used_by": list(k.used_by)} for k in self.kernels],
         }
 
     @property
@@ -337,4 +342,6 @@ def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, 
                   compile_seconds, list(program.timings),
                   attention_flops=attention_flops_per_rank(program.gm, program.mesh),
                   memory=memory, zero_stage=zero_stage, stages=stage_table(program),
-                  recompute=recompute_records(program.gm, program.mesh), recompute_mode=recompute_mode)
+                  recompute=recompute_records(program.gm, program.mesh), recompute_mode=recompute_mode,
+                  fusion=fusion_summary(program.gm, program_parts(program.gm), program.mesh, microbatches),
+                  kernels=kernel_sources(program.gm, program_parts(program.gm)))

@@ -13,6 +13,25 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def fusion_line(f: dict) -> str:
+    """Fused regions: kernels and bytes per step (forward + backward), as eager ops and fused."""
+    return (f"fused regions: {f['regions']} ({f['distinct_kernels']} distinct kernels); per step "
+            f"{f['kernels_eager']} -> {f['kernels_fused']} kernels "
+            f"({f['kernels_eager'] / max(f['kernels_fused'], 1):.1f}x fewer), "
+            f"{human_bytes(f['bytes_eager'])} -> {human_bytes(f['bytes_fused'])} moved "
+            f"({f['bytes_eager'] / max(f['bytes_fused'], 1):.1f}x fewer; estimated from shapes and dtypes)")
+
+
+def render_kernels(report) -> str:
+    """Every generated kernel's source (usc-lint --kernels)."""
+    if not report.kernels:
+        return "no fused kernels: the plan has fuse=off (add fuse=on)"
+    parts = []
+    for k in report.kernels:
+        parts += [f"# kernel {k.name}, used by: {'; '.join(k.used_by)}", k.source]
+    return "\n".join(parts)
+
+
 def render(report) -> str:
     mesh = report.mesh
     lines = [f"usc-lint: {report.model}   plan \"{report.plan}\"   mesh {mesh} ({mesh.world_size} ranks)", ""]
@@ -61,6 +80,8 @@ def render(report) -> str:
         lines.append(f"activations saved for backward per rank (one microbatch, estimated on fake tensors): "
                      f"{human_bytes(report.activation_bytes)}")
     lines += render_recompute(report)
+    if report.fusion:
+        lines.append(fusion_line(report.fusion))
     if report.exposed_comm_seconds is not None:
         lines.append(f"exposed communication in the last traced step: {report.exposed_comm_seconds * 1e3:.2f} ms")
     for w in report.warnings:

@@ -14,6 +14,7 @@ from usc.compiler.pipeline import CompileContext, PassSpec, run_pipeline
 from usc.compiler.program import Program, build_program
 from usc.compiler.trace import Traced
 
+from .fusion import fusion_pass
 from .grad_sync import grad_sync_pass
 from .layouts import batch_layouts, merge_layouts, tp_layouts
 from .localize import localize_pass
@@ -36,6 +37,9 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) ->
         PassSpec("localize", localize_pass),
         PassSpec("expose_loss_count", expose_loss_count_pass),
         PassSpec("zero3", zero3_pass, {"params": params}),
+        # after localize (a kernel's rows are per-rank shapes) and after every pass that inserts
+        # collectives or gathers, so regions never cross one
+        PassSpec("fusion", fusion_pass),
         # last: the stages are cuts of the finished per-rank program
         PassSpec("pipeline_split", pipeline_split_pass),
         # after the split: regions are cut from each stage's final program, and a region never

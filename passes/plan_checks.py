@@ -13,7 +13,7 @@ from usc.dsl import OPTIONS
 
 SUPPORTED_AXES = ("dp", "tp", "cp", "pp")
 EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-NOT_BUILT = ("fuse",)  # a value other than the default is refused
+NOT_BUILT: tuple[str, ...] = ()  # options whose value other than the default is refused
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", help="plan text, e.g. \"dp=2 tp=2\"")
     p.add_argument("--plan-file", help="a .usc file with the plan")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--kernels", action="store_true",
+                   help="print the Triton source generated for every fused region (plans with fuse=on)")
     p.add_argument("--schedule", action="store_true",
                    help="print the pipeline schedule of the plan's pp/mb/schedule/v (timeline per rank, "
                         "bubble, in-flight microbatches) and exit; needs no model")
@@ -119,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"usc-lint: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
+    if args.kernels:
+        from usc.compiler.report_text import render_kernels
+        print(render_kernels(report))
+        return 0
     print(report.to_json() if args.json else str(report))
     return 0
 
