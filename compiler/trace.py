@@ -25,6 +25,7 @@ from torch import nn
 from torch.export.graph_signature import InputKind
 
 from .errors import TraceError
+from .moe import MoEBlock, patched
 
 TORCH_DIR = os.path.dirname(torch.__file__)
 USC_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + d + os.sep
@@ -202,8 +203,11 @@ def _attribute_wrapper_frames(gm: fx.GraphModule, source: str) -> None:
             node.meta["usc_source"] = source
 
 
-def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "") -> Traced:
+def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
+          moe_blocks: list[MoEBlock] = ()) -> Traced:
     """Trace ``model(*example_inputs)`` into an ATen-level GraphModule with global shapes.
+
+    Each of ``moe_blocks`` (``usc.compiler.moe.find_blocks``) is traced as one ``usc::moe`` node.
 
     >>> from usc.testing.models import TinyLlama, token_batch
     >>> traced = trace(TinyLlama(), token_batch(128, 2, 8))
@@ -214,7 +218,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "") 
         example_inputs = (example_inputs,)
     example_inputs = _to_device(example_inputs, _model_device(model))
     error = None
-    with _quiet_torch_logs(), _held_output() as held:
+    with _quiet_torch_logs(), _held_output() as held, patched(model, list(moe_blocks)):
         try:
             exported = torch.export.export(model, example_inputs, strict=False)
         except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error

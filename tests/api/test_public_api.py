@@ -247,7 +247,7 @@ def test_dp_that_does_not_divide_the_batch_names_dp_and_the_batch():
 
 
 @pytest.mark.parametrize("plan, position, name", [
-    ("dp=1 ep=2", (1, 6), "ep"),
+    ("dp=2 pp=2 capacity_factor=1.5", (1, 11), "capacity_factor"),
     ("dp=2\nfuse=on", (2, 1), "fuse"),
     ("tp=1  recompute=full", (1, 7), "recompute"),
 ])
