@@ -19,7 +19,8 @@ Patterns recognised (the tables below):
   * the block returns the output, or ``(output, router_logits)`` (Mixtral's convention).
 Which routing variant a block computes is decided by running the candidates against the block's
 own forward on a random input: a block is replaced only by a forward that reproduces it.
-A plan rule ``path: expert`` marks a block whose child names differ; it must still verify.
+A plan rule ``path: expert`` marks a block whose names differ (``describe_marked``: the structure is
+found by shapes, not names); it must still verify.
 """
 
 from __future__ import annotations
@@ -156,8 +157,8 @@ def _stacked_names(module: nn.Module, count: int) -> tuple[str, str, str] | None
     return None
 
 
-def describe(module: nn.Module, path: str) -> MoEBlock | str:
-    """The block's structure, or why it is not a recognisable MoE block."""
+def describe(module: nn.Module, path: str) -> list[MoEBlock] | str:
+    """The block's structure (by the name tables), or why it is not a recognisable MoE block."""
     router = _child(module, ROUTER_NAMES, nn.Linear)
     if not router:
         return f"no router: expected an nn.Linear child named {' or '.join(ROUTER_NAMES)}"
@@ -174,7 +175,44 @@ def describe(module: nn.Module, path: str) -> MoEBlock | str:
         return f"the router has {count} outputs but there are {len(getattr(module, experts))} experts"
     if experts and any(getattr(e, n).bias is not None for e in getattr(module, experts) for n in names):
         return "expert linears with a bias are not supported"
-    return MoEBlock(path, router, experts, names, _child(module, SHARED_NAMES, nn.Module), k, count)
+    return [MoEBlock(path, router, experts, names, _child(module, SHARED_NAMES, nn.Module), k, count)]
+
+
+def describe_marked(module: nn.Module, path: str) -> list[MoEBlock] | str:
+    """A block a plan rule marks ``expert``: any names. The experts are the one ModuleList of modules
+    with three bias-free linears (or three stacked 3-D weights with equal first dims); the router
+    the linear with one output per expert; top-k an int attribute. Which weight is gate, up and
+    down is left to verification (every order is a candidate)."""
+    found = describe(module, path)
+    if not isinstance(found, str):
+        return found
+    k = next((v for n, v in vars(module).items()
+              if isinstance(v, int) and not isinstance(v, bool) and "k" in n.lower() and v > 0), None)
+    if k is None:
+        return "no top-k: expected an int attribute whose name has a 'k' (top_k, num_experts_per_tok, k, ...)"
+    experts, names, count = _any_experts(module)
+    if not names:
+        return "no experts: expected a ModuleList of modules with three bias-free nn.Linear, or three [E, ...] weights"
+    routers = [n for n, c in module.named_children() if isinstance(c, nn.Linear) and c.out_features == count]
+    if len(routers) != 1:
+        return f"no router: expected exactly one nn.Linear child with {count} outputs (one per expert)"
+    shared = next((n for n, c in module.named_children() if n not in (experts, routers[0])
+                   and any(True for _ in c.parameters())), "")
+    return [MoEBlock(path, routers[0], experts, order, extra, k, count)
+            for extra in dict.fromkeys(("", shared)) for order in itertools.permutations(names)]
+
+
+def _any_experts(module: nn.Module) -> tuple[str, tuple[str, ...], int]:
+    for name, child in module.named_children():
+        if isinstance(child, nn.ModuleList) and len(child):
+            linears = [n for n, c in child[0].named_children() if isinstance(c, nn.Linear) and c.bias is None]
+            if len(linears) == 3 and all(all(isinstance(getattr(e, n, None), nn.Linear) for n in linears)
+                                         for e in child):
+                return name, tuple(linears), len(child)
+    stacked = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+    if len(stacked) == 3 and len({getattr(module, n).shape[0] for n in stacked}) == 1:
+        return "", tuple(stacked), getattr(module, stacked[0]).shape[0]
+    return "", (), 0
 
 
 def expert_tensors(module: nn.Module, block: MoEBlock) -> tuple[list, list, list]:
@@ -199,15 +237,11 @@ def block_forward(module: nn.Module, block: MoEBlock):
 
 
 # ============================================================================= verification
-def _probe(module: nn.Module) -> torch.Tensor:
+def _probe(module: nn.Module, block: MoEBlock) -> torch.Tensor:
     param = next(module.parameters())
-    hidden = getattr(module, module_router_name(module)).in_features
+    hidden = getattr(module, block.router).in_features
     gen = torch.Generator().manual_seed(1234)
     return torch.randn(2, 5, hidden, generator=gen).to(device=param.device, dtype=param.dtype)
-
-
-def module_router_name(module: nn.Module) -> str:
-    return _child(module, ROUTER_NAMES, nn.Linear)
 
 
 def _same(a, b) -> bool:
@@ -218,27 +252,31 @@ def _same(a, b) -> bool:
     return False
 
 
-def _candidates(block: MoEBlock, expected) -> list[MoEBlock]:
+def _candidates(blocks: list[MoEBlock], expected) -> list[MoEBlock]:
     returns = isinstance(expected, (tuple, list))
     flat = returns and len(expected) > 1 and isinstance(expected[1], torch.Tensor) and expected[1].dim() == 2
     return [MoEBlock(**{**block.__dict__, "routing": Routing(s, n), "returns_logits": returns,
                         "flat_logits": flat, "verified": True})
-            for s, n in itertools.product(SCORINGS, (False, True))]
+            for block in blocks for s, n in itertools.product(SCORINGS, (False, True))]
 
 
 @torch.no_grad()
-def verify(module: nn.Module, block: MoEBlock) -> MoEBlock:
-    """The routing variant whose forward reproduces the block's own on a random input."""
+def verify(module: nn.Module, blocks: list[MoEBlock]) -> MoEBlock:
+    """The structure and routing variant whose forward reproduces the block's own on a random input."""
+    block = blocks[0]
     if next(module.parameters()).device.type == "meta":  # nothing to run: assume Mixtral's routing
         return MoEBlock(**{**block.__dict__, "routing": Routing("softmax", False)})
-    x = _probe(module)
+    x = _probe(module, block)
     try:
         expected = module(x)
     except Exception as exc:  # noqa: BLE001 - the user's block failing on a probe is a pattern failure
         raise MoEPatternError(block.path, f"its forward failed on a [2, 5, hidden] probe: {exc}") from exc
-    for candidate in _candidates(block, expected):
-        if _same(block_forward(module, candidate)(x), expected):
-            return candidate
+    for candidate in _candidates(blocks, expected):
+        try:
+            if _same(block_forward(module, candidate)(x), expected):
+                return candidate
+        except RuntimeError:  # a weight order whose shapes do not chain
+            continue
     raise MoEPatternError(block.path, "no routing usc knows (softmax or sigmoid, then top-k, optionally "
                                       "renormalised; SwiGLU experts) reproduces its forward")
 
@@ -249,7 +287,7 @@ def find_blocks(model: nn.Module, marked: frozenset[str] = frozenset()) -> list[
     for path, module in model.named_modules():
         if any(path.startswith(b.path + ".") for b in found):
             continue
-        shape = describe(module, path)
+        shape = describe_marked(module, path) if path in marked else describe(module, path)
         if isinstance(shape, str):
             if path in marked:
                 raise MoEPatternError(path, shape)

@@ -233,10 +233,27 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
         raise TraceError(f"{type(model).__name__}.forward must return one scalar loss (got outputs: {kinds}); "
                          "pass loss_fn= to compile, or return the loss from forward")
     gm = exported.graph_module
+    _refuse_data_dependent_shapes(gm, model)
     if wrapper_source:
         _attribute_wrapper_frames(gm, wrapper_source)
     types = {name: type(m).__name__ for name, m in model.named_modules()}
     return Traced(gm, _state_inputs(exported, model), user, types, type(model).__name__, dict(exported.constants))
+
+
+def _refuse_data_dependent_shapes(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Shapes that depend on tensor values (torch.where / nonzero / boolean masks) cannot be
+    planned: name the first module that makes one. An MoE block's routing loop is the usual case."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        values = value if isinstance(value, (tuple, list)) else [value]
+        if any(isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape) for v in values):
+            where = module_path(node) or "<root>"
+            src = user_source(node)
+            raise TraceError(
+                f"usc could not trace {type(model).__name__}: module '{where}'{f' ({src})' if src else ''} makes a "
+                f"tensor whose shape depends on tensor values ({node.target})\n  fix: if '{where}' is (inside) a "
+                "mixture-of-experts block usc did not recognise, mark the block with a plan rule "
+                "'path.to.block: expert'; otherwise keep shapes static (masks instead of boolean indexing)")
 
 
 def is_meta_model(model: nn.Module) -> bool:

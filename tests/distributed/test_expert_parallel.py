@@ -69,8 +69,11 @@ def test_moe_statistics_report_load_and_all_to_all_bytes():
     assert len(layer.tokens_per_expert) == cfg.experts  # summed over the replicas of each expert
     assert sum(layer.tokens_per_expert) == BATCH[0].numel() * cfg.top_k  # dropless: every assignment
     assert layer.imbalance >= 1.0
-    sent = layer.all_to_all_bytes[0]
-    assert sent["dispatch forward"] == sent["combine forward"] > 0
+    total = {key: sum(sent[key] for sent in layer.all_to_all_bytes) for key in layer.all_to_all_bytes[0]}
+    rows = BATCH[0].numel() * cfg.top_k  # every assignment leaves its rank and comes back (own rank included)
+    assert total == {f"{step} {direction}": rows * cfg.hidden * 4
+                     for step in ("dispatch", "combine") for direction in ("forward", "backward")}
+    assert layer.all_to_all_bytes[0]["dispatch forward"] == BATCH[0].numel() // 2 * cfg.top_k * cfg.hidden * 4
 
 
 # ---------------------------------------------------------------------------- capacity factor
@@ -142,3 +145,55 @@ def test_gloo_processes_match_one_device():
         full = torch.load(io.BytesIO(results[0][index][1]))
         worst, _ = compare_states(full, model.state_dict(), atol=1e-5, grad_max=grad_max, zero_grad_atol=3e-3)
         assert worst <= 1e-5
+
+
+# ------------------------------------------------------------------- a block the names miss
+class OddExpert(torch.nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(hidden, ffn, bias=False)
+        self.b = torch.nn.Linear(hidden, ffn, bias=False)
+        self.c = torch.nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.c(torch.nn.functional.silu(self.b(x)) * self.a(x))  # b is the gate here
+
+
+class OddMoE(torch.nn.Module):
+    """An MoE block with names usc's tables do not know: 'scorer', 'mlps', 'k'."""
+
+    def __init__(self, hidden: int = 16, ffn: int = 24, experts: int = 4) -> None:
+        super().__init__()
+        self.k = 2
+        self.scorer = torch.nn.Linear(hidden, experts, bias=False)
+        torch.nn.init.normal_(self.scorer.weight, std=0.5)
+        self.mlps = torch.nn.ModuleList(OddExpert(hidden, ffn) for _ in range(experts))
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        w, idx = torch.topk(torch.softmax(self.scorer(flat), -1), self.k, dim=-1)
+        out = torch.zeros_like(flat)
+        for e, mlp in enumerate(self.mlps):
+            token, slot = torch.where(idx == e)
+            out.index_add_(0, token, mlp(flat[token]) * w[token, slot, None])
+        return out.view_as(x)
+
+
+class OddModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(128, 16)
+        self.block = OddMoE()
+        self.head = torch.nn.Linear(16, 128, bias=False)
+
+    def forward(self, tokens, labels):
+        x = self.embed(tokens)
+        x = x + self.block(x)
+        return torch.nn.functional.cross_entropy(self.head(x).view(-1, 128), labels.view(-1))
+
+
+def test_an_expert_rule_marks_a_block_the_name_tables_miss():
+    with pytest.raises(usc.TraceError, match="(?s)module 'block'.*depends on tensor values.*'path.to.block: expert'"):
+        usc.lint(OddModel(), "dp=2", example_inputs=BATCH)
+    result = assert_equivalent(OddModel, "dp=2 ep=2 block: expert", [token_batch(128, 8, 8, seed=s) for s in range(3)])
+    assert result.max_param_diff <= 1e-5
