@@ -232,12 +232,13 @@ def _recomputed_collectives(records: list[CollectiveRecord]) -> list[CollectiveR
 
 def _p2p_records(node: fx.Node, module, mesh: MeshSpec) -> list[CollectiveRecord]:
     """Nodes whose traffic is not one tensor per call (ring attention, ZeRO-3 gathers) say it."""
-    shape, dtype = _local(node.args[-1], mesh)
+    shape, dtype = _local(node.args[getattr(module, "traffic_input", -1)], mesh)
     ann = node.meta[META]
+    default = ann.reason or "ring attention: K/V blocks passed to the next rank"
     return [CollectiveRecord(kind, module.axis, mesh.size(module.axis), direction, call_shape,
                              str(dtype).replace("torch.", ""), nbytes, calls, ann.module or "<root>", ann.source,
-                             ann.reason or "ring attention: K/V blocks passed to the next rank", node.name)
-            for direction, kind, call_shape, nbytes, calls in module.traffic(shape, dtype, mesh.size(module.axis))
+                             why[0] if why else default, node.name)
+            for direction, kind, call_shape, nbytes, calls, *why in module.traffic(shape, dtype, mesh.size(module.axis))
             if calls]
 
 

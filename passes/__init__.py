@@ -15,6 +15,7 @@ from usc.compiler.program import Program, build_program
 from usc.compiler.trace import Traced
 
 from .fusion import fusion_pass
+from .expert_parallel import expert_layouts
 from .grad_sync import grad_sync_pass
 from .layouts import batch_layouts, merge_layouts, tp_layouts
 from .localize import localize_pass
@@ -66,7 +67,8 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
     replicated_cols: dict[str, str] = {}
     while True:
         tp = tp_layouts(traced, plan, mesh, replicated, replicated_cols)
-        layouts = merge_layouts(mesh, batch_layouts(traced, plan, mesh), tp.layouts)
+        layouts = merge_layouts(mesh, batch_layouts(traced, plan, mesh), tp.layouts,
+                                expert_layouts(traced, plan, mesh))
         ctx = CompileContext(mesh, plan)
         passes = build_pipeline(input_layouts=layouts, grad_inputs=params, params=params)
         try:

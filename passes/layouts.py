@@ -20,6 +20,7 @@ from .tensor_parallel import PairGroup, TPChoice, find_pairs, is_token_embedding
 aten = torch.ops.aten
 R = Replicate()
 TP_ACTIONS = ("colwise", "rowwise", "vocab", "replicate")
+DATA_AXES = ("dp", "ep")  # the batch is split over both: dp=4 ep=2 is a mesh dp=2 x ep=2
 
 
 @dataclass
@@ -35,13 +36,15 @@ def batch_layouts(traced: Traced, plan, mesh: MeshSpec) -> dict[str, Layout]:
     for name in traced.user_inputs:
         placements = [R] * n
         value = traced.placeholder(name).meta.get("val")
-        dp = mesh.size("dp")
+        dp = mesh.size("dp") * mesh.size("ep")  # ep ranks are carved from the dp ranks
         if dp > 1 and isinstance(value, torch.Tensor) and value.dim() > 0:
             if value.shape[0] % dp:
                 raise plan.error_at("dp", f"dp={dp} does not divide the batch of input '{name}' "
                                           f"(shape {list(value.shape)})",
                                     hint=f"pass a global batch whose first dim is a multiple of {dp}")
-            placements[mesh.axes.index("dp")] = Shard(0)
+            for axis in DATA_AXES:
+                if mesh.size(axis) > 1:
+                    placements[mesh.axes.index(axis)] = Shard(0)
         cp = mesh.size("cp")
         if cp > 1 and isinstance(value, torch.Tensor) and value.dim() > 1:
             pieces = 2 * cp if "cp" in mesh.zigzag else cp

@@ -11,7 +11,7 @@ from typing import Callable
 
 from usc.dsl import OPTIONS
 
-SUPPORTED_AXES = ("dp", "tp", "cp", "pp")
+SUPPORTED_AXES = ("dp", "tp", "cp", "pp", "ep")
 EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 NOT_BUILT: tuple[str, ...] = ()  # options whose value other than the default is refused
 
@@ -66,10 +66,20 @@ CHECKS = [
     PlanCheck(lambda p: "cp_mode", lambda p: p.is_set("cp_mode") and p.size("cp") == 1,
               lambda p: "cp_mode chooses how attention runs under context parallelism and needs cp>1",
               "add cp=N (N>1) or remove cp_mode"),
-    PlanCheck(lambda p: "capacity_factor", lambda p: p.is_set("capacity_factor"),
-              lambda p: "option 'capacity_factor' is not implemented yet", "remove capacity_factor=..."),
+    PlanCheck(lambda p: "ep", lambda p: p.size("ep") > 1 and p.size("dp") % p.size("ep") != 0,
+              lambda p: f"ep={p.size('ep')} must divide dp={p.size('dp')}: expert-parallel ranks are carved from "
+                        "the data-parallel ranks", "use dp=N with N a multiple of ep (e.g. 'dp=4 ep=2')"),
+    PlanCheck(lambda p: "zero", lambda p: p.size("ep") > 1 and bool(p.get("zero")),
+              lambda p: "zero>0 with ep>1 is not implemented yet", "remove zero= or ep="),
+    *[PlanCheck(lambda p: "capacity_factor", lambda p, a=axis: p.is_set("capacity_factor") and p.size(a) > 1,
+                lambda p, a=axis: f"capacity_factor with {a}>1 is not implemented yet (tokens drop by their "
+                                  "global order in the batch)", f"remove capacity_factor= or {axis}=")
+      for axis in ("cp", "pp")],
+    PlanCheck(lambda p: "capacity_factor", lambda p: p.is_set("capacity_factor") and int(p.get("mb")) > 1,
+              lambda p: "capacity_factor with mb>1 is not implemented yet (capacity is per batch)",
+              "remove capacity_factor= or mb="),
 ]
-RULE_ACTIONS = ("colwise", "rowwise", "vocab", "replicate", "recompute")
+RULE_ACTIONS = ("colwise", "rowwise", "vocab", "replicate", "recompute", "expert")
 
 
 def check_supported(plan) -> None:

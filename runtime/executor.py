@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from .layout import gather_full, local_chunk, zigzag_permute
+from .moe import rank_stats
 from .pipeline import PipelineMixin
 from .reducer import GradReducer
 from .trace import Timeline
@@ -180,6 +181,9 @@ class RankExecutor:
         by count_m / N once N is known (after the last forward); the gradient reduction runs
         once, during the last microbatch's backward."""
         micro = self._split(batch)
+        for module in self.gm.modules():
+            if hasattr(module, "reset_stats"):  # per-step statistics (MoE loads)
+                module.reset_stats()
         count, weighted = 0.0, []
         for m, piece in enumerate(micro):
             last = m == len(micro) - 1
@@ -384,6 +388,10 @@ class RankExecutor:
             for name in spec.aliases:
                 out[name] = full
         return out
+
+    def moe_stats(self) -> dict[str, dict]:
+        """This rank's MoE loads and all-to-all bytes of the last step (``runtime.moe.rank_stats``)."""
+        return rank_stats(self.gm, self.mesh)
 
     def local_state(self) -> dict[str, torch.Tensor]:
         return {spec.name: self.state[spec.placeholder].detach() for spec in self.program.state}

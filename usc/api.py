@@ -11,7 +11,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from usc.compiler.errors import CompileError
+from usc.compiler.errors import CompileError, TraceError
+from usc.compiler.moe import MoEPatternError, find_blocks
 from usc.compiler.report import Report, build_report
 from usc.compiler.trace import is_meta_model, trace
 from usc.dsl import Plan, PlanError, check_rules_match, parse_plan
@@ -21,6 +22,7 @@ from usc.passes.pipeline_schedule import build_schedule
 from usc.passes.pipeline_schedule_check import check_schedule
 from usc.runtime.executor import PipelineExecutor, RankExecutor, estimate_activation_bytes
 from usc.runtime.mesh import Mesh, run_in_threads, simulated_meshes
+from usc.runtime.moe import summarize
 from usc.runtime.trace import Timeline
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -91,7 +93,8 @@ class _Compiled:
 
     def _build(self, batch: tuple) -> None:
         start = time.perf_counter()
-        traced = trace(self.model, self._microbatch(batch), wrapper_source=self._loss_source)
+        traced = trace(self.model, self._microbatch(batch), wrapper_source=self._loss_source,
+                       moe_blocks=self._moe_blocks())
         check_rules_match(self.plan, list(traced.module_types))
         self._traced = traced
         self._program = parallelize(traced, self.plan)
@@ -116,6 +119,18 @@ class _Compiled:
                 out[mode] = estimate_activation_bytes(parallelize(traced, self.plan.with_options(recompute=mode)),
                                                       **options)
         return out
+
+    def _moe_blocks(self) -> list:
+        """The model's mixture-of-experts blocks (rules with the action ``expert`` mark more)."""
+        rules = {path: rule for path, _ in self.model.named_modules() for rule in self.plan.rules
+                 if rule.matches(path) and any(a.name == "expert" for a in rule.actions)}
+        try:
+            return find_blocks(self.model, frozenset(rules))
+        except MoEPatternError as err:
+            if err.path in rules:
+                raise self.plan.error_at(rules[err.path], f"rule 'expert' on {err}",
+                                         hint="see README, 'Mixture of experts', for the patterns usc knows") from None
+            raise TraceError(f"usc could not reproduce the mixture-of-experts block {err}") from None
 
     def _microbatch(self, batch: tuple) -> tuple:
         """The program is compiled for one global microbatch (mb=M splits the batch's dim 0)."""
@@ -239,6 +254,11 @@ class Compiled(_Compiled):
         tensors, meta = checkpoint.read_all(path)
         self._rank().load_checkpoint_state(tensors, meta)
 
+    def moe_stats(self) -> dict:
+        """This rank's view of each MoE layer over the last step (loads of its own experts, the
+        all-to-all bytes it sent); ``usc.simulate(...).moe_stats()`` combines every rank's."""
+        return summarize([self._rank().moe_stats()])
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) tensors under the model's own state_dict names (a collective call)."""
         full = self._rank().full_state_dict()
@@ -312,6 +332,11 @@ class Simulated(_Compiled):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         full = self._run(lambda rank: rank.full_state_dict())[0]
         return {k: full[k] for k in self._user_model.state_dict() if k in full}
+
+    def moe_stats(self) -> dict:
+        """Per MoE layer (module path): tokens per expert and per rank (the load), their imbalance
+        (max / mean) and the all-to-all bytes each rank sent, over the last step."""
+        return summarize([rank.moe_stats() for rank in self.ranks])
 
     def rank_state(self, rank: int) -> dict[str, torch.Tensor]:
         """The local shards held by one rank (for tests and inspection)."""

@@ -7,11 +7,13 @@ import time
 import torch
 
 import usc
-from usc.testing.models import TinyGPT2, TinyLlama, shifted_batch, token_batch
+from usc.testing.models import TinyDeepSeek, TinyGPT2, TinyLlama, TinyMixtral, shifted_batch, token_batch
 
 MODELS = {
     "llama": (TinyLlama, lambda seed: token_batch(128, 4, 16, seed=seed)),
     "gpt2": (TinyGPT2, lambda seed: shifted_batch(128, 4, 16, seed=seed)),
+    "mixtral": (TinyMixtral, lambda seed: token_batch(128, 4, 16, seed=seed)),
+    "deepseek": (TinyDeepSeek, lambda seed: token_batch(128, 4, 16, seed=seed)),
 }
 
 
