@@ -27,11 +27,12 @@ from typing import NamedTuple
 
 from .hardware import HardwareProfile
 
-# Achievable fraction of the tensor-core peak for large bf16/fp32 GEMMs (cuBLAS on H100/A100
-# reaches 70-80% of peak at transformer sizes; Ultra-Scale Playbook's benchmarks, NVIDIA's
-# Megatron-LM MFU tables). Small per-rank matmuls reach less: efficiency falls off with the rows
-# per microbatch as t / (t + MATMUL_HALF_ROWS) (a saturating curve; 256 rows reach half of it).
-MATMUL_EFFICIENCY = 0.75
+# Sustained fraction of the tensor-core peak over a step's matmuls and attention kernels. Large
+# cuBLAS GEMMs reach 70-80% of peak, FlashAttention less; well-tuned dense runs report 40-55% MFU
+# (Ultra-Scale Playbook; Megatron-LM's tables), so 0.6 before communication and bubbles. Small
+# per-rank matmuls reach less: efficiency falls off with the rows per microbatch as
+# t / (t + MATMUL_HALF_ROWS) (a saturating curve; 256 rows reach half of it).
+MATMUL_EFFICIENCY = 0.6
 MATMUL_HALF_ROWS = 256
 # NCCL reaches ~80% of the link's peak as bus bandwidth at large messages (nccl-tests on DGX H100).
 COMM_EFFICIENCY = 0.8
@@ -65,6 +66,7 @@ class CollectiveCost:
     key: ScaleKey
     amount: float
     ring: bool = False  # cp ring send/recv: calls per step depend on cp
+    count: int = 1  # calls merged into this entry (amount is their sum)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,8 @@ class UnitCost:
     acts: dict = field(default_factory=dict)  # sp (bool) -> {ScaleKey: bytes}
     input_bytes: dict = field(default_factory=dict)  # sp -> {ScaleKey: bytes} of the unit's input
     collectives: dict = field(default_factory=dict)  # sp -> tuple[CollectiveCost]
+    blocks: int = 1  # units merged into this one (a pipeline stage)
+    largest_acts: dict = field(default_factory=dict)  # sp -> acts of the largest merged unit
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class ModelProfile:
     cp_possible: bool = True
     layers: int = 0  # numbered layers (what pp cuts between)
     experts: int = 0  # experts per MoE layer (0: dense)
+    _stages: dict = field(default_factory=dict, compare=False, repr=False)  # pp -> merged stages (cache)
 
     @property
     def param_count(self) -> int:
@@ -229,6 +234,41 @@ def stage_units(profile: ModelProfile, pp: int) -> list[list[UnitCost]]:
     return [[u for u, s in zip(units, stage) if s == k] for k in range(pp)]
 
 
+def merged_stages(profile: ModelProfile, pp: int) -> list[UnitCost]:
+    """One summed UnitCost per stage (cached per pp): estimating a plan then costs a few dict sums."""
+    if pp not in profile._stages:
+        profile._stages[pp] = [merge_units(units) for units in stage_units(profile, pp)]
+    return profile._stages[pp]
+
+
+def merge_units(units: list[UnitCost]) -> UnitCost:
+    def add(dicts) -> dict:
+        out: dict = {}
+        for d in dicts:
+            for k, v in d.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def merge_comms(lists) -> tuple:
+        out: dict = {}
+        for c in (c for cs in lists for c in cs):
+            k = (c.axis, c.kind, c.direction, c.key, c.ring)
+            old = out.get(k)
+            out[k] = c if old is None else replace(old, amount=old.amount + c.amount, count=old.count + c.count)
+        return tuple(out.values())
+
+    sps = {sp for u in units for sp in u.acts}
+    largest = {sp: max((u.acts.get(sp, {}) for u in units), key=lambda d: sum(d.values()), default={}) for sp in sps}
+    return UnitCost(units[0].name if len(units) == 1 else f"{units[0].name}..{units[-1].name}",
+                    sum(u.balance for u in units), sum(u.flops_matmul for u in units),
+                    sum(u.flops_attention for u in units), sum(u.params_rep for u in units),
+                    sum(u.params_tp for u in units), sum(u.params_tp_reduced for u in units),
+                    {sp: add(u.acts.get(sp, {}) for u in units) for sp in sps},
+                    {sp: add(u.input_bytes.get(sp, {}) for u in units) for sp in sps},
+                    {sp: merge_comms(u.collectives.get(sp, ()) for u in units) for sp in sps},
+                    sum(u.blocks for u in units), largest)
+
+
 def balanced_cut(costs: list[float], parts: int) -> list[int]:
     """Stage of each unit: contiguous, minimising the largest part (exact DP over few units)."""
     n = len(costs)
@@ -287,7 +327,7 @@ def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) 
     held = sharded if plan.zero >= 3 else params
     gathered = 0.0
     if plan.zero >= 3 and plan.dp > 1:  # two layers whole at once (the current one, one prefetched)
-        biggest = max((u.params_rep + u.params_tp / plan.tp for u in units), default=0.0)
+        biggest = max(((u.params_rep + u.params_tp / plan.tp) / u.blocks for u in units), default=0.0)
         gathered = 2 * biggest
     return {"params": held, "grads": grads, "optimizer": optimizer,
             "activations": stage_activations(profile, plan, units), "gathered": gathered}
@@ -298,7 +338,7 @@ def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
     sp = plan.sp and plan.tp > 1
     if plan.recompute == "full":  # only each unit's input is kept; one unit is live in backward
         kept = sum(_acts(u.input_bytes.get(sp, {}), profile, plan) for u in units)
-        live = max((_acts(u.acts.get(sp, {}), profile, plan) for u in units), default=0.0)
+        live = max((_acts(u.largest_acts.get(sp, u.acts.get(sp, {})), profile, plan) for u in units), default=0.0)
         per_mb = kept
     else:
         per_mb = sum(_acts(u.acts.get(sp, {}), profile, plan, kept_only=plan.recompute == "selective")
@@ -348,8 +388,8 @@ def layer_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
             n = sizes.get(c.axis, 1)
             if n <= 1:
                 continue
-            per_call = scale(c.key, c.amount, profile, plan)
-            calls = (n - 1 if c.direction == "forward" else 2 * n - 1) if c.ring else 1
+            per_call = scale(c.key, c.amount / c.count, profile, plan)
+            calls = c.count * ((n - 1 if c.direction == "forward" else 2 * n - 1) if c.ring else 1)
             acc = out.setdefault((c.axis, c.kind, c.direction, n), [0.0, 0.0, 0.0])
             bw, lat = _link(hw, plan, c.axis)
             acc[0] += per_call * calls
@@ -381,7 +421,7 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
         out.append(CollectiveEstimate("dp", "all-gather", "optimizer", plan.dp, params / plan.dp, 1, seconds, seconds))
     if plan.dp > 1 and plan.zero == 3:  # per layer gathers in forward and backward, prefetched
         bw, lat = _link(hw, plan, "dp")
-        layers = max(1, len(units))
+        layers = max(1, sum(u.blocks for u in units))
         seconds = 2 * collective_seconds("all-gather", params / plan.dp / layers, plan.dp, bw, lat) * layers
         out.append(CollectiveEstimate("dp", "all-gather", "forward+backward", plan.dp, 2 * params / plan.dp,
                                       2 * layers * plan.mb, seconds * plan.mb, 0.0))
@@ -394,7 +434,7 @@ def pipeline_collectives(profile: ModelProfile, plan: PlanPoint, units: list[Uni
     if plan.pp == 1 or not units:
         return []
     sp = plan.sp and plan.tp > 1
-    nbytes = _acts(units[-1].input_bytes.get(sp, {}), profile, plan)  # a hidden state, like the input
+    nbytes = _acts(units[-1].input_bytes.get(sp, {}), profile, plan) / units[-1].blocks  # one hidden state
     bw, lat = _link(hw, plan, "pp")
     seconds = collective_seconds("send/recv", nbytes, 2, bw, lat)
     return [CollectiveEstimate("pp", "send/recv", d, plan.pp, nbytes, 1, seconds, seconds)
@@ -418,17 +458,24 @@ def stage_flops(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -
 
 
 def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) -> Estimate:
-    """Per-rank memory, FLOPs, collectives and step time of ``plan`` (the slowest stage decides)."""
-    stages = stage_units(profile, plan.pp)
-    results = [_stage_estimate(profile, plan, units, hw) for units in stages]
-    slowest = max(results, key=lambda r: r[2]["step"])
-    memory = max((r[0] for r in results), key=lambda m: sum(m.values()))
+    """Per-rank memory, FLOPs, collectives and step time of ``plan``. Memory is the fullest stage's;
+    time is the busiest stage's (the most FLOPs), which every other stage waits for."""
+    stages = merged_stages(profile, plan.pp)
+    busiest = max(stages, key=lambda u: u.flops_matmul + u.flops_attention)
+    state, flops, time, comms = _stage_estimate(profile, plan, [busiest], hw)
+    memory = peak_memory(profile, plan) if plan.pp > 1 else state
     model_flops = 3 * profile.forward_flops_per_token * plan.global_batch * plan.seq * (
         1 + _attention_growth(profile, plan))
-    step = slowest[2]["step"]
+    step = time["step"]
     peak = hw.peak_flops(plan.dtype) * plan.world
-    return Estimate(plan, memory, slowest[1], model_flops, tuple(slowest[3]), slowest[2],
+    return Estimate(plan, memory, flops, model_flops, tuple(comms), time,
                     plan.global_batch * plan.seq / step, model_flops / (step * peak), hw.name)
+
+
+def peak_memory(profile: ModelProfile, plan: PlanPoint) -> dict[str, float]:
+    """Per-rank memory of the stage that holds the most (what estimate() reports, without the time)."""
+    return max((stage_memory(profile, plan, [unit]) for unit in merged_stages(profile, plan.pp)),
+               key=lambda m: sum(m.values()))
 
 
 def _attention_growth(profile: ModelProfile, plan: PlanPoint) -> float:
@@ -459,8 +506,9 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost
             "optimizer": optimizer}
     time["step"] = sum(time.values())
     flops = plan.mb * (3 + extra) * fwd_flops
-    comms = [replace(c, bytes_per_step=c.bytes_per_step * plan.mb, calls_per_step=c.calls_per_step * plan.mb,
-                     seconds=c.seconds * plan.mb, exposed_seconds=c.exposed_seconds * plan.mb)
+    m = plan.mb
+    comms = [CollectiveEstimate(c.axis, c.kind, c.direction, c.group_size, c.bytes_per_step * m,
+                                c.calls_per_step * m, c.seconds * m, c.exposed_seconds * m)
              for c in layer_comms] + grads
     return state, flops, time, comms
 
@@ -482,4 +530,4 @@ def _zero3_exposed(grads: list[CollectiveEstimate], compute: float) -> float:
 
 __all__ = ["ScaleKey", "CollectiveCost", "UnitCost", "ModelProfile", "PlanPoint", "Estimate",
            "CollectiveEstimate", "estimate", "scale", "stage_units", "in_flight", "bubble_units",
-           "crosses_node", "collective_seconds", "MATMUL_EFFICIENCY", "COMM_EFFICIENCY"]
+           "crosses_node", "collective_seconds", "peak_memory", "MATMUL_EFFICIENCY", "COMM_EFFICIENCY"]

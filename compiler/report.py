@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from .ir import META, MeshSpec
 from .pipeline import pipeline_stages
+from .report_cost import cost_dict
 from .program import Program
 
 KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send/recv")
@@ -58,6 +59,8 @@ class Report:
     attention_flops: dict = field(default_factory=dict)  # cp axis -> multiply-adds per rank
     memory: dict = field(default_factory=dict)  # ZeRO stage -> predicted bytes per rank by kind
     zero_stage: int = 0
+    cost: object = None  # the cost model's Estimate for this plan (usc.lint(..., hardware=...))
+    plan_search: object = None  # the planner's PlanSearch when the plan came from `auto`
     activation_estimate: Callable[[], int] | None = field(default=None, repr=False)
     _activation_bytes: int | None = field(default=None, repr=False)
 
@@ -100,6 +103,7 @@ class Report:
             "activation_bytes_per_rank": self.activation_bytes,
             "zero_stage": self.zero_stage,
             "p2p_bytes_per_step": self.p2p_bytes_per_step,
+            **cost_dict(self),
         }
 
     @property

@@ -51,6 +51,12 @@ CHECKS = [
     PlanCheck(lambda p: "cp_mode", lambda p: p.is_set("cp_mode") and p.size("cp") == 1,
               lambda p: "cp_mode chooses how attention runs under context parallelism and needs cp>1",
               "add cp=N (N>1) or remove cp_mode"),
+    PlanCheck(lambda p: "auto", lambda p: p.auto,
+              lambda p: "auto must be resolved by the planner before compiling (usc.compile/lint/simulate and "
+                        "usc.plan do it)", "call usc.plan(model, plan, example_inputs=...)"),
+    *[PlanCheck(lambda p, n=name: n, lambda p, n=name: p.is_set(n) and not p.auto,
+                lambda p, n=name: f"option {n} describes what to plan for and is only read with auto",
+                f"add auto, or remove {name}=") for name in ("gpus", "seq", "global_batch", "hardware")],
     PlanCheck(lambda p: "capacity_factor", lambda p: p.is_set("capacity_factor"),
               lambda p: "option 'capacity_factor' is not implemented yet", "remove capacity_factor=..."),
 ]

@@ -13,7 +13,9 @@ in ``usc``; the cost model itself (``usc.compiler.cost_model``) is pure arithmet
 
 from __future__ import annotations
 
+import contextlib
 import math
+from dataclasses import replace
 from functools import reduce
 
 import torch
@@ -47,9 +49,26 @@ def batch_and_sequence(example_inputs: tuple) -> tuple[int, int]:
 
 
 def profile_model(model: torch.nn.Module, example_inputs: tuple, *, traced: Traced | None = None) -> ModelProfile:
-    """Per-unit costs of ``model`` at the example's batch and sequence (one trace, two probe compiles)."""
+    """Per-unit costs of ``model`` at the example's batch and sequence (one trace, two probe compiles).
+
+    A stack of identical blocks (an ``nn.ModuleList`` of same-shaped layers, the 32 or 80 decoder
+    layers) is measured on its first ``KEEP_BLOCKS`` blocks and the last of those is stamped for the
+    rest, so profiling time does not grow with depth; a model whose forward needs every block is
+    traced whole."""
+    if traced is None:
+        with _shallow_stacks(model) as stacks:
+            try:
+                traced = trace(model, tuple(example_inputs))
+            except CompileError:
+                stacks.clear()
+        if not stacks:
+            traced = trace(model, tuple(example_inputs))
+        return _stamp(_profile(traced, example_inputs), stacks)
+    return _profile(traced, example_inputs)
+
+
+def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
     batch, seq = batch_and_sequence(example_inputs)
-    traced = traced or trace(model, tuple(example_inputs))
     probe_sp, probe_plain = _probe_programs(traced, batch, seq)
     units = _unit_order(traced.gm)
     flops = _flops_by_unit(traced.gm, units)
@@ -64,6 +83,52 @@ def profile_model(model: torch.nn.Module, example_inputs: tuple, *, traced: Trac
     layers = sum(1 for u in units if u.rsplit(".", 1)[-1].isdigit())
     return ModelProfile(traced.model_name, batch, seq, tuple(built), tp_divides=_tp_divides(probe_plain, batch, seq),
                         cp_possible="cp" in probe_plain.mesh.axes, layers=layers)
+
+
+# ------------------------------------------------------------------------------- repeated blocks
+
+KEEP_BLOCKS = 2
+
+
+def _same_structure(blocks) -> bool:
+    def shape(m):
+        return type(m), [(n, tuple(p.shape)) for n, p in m.named_parameters()]
+    first = shape(blocks[0])
+    return all(shape(b) == first for b in blocks[1:])
+
+
+@contextlib.contextmanager
+def _shallow_stacks(model: torch.nn.Module):
+    """Temporarily cut each ModuleList of identical blocks to KEEP_BLOCKS; yields {path: length}."""
+    cut: dict[str, tuple] = {}
+    for path, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.ModuleList) and len(module) > KEEP_BLOCKS and _same_structure(module):
+            if any(path.startswith(other + ".") for other in cut):
+                continue
+            parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
+            cut[path] = (parent, path.rsplit(".", 1)[-1], module)
+    stacks = {path: len(module) for path, (_, _, module) in cut.items()}
+    try:
+        for parent, name, module in cut.values():
+            setattr(parent, name, torch.nn.ModuleList(list(module)[:KEEP_BLOCKS]))
+        yield stacks
+    finally:
+        for parent, name, module in cut.values():
+            setattr(parent, name, module)
+
+
+def _stamp(profile: ModelProfile, stacks: dict[str, int]) -> ModelProfile:
+    """Repeat the last measured block of each stack for the blocks that were not traced."""
+    units = list(profile.units)
+    for path, length in stacks.items():
+        last = f"{path}.{KEEP_BLOCKS - 1}"
+        at = next((i for i, u in enumerate(units) if u.name == last), None)
+        if at is None:
+            continue
+        copies = [replace(units[at], name=f"{path}.{i}") for i in range(KEEP_BLOCKS, length)]
+        units[at + 1:at + 1] = copies
+    layers = sum(1 for u in units if u.name.rsplit(".", 1)[-1].isdigit())
+    return replace(profile, units=tuple(units), layers=layers)
 
 
 # ------------------------------------------------------------------------------------------ probes
