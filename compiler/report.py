@@ -17,6 +17,7 @@ import torch.fx as fx
 from .fusion_cost import fusion_summary, kernel_sources
 from .ir import META, MeshSpec
 from .pipeline import pipeline_stages
+from .report_cost import cost_dict
 from .program import Program
 from .report_stages import StageRecord, stage_table
 from .recompute_report import RecomputeRecord, recompute_records, recompute_summary, region_bodies
@@ -64,6 +65,8 @@ class Report:
     stages: list[StageRecord] = field(default_factory=list)  # pipeline stages (pp > 1)
     fusion: dict = field(default_factory=dict)  # fuse=on: kernels and bytes per step, eager vs fused
     kernels: list = field(default_factory=list)  # fuse=on: each generated kernel (KernelInfo)
+    cost: object = None  # the cost model's Estimate for this plan (usc.lint(..., hardware=...))
+    plan_search: object = None  # the planner's PlanSearch when the plan came from `auto`
     activation_estimate: Callable[[], int] | None = field(default=None, repr=False)
     _activation_bytes: int | None = field(default=None, repr=False)
     recompute: list[RecomputeRecord] = field(default_factory=list)  # tensors of recompute regions
@@ -129,6 +132,7 @@ class Report:
             "pipeline_stages": [asdict(s) for s in self.stages],
             "fusion": self.fusion,
             "kernels": [{"name": k.name, "used_by": list(k.used_by)} for k in self.kernels],
+            **cost_dict(self),
         }
 
     @property

@@ -86,6 +86,8 @@ def render(report) -> str:
         lines.append(f"exposed communication in the last traced step: {report.exposed_comm_seconds * 1e3:.2f} ms")
     for w in report.warnings:
         lines.append(f"warning: {w}")
+    from .report_cost import cost_sections
+    lines += cost_sections(report)
     return "\n".join(lines)
 
 

@@ -155,6 +155,8 @@ class Plan:
     )
     source: str = field(default="", compare=False, repr=False)
     filename: str | None = field(default=None, compare=False, repr=False)
+    auto: bool = False  # `auto`: the planner chooses what is not written (usc.plan)
+    search: Any = field(default=None, compare=False, repr=False)  # the planner's reasons, when it chose
 
     def __post_init__(self) -> None:
         """Parse ``Plan(text)``; otherwise check and normalize axes, options and rules."""
@@ -174,7 +176,7 @@ class Plan:
         from .parser import parse_plan  # the parser builds Plans: import it late to avoid a cycle
 
         parsed = parse_plan(text)
-        for name in ("axes", "options", "rules", "positions", "source", "filename"):
+        for name in ("axes", "options", "rules", "positions", "source", "filename", "auto"):
             object.__setattr__(self, name, getattr(parsed, name))
 
     def _normalize(self) -> None:
@@ -296,7 +298,7 @@ class Plan:
     def __str__(self) -> str:
         axes = [f"{name}={size}" for name, size in self.axes]
         options = [f"{name}={OPTIONS[name].kind.format(value)}" for name, value in self.options]
-        return " ".join(axes + options + [str(rule) for rule in self.rules])
+        return " ".join(["auto"] * self.auto + axes + options + [str(rule) for rule in self.rules])
 
     def __repr__(self) -> str:
         return f"Plan({str(self)!r})"

@@ -78,6 +78,12 @@ CHECKS = [
     PlanCheck(lambda p: "capacity_factor", lambda p: p.is_set("capacity_factor") and int(p.get("mb")) > 1,
               lambda p: "capacity_factor with mb>1 is not implemented yet (capacity is per batch)",
               "remove capacity_factor= or mb="),
+    PlanCheck(lambda p: "auto", lambda p: p.auto,
+              lambda p: "auto must be resolved by the planner before compiling (usc.compile/lint/simulate and "
+                        "usc.plan do it)", "call usc.plan(model, plan, example_inputs=...)"),
+    *[PlanCheck(lambda p, n=name: n, lambda p, n=name: p.is_set(n) and not p.auto,
+                lambda p, n=name: f"option {n} describes what to plan for and is only read with auto",
+                f"add auto, or remove {name}=") for name in ("gpus", "seq", "global_batch", "hardware")],
 ]
 RULE_ACTIONS = ("colwise", "rowwise", "vocab", "replicate", "recompute", "expert")
 

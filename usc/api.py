@@ -24,6 +24,7 @@ from usc.runtime.executor import PipelineExecutor, RankExecutor, estimate_activa
 from usc.runtime.mesh import Mesh, run_in_threads, simulated_meshes
 from usc.runtime.moe import summarize
 from usc.runtime.trace import Timeline
+from usc.planning import estimate_plan
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -83,6 +84,8 @@ class _Compiled:
                  optimizer: OptimizerFactory | None = None) -> None:
         self.plan = _as_plan(plan)
         self.model = _WithLoss(model, loss_fn) if loss_fn is not None else model
+        if self.plan.auto:
+            self.plan = _resolve_auto(self.model, self.plan, example_inputs)
         self._loss_source = _source_of(loss_fn) if loss_fn is not None else ""
         self._user_model = model
         self._optimizer = optimizer
@@ -90,6 +93,15 @@ class _Compiled:
         self._report: Report | None = None
         if example_inputs is not None:
             self._build(tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
+
+    def _attach_cost(self, batch: tuple, hardware) -> None:
+        """The cost model's time breakdown for this plan (and the planner's reasons, if it chose)."""
+        report = self.report
+        report.plan_search = self.plan.search
+        if self.plan.search is not None and self.plan.search.best is not None and hardware is None:
+            report.cost = self.plan.search.best.estimate
+        elif hardware is not None or self.plan.search is not None:
+            report.cost = estimate_plan(self.model, self.plan, batch, hardware or "h100")
 
     def _build(self, batch: tuple) -> None:
         start = time.perf_counter()
@@ -371,13 +383,52 @@ def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None
     return Simulated(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
 
 
-def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None) -> Report:
+def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, hardware=None) -> Report:
     """Compile without running anything and return the report (what ``usc-lint`` prints).
 
     Works for meshes of any size and for models on the ``meta`` device (no weights allocated).
+    ``hardware`` ("h100", "a100", a profile file or a HardwareProfile) adds the cost model's time
+    breakdown (``report.cost``): compute, exposed communication and bubble per step, tokens/s, MFU.
     """
-    return _Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn).report
+    compiled = _Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn)
+    batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    compiled._attach_cost(batch, hardware)
+    return compiled.report
 
 
-__all__ = ["compile", "simulate", "lint", "parse_plan", "Compiled", "Simulated", "Report", "PlanError",
+def plan(model: nn.Module, spec: str | Plan, *, example_inputs, loss_fn=None, hardware=None, keep: int = 5) -> Plan:
+    """Choose a plan for a cluster: ``spec`` names the target, the result is a ``usc.Plan``.
+
+    ``spec`` is plan text: ``gpus=N`` (required unless axes are written), ``gpus_per_node``, ``seq`` and
+    ``global_batch`` (sequences per step; default: the example's shape), and any axes or options to
+    keep as written (``tp=8``, ``zero=1``, ``dtype=bf16``). Every dp/tp/pp/cp/ep/zero/mb/recompute/
+    schedule combination that usc.compile runs is checked for divisibility and memory and ranked by
+    the cost model's step time on ``hardware``; ``plan.search`` holds the runners-up and why each
+    lost (``print(plan.search)``). The example inputs only give shapes: a model on the meta device works.
+
+    >>> import usc, torch
+    >>> from usc.testing.models import TinyLlama, token_batch
+    >>> chosen = usc.plan(TinyLlama(), "gpus=4 dtype=bf16", example_inputs=token_batch(128, 8, 32))
+    >>> chosen.world_size
+    4
+    """
+    from usc.planning import choose
+
+    model = _WithLoss(model, loss_fn) if loss_fn is not None else model
+    batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    return choose(model, _as_plan(spec) if not isinstance(spec, str) else spec, batch, hardware=hardware, keep=keep)
+
+
+def _resolve_auto(model: nn.Module, written: Plan, example_inputs) -> Plan:
+    """``auto`` in compile/lint/simulate: the planner chooses, for the example batch as the global batch."""
+    from usc.planning import choose
+
+    if example_inputs is None:
+        raise written.error_at("auto", "auto needs example_inputs= to plan for (the global batch)",
+                               hint="pass example_inputs=(tokens, labels) to compile")
+    batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    return choose(model, written, batch)
+
+
+__all__ = ["compile", "simulate", "lint", "plan", "parse_plan", "Compiled", "Simulated", "Report", "PlanError",
            "CompileError", "Plan"]
