@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from .pipeline_backward import WeightWork, input_grads, weight_grads
+
 
 @dataclass
 class StageSpec:
@@ -166,7 +168,7 @@ class InFlight:
     received: dict[tuple[int, int], torch.Tensor]
     outputs: list[torch.Tensor]
     count: float = 1.0
-    roots: list = field(default_factory=list)  # (tensor, gradient) pairs backward starts from, once known
+    weight_work: WeightWork | None = None  # what W still owes after I
 
 
 class PipelineMixin:
@@ -319,26 +321,21 @@ class PipelineMixin:
 
     def _input_grad(self, stage: int, mb: int, flight: InFlight) -> None:
         """I: only the gradients of what the stage received (what the previous stage waits for);
-        the graph is kept for W."""
-        flight.roots = self._roots(stage, mb, flight)
+        the graph is kept for W (runtime/pipeline_backward.py)."""
+        roots = self._roots(stage, mb, flight)
         keys = [key for key, v in sorted(flight.received.items()) if v.requires_grad]
         grads = {}
-        if flight.roots and keys:
-            found = torch.autograd.grad([t for t, _ in flight.roots], [flight.received[k] for k in keys],
-                                        [g for _, g in flight.roots], retain_graph=True, allow_unused=True)
+        if roots:
+            found, flight.weight_work = input_grads([t for t, _ in roots], [g for _, g in roots],
+                                                    [flight.received[k] for k in keys], self.stage_params[stage])
             grads = dict(zip(keys, found))
         self._send_input_grads(stage, mb, flight, grads)
 
     def _weight_grad(self, stage: int, mb: int, flight: InFlight) -> None:
-        """W: the weight gradients, accumulated into .grad exactly as B would. Autograd walks the
-        kept graph again from the stage outputs, restricted to the weights (torch.autograd.backward's
-        ``inputs``), so the input-gradient chain inside the stage is recomputed; capturing the
-        gradients where the weights join that chain (torch.distributed.pipelining's
-        ``stage_backward_weight``) would avoid it."""
-        params = self.stage_params[stage]
-        if flight.roots and params:
-            torch.autograd.backward([t for t, _ in flight.roots], [g for _, g in flight.roots], inputs=params)
-        flight.roots = []
+        """W: the weight gradients, accumulated into .grad as B would have."""
+        if flight.weight_work is not None:
+            weight_grads(flight.weight_work)
+            flight.weight_work = None
 
     # ------------------------------------------------------------------------------------ a step
     def _run_schedule(self, batch: tuple, *, train: bool) -> tuple[torch.Tensor, float]:
