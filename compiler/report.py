@@ -19,7 +19,7 @@ from .ir import META, MeshSpec
 from .pipeline import pipeline_stages
 from .report_cost import cost_dict
 from .program import Program
-from .report_stages import StageRecord, stage_table
+from .report_stages import StageRecord, stage_table, state_of_pp_rank
 from .recompute_report import RecomputeRecord, recompute_records, recompute_summary, region_bodies
 
 KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send/recv")
@@ -270,7 +270,7 @@ def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: b
     reverse order of the parameters, one open bucket per set of axes, closed once it holds
     bucket_bytes. ZeRO-3 parameters get their dp sum inside the graph, so dp is not theirs here."""
     done, open_buckets = [], {}
-    for spec in reversed(program.state):
+    for spec in reversed(state_of_pp_rank(program)):
         in_graph = graph_reduces_zero3 and spec.zero3
         axes = tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1 and not (in_graph and a == "dp"))
         if not axes:
@@ -307,12 +307,12 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
 
     Rajbhandari et al. 2020: stage 1 shards the optimizer state over dp, stage 2 also the
     gradients, stage 3 also the parameters. Sharded buffers are the gradient buckets reduced over
-    dp, each padded to a multiple of dp. optimizer_states: tensors of the parameter's size the
+    dp, each padded to a multiple of dp; with pp, rank 0's stages' parameters. optimizer_states: tensors of the parameter's size the
     optimizer keeps per parameter (2 for Adam/AdamW: exp_avg, exp_avg_sq). Gradients are counted
     at their peak, after the reduction and before the optimizer step.
     """
     params = sum(_nbytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
-                 for s in program.state if s.kind == "param" and s.trainable)
+                 for s in state_of_pp_rank(program) if s.kind == "param" and s.trainable)
     dp = program.mesh.size("dp")
     buckets = [(axes, nbytes) for axes, _, nbytes in _pack_buckets(program, bucket_bytes, graph_reduces_zero3=False)]
     sharded = sum(nbytes for axes, nbytes in buckets if "dp" in axes) if dp > 1 else 0

@@ -28,7 +28,7 @@ def plans(draw, *, max_ranks: int = 16, pipeline: bool = True) -> str:
     if axes.get("cp", 1) > 1:
         items.append(f"cp_mode={draw(st.sampled_from(['ring', 'zigzag', 'ulysses']))}")
     if axes.get("pp", 1) > 1:
-        items.append(f"schedule={draw(st.sampled_from(['gpipe', '1f1b']))}")
+        items.append(f"schedule={draw(st.sampled_from(['gpipe', '1f1b', 'zb', 'interleaved v=2']))}")
         items.append(f"mb={axes['pp'] * draw(st.sampled_from([1, 2]))}")
     if axes.get("dp", 1) > 1:
         zero = draw(st.sampled_from([0, 1, 2] + ([] if axes.get("pp", 1) > 1 else [3])))
