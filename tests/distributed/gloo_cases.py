@@ -14,6 +14,8 @@ MODELS = {
     "gpt2": (TinyGPT2, lambda seed: shifted_batch(128, 4, 16, seed=seed)),
     "mixtral": (TinyMixtral, lambda seed: token_batch(128, 4, 16, seed=seed)),
     "deepseek": (TinyDeepSeek, lambda seed: token_batch(128, 4, 16, seed=seed)),
+    # float64: dp=4 leaves one sequence per rank, where AdamW amplifies float32 rounding past 1e-5
+    "deepseek64": (lambda: TinyDeepSeek().double(), lambda seed: token_batch(128, 4, 16, seed=seed)),
 }
 
 
