@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import usc
-from gloo_cases import MODELS, train_cases
+from gloo_cases import MOE_MODELS, train_cases
 from harness import run_world
 from usc.testing import assert_equivalent
 from usc.testing.equivalence import compare_states, reference_run
@@ -154,7 +154,7 @@ def test_gloo_processes_match_one_device(world):
     cases = GLOO_WORLDS[world]
     results = run_world(train_cases, world, cases, 3, timeout=300)
     for index, (name, plan) in enumerate(cases):
-        factory, batch = MODELS[name]
+        factory, batch = MOE_MODELS[name]
         torch.manual_seed(0)
         model = factory()
         ref_losses, grad_max = reference_run(model, [batch(s) for s in range(3)], lambda p: torch.optim.AdamW(p))
