@@ -264,6 +264,19 @@ def attention_flops_per_rank(gm: fx.GraphModule, mesh: MeshSpec) -> dict[str, li
     return out
 
 
+JOINT_AXES = (("dp", "ep"),)  # axes the runtime's mesh also offers as one group (runtime/mesh.py)
+
+
+def _joint(axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Gradients summed over dp and ep (all data-parallel ranks) are one all-reduce over 'dp+ep'."""
+    for pair in JOINT_AXES:
+        if all(a in axes for a in pair):
+            first = min(axes.index(a) for a in pair)
+            rest = [a for a in axes if a not in pair]
+            axes = tuple(rest[:first]) + ("+".join(pair),) + tuple(rest[first:])
+    return axes
+
+
 def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: bool = True
                   ) -> list[tuple[tuple[str, ...], list[str], int]]:
     """(axes, parameter names, bytes) per gradient bucket, packed as the runtime packs them: in
@@ -272,7 +285,7 @@ def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: b
     done, open_buckets = [], {}
     for spec in reversed(state_of_pp_rank(program)):
         in_graph = graph_reduces_zero3 and spec.zero3
-        axes = tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1 and not (in_graph and a == "dp"))
+        axes = _joint(tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1 and not (in_graph and a == "dp")))
         if not axes:
             continue
         shape = spec.layout.local_shape(spec.global_shape, program.mesh)
