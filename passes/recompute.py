@@ -156,13 +156,28 @@ def _recompute_graph(gm: fx.GraphModule, mode: str, marked, params: set[str]) ->
         decision = decide(node, gm, mode, marked)
         if decision is not None:
             decisions[node] = decision
-            node.meta[META].extra["recompute"] = decision
     runs = convex_runs(gm, decisions)
-    for index, run in enumerate(r for r in runs if any(decisions[n] == RECOMPUTED for n in r)):
+    for run in runs:
+        if not worth_recomputing(run, decisions):  # e.g. a lone residual add: nothing to free
+            decisions.update({n: BOUNDARY for n in run})
+    for node, decision in decisions.items():
+        node.meta[META].extra["recompute"] = decision
+    for index, run in enumerate(r for r in runs if decisions[r[0]] != BOUNDARY):
         extract_region(gm, run, kept=tuple(n.name for n in run if decisions[n] == KEPT), index=index,
                        params=params)
     gm.graph.lint()
     gm.recompile()
+
+
+# ops whose backward needs no saved tensor: recomputing only these frees nothing
+SAVES_NOTHING = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.clone.default,
+                           aten.cat.default, operator.getitem})
+
+
+def worth_recomputing(run: list[fx.Node], decisions: dict) -> bool:
+    """A region frees memory only if a recomputed node would otherwise save a tensor."""
+    return any(decisions[n] == RECOMPUTED and (n.op == "call_module" or (
+        n.target not in SAVES_NOTHING and not getattr(n.target, "is_view", False))) for n in run)
 
 
 def convex_runs(gm: fx.GraphModule, decisions: dict) -> list[list[fx.Node]]:

@@ -1,5 +1,5 @@
 """The recompute pass: which nodes are kept, which recomputed, how regions are cut, and what the
-report says about them (graph-level; numerics are in tests/distributed/test_recompute.py)."""
+report says about them (graph-level; numerics are in tests/distributed/test_recompute_equivalence.py)."""
 
 import pytest
 import torch
