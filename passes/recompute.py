@@ -117,14 +117,12 @@ RULES = [
 ]
 
 
-def decide(node: fx.Node, gm: fx.GraphModule, mode: str, marked: Callable[[str], bool]) -> str | None:
+def decide(node: fx.Node, gm: fx.GraphModule, mode: str, marked: Callable[[str], bool]) -> DecisionRule:
+    """The first rule of RULES that applies to ``node`` (the last one always does)."""
     module = gm.get_submodule(node.target) if node.op == "call_module" else None
     path = node_module(node)
     where = Where(node, gm, module, mode, marked(path), block_of(path))
-    for rule in RULES:
-        if rule.applies(where):
-            return rule.decision
-    return None
+    return next(rule for rule in RULES if rule.applies(where))
 
 
 def rule_marker(plan) -> Callable[[str], bool]:
@@ -151,17 +149,18 @@ def recompute_pass(gm: fx.GraphModule, ctx, *, params: set[str] = frozenset()) -
 
 
 def _recompute_graph(gm: fx.GraphModule, mode: str, marked, params: set[str]) -> None:
-    decisions = {}
+    decisions, reasons = {}, {}
     for node in gm.graph.nodes:
-        decision = decide(node, gm, mode, marked)
-        if decision is not None:
-            decisions[node] = decision
+        rule = decide(node, gm, mode, marked)
+        if rule.decision is not None:
+            decisions[node], reasons[node] = rule.decision, rule.why
     runs = convex_runs(gm, decisions)
     for run in runs:
         if not worth_recomputing(run, decisions):  # e.g. a lone residual add: nothing to free
             decisions.update({n: BOUNDARY for n in run})
+            reasons.update({n: "nothing in its run saves a tensor" for n in run})
     for node, decision in decisions.items():
-        node.meta[META].extra["recompute"] = decision
+        node.meta[META].extra.update(recompute=decision, recompute_reason=reasons[node])
     for index, run in enumerate(r for r in runs if decisions[r[0]] != BOUNDARY):
         extract_region(gm, run, kept=tuple(n.name for n in run if decisions[n] == KEPT), index=index,
                        params=params)
@@ -197,14 +196,15 @@ def convex_runs(gm: fx.GraphModule, decisions: dict) -> list[list[fx.Node]]:
     for node in gm.graph.nodes:
         inside = decisions.get(node) in (KEPT, RECOMPUTED)
         key = block_of(node_module(node)) or node_module(node) if inside else None
-        for source in {run_of[x] for x in node.all_input_nodes if x in run_of} - {key}:
+        for source in sorted({run_of[x] for x in node.all_input_nodes if x in run_of} - {key}):
             close(source)
         if inside:
             open_runs.setdefault(key, []).append(node)
             run_of[node] = key
     for key in list(open_runs):
         close(key)
-    return done
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(done, key=lambda run: order[run[0]])
 
 
 def extract_region(gm: fx.GraphModule, run: list[fx.Node], *, kept: tuple[str, ...], index: int,
