@@ -2,10 +2,12 @@
 
 Requires: every other pass ran (regions are cut from the final per-rank program, or from each
     pipeline stage); nodes carry ``meta["usc"]`` with their module path.
-Establishes: with ``recompute=selective|full`` or a ``recompute`` rule, every node of a transformer
-    block (module path up to its first index, e.g. ``layers.3``, as ZeRO-3 and the pipeline split
-    group nodes) carries ``meta["usc"].extra["recompute"]``: "kept" (output stored for backward),
-    "recomputed" (run again in backward) or "boundary" (runs once, outside any region). Each
+Establishes: with ``recompute=selective|full`` every computing node of a transformer block
+    (module path up to its first index, e.g. ``layers.3``, as ZeRO-3 and the pipeline split group
+    nodes), and every node of a module a ``recompute`` rule matches, carries
+    ``meta["usc"].extra["recompute"]``: "kept" (output stored for backward), "recomputed" (run
+    again in backward) or "boundary" (runs once, outside any region), and the reason in
+    ``extra["recompute_reason"]``. Each
     maximal convex run of kept/recomputed nodes of one block is replaced by one ``call_module`` to a
     ``usc.runtime.recompute.Recompute`` whose ``body`` holds the run; uses of the run's values read
     ``getitem`` nodes of that call. Nothing else changes; with recompute=none and no rule the graph
