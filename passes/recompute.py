@@ -22,7 +22,8 @@ Activation Recomputation in Large Transformer Models") and the Ultra-Scale Playb
   and it is never re-issued (cheaper than communicating again; ring attention already keeps only
   q, k, v, its output and the LSE, and recomputes block scores in its own backward).
 - both: random ops (dropout) are boundaries, so they are never drawn twice and recompute sees
-  exactly the forward's numbers on any rank and any thread; ZeRO-3's gathers are boundaries.
+  exactly the forward's numbers on any rank and any thread; ZeRO-3's gathers and in-place ops
+  (which could write a region's input that recomputation reads) are boundaries.
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ def _is_random(w: Where) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
+def _mutates(w: Where) -> bool:
+    """An in-place op (``add_``, ``relu_`` ...): rerunning it would change a tensor twice."""
+    schema = getattr(w.node.target, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
 def _communicates_forward(w: Where) -> bool:
     kind = getattr(w.module, "forward_collective", None)
     return kind is not None and kind() not in (None, "none")
@@ -108,6 +115,8 @@ RULES = [
     DecisionRule(_is_zero3, BOUNDARY, "ZeRO-3 gather"),
     # drawn once: a region never re-draws random numbers (see the module docstring)
     DecisionRule(_is_random, BOUNDARY, "random op: output kept"),
+    # an in-place op may write a region's input, which a recomputation would then read changed
+    DecisionRule(_mutates, BOUNDARY, "in-place op: runs once"),
     DecisionRule(lambda w: w.marked, RECOMPUTED, "a recompute rule marks its module"),
     DecisionRule(lambda w: w.block is None, None, "outside the transformer blocks"),
     DecisionRule(lambda w: w.mode == "full", RECOMPUTED, "recompute=full"),
