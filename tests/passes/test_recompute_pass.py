@@ -9,7 +9,6 @@ from torch import nn
 import usc
 from usc.api import _Compiled
 from usc.compiler.ir import META
-from usc.compiler.recompute_report import region_bodies
 from usc.runtime.collectives import AllReduce, GradAllReduce
 from usc.runtime.recompute import Recompute
 from usc.testing.models import LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
