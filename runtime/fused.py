@@ -36,6 +36,7 @@ class Load:
     input: int
     domain: str
     grad: bool
+    is_float: bool = True  # integer inputs (labels) stay integers
 
 
 @dataclass(frozen=True)

@@ -47,14 +47,15 @@ def test_fused_kernels_match_one_device(model, plan):
 
 
 def test_fused_regions_of_the_llama_block():
-    """Per layer: the two RMSNorms with the residual adds before them, RoPE for q and k, SwiGLU."""
+    """Per layer: the two RMSNorms with the residual adds before them, RoPE for q and k, SwiGLU;
+    then the cross-entropy, split into per-row losses (one kernel) and their mean."""
     sim = usc.simulate(TinyLlama(LLAMA), "fuse=on", example_inputs=token_batch(128, 2, 8))
     regions = [m for m in sim.program.gm.modules() if isinstance(m, FusedRegion)]
     ops = [tuple(str(n.target).split(".")[1] for n in m.eager.graph.nodes if n.op == "call_function")
            for m in regions]
     norm = ("pow", "mean", "add", "rsqrt", "mul", "mul")
     rope = ("mul", "mul", "add")
-    assert ops == [norm, rope, rope, ("add", *norm), ("silu", "mul"), ("add", *norm)]
+    assert ops == [norm, rope, rope, ("add", *norm), ("silu", "mul"), ("add", *norm), ("cross_entropy_loss",)]
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
