@@ -11,6 +11,8 @@ Establishes: with pp>1 the returned GraphModule is an orchestrator whose ``submo
 
 from __future__ import annotations
 
+import operator
+
 import math
 
 import torch
@@ -94,6 +96,9 @@ def assign_stages(gm: fx.GraphModule, pp: int) -> dict[fx.Node, int]:
             users = [stage[u] for u in node.users if u in stage]
             stage[node] = min(users) if users else 0
     for node in computing:  # a value is never consumed on an earlier stage than it is made
+        if node.target is operator.getitem and node.args[0] in stage:
+            stage[node] = stage[node.args[0]]  # a multi-output node's tuple never crosses a cut (fused regions)
+            continue
         inputs = [stage[x] for x in node.all_input_nodes if x in stage]
         if inputs and max(inputs) > stage[node]:
             stage[node] = max(inputs)
