@@ -15,7 +15,7 @@ SIZES = (1, 2, 4)
 
 @st.composite
 def plans(draw, *, max_ranks: int = 16, pipeline: bool = True) -> str:
-    """Plan text combining dp, tp (+sp), cp (+mode), pp (+schedule, mb), zero and dtype, with at
+    """Plan text combining dp, tp (+sp), cp (+mode), pp (+schedule, mb), zero, fuse and dtype, with at
     most ``max_ranks`` ranks. The text parses; whether it fits a given model is the compiler's say."""
     axes = {}
     for axis in ("dp", "cp", "tp") + (("pp",) if pipeline else ()):
@@ -34,6 +34,8 @@ def plans(draw, *, max_ranks: int = 16, pipeline: bool = True) -> str:
         zero = draw(st.sampled_from([0, 1, 2] + ([] if axes.get("pp", 1) > 1 else [3])))
         if zero:
             items.append(f"zero={zero}")
+    if draw(st.booleans()):
+        items.append("fuse=on")
     return " ".join(items) or "dp=1"
 
 
