@@ -122,7 +122,8 @@ class _Builder:
         key = (node, domain)
         if key not in self.load_vars:
             index = self.region.inputs.index(node)
-            self.loads.append(Load(index, domain, _is_float(node), _is_float(node)))
+            as_float = _is_float(node) or node.meta["val"].dtype == torch.bool  # masks compute as 0/1
+            self.loads.append(Load(index, domain, _is_float(node), as_float))
             self.load_vars[key] = Var(f"x{len(self.loads) - 1}", domain == "vec")
         return self.load_vars[key]
 
@@ -305,7 +306,12 @@ def _store(pointer: str, value: Var, vec: bool, lead_rank: int | None = None) ->
 
 
 def _header(name: str, args: list[str]) -> list[str]:
-    return ["@triton.jit", f"def {name}(", *[f"    {a}," for a in args], "    BLOCK: tl.constexpr,", "):"]
+    """One line per tensor (its pointer, then its strides), then the row space's sizes."""
+    groups: dict[str, list[str]] = {}
+    for arg in args:
+        groups.setdefault(arg.split("_")[0] if arg[0] in "iog" else "sizes", []).append(arg)
+    lines = [f"    {', '.join(group)}," for group in groups.values()]
+    return ["@triton.jit", f"def {name}(", *lines, "    BLOCK: tl.constexpr,", "):"]
 
 
 def _backward_lines(lines: list[_Line], outputs: list[tuple[Var, bool]], loads: list[Load]) -> list[str]:
