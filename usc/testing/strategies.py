@@ -15,7 +15,7 @@ SIZES = (1, 2, 4)
 
 @st.composite
 def plans(draw, *, max_ranks: int = 16, pipeline: bool = True) -> str:
-    """Plan text combining dp, tp (+sp), cp (+mode), pp (+schedule, mb), zero and recompute, with at
+    """Plan text combining dp, tp (+sp), cp (+mode), pp (+schedule, mb), zero, recompute, fuse and dtype, with at
     most ``max_ranks`` ranks. The text parses; whether it fits a given model is the compiler's say."""
     axes = {}
     for axis in ("dp", "cp", "tp") + (("pp",) if pipeline else ()):
@@ -37,6 +37,8 @@ def plans(draw, *, max_ranks: int = 16, pipeline: bool = True) -> str:
     recompute = draw(st.sampled_from(["none", "none", "selective", "full"]))
     if recompute != "none":
         items.append(f"recompute={recompute}")
+    if draw(st.booleans()):
+        items.append("fuse=on")
     return " ".join(items) or "dp=1"
 
 
