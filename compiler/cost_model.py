@@ -99,6 +99,7 @@ class ModelProfile:
     cp_possible: bool = True
     layers: int = 0  # numbered layers (what pp cuts between)
     experts: int = 0  # experts per MoE layer (0: dense)
+    loss_axes: tuple[str, ...] = ()  # axes the returned loss value is summed over (4 bytes each, per step)
     _stages: dict = field(default_factory=dict, compare=False, repr=False)  # pp -> merged stages (cache)
 
     @property
@@ -383,6 +384,7 @@ def layer_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
     sp = plan.sp and plan.tp > 1
     sizes = {"tp": plan.tp, "cp": plan.cp, "dp": plan.dp}
     out: dict[tuple, list[float]] = {}
+    # (the dp entries are the loss's token count, summed in the graph: a few bytes)
     for unit in units:
         for c in unit.collectives.get(sp, ()):
             n = sizes.get(c.axis, 1)
@@ -405,16 +407,25 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
     params = sum(u.params_rep + u.params_tp / plan.tp for u in units)
     grad_bytes = params / (2 if plan.reduce_dtype == "bf16" else 1)
     out = []
+    # Buckets are reduced over one axis after the other (dp first): after ZeRO-2's dp reduce-scatter
+    # the cp and tp sums move only this rank's slice.
+    sliced = plan.dp if plan.zero >= 2 else 1
     for axis, n in (("dp", plan.dp), ("cp", plan.cp)):
         if n <= 1:
             continue
         kind = "reduce-scatter" if axis == "dp" and plan.zero >= 2 else "all-reduce"
+        payload = grad_bytes if axis == "dp" else grad_bytes / sliced
         bw, lat = _link(hw, plan, axis)
         calls = max(1.0, math.ceil(grad_bytes / (plan.bucket_mb * 2**20)))
-        seconds = collective_seconds(kind, grad_bytes, n, bw, lat * calls)
-        last_bucket = collective_seconds(kind, min(grad_bytes, plan.bucket_mb * 2**20), n, bw, lat)
+        seconds = collective_seconds(kind, payload, n, bw, lat * calls)
+        last_bucket = collective_seconds(kind, min(payload, plan.bucket_mb * 2**20), n, bw, lat)
         exposed = max(seconds - backward_seconds, last_bucket)
-        out.append(CollectiveEstimate(axis, kind, "backward", n, grad_bytes, calls, seconds, exposed))
+        out.append(CollectiveEstimate(axis, kind, "backward", n, payload, calls, seconds, exposed))
+    tp_reduced = sum(u.params_tp_reduced for u in units) / sliced
+    if plan.sp and plan.tp > 1 and tp_reduced:  # norm weights see a sequence shard under sp: sum over tp
+        bw, lat = _link(hw, plan, "tp")
+        seconds = collective_seconds("all-reduce", tp_reduced, plan.tp, bw, lat)
+        out.append(CollectiveEstimate("tp", "all-reduce", "backward", plan.tp, tp_reduced, 1, seconds, seconds))
     if plan.dp > 1 and plan.zero in (1, 2):  # updated slices gathered after the step: not overlapped
         bw, lat = _link(hw, plan, "dp")
         seconds = collective_seconds("all-gather", params / plan.dp, plan.dp, bw, lat)
@@ -507,6 +518,9 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost
     time["step"] = sum(time.values())
     flops = plan.mb * (3 + extra) * fwd_flops
     m = plan.mb
+    sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
+    grads += [CollectiveEstimate(axis, "all-reduce", "forward", sizes[axis], 4, 1, 0.0, 0.0)
+              for axis in profile.loss_axes if sizes.get(axis, 1) > 1]  # the returned loss value
     comms = [CollectiveEstimate(c.axis, c.kind, c.direction, c.group_size, c.bytes_per_step * m,
                                 c.calls_per_step * m, c.seconds * m, c.exposed_seconds * m)
              for c in layer_comms] + grads

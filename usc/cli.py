@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", help="plan text, e.g. \"dp=2 tp=2\"")
     p.add_argument("--plan-file", help="a .usc file with the plan")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--hardware", metavar="h100|a100|FILE",
+                   help="add the cost model's time breakdown (compute, exposed communication, bubble, tokens/s, "
+                        "MFU) for this GPU: a built-in profile or a .toml/.json profile file")
     p.add_argument("--schedule", action="store_true",
                    help="print the pipeline schedule of the plan's pp/mb/schedule/v (timeline per rank, "
                         "bubble, in-flight microbatches) and exit; needs no model")
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usc-lint: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
-        report = usc.lint(model, plan, example_inputs=example_inputs)
+        report = usc.lint(model, plan, example_inputs=example_inputs, hardware=args.hardware)
     except (PlanError, CompileError) as err:
         if args.json:
             print(json.dumps({"error": type(err).__name__, "message": str(err),

@@ -25,7 +25,7 @@ from torch.distributed.tensor import Shard
 from usc.compiler.cost_model import CollectiveCost, ModelProfile, ScaleKey, UnitCost
 from usc.compiler.errors import CompileError
 from usc.compiler.ir import META
-from usc.compiler.report import graph_collectives
+from usc.compiler.report import graph_collectives, loss_value_records
 from usc.compiler.trace import Traced, module_path, trace
 from usc.dsl import PlanError, parse_plan
 from usc.passes import parallelize
@@ -73,7 +73,7 @@ def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
     units = _unit_order(traced.gm)
     flops = _flops_by_unit(traced.gm, units)
     per_sp = {sp: _probe_costs(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
-    params = _param_bytes(probe_plain, units)
+    params = _param_bytes(probe_sp, units)  # with sp, replicated norm weights also get their tp sum
     built = []
     for name in units:
         built.append(UnitCost(name, *flops.get(name, (0.0, 0.0, 0.0)), *params.get(name, (0, 0, 0)),
@@ -82,7 +82,8 @@ def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
                               collectives={sp: tuple(per_sp[sp][2].get(name, ())) for sp in per_sp}))
     layers = sum(1 for u in units if u.rsplit(".", 1)[-1].isdigit())
     return ModelProfile(traced.model_name, batch, seq, tuple(built), tp_divides=_tp_divides(probe_plain, batch, seq),
-                        cp_possible="cp" in probe_plain.mesh.axes, layers=layers)
+                        cp_possible="cp" in probe_plain.mesh.axes, layers=layers,
+                        loss_axes=tuple(r.axis for r in loss_value_records(probe_plain)))
 
 
 # ------------------------------------------------------------------------------- repeated blocks
@@ -190,8 +191,12 @@ def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> dict[str, tuple[floa
     return {u: tuple(v) for u, v in out.items()}
 
 
-def _key(node: fx.Node, mesh, *, kept: bool = True, is_float: bool = True) -> tuple[ScaleKey, int]:
-    """How the value of ``node`` scales, and the factor from its probe-local size to unsplit."""
+def _key(node: fx.Node, mesh, *, kept: bool = True, is_float: bool | None = None) -> tuple[ScaleKey, int]:
+    """How the value of ``node`` scales, and the factor from its probe-local size to unsplit.
+    ``is_float``: a float32 value, which dtype=bf16 computes in half the bytes (float64 stays)."""
+    if is_float is None:
+        value = node.meta.get("val")
+        is_float = isinstance(value, torch.Tensor) and value.dtype == torch.float32
     placements = node.meta[META].layout.placements if META in node.meta else ()
     split = {a for a, p in zip(mesh.axes, placements) if isinstance(p, Shard)}
     factor = math.prod(mesh.size(a) for a in split)
@@ -226,7 +231,7 @@ def _unit_inputs(program, where: dict[str, str]) -> dict[str, dict]:
             value = arg.meta["val"]
             if not isinstance(value, torch.Tensor):
                 continue
-            key, factor = _key(arg, program.mesh, is_float=value.dtype.is_floating_point)
+            key, factor = _key(arg, program.mesh, is_float=value.dtype == torch.float32)
             local = value.numel() * value.element_size() / factor
             seen = out.setdefault(where[node.name], {})
             seen.setdefault(("arg", arg.name), (key, local * factor))
@@ -244,7 +249,7 @@ def _collectives(program, where: dict[str, str], nodes: dict[str, fx.Node]) -> d
     out: dict[str, list[CollectiveCost]] = {}
     for record in graph_collectives(program.gm, program.mesh):
         node = nodes.get(record.node)
-        if node is None or record.axis not in ("tp", "cp"):
+        if node is None or record.axis not in ("tp", "cp", "dp"):
             continue
         payload = node if record.direction == "backward" else node.args[-1 if record.kind == "send/recv" else 0]
         key, factor = _key(payload, program.mesh)
@@ -316,7 +321,7 @@ def _saved_tensors(program) -> list[tuple[str, int, bool]]:
             storage = t.untyped_storage()
             if storage._cdata not in params and storage._cdata not in seen:
                 owner = recorder.owner.get(storage._cdata, recorder.current)
-                seen[storage._cdata] = (owner, storage.nbytes(), t.dtype.is_floating_point)
+                seen[storage._cdata] = (owner, storage.nbytes(), t.dtype == torch.float32)
 
         rank._measure = measure
         rank._loss(rank._split(batch)[0])
