@@ -100,3 +100,17 @@ def test_planner_options_need_auto():
     with pytest.raises(usc.PlanError, match="only read with auto"):
         check_supported(usc.parse_plan("dp=2 gpus=2"))
     assert str(usc.parse_plan("gpus=8 auto")) == "auto gpus=8"
+
+
+@pytest.mark.parametrize("plan", [PlanPoint(8, 32, dp=2), PlanPoint(8, 32, tp=2, zero=0, mb=2),
+                                  PlanPoint(16, 64, dp=2, cp=2, zero=2), PlanPoint(8, 32, dp=4, tp=2, zero=3)])
+def test_symbolic_formulas_equal_the_numeric_estimate(profile, plan):
+    from usc.compiler.cost_formulas import evaluate, formulas
+
+    est = estimate(profile, plan, H100)
+    values = dict(B=plan.global_batch, S=plan.seq, dp=plan.dp, tp=plan.tp, pp=1, cp=plan.cp, mb=plan.mb,
+                  zero=plan.zero)
+    exprs = formulas(profile)
+    for kind in ("params", "grads", "optimizer", "activations"):
+        assert evaluate(exprs[kind], **values) == pytest.approx(est.memory[kind], rel=1e-3), kind
+    assert evaluate(exprs["flops"], **values) == pytest.approx(est.flops_per_rank, rel=1e-3)
