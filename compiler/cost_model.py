@@ -361,16 +361,20 @@ def crosses_node(plan: PlanPoint, axis: str) -> bool:
 
 
 def collective_seconds(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
-    """Ring algorithms (Patarasuk & Yuan 2009; NCCL): ``nbytes`` is this rank's payload."""
+    """Seconds of one collective; ``nbytes`` is this rank's payload. Bandwidth term of the ring
+    algorithms (Patarasuk & Yuan 2009), which NCCL uses for large messages; latency term of the
+    (double binary) trees NCCL switches to when messages are small: 2*log2(n) steps for all-reduce,
+    log2(n) for the others (Sanders et al. 2009; NCCL's tuning model)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     bw = bandwidth * COMM_EFFICIENCY
+    steps = math.ceil(math.log2(n))
     if kind == "all-reduce":
-        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * latency
+        return 2 * (n - 1) / n * nbytes / bw + 2 * steps * latency
     if kind == "all-gather":  # payload is the local shard; n-1 shards arrive
-        return (n - 1) * nbytes / bw + (n - 1) * latency
+        return (n - 1) * nbytes / bw + steps * latency
     if kind in ("reduce-scatter", "all-to-all"):  # payload is the whole input; (n-1)/n leaves
-        return (n - 1) / n * nbytes / bw + (n - 1) * latency
+        return (n - 1) / n * nbytes / bw + steps * latency
     return nbytes / bw + latency  # send/recv
 
 

@@ -158,7 +158,7 @@ def search(profile: ModelProfile, target: PlanTarget, hw: HardwareProfile, *,
         fits += search_state.shape(sizes)
     fits.sort(key=lambda c: c.step)
     result.best = fits[0] if fits else None
-    result.alternatives = _distinct(fits[1:], keep)
+    result.alternatives = _distinct(fits, keep + 1)[1:]
     result.seconds = time.perf_counter() - start
     return result
 
@@ -241,7 +241,8 @@ def _shape_text(sizes: dict) -> str:
 
 
 def _distinct(candidates: list[Candidate], keep: int) -> list[Candidate]:
-    """The runners-up, one per mesh shape (the best options of each), so the list shows real choices."""
+    """The best plan of each mesh shape in order (the first is the winner's), so the runners-up show
+    real choices rather than the winner with another ZeRO stage."""
     seen, out = set(), []
     for c in candidates:
         shape = (c.plan.dp, c.plan.tp, c.plan.pp, c.plan.cp, c.plan.ep)
@@ -259,6 +260,8 @@ TIME_TERMS = {"compute": "compute", "exposed_comm": "exposed communication", "bu
 
 def why_slower(loser: Candidate, best: Candidate) -> str:
     """One line: how much slower and which time term grew most (and by what)."""
+    from .report_cost import _ms
+
     slower = loser.step / best.step - 1
     deltas = {k: loser.estimate.time[k] - best.estimate.time[k] for k in TIME_TERMS}
     term = max(deltas, key=deltas.get)
@@ -266,10 +269,9 @@ def why_slower(loser: Candidate, best: Candidate) -> str:
     detail = ""
     if term == "exposed_comm" and axes:
         axis = max(axes, key=axes.get)
-        detail = f", mostly {axis} ({axes[axis] * 1e3:.2f} ms)"
+        detail = f", mostly {axis} ({_ms(axes[axis])})"
     if term == "compute" and loser.plan.recompute != "none":
         detail = f" (recompute={loser.plan.recompute})"
-    from .report_cost import _ms
     return f"{slower:+.1%} step time: {TIME_TERMS[term]} +{_ms(deltas[term])}{detail}"
 
 

@@ -320,12 +320,25 @@ def _saved_tensors(program) -> list[tuple[str, int, bool]]:
         def measure(t: torch.Tensor) -> None:
             storage = t.untyped_storage()
             if storage._cdata not in params and storage._cdata not in seen:
-                owner = recorder.owner.get(storage._cdata, recorder.current)
+                owner = recorder.owner.get(storage._cdata)
+                if owner is None:  # made inside the running node: find the value it has the size of
+                    owner = _same_size(recorder.nodes[recorder.current], t.numel(), program.mesh)
                 seen[storage._cdata] = (owner, storage.nbytes(), t.dtype == torch.float32)
 
         rank._measure = measure
         rank._loss(rank._split(batch)[0])
     return list(seen.values())
+
+
+def _same_size(node: fx.Node, numel: int, mesh) -> str:
+    """The node, or the input of it, whose per-rank value has ``numel`` elements (a tensor an op saves
+    from inside, e.g. softmax probabilities, scales like the value it has the size of)."""
+    for candidate in [node, *node.all_input_nodes]:
+        value = candidate.meta.get("val")
+        if META in candidate.meta and isinstance(value, torch.Tensor):
+            if math.prod(candidate.meta[META].layout.local_shape(tuple(value.shape), mesh)) == numel:
+                return candidate.name
+    return node.name
 
 
 class _Recorder(fx.Interpreter):
@@ -335,6 +348,7 @@ class _Recorder(fx.Interpreter):
         super().__init__(gm)
         self.owner: dict[int, str] = {}
         self.current = ""
+        self.nodes = {n.name: n for n in gm.graph.nodes}
 
     def __call__(self, *args):
         return self.run(*args)
