@@ -42,6 +42,8 @@ POINTWISE_TRAFFIC = 3.0
 # AdamW touches params, grads and two states (read) and writes params and states: ~2x their bytes.
 OPTIMIZER_TRAFFIC = 2.0
 BYTES_FP32 = 4
+# Experts each token is routed to when the profile cannot tell (Mixtral, DeepSeek-MoE's routed top-2/6/8).
+MOE_TOP_K = 2
 
 
 class ScaleKey(NamedTuple):
@@ -84,6 +86,8 @@ class UnitCost:
     input_bytes: dict = field(default_factory=dict)  # sp -> {ScaleKey: bytes} of the unit's input
     collectives: dict = field(default_factory=dict)  # sp -> tuple[CollectiveCost]
     blocks: int = 1  # units merged into this one (a pipeline stage)
+    params_expert: int = 0  # fp32 bytes of MoE expert weights (split over ep; not in params_rep/params_tp)
+    moe_layers: int = 0  # MoE layers in the unit (each dispatches and combines its tokens over ep)
     largest_acts: dict = field(default_factory=dict)  # sp -> acts of the largest merged unit
 
 
@@ -205,7 +209,7 @@ def scale(key: ScaleKey, amount: float, profile: ModelProfile, plan: PlanPoint) 
     """``amount`` measured at the profile's (B0, S0), unsplit, for one rank's microbatch of ``plan``."""
     value = amount
     if key.batch:
-        value *= plan.global_batch / profile.batch / (plan.dp * plan.mb)
+        value *= plan.global_batch / profile.batch / (plan.dp * plan.ep * plan.mb)  # ep ranks see their own data
     if key.seq:
         value *= plan.seq / profile.seq / plan.cp
     if key.tp:
@@ -220,7 +224,12 @@ def _acts(buckets: dict, profile: ModelProfile, plan: PlanPoint, *, kept_only: b
 
 
 def tokens_per_microbatch(profile: ModelProfile, plan: PlanPoint) -> float:
-    return plan.global_batch * plan.seq / (plan.dp * plan.mb * plan.cp)
+    return plan.global_batch * plan.seq / (plan.dp * plan.ep * plan.mb * plan.cp)
+
+
+def _params(u: UnitCost, plan: PlanPoint) -> float:
+    """fp32 bytes of the unit's parameters one rank holds (before ZeRO)."""
+    return u.params_rep + u.params_tp / plan.tp + u.params_expert / plan.ep
 
 
 # ----------------------------------------------------------------------------------- pipeline stages
@@ -267,7 +276,8 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
                     {sp: add(u.acts.get(sp, {}) for u in units) for sp in sps},
                     {sp: add(u.input_bytes.get(sp, {}) for u in units) for sp in sps},
                     {sp: merge_comms(u.collectives.get(sp, ()) for u in units) for sp in sps},
-                    sum(u.blocks for u in units), largest)
+                    blocks=sum(u.blocks for u in units), largest_acts=largest,
+                    params_expert=sum(u.params_expert for u in units), moe_layers=sum(u.moe_layers for u in units))
 
 
 def balanced_cut(costs: list[float], parts: int) -> list[int]:
@@ -321,14 +331,14 @@ def bubble_units(plan: PlanPoint) -> float:
 
 def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> dict[str, float]:
     """Bytes one rank of this stage holds at the step's peak."""
-    params = sum(u.params_rep + u.params_tp / plan.tp for u in units)
+    params = sum(_params(u, plan) for u in units)
     sharded = params / plan.dp  # every trainable parameter is replicated over dp
     grads = sharded if plan.zero >= 2 else params
     optimizer = 2 * (sharded if plan.zero >= 1 else params)
     held = sharded if plan.zero >= 3 else params
     gathered = 0.0
     if plan.zero >= 3 and plan.dp > 1:  # two layers whole at once (the current one, one prefetched)
-        biggest = max(((u.params_rep + u.params_tp / plan.tp) / u.blocks for u in units), default=0.0)
+        biggest = max((_params(u, plan) / u.blocks for u in units), default=0.0)
         gathered = 2 * biggest
     return {"params": held, "grads": grads, "optimizer": optimizer,
             "activations": stage_activations(profile, plan, units), "gathered": gathered}
@@ -346,7 +356,7 @@ def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
                      for u in units)
         live = 0.0
     if plan.dtype == "bf16":  # the bf16 copies of the weights that linears save
-        per_mb += sum(u.params_rep + u.params_tp / plan.tp for u in units) / 2
+        per_mb += sum(_params(u, plan) for u in units) / 2
     return per_mb * in_flight(plan) + live
 
 
@@ -408,17 +418,18 @@ def layer_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
 def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile, backward_seconds: float
                          ) -> list[CollectiveEstimate]:
     """Gradient sums over dp (and cp), ZeRO gathers; overlapped with the last backward as buckets fill."""
-    params = sum(u.params_rep + u.params_tp / plan.tp for u in units)
+    params = sum(_params(u, plan) for u in units)
     grad_bytes = params / (2 if plan.reduce_dtype == "bf16" else 1)
     out = []
     # Buckets are reduced over one axis after the other (dp first): after ZeRO-2's dp reduce-scatter
     # the cp and tp sums move only this rank's slice.
     sliced = plan.dp if plan.zero >= 2 else 1
-    for axis, n in (("dp", plan.dp), ("cp", plan.cp)):
+    dense = sum(u.params_rep + u.params_tp / plan.tp for u in units) / (2 if plan.reduce_dtype == "bf16" else 1)
+    for axis, n in (("dp", plan.dp), ("cp", plan.cp), ("ep", plan.ep)):
         if n <= 1:
             continue
         kind = "reduce-scatter" if axis == "dp" and plan.zero >= 2 else "all-reduce"
-        payload = grad_bytes if axis == "dp" else grad_bytes / sliced
+        payload = grad_bytes if axis == "dp" else (dense if axis == "ep" else grad_bytes) / sliced
         bw, lat = _link(hw, plan, axis)
         calls = max(1.0, math.ceil(grad_bytes / (plan.bucket_mb * 2**20)))
         seconds = collective_seconds(kind, payload, n, bw, lat * calls)
@@ -443,6 +454,22 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
     return out
 
 
+def expert_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile
+                       ) -> list[CollectiveEstimate]:
+    """Expert parallel (ALGORITHMS.md): per MoE layer, tokens dispatched to their experts' ranks and
+    combined back -- two all-to-alls forward, two backward, each of top_k copies of the hidden states."""
+    layers = sum(u.moe_layers for u in units)
+    if plan.ep == 1 or not layers:
+        return []
+    sp = plan.sp and plan.tp > 1
+    hidden = sum(_acts(u.input_bytes.get(sp, {}), profile, plan) / u.blocks for u in units) / len(units)
+    payload = MOE_TOP_K * hidden * layers
+    bw, lat = _link(hw, plan, "ep")
+    seconds = 2 * layers * collective_seconds("all-to-all", payload / layers, plan.ep, bw, lat)
+    return [CollectiveEstimate("ep", "all-to-all", d, plan.ep, 2 * payload, 2 * layers, seconds, seconds)
+            for d in ("forward", "backward")]
+
+
 def pipeline_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile
                          ) -> list[CollectiveEstimate]:
     """Activations sent to the next stage and their gradients back, per microbatch."""
@@ -465,7 +492,7 @@ def matmul_efficiency(profile: ModelProfile, plan: PlanPoint) -> float:
 
 def stage_flops(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> float:
     """Forward FLOPs of one microbatch on one rank of the stage."""
-    tokens = plan.global_batch * plan.seq / (plan.dp * plan.mb * plan.cp)
+    tokens = tokens_per_microbatch(profile, plan)
     probe_tokens = profile.batch * profile.seq
     mm = sum(u.flops_matmul for u in units) * tokens / probe_tokens / plan.tp
     attn = sum(u.flops_attention for u in units) * tokens / probe_tokens * (plan.seq / profile.seq) / plan.tp
@@ -508,7 +535,8 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost
     pointwise = POINTWISE_TRAFFIC * acts / hw.hbm_bandwidth
     forward = fwd_flops / rate + pointwise / 3
     backward = (2 + extra) * fwd_flops / rate + 2 * pointwise / 3
-    layer_comms = layer_collectives(profile, plan, units, hw) + pipeline_collectives(profile, plan, units, hw)
+    layer_comms = (layer_collectives(profile, plan, units, hw) + pipeline_collectives(profile, plan, units, hw)
+                   + expert_collectives(profile, plan, units, hw))
     per_mb_comm = sum(_exposed_layer_comm(c, profile, plan, units, hw) for c in layer_comms)
     per_mb = forward + backward + per_mb_comm
     grads = gradient_collectives(plan, units, hw, backward)

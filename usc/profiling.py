@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from dataclasses import replace
 from functools import reduce
 
@@ -74,15 +75,17 @@ def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
     flops = _flops_by_unit(traced.gm, units)
     per_sp = {sp: _probe_costs(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
     params = _param_bytes(probe_sp, units)  # with sp, replicated norm weights also get their tp sum
+    expert_bytes, experts = _experts(probe_plain, units)
     built = []
     for name in units:
         built.append(UnitCost(name, *flops.get(name, (0.0, 0.0, 0.0)), *params.get(name, (0, 0, 0)),
                               acts={sp: per_sp[sp][0].get(name, {}) for sp in per_sp},
                               input_bytes={sp: per_sp[sp][1].get(name, {}) for sp in per_sp},
-                              collectives={sp: tuple(per_sp[sp][2].get(name, ())) for sp in per_sp}))
+                              collectives={sp: tuple(per_sp[sp][2].get(name, ())) for sp in per_sp},
+                              params_expert=expert_bytes.get(name, 0), moe_layers=int(name in expert_bytes)))
     layers = sum(1 for u in units if u.rsplit(".", 1)[-1].isdigit())
     return ModelProfile(traced.model_name, batch, seq, tuple(built), tp_divides=_tp_divides(probe_plain, batch, seq),
-                        cp_possible="cp" in probe_plain.mesh.axes, layers=layers,
+                        cp_possible="cp" in probe_plain.mesh.axes, layers=layers, experts=experts,
                         loss_axes=tuple(r.axis for r in loss_value_records(probe_plain)))
 
 
@@ -259,15 +262,39 @@ def _collectives(program, where: dict[str, str], nodes: dict[str, fx.Node]) -> d
     return out
 
 
+EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")  # MoE experts in a ModuleList named `experts`
+
+
+def _experts(program, units: list[str]) -> tuple[dict[str, int], int]:
+    """(expert parameter bytes per unit, experts per MoE layer) from the parameter names."""
+    nbytes: dict[str, int] = {}
+    indices: dict[str, set] = {}
+    for spec in program.state:
+        match = EXPERT.search(spec.name)
+        if spec.kind == "param" and spec.trainable and match:
+            unit = _param_unit(spec.name, units)
+            nbytes[unit] = nbytes.get(unit, 0) + math.prod(spec.global_shape) * _itemsize(spec.dtype)
+            indices.setdefault(unit, set()).add(match.group(2))
+    return nbytes, max((len(i) for i in indices.values()), default=0)
+
+
+def _param_unit(name: str, units: list[str]) -> str:
+    unit = layer_key(name.rsplit(".", 1)[0]) if "." in name else "<root>"
+    return unit if unit in units else units[-1 if unit == "<root>" else 0]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
 def _param_bytes(program, units: list[str]) -> dict[str, tuple[int, int, int]]:
-    """(replicated, tp-split, tp-reduced) fp32 bytes of trainable parameters per unit, unsplit."""
+    """(replicated, tp-split, tp-reduced) fp32 bytes of trainable dense parameters per unit, unsplit."""
     out: dict[str, list[int]] = {}
     for spec in program.state:
-        if spec.kind != "param" or not spec.trainable:
+        if spec.kind != "param" or not spec.trainable or EXPERT.search(spec.name):
             continue
-        unit = layer_key(spec.name.rsplit(".", 1)[0]) if "." in spec.name else "<root>"
-        unit = unit if unit in units else units[-1 if unit == "<root>" else 0]
-        nbytes = math.prod(spec.global_shape) * torch.tensor([], dtype=spec.dtype).element_size()
+        unit = _param_unit(spec.name, units)
+        nbytes = math.prod(spec.global_shape) * _itemsize(spec.dtype)
         split = any(isinstance(p, Shard) for a, p in zip(program.mesh.axes, spec.layout.placements) if a == "tp")
         row = out.setdefault(unit, [0, 0, 0])
         row[1 if split else 0] += nbytes

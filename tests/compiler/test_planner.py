@@ -114,3 +114,33 @@ def test_symbolic_formulas_equal_the_numeric_estimate(profile, plan):
     for kind in ("params", "grads", "optimizer", "activations"):
         assert evaluate(exprs[kind], **values) == pytest.approx(est.memory[kind], rel=1e-3), kind
     assert evaluate(exprs["flops"], **values) == pytest.approx(est.flops_per_rank, rel=1e-3)
+
+
+def _moe_profile():
+    from usc.compiler.cost_model import ModelProfile, ScaleKey, UnitCost
+
+    hidden = ScaleKey(batch=True, seq=True, tp=False)
+    layer = UnitCost("layers.0", balance=1.0, flops_matmul=1e9, params_rep=4_000, params_expert=8 * 1_000_000,
+                     acts={False: {hidden: 2**20}}, input_bytes={False: {hidden: 2**16}}, moe_layers=1)
+    return ModelProfile("moe", batch=8, seq=32, units=(layer,), layers=1, experts=8)
+
+
+def test_expert_parallel_splits_experts_and_adds_all_to_alls():
+    profile = _moe_profile()
+    one = estimate(profile, PlanPoint(8, 32, dp=4), H100)
+    ep = estimate(profile, PlanPoint(8, 32, ep=4), H100)
+    assert ep.memory["params"] == pytest.approx(4_000 + 8 * 1_000_000 / 4)
+    assert one.memory["params"] == pytest.approx(4_000 + 8 * 1_000_000)
+    a2a = [c for c in ep.collectives if c.kind == "all-to-all"]
+    # per direction: dispatch + combine of top_k copies of this rank's hidden states (2**16 bytes / 4 ranks)
+    assert [c.direction for c in a2a] == ["forward", "backward"]
+    assert a2a[0].bytes_per_step == pytest.approx(2 * 2 * 2**16 / 4)
+    assert ep.memory["activations"] == pytest.approx(one.memory["activations"])  # ep splits the batch like dp
+
+
+def test_planner_tries_ep_only_for_moe_models_and_only_when_compile_runs_it(profile):
+    dense = search(profile, PlanTarget(gpus=4, seq=32, global_batch=8, dtype="fp32"), H100, supported=refusal)
+    assert not any("ep=" in r for r in dense.rejected) and dense.best.plan.ep == 1
+    moe = search(_moe_profile(), PlanTarget(gpus=4, seq=32, global_batch=8, dtype="fp32"), H100, supported=refusal)
+    assert any("'ep' is not implemented yet" in r for r in moe.rejected)
+    assert moe.best.plan.ep == 1
