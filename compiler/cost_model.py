@@ -39,6 +39,9 @@ COMM_EFFICIENCY = 0.8
 # Element-wise work is memory bound: each saved activation byte is read/written about 3 times in
 # forward + backward (write in forward, read + gradient write in backward).
 POINTWISE_TRAFFIC = 3.0
+# fuse=on: generated kernels run a chain of element-wise ops in one pass, so intermediates are not
+# written to and read back from HBM; we take half the traffic (typical of fused norm/activation chains).
+FUSED_POINTWISE = 0.5
 # AdamW touches params, grads and two states (read) and writes params and states: ~2x their bytes.
 OPTIMIZER_TRAFFIC = 2.0
 BYTES_FP32 = 4
@@ -136,6 +139,7 @@ class PlanPoint:
     cp_mode: str = "ring"
     dtype: str = "fp32"
     reduce_dtype: str = "fp32"
+    fuse: bool = False
     gpus_per_node: int = 8
     bucket_mb: float = 25.0
     order: tuple[str, ...] = ("dp", "pp", "cp", "ep", "tp")  # mesh axes outermost first
@@ -150,6 +154,7 @@ class PlanPoint:
         items = [f"{a}={sizes[a]}" for a in self.order if sizes[a] > 1]
         extras = [("zero", self.zero, 0), ("mb", self.mb, 1), ("sp", "on" if self.sp else "off", "off"),
                   ("recompute", self.recompute, "none"), ("dtype", self.dtype, "fp32"),
+                  ("fuse", "on" if self.fuse else "off", "off"),
                   ("reduce_dtype", self.reduce_dtype, "fp32")]
         if self.pp > 1:
             extras += [("schedule", self.schedule, "1f1b"), ("v", self.v, 1)]
@@ -532,7 +537,7 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost
     rate = hw.peak_flops(plan.dtype) * matmul_efficiency(profile, plan)
     extra = {"full": 1.0, "selective": 0.0}.get(plan.recompute, 0.0)  # selective: pointwise only
     acts = sum(_acts(u.acts.get(plan.sp and plan.tp > 1, {}), profile, plan) for u in units)
-    pointwise = POINTWISE_TRAFFIC * acts / hw.hbm_bandwidth
+    pointwise = POINTWISE_TRAFFIC * acts / hw.hbm_bandwidth * (FUSED_POINTWISE if plan.fuse else 1.0)
     forward = fwd_flops / rate + pointwise / 3
     backward = (2 + extra) * fwd_flops / rate + 2 * pointwise / 3
     layer_comms = (layer_collectives(profile, plan, units, hw) + pipeline_collectives(profile, plan, units, hw)

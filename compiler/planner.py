@@ -177,6 +177,8 @@ class _Search:
         save activation memory and shrink the bubble but make each matmul smaller, so the walk stops
         once a plan fits without recompute (pp=1) or once the step time stops improving (pp>1)."""
         base = base_point(self.target, sizes)
+        if "fuse" not in self.fixed and not self.refusal(replace(base, fuse=True)):
+            base = replace(base, fuse=True)  # fusion only saves memory traffic: use it once compile runs it
         per_replica = self.target.global_batch // sizes["dp"]
         found = []
         for zero in ((0, 1, 2, 3) if sizes["dp"] > 1 else (0,)):
@@ -228,7 +230,7 @@ class _Search:
 
 def _support_key(p: PlanPoint) -> tuple:
     return (p.dp > 1, p.tp > 1, p.pp > 1, p.cp > 1, p.ep > 1, p.zero, p.mb > 1, p.sp, p.recompute,
-            p.schedule if p.pp > 1 else "", p.v, p.cp_mode if p.cp > 1 else "", p.dtype)
+            p.schedule if p.pp > 1 else "", p.v, p.cp_mode if p.cp > 1 else "", p.dtype, p.fuse)
 
 
 def _reject(result: PlanSearch, reason: str, example: str) -> None:
