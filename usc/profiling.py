@@ -376,6 +376,7 @@ class _Recorder(fx.Interpreter):
         self.owner: dict[int, str] = {}
         self.current = ""
         self.nodes = {n.name: n for n in gm.graph.nodes}
+        self.alive: list[torch.Tensor] = []
 
     def __call__(self, *args):
         return self.run(*args)
@@ -386,6 +387,7 @@ class _Recorder(fx.Interpreter):
         for value in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(value, torch.Tensor):
                 self.owner.setdefault(value.untyped_storage()._cdata, n.name)
+                self.alive.append(value)  # fake tensors cost nothing; kept, no storage address is reused
         return out
 
 
