@@ -542,14 +542,16 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost
     backward = (2 + extra) * fwd_flops / rate + 2 * pointwise / 3
     layer_comms = (layer_collectives(profile, plan, units, hw) + pipeline_collectives(profile, plan, units, hw)
                    + expert_collectives(profile, plan, units, hw))
-    per_mb_comm = sum(_exposed_layer_comm(c, profile, plan, units, hw) for c in layer_comms)
+    layer_exposed = [_exposed_layer_comm(c, profile, plan, units, hw) for c in layer_comms]
+    per_mb_comm = sum(layer_exposed)
     per_mb = forward + backward + per_mb_comm
     grads = gradient_collectives(plan, units, hw, backward)
     state = stage_memory(profile, plan, units)
     optimizer = OPTIMIZER_TRAFFIC * (state["params"] + state["grads"] + state["optimizer"]) / hw.hbm_bandwidth
     bubble = bubble_units(plan) * per_mb
     zero3_exposed = _zero3_exposed(grads, plan.mb * (forward + backward))
-    exposed = plan.mb * per_mb_comm + sum(c.exposed_seconds for c in grads) + zero3_exposed
+    grads = [replace(c, exposed_seconds=zero3_exposed) if c.direction == "forward+backward" else c for c in grads]
+    exposed = plan.mb * per_mb_comm + sum(c.exposed_seconds for c in grads)
     time = {"compute": plan.mb * (forward + backward), "exposed_comm": exposed, "bubble": bubble,
             "optimizer": optimizer}
     time["step"] = sum(time.values())
@@ -559,8 +561,8 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost
     grads += [CollectiveEstimate(axis, "all-reduce", "forward", sizes[axis], 4, 1, 0.0, 0.0)
               for axis in profile.loss_axes if sizes.get(axis, 1) > 1]  # the returned loss value
     comms = [CollectiveEstimate(c.axis, c.kind, c.direction, c.group_size, c.bytes_per_step * m,
-                                c.calls_per_step * m, c.seconds * m, c.exposed_seconds * m)
-             for c in layer_comms] + grads
+                                c.calls_per_step * m, c.seconds * m, exposed_mb * m)
+             for c, exposed_mb in zip(layer_comms, layer_exposed)] + grads
     return state, flops, time, comms
 
 

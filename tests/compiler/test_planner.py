@@ -144,3 +144,11 @@ def test_planner_tries_ep_only_for_moe_models_and_only_when_compile_runs_it(prof
     moe = search(_moe_profile(), PlanTarget(gpus=4, seq=32, global_batch=8, dtype="fp32"), H100, supported=refusal)
     assert any("'ep' is not implemented yet" in r for r in moe.rejected)
     assert moe.best.plan.ep == 1
+
+
+@pytest.mark.parametrize("plan", [PlanPoint(8, 32, dp=2, cp=2, tp=2, sp=True, zero=3),
+                                  PlanPoint(8, 32, dp=2, pp=2, mb=2, zero=1)])
+def test_exposed_communication_is_the_sum_over_collectives(profile, plan):
+    est = estimate(profile, plan, H100)
+    assert est.time["exposed_comm"] == pytest.approx(sum(c.exposed_seconds for c in est.collectives))
+    assert all(c.exposed_seconds <= c.seconds + 1e-12 for c in est.collectives)
