@@ -302,15 +302,22 @@ def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0) -
     records = []
     for axes, names, nbytes in _pack_buckets(program, bucket_bytes):
         label = names[0] if len(names) == 1 else f"{names[-1]} .. {names[0]} ({len(names)} params)"
-        for axis in axes:
+        payload = nbytes
+        for axis in axes:  # reduced one axis after the other; after the dp reduce-scatter only a slice is left
             kind = "reduce-scatter" if zero_stage == 2 and axis == "dp" else "all-reduce"
-            records.append(CollectiveRecord(kind, axis, program.mesh.size(axis), "backward", (nbytes // 4,),
-                                            "float32", nbytes, 1, label, "gradient bucket",
+            if kind == "reduce-scatter":
+                payload = -(-nbytes // (4 * program.mesh.size(axis))) * 4 * program.mesh.size(axis)
+            records.append(CollectiveRecord(kind, axis, program.mesh.size(axis), "backward", (payload // 4,),
+                                            "float32", payload, 1, label, "gradient bucket",
                                             "data-parallel gradient sum, launched during backward as the bucket "
                                             "fills", "reducer"))
-        if zero_stage in (1, 2) and "dp" in axes:
-            records.append(CollectiveRecord("all-gather", "dp", program.mesh.size("dp"), "optimizer", (nbytes // 4,),
-                                            "float32", nbytes, 1, label, "ZeRO step",
+            if kind == "reduce-scatter":
+                payload //= program.mesh.size(axis)
+        if zero_stage in (1, 2) and "dp" in axes:  # each rank hands its (padded) slice to the gather
+            n = program.mesh.size("dp")
+            shard = -(-nbytes // (4 * n)) * 4
+            records.append(CollectiveRecord("all-gather", "dp", n, "optimizer", (shard // 4,),
+                                            "float32", shard, 1, label, "ZeRO step",
                                             "each rank updated its slice; the slices are gathered", "optimizer"))
     return records
 

@@ -55,6 +55,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--kernels", action="store_true",
                    help="print the Triton source generated for every fused region (plans with fuse=on)")
+    p.add_argument("--hardware", metavar="h100|a100|FILE",
+                   help="add the cost model's time breakdown (compute, exposed communication, bubble, tokens/s, "
+                        "MFU) for this GPU: a built-in profile or a .toml/.json profile file")
     p.add_argument("--schedule", action="store_true",
                    help="print the pipeline schedule of the plan's pp/mb/schedule/v (timeline per rank, "
                         "bubble, in-flight microbatches) and exit; needs no model")
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usc-lint: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
-        report = usc.lint(model, plan, example_inputs=example_inputs)
+        report = usc.lint(model, plan, example_inputs=example_inputs, hardware=args.hardware)
     except (PlanError, CompileError) as err:
         if args.json:
             print(json.dumps({"error": type(err).__name__, "message": str(err),
