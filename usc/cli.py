@@ -55,13 +55,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--kernels", action="store_true",
                    help="print the Triton source generated for every fused region (plans with fuse=on)")
+    p.add_argument("--hardware", metavar="h100|a100|FILE",
+                   help="add the cost model's time breakdown (compute, exposed communication, bubble, tokens/s, "
+                        "MFU) for this GPU: a built-in profile or a .toml/.json profile file")
     p.add_argument("--schedule", action="store_true",
                    help="print the pipeline schedule of the plan's pp/mb/schedule/v (timeline per rank, "
                         "bubble, in-flight microbatches) and exit; needs no model")
+    p.add_argument("--schedule-png", metavar="FILE",
+                   help="with --schedule: also draw the timeline to FILE (.png, .svg; needs matplotlib)")
     return p
 
 
-def print_schedule(plan_text: str, as_json: bool) -> int:
+def print_schedule(plan_text: str, as_json: bool, png: str | None = None) -> int:
     """The schedule is data: generated, checked and drawn without running (or tracing) anything."""
     from usc.dsl import parse_plan
     from usc.passes.pipeline_schedule import build_schedule
@@ -71,6 +76,10 @@ def print_schedule(plan_text: str, as_json: bool) -> int:
     pp, v, mb, name = plan.size("pp"), int(plan.get("v")), int(plan.get("mb")), plan.get("schedule")
     schedule = build_schedule(name, pp, v, mb)
     metrics = check_schedule(schedule)
+    if png is not None:
+        from usc.passes.pipeline_schedule_png import draw_timeline
+
+        draw_timeline(schedule, png)
     if as_json:
         print(json.dumps({"schedule": str(schedule), "makespan": metrics.makespan,
                           "bubble_fraction": metrics.bubble_fraction, "bubble_ratio": metrics.bubble_ratio,
@@ -88,13 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     import usc
 
     args = parser().parse_args(argv)
+    if args.schedule_png and not args.schedule:
+        print("usc-lint: --schedule-png draws the pipeline schedule; add --schedule", file=sys.stderr)
+        raise SystemExit(2)
     if args.schedule:
         try:
-            return print_schedule(_plan_text(args), args.json)
+            return print_schedule(_plan_text(args), args.json, args.schedule_png)
         except UsageError as err:
             print(f"usc-lint: {err}", file=sys.stderr)
             raise SystemExit(2) from None
-        except (PlanError, ValueError, NotImplementedError) as err:
+        except (PlanError, ValueError, NotImplementedError, ImportError) as err:
             print(f"usc-lint: {type(err).__name__}: {err}", file=sys.stderr)
             return 1
     try:
@@ -104,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usc-lint: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
-        report = usc.lint(model, plan, example_inputs=example_inputs)
+        report = usc.lint(model, plan, example_inputs=example_inputs, hardware=args.hardware)
     except (PlanError, CompileError) as err:
         if args.json:
             print(json.dumps({"error": type(err).__name__, "message": str(err),
