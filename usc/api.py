@@ -81,11 +81,11 @@ class _Compiled:
     """What compile and simulate share: the plan, the traced program and its report."""
 
     def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
-                 optimizer: OptimizerFactory | None = None) -> None:
+                 optimizer: OptimizerFactory | None = None, hardware=None) -> None:
         self.plan = _as_plan(plan)
         self.model = _WithLoss(model, loss_fn) if loss_fn is not None else model
         if self.plan.auto:
-            self.plan = _resolve_auto(self.model, self.plan, example_inputs)
+            self.plan = _resolve_auto(self.model, self.plan, example_inputs, hardware)
         self._loss_source = _source_of(loss_fn) if loss_fn is not None else ""
         self._user_model = model
         self._optimizer = optimizer
@@ -98,10 +98,10 @@ class _Compiled:
         """The cost model's time breakdown for this plan (and the planner's reasons, if it chose)."""
         report = self.report
         report.plan_search = self.plan.search
-        if self.plan.search is not None and self.plan.search.best is not None and hardware is None:
-            report.cost = self.plan.search.best.estimate
-        elif hardware is not None or self.plan.search is not None:
-            report.cost = estimate_plan(self.model, self.plan, batch, hardware or "h100")
+        if self.plan.search is not None and self.plan.search.best is not None:
+            report.cost = self.plan.search.best.estimate  # planned with `hardware` when given
+        elif hardware is not None:
+            report.cost = estimate_plan(self.model, self.plan, batch, hardware)
 
     def _build(self, batch: tuple) -> None:
         start = time.perf_counter()
@@ -390,7 +390,7 @@ def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, ha
     ``hardware`` ("h100", "a100", a profile file or a HardwareProfile) adds the cost model's time
     breakdown (``report.cost``): compute, exposed communication and bubble per step, tokens/s, MFU.
     """
-    compiled = _Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn)
+    compiled = _Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, hardware=hardware)
     batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     compiled._attach_cost(batch, hardware)
     return compiled.report
@@ -419,7 +419,7 @@ def plan(model: nn.Module, spec: str | Plan, *, example_inputs, loss_fn=None, ha
     return choose(model, _as_plan(spec) if not isinstance(spec, str) else spec, batch, hardware=hardware, keep=keep)
 
 
-def _resolve_auto(model: nn.Module, written: Plan, example_inputs) -> Plan:
+def _resolve_auto(model: nn.Module, written: Plan, example_inputs, hardware=None) -> Plan:
     """``auto`` in compile/lint/simulate: the planner chooses, for the example batch as the global batch."""
     from usc.planning import choose
 
@@ -427,7 +427,7 @@ def _resolve_auto(model: nn.Module, written: Plan, example_inputs) -> Plan:
         raise written.error_at("auto", "auto needs example_inputs= to plan for (the global batch)",
                                hint="pass example_inputs=(tokens, labels) to compile")
     batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    return choose(model, written, batch)
+    return choose(model, written, batch, hardware=hardware)
 
 
 __all__ = ["compile", "simulate", "lint", "plan", "parse_plan", "Compiled", "Simulated", "Report", "PlanError",
