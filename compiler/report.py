@@ -58,6 +58,7 @@ class Report:
     attention_flops: dict = field(default_factory=dict)  # cp axis -> multiply-adds per rank
     memory: dict = field(default_factory=dict)  # ZeRO stage -> predicted bytes per rank by kind
     zero_stage: int = 0
+    findings: list = field(default_factory=list)  # usc-lint findings (compiler/lint_rules.py), set by lint
     activation_estimate: Callable[[], int] | None = field(default=None, repr=False)
     _activation_bytes: int | None = field(default=None, repr=False)
 
@@ -100,6 +101,8 @@ class Report:
             "activation_bytes_per_rank": self.activation_bytes,
             "zero_stage": self.zero_stage,
             "p2p_bytes_per_step": self.p2p_bytes_per_step,
+            "findings": [{"code": f.code, "severity": f.severity, "message": f.message, "hint": f.hint,
+                          "module": f.module} for f in self.findings],
         }
 
     @property
@@ -167,6 +170,7 @@ def pipeline_transfers(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRec
 
 
 def _graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRecord]:
+    """The collectives of one graph (no pipeline stages), forward and backward, in graph order."""
     out = []
     for node in gm.graph.nodes:
         if node.op != "call_module":
@@ -188,6 +192,9 @@ def _graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRec
                                         str(dtype).replace("torch.", ""), _nbytes(shape, dtype), 1,
                                         ann.module or "<root>", ann.source, ann.reason, node.name))
     return out
+
+
+part_collectives = _graph_collectives
 
 
 def _p2p_records(node: fx.Node, module, mesh: MeshSpec) -> list[CollectiveRecord]:

@@ -67,6 +67,10 @@ def _as_plan(plan: str | Plan) -> Plan:
     return parse_plan(plan)
 
 
+def as_batch(example_inputs) -> tuple:
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+
+
 def _full_state(model: nn.Module, traced) -> dict[str, torch.Tensor]:
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -78,7 +82,7 @@ class _Compiled:
     """What compile and simulate share: the plan, the traced program and its report."""
 
     def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
-                 optimizer: OptimizerFactory | None = None) -> None:
+                 optimizer: OptimizerFactory | None = None, traced=None) -> None:
         self.plan = _as_plan(plan)
         self.model = _WithLoss(model, loss_fn) if loss_fn is not None else model
         self._loss_source = _source_of(loss_fn) if loss_fn is not None else ""
@@ -87,11 +91,15 @@ class _Compiled:
         self._program = None
         self._report: Report | None = None
         if example_inputs is not None:
-            self._build(tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
+            self._build(as_batch(example_inputs), traced=traced)
 
-    def _build(self, batch: tuple) -> None:
+    def trace(self, batch: tuple):
+        """The traced model for one global microbatch of ``batch`` (plans with the same mb share it)."""
+        return trace(self.model, self._microbatch(batch), wrapper_source=self._loss_source)
+
+    def _build(self, batch: tuple, *, traced=None) -> None:
         start = time.perf_counter()
-        traced = trace(self.model, self._microbatch(batch), wrapper_source=self._loss_source)
+        traced = traced if traced is not None else self.trace(batch)
         check_rules_match(self.plan, list(traced.module_types))
         self._traced = traced
         self._program = parallelize(traced, self.plan)
@@ -333,12 +341,22 @@ def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None
     return Simulated(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
 
 
-def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None) -> Report:
-    """Compile without running anything and return the report (what ``usc-lint`` prints).
+def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, hardware="h100") -> Report:
+    """Compile without running anything and return the report (what ``usc-lint`` prints), with the
+    lint findings in ``report.findings`` (codes USC1xx errors, USC2xx warnings, USC3xx notes).
 
-    Works for meshes of any size and for models on the ``meta`` device (no weights allocated).
+    Works for meshes of any size and for models on the ``meta`` device (no weights allocated). A plan
+    that does not compile raises its PlanError / CompileError; ``hardware`` ("h100", "a100", a
+    profile file or a HardwareProfile) is what memory is checked against.
     """
-    return _Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn).report
+    from .linting import first_error, lint_plan
+
+    result = lint_plan(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, hardware=hardware)
+    if result.report is None:
+        if not result.exceptions:  # refused by a lint check before compiling: the compiler's own words
+            _Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, traced=result.traced)
+        raise first_error(result)
+    return result.report
 
 
 __all__ = ["compile", "simulate", "lint", "parse_plan", "Compiled", "Simulated", "Report", "PlanError",
