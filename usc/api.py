@@ -78,6 +78,14 @@ def _full_state(model: nn.Module, traced) -> dict[str, torch.Tensor]:
     return state
 
 
+def stamped_activation_bytes(stamped: tuple, plan: Plan, options: dict) -> int:
+    """Activations of N identical layers from the 2- and 3-layer programs: the bytes a layer saves for
+    backward do not depend on its index, so a(N) = a(2) + (N - 2) * (a(3) - a(2))."""
+    two, three, layers = stamped
+    a2, a3 = (estimate_activation_bytes(parallelize(t, plan), **options) for t in (two, three))
+    return a2 + (layers - 2) * (a3 - a2)
+
+
 class _Compiled:
     """What compile and simulate share: the plan, the traced program and its report."""
 
@@ -93,9 +101,17 @@ class _Compiled:
         if example_inputs is not None:
             self._build(as_batch(example_inputs), traced=traced)
 
-    def trace(self, batch: tuple):
-        """The traced model for one global microbatch of ``batch`` (plans with the same mb share it)."""
-        return trace(self.model, self._microbatch(batch), wrapper_source=self._loss_source)
+    def trace(self, batch: tuple, *, stamp: bool = False):
+        """The traced model for one global microbatch of ``batch`` (plans with the same mb share it).
+
+        stamp: trace repeated identical layers once and stamp them (compiler/stamp.py); falls back
+        to the full trace when the model does not repeat linearly."""
+        microbatch = self._microbatch(batch)
+        if stamp:
+            from usc.compiler.stamp import trace_stamped
+
+            return trace_stamped(self.model, microbatch, wrapper_source=self._loss_source)
+        return trace(self.model, microbatch, wrapper_source=self._loss_source)
 
     def _build(self, batch: tuple, *, traced=None) -> None:
         start = time.perf_counter()
@@ -109,7 +125,9 @@ class _Compiled:
         program, options = self._program, self._executor_options()
         options.pop("microbatches")
         options.pop("reduce_dtype")
-        if self.plan.size("pp") == 1:  # a pipeline rank holds one stage: not estimated yet
+        if self.plan.size("pp") == 1 and traced.stamped:
+            self._report.activation_estimate = lambda: stamped_activation_bytes(traced.stamped, self.plan, options)
+        elif self.plan.size("pp") == 1:  # a pipeline rank holds one stage: not estimated yet
             self._report.activation_estimate = lambda: estimate_activation_bytes(program, **options)
 
     def _microbatch(self, batch: tuple) -> tuple:

@@ -103,10 +103,12 @@ def _compiled_input(plan: Plan, compiled: _Compiled, facts, hardware) -> tuple[L
 
 
 def lint_plan(model, plan, *, example_inputs, loss_fn=None, hardware: str | HardwareProfile | None = "h100",
-              traced=None) -> LintResult:
+              traced=None, stamp: bool = True) -> LintResult:
     """Lint ``plan`` for ``model``: every finding (codes USC1xx/2xx/3xx), the report and pictures.
 
     ``traced`` reuses a trace of the same model and microbatch shape (``usc-lint --diff`` traces once).
+    ``stamp``: trace a repeated layer once and stamp it per layer (``compiler/stamp.py``; the same
+    graph as the full trace, verified on each model, faster for deep models).
     """
     text = plan if isinstance(plan, str) else str(plan)
     profile = hardware_profile(hardware) if hardware is not None else None
@@ -118,7 +120,7 @@ def lint_plan(model, plan, *, example_inputs, loss_fn=None, hardware: str | Hard
     compiled = _Compiled(model, plan, loss_fn=loss_fn)
     batch = as_batch(example_inputs)
     try:
-        traced = traced if traced is not None else compiled.trace(batch)
+        traced = traced if traced is not None else compiled.trace(batch, stamp=stamp)
     except (PlanError, CompileError) as err:
         return LintResult(text, plan, None, run_rules(LintInput(plan, errors=(err,)), select=PLAN_ONLY), profile,
                           exceptions=[err])
