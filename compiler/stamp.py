@@ -20,6 +20,7 @@ import re
 from dataclasses import replace
 
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch import nn
 
 from .trace import StateInput, Traced, module_path, trace
@@ -116,7 +117,7 @@ def stamp(traced: Traced, prefix: str, layers: int, model: nn.Module) -> Traced:
                               dict(node.meta))
         if node is region[-1]:
             last = _stamp_layers(graph, region, previous, prefix, layers, env)
-    gm = fx.GraphModule(traced.gm, graph)
+    gm = _LazyGraphModule(traced.gm, graph)  # Python code generated on first call only
     types = {name: type(m).__name__ for name, m in model.named_modules()}
     return replace(traced, gm=gm, state=new_state, module_types=types)
 

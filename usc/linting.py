@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
 from usc.compiler import lint_checks  # noqa: F401 - registers the rules
 from usc.compiler.errors import CompileError
 from usc.compiler.hardware import HardwareProfile, hardware_profile
@@ -130,7 +132,8 @@ def lint_plan(model, plan, *, example_inputs, loss_fn=None, hardware: str | Hard
     if counts(found)["error"]:
         return LintResult(text, plan, None, found, profile, facts=facts, traced=traced)
     try:
-        compiled._build(batch, traced=traced)
+        with _use_lazy_graph_module(True):  # nothing runs: generate no Python for the passes' graphs
+            compiled._build(batch, traced=traced)
     except (PlanError, CompileError) as err:
         return LintResult(text, plan, None, run_rules(replace(before, errors=(err,))), profile, facts=facts,
                           exceptions=[err], traced=traced)
