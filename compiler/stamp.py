@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch import nn
 
+from .errors import CompileError
 from .trace import StateInput, Traced, module_path, trace
 
 MIN_LAYERS = 4  # below this, stamping saves nothing
@@ -182,11 +183,11 @@ def trace_stamped(model: nn.Module, example_inputs, *, wrapper_source: str = "")
     if found is None:
         return trace(model, example_inputs, wrapper_source=wrapper_source)
     path, count = found
-    two = _trace_with(model, path, 2, example_inputs, wrapper_source)
-    three = _trace_with(model, path, 3, example_inputs, wrapper_source)
     try:
+        two = _trace_with(model, path, 2, example_inputs, wrapper_source)
+        three = _trace_with(model, path, 3, example_inputs, wrapper_source)
         check = stamp(two, path, 3, model)
-    except (ValueError, KeyError):
+    except (CompileError, ValueError, KeyError, IndexError):  # forward wants all its layers: trace them
         check = None
     if check is None or check.state != three.state or not graphs_equal(check.gm, three.gm):
         return trace(model, example_inputs, wrapper_source=wrapper_source)
