@@ -4,8 +4,8 @@
 
 Rows are computed from the two compile reports; each changed row says which plan axes moved and
 what that does to the quantity (``WHY``: one sentence per (quantity, axis) pair). The step-time
-row is filled by a ``step_time(report, plan) -> seconds`` estimator (the cost model) when the
-caller passes one; without it the row says so.
+rows (step time, compute, exposed communication, bubble) come from the cost model
+(``estimate_time(report, plan) -> {part: seconds}``), which usc-lint passes.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ WHY: dict[tuple[str, str], str] = {
     ("activations", "dp"): "dp splits the batch",
     ("step time", "tp"): "tp trades compute per rank for collectives on the critical path",
     ("step time", "cp"): "cp trades compute per rank for ring traffic it mostly overlaps",
+    ("step time", "pp"): "pp adds the pipeline bubble and boundary sends, and cuts compute per rank",
+    ("step time", "dp"): "dp cuts compute per rank and adds the gradient reduction (mostly overlapped)",
 }
 OPTION_WHY = {"zero": "the ZeRO stage decides which of gradients/optimizer state/parameters are sliced over dp",
               "mb": "microbatches divide the activations per step and the pipeline bubble",
@@ -114,18 +116,33 @@ def _memory_rows(a: Report, b: Report, plan_a, plan_b) -> list[DiffRow]:
     return rows
 
 
-def _time_row(a: Report, b: Report, plan_a, plan_b, step_time) -> DiffRow:
-    if step_time is None:
-        return DiffRow("time", "step time", "n/a", "n/a", "no cost model given (step_time=None)")
-    sa, sb = step_time(a, plan_a), step_time(b, plan_b)
-    return DiffRow.of("time", "step time", sa, sb, lambda t: f"{t * 1e3:.1f} ms", _why("step time", plan_a, plan_b))
+TIME_PARTS = (("step", "step time"), ("compute", "compute"), ("exposed_comm", "exposed comm"),
+              ("bubble", "bubble"))
+
+
+def human_seconds(t: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if t >= scale or unit == "us":
+            return f"{t / scale:.3g} {unit}"
+    return f"{t} s"
+
+
+def _time_rows(a: Report, b: Report, plan_a, plan_b, estimate_time) -> list[DiffRow]:
+    """Step time and its parts from the cost model (``estimate_time(report, plan) -> {part: seconds}``)."""
+    if estimate_time is None:
+        return [DiffRow("time", "step time", "n/a", "n/a", "no cost model given (estimate_time=None)")]
+    ta, tb = estimate_time(a, plan_a), estimate_time(b, plan_b)
+    return [DiffRow.of("time", label, ta.get(part, 0.0), tb.get(part, 0.0), human_seconds,
+                       _why("step time", plan_a, plan_b) if part == "step" else "")
+            for part, label in TIME_PARTS]
 
 
 def diff_reports(a: Report, b: Report, plan_a, plan_b, *,
-                 step_time: Callable[[Report, object], float] | None = None) -> list[DiffRow]:
-    """Rows comparing two compiled plans of one model (the plans give the 'why')."""
+                 estimate_time: Callable[[Report, object], dict] | None = None) -> list[DiffRow]:
+    """Rows comparing two compiled plans of one model (the plans give the 'why'); ``estimate_time``
+    (the cost model) gives the step time and its parts per plan."""
     return _axis_rows(a, b, plan_a, plan_b) + _memory_rows(a, b, plan_a, plan_b) + \
-        [_time_row(a, b, plan_a, plan_b, step_time)]
+        _time_rows(a, b, plan_a, plan_b, estimate_time)
 
 
 def render_diff(rows: list[DiffRow], label_a: str, label_b: str) -> str:

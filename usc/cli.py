@@ -56,19 +56,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("text", "json", "github"), default=None,
                    help="text (default), json, or github (GitHub Actions annotations ::error file=...::msg)")
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
-    p.add_argument("--hardware", default="h100",
-                   help="device profile memory is checked against: h100, a100 or a .toml/.json file (default h100)")
+    p.add_argument("--hardware", metavar="h100|a100|FILE",
+                   help="the GPU: memory is checked against its capacity (default h100); given, the report adds "
+                        "the cost model's time breakdown (compute, exposed communication, bubble, tokens/s, MFU)")
     p.add_argument("--explain", nargs="?", const="", metavar="CODE",
                    help="explain a rule code (e.g. USC201); without a code, list every rule")
     p.add_argument("--diff", nargs=2, metavar=("PLAN_A", "PLAN_B"),
                    help="compare two plans side by side: collectives, memory per rank, step time, and why")
+    p.add_argument("--kernels", action="store_true",
+                   help="print the Triton source generated for every fused region (plans with fuse=on)")
     p.add_argument("--schedule", action="store_true",
                    help="print the pipeline schedule of the plan's pp/mb/schedule/v (timeline per rank, "
                         "bubble, in-flight microbatches) and exit; needs no model")
+    p.add_argument("--schedule-png", metavar="FILE",
+                   help="with --schedule: also draw the timeline to FILE (.png, .svg; needs matplotlib)")
     return p
 
 
-def print_schedule(plan_text: str, as_json: bool) -> int:
+def print_schedule(plan_text: str, as_json: bool, png: str | None = None) -> int:
     """The schedule is data: generated, checked and drawn without running (or tracing) anything."""
     from usc.dsl import parse_plan
     from usc.passes.pipeline_schedule import build_schedule
@@ -78,6 +83,10 @@ def print_schedule(plan_text: str, as_json: bool) -> int:
     pp, v, mb, name = plan.size("pp"), int(plan.get("v")), int(plan.get("mb")), plan.get("schedule")
     schedule = build_schedule(name, pp, v, mb)
     metrics = check_schedule(schedule)
+    if png is not None:
+        from usc.passes.pipeline_schedule_png import draw_timeline
+
+        draw_timeline(schedule, png)
     if as_json:
         print(json.dumps({"schedule": str(schedule), "makespan": metrics.makespan,
                           "bubble_fraction": metrics.bubble_fraction, "bubble_ratio": metrics.bubble_ratio,
@@ -120,7 +129,7 @@ def print_diff(args) -> int:
     results, traced, traced_mb = [], None, None
     for text in args.diff:
         mb = _mb(text)
-        result = lint_plan(model, text, example_inputs=example_inputs, hardware=args.hardware,
+        result = lint_plan(model, text, example_inputs=example_inputs, hardware=args.hardware or "h100",
                            traced=traced if mb == traced_mb else None)
         traced, traced_mb = result.traced, mb
         results.append(result)
@@ -130,7 +139,8 @@ def print_diff(args) -> int:
             print(f"plan {label} \"{result.plan_text}\" does not compile:", file=sys.stderr)
             print("\n".join(finding_lines(result)), file=sys.stderr)
             return 1
-    rows = diff_reports(a.report, b.report, a.plan, b.plan, step_time=None)
+    rows = diff_reports(a.report, b.report, a.plan, b.plan,
+                        estimate_time=_cost_model(model, example_inputs, args.hardware or "h100"))
     if _output_format(args) == "json":
         print(json.dumps({"a": a.plan_text, "b": b.plan_text,
                           "rows": [r.__dict__ | {"changed": r.changed} for r in rows]}, indent=2))
@@ -138,6 +148,16 @@ def print_diff(args) -> int:
         print(f"A: {a.plan_text}\nB: {b.plan_text}\n")
         print(render_diff(rows, "A", "B"))
     return max(a.exit_code(strict=args.strict), b.exit_code(strict=args.strict))
+
+
+def _cost_model(model, example_inputs, hardware):
+    """(report, plan) -> {step, compute, exposed_comm, bubble, ...} seconds: the cost model, profiled once."""
+    from usc.planning import estimate_plan
+    from usc.profiling import profile_model
+
+    batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    profile = profile_model(model, batch)
+    return lambda report, plan: estimate_plan(model, plan, batch, hardware, profile).time
 
 
 def _mb(text: str) -> str | None:
@@ -149,13 +169,21 @@ def _mb(text: str) -> str | None:
 
 
 def lint_target(args) -> int:
+    from usc.api import as_batch
     from usc.lint_format import render_github, render_json, render_text
     from usc.linting import lint_plan
 
     plan = _plan_text(args)
     model, example_inputs = _load_factory(args.target)()
-    result = lint_plan(model, plan, example_inputs=example_inputs, hardware=args.hardware)
+    result = lint_plan(model, plan, example_inputs=example_inputs, hardware=args.hardware or "h100")
+    if args.hardware and result.compiled is not None:
+        result.compiled._attach_cost(as_batch(example_inputs), args.hardware)
     fmt = _output_format(args)
+    if args.kernels and result.report is not None:
+        from usc.compiler.report_text import render_kernels
+
+        print(render_kernels(result.report))
+        return result.exit_code(strict=args.strict)
     if fmt == "json":
         print(render_json(result))
     elif fmt == "github":
@@ -172,13 +200,16 @@ def lint_target(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.schedule_png and not args.schedule:
+        print("usc-lint: --schedule-png draws the pipeline schedule; add --schedule", file=sys.stderr)
+        raise SystemExit(2)
     try:
         if args.explain is not None:
             return explain_rules(args.explain)
         if args.schedule:
             try:
-                return print_schedule(_plan_text(args), args.json)
-            except (PlanError, ValueError, NotImplementedError) as err:
+                return print_schedule(_plan_text(args), args.json, args.schedule_png)
+            except (PlanError, ValueError, NotImplementedError, ImportError) as err:
                 print(f"usc-lint: {type(err).__name__}: {err}", file=sys.stderr)
                 return 1
         if args.diff:

@@ -27,7 +27,7 @@ from usc.passes.pipeline_schedule import build_schedule
 from usc.passes.pipeline_schedule_check import ScheduleError, check_schedule, render_timeline
 from usc.passes.pipeline_split import node_flops
 
-from .api import _as_plan, _Compiled, as_batch
+from .api import _as_plan, _Compiled, _resolve_auto, _WithLoss, as_batch
 
 PLAN_ONLY = ("USC100", "USC101")  # what can be said of a plan that does not parse
 
@@ -46,6 +46,7 @@ class LintResult:
     facts: ModelFacts | None = None
     exceptions: list[BaseException] = field(default_factory=list)
     traced: object = field(default=None, repr=False)  # the trace, reusable for another plan with the same mb
+    compiled: object = field(default=None, repr=False)  # the _Compiled behind the report
 
     def counts(self) -> dict[str, int]:
         return counts(self.findings)
@@ -116,7 +117,9 @@ def lint_plan(model, plan, *, example_inputs, loss_fn=None, hardware: str | Hard
     profile = hardware_profile(hardware) if hardware is not None else None
     try:
         plan = _as_plan(plan)
-    except PlanError as err:
+        if plan.auto:  # the planner chooses first; the lint checks its choice
+            plan = _resolve_auto(_WithLoss(model, loss_fn) if loss_fn is not None else model, plan, example_inputs)
+    except (PlanError, CompileError) as err:
         return LintResult(text, None, None, run_rules(LintInput(errors=(err,)), select=PLAN_ONLY), profile,
                           exceptions=[err])
     compiled = _Compiled(model, plan, loss_fn=loss_fn)
@@ -140,7 +143,8 @@ def lint_plan(model, plan, *, example_inputs, loss_fn=None, hardware: str | Hard
     inp, picture = _compiled_input(plan, compiled, facts, profile)
     findings = run_rules(inp)
     compiled.report.findings = findings
-    return LintResult(text, plan, compiled.report, findings, profile, picture, facts, list(inp.errors), traced)
+    return LintResult(text, plan, compiled.report, findings, profile, picture, facts, list(inp.errors), traced,
+                      compiled)
 
 
 def first_error(result: LintResult) -> PlanError | CompileError | None:
