@@ -19,7 +19,7 @@ from .ir import META, MeshSpec
 from .pipeline import pipeline_stages
 from .report_cost import cost_dict
 from .program import Program
-from .report_stages import StageRecord, stage_table
+from .report_stages import StageRecord, stage_table, state_of_pp_rank
 from .recompute_report import RecomputeRecord, recompute_records, recompute_summary, region_bodies
 
 KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send/recv")
@@ -271,15 +271,28 @@ def attention_flops_per_rank(gm: fx.GraphModule, mesh: MeshSpec) -> dict[str, li
     return out
 
 
+JOINT_AXES = (("dp", "ep"),)  # axes the runtime's mesh also offers as one group (runtime/mesh.py)
+
+
+def _joint(axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Gradients summed over dp and ep (all data-parallel ranks) are one all-reduce over 'dp+ep'."""
+    for pair in JOINT_AXES:
+        if all(a in axes for a in pair):
+            first = min(axes.index(a) for a in pair)
+            rest = [a for a in axes if a not in pair]
+            axes = tuple(rest[:first]) + ("+".join(pair),) + tuple(rest[first:])
+    return axes
+
+
 def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: bool = True
                   ) -> list[tuple[tuple[str, ...], list[str], int]]:
     """(axes, parameter names, bytes) per gradient bucket, packed as the runtime packs them: in
     reverse order of the parameters, one open bucket per set of axes, closed once it holds
     bucket_bytes. ZeRO-3 parameters get their dp sum inside the graph, so dp is not theirs here."""
     done, open_buckets = [], {}
-    for spec in reversed(program.state):
+    for spec in reversed(state_of_pp_rank(program)):
         in_graph = graph_reduces_zero3 and spec.zero3
-        axes = tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1 and not (in_graph and a == "dp"))
+        axes = _joint(tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1 and not (in_graph and a == "dp")))
         if not axes:
             continue
         shape = spec.layout.local_shape(spec.global_shape, program.mesh)
@@ -296,15 +309,22 @@ def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0) -
     records = []
     for axes, names, nbytes in _pack_buckets(program, bucket_bytes):
         label = names[0] if len(names) == 1 else f"{names[-1]} .. {names[0]} ({len(names)} params)"
-        for axis in axes:
+        payload = nbytes
+        for axis in axes:  # reduced one axis after the other; after the dp reduce-scatter only a slice is left
             kind = "reduce-scatter" if zero_stage == 2 and axis == "dp" else "all-reduce"
-            records.append(CollectiveRecord(kind, axis, program.mesh.size(axis), "backward", (nbytes // 4,),
-                                            "float32", nbytes, 1, label, "gradient bucket",
+            if kind == "reduce-scatter":
+                payload = -(-nbytes // (4 * program.mesh.size(axis))) * 4 * program.mesh.size(axis)
+            records.append(CollectiveRecord(kind, axis, program.mesh.size(axis), "backward", (payload // 4,),
+                                            "float32", payload, 1, label, "gradient bucket",
                                             "data-parallel gradient sum, launched during backward as the bucket "
                                             "fills", "reducer"))
-        if zero_stage in (1, 2) and "dp" in axes:
-            records.append(CollectiveRecord("all-gather", "dp", program.mesh.size("dp"), "optimizer", (nbytes // 4,),
-                                            "float32", nbytes, 1, label, "ZeRO step",
+            if kind == "reduce-scatter":
+                payload //= program.mesh.size(axis)
+        if zero_stage in (1, 2) and "dp" in axes:  # each rank hands its (padded) slice to the gather
+            n = program.mesh.size("dp")
+            shard = -(-nbytes // (4 * n)) * 4
+            records.append(CollectiveRecord("all-gather", "dp", n, "optimizer", (shard // 4,),
+                                            "float32", shard, 1, label, "ZeRO step",
                                             "each rank updated its slice; the slices are gathered", "optimizer"))
     return records
 
@@ -314,12 +334,12 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
 
     Rajbhandari et al. 2020: stage 1 shards the optimizer state over dp, stage 2 also the
     gradients, stage 3 also the parameters. Sharded buffers are the gradient buckets reduced over
-    dp, each padded to a multiple of dp. optimizer_states: tensors of the parameter's size the
+    dp, each padded to a multiple of dp; with pp, rank 0's stages' parameters. optimizer_states: tensors of the parameter's size the
     optimizer keeps per parameter (2 for Adam/AdamW: exp_avg, exp_avg_sq). Gradients are counted
     at their peak, after the reduction and before the optimizer step.
     """
     params = sum(_nbytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
-                 for s in program.state if s.kind == "param" and s.trainable)
+                 for s in state_of_pp_rank(program) if s.kind == "param" and s.trainable)
     dp = program.mesh.size("dp")
     buckets = [(axes, nbytes) for axes, _, nbytes in _pack_buckets(program, bucket_bytes, graph_reduces_zero3=False)]
     sharded = sum(nbytes for axes, nbytes in buckets if "dp" in axes) if dp > 1 else 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -124,6 +125,9 @@ def assign_stages(gm: fx.GraphModule, pp: int, cuts: tuple[str, ...] | None = No
             users = [stage[u] for u in node.users if u in stage]
             stage[node] = min(users) if users else 0
     for node in computing:  # a value is never consumed on an earlier stage than it is made
+        if node.target is operator.getitem and node.args[0] in stage:
+            stage[node] = stage[node.args[0]]  # a multi-output node's tuple never crosses a cut (fused regions)
+            continue
         inputs = [stage[x] for x in node.all_input_nodes if x in stage]
         if inputs and max(inputs) > stage[node]:
             stage[node] = max(inputs)

@@ -150,3 +150,20 @@ def test_bad_split_points_are_plan_errors(plan, message):
     with pytest.raises(usc.PlanError, match=message) as info:
         usc.lint(TinyLlama(LlamaConfig(layers=4)), plan, example_inputs=token_batch(128, 4, 16))
     assert info.value.column == plan.index("split") + 1
+
+
+def test_each_pipeline_rank_holds_only_its_stages_parameters():
+    """Untied Llama: the pp ranks' parameters, gradients and AdamW state partition the model's."""
+    model = TinyLlama(LlamaConfig(layers=4))
+    total = sum(p.numel() * 4 for p in model.parameters())
+    sim = usc.simulate(model, "pp=2 mb=2", example_inputs=token_batch(128, 4, 16))
+    sim.step(*token_batch(128, 4, 16))
+    held = [rank.peak_state_bytes for rank in sim.ranks]
+    assert sum(h["params"] for h in held) == total and all(h["params"] < 0.75 * total for h in held)
+    assert sum(h["grads"] for h in held) == total
+    assert sum(rank.memory_bytes()["optimizer"] for rank in sim.ranks) == 2 * total  # exp_avg, exp_avg_sq
+    predicted = sim.report.memory[0]  # the report predicts pp rank 0's bytes
+    assert (predicted["params"], predicted["grads"]) == (held[0]["params"], held[0]["grads"])
+    assert predicted["optimizer"] == sim.ranks[0].memory_bytes()["optimizer"]
+    names = [set(rank.local_state()) for rank in sim.ranks]
+    assert not names[0] & names[1] and "embed_tokens.weight" in names[0] and "lm_head.weight" in names[1]
