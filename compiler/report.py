@@ -62,6 +62,7 @@ class Report:
     attention_flops: dict = field(default_factory=dict)  # cp axis -> multiply-adds per rank
     memory: dict = field(default_factory=dict)  # ZeRO stage -> predicted bytes per rank by kind
     zero_stage: int = 0
+    findings: list = field(default_factory=list)  # usc-lint findings (compiler/lint_rules.py), set by lint
     stages: list[StageRecord] = field(default_factory=list)  # pipeline stages (pp > 1)
     fusion: dict = field(default_factory=dict)  # fuse=on: kernels and bytes per step, eager vs fused
     kernels: list = field(default_factory=list)  # fuse=on: each generated kernel (KernelInfo)
@@ -129,6 +130,8 @@ class Report:
                           "activation_bytes_by_mode": self.activation_bytes_by_recompute},
             "zero_stage": self.zero_stage,
             "p2p_bytes_per_step": self.p2p_bytes_per_step,
+            "findings": [{"code": f.code, "severity": f.severity, "message": f.message, "hint": f.hint,
+                          "module": f.module} for f in self.findings],
             "pipeline_stages": [asdict(s) for s in self.stages],
             "fusion": self.fusion,
             "kernels": [{"name": k.name, "used_by": list(k.used_by)} for k in self.kernels],
@@ -200,6 +203,7 @@ def pipeline_transfers(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRec
 
 
 def _graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRecord]:
+    """The collectives of one graph (no pipeline stages), forward and backward, in graph order."""
     out = []
     for node in gm.graph.nodes:
         if node.op != "call_module":
@@ -224,6 +228,9 @@ def _graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRec
                                         str(dtype).replace("torch.", ""), _nbytes(shape, dtype), 1,
                                         ann.module or "<root>", ann.source, ann.reason, node.name))
     return out
+
+
+part_collectives = _graph_collectives
 
 
 def _recomputed_collectives(records: list[CollectiveRecord]) -> list[CollectiveRecord]:

@@ -7,6 +7,7 @@ Each pass is ``name_pass(gm, ctx, **options) -> gm`` in its own module, with ``R
 from __future__ import annotations
 
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module
 
 from usc.compiler.errors import ShardingError
 from usc.compiler.ir import MeshSpec
@@ -50,11 +51,13 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) ->
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A fresh graph over the same (shared) submodules: cheap, and safe to mutate."""
+    """A fresh graph over the same (shared) submodules: cheap, and safe to mutate. Under
+    ``_use_lazy_graph_module(True)`` (plan-only lint) its Python code is generated on first call
+    only, so the passes' recompiles cost nothing when nothing runs."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    return fx.GraphModule(gm, graph)
+    return _make_graph_module(gm, graph)
 
 
 def parallelize(traced: Traced, plan, *, verify=None) -> Program:
