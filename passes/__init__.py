@@ -23,7 +23,8 @@ from .plan_checks import check_supported
 from .propagate import propagate_pass
 from .zero3 import zero3_pass
 
-def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) -> list[PassSpec]:
+def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
+                   constants: frozenset[str] = frozenset()) -> list[PassSpec]:
     """The ordered pass list. Order matters:
     propagate first (every later pass reads layouts); grad_sync needs the final layouts and the
     inserted redistributions (an AllGather can absorb an f); localize then rewrites shapes for one
@@ -36,7 +37,7 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) ->
         PassSpec("expose_loss_count", expose_loss_count_pass),
         PassSpec("zero3", zero3_pass, {"params": params}),
         # last: the stages are cuts of the finished per-rank program
-        PassSpec("pipeline_split", pipeline_split_pass),
+        PassSpec("pipeline_split", pipeline_split_pass, {"constants": constants}),
     ]
 
 
@@ -60,7 +61,8 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
         tp = tp_layouts(traced, plan, mesh, replicated, replicated_cols)
         layouts = merge_layouts(mesh, batch_layouts(traced, plan, mesh), tp.layouts)
         ctx = CompileContext(mesh, plan)
-        passes = build_pipeline(input_layouts=layouts, grad_inputs=params, params=params)
+        constants = frozenset(s.placeholder for s in traced.state if not s.trainable)
+        passes = build_pipeline(input_layouts=layouts, grad_inputs=params, params=params, constants=constants)
         try:
             gm = run_pipeline(copy_graph_module(traced.gm), ctx, passes, verify=verify)
             break
