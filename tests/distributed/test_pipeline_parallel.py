@@ -84,17 +84,36 @@ def test_unexecutable_schedules_are_refused_by_name():
     assert info.value.column == 6  # points at v=3
 
 
+class SkipNet(torch.nn.Module):
+    """Every block adds the embedding back (a long skip): stage 0 sends it to every later stage."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 16, layers: int = 6):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, ids, labels):
+        x0 = self.embed(ids)
+        x = x0
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) + x0
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
 def test_messages_follow_the_senders_order_when_tags_are_ignored(monkeypatch):
     """NCCL matches point-to-point messages by post order only. With every tag dropped, interleaved
-    v=2 (two stage pairs share each rank pair; stage 0 also feeds stage 3 directly) still matches
+    v=2 (two stage pairs share each rank pair, and stage 0 feeds stage 3 directly) still matches
     one device: receivers take each peer's messages in its posting order."""
     from usc.runtime.comm import ThreadComm
 
     send, recv = ThreadComm._send, ThreadComm._recv
     monkeypatch.setattr(ThreadComm, "_send", lambda self, t, peer, tag: send(self, t, peer, 0))
     monkeypatch.setattr(ThreadComm, "_recv", lambda self, like, peer, tag: recv(self, like, peer, 0))
-    factory, batch = DEEP["llama"]
-    result = assert_equivalent(factory, "pp=2 mb=4 schedule=interleaved v=2", [batch(s) for s in range(2)],
+    plan = "pp=2 mb=4 schedule=interleaved v=2 split=layers.1|layers.3|layers.5"
+    stages = usc.lint(SkipNet().double(), plan, example_inputs=token_batch(64, 8, 8)).stages
+    assert {t.to_stage for t in stages[0].sends} == {1, 2, 3}
+    result = assert_equivalent(lambda: SkipNet().double(), plan, [token_batch(64, 8, 8, seed=s) for s in range(2)],
                                rtol=1e-12, atol=1e-12, param_atol=1e-10)
     assert result.max_param_diff <= 1e-10
 
