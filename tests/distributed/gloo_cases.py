@@ -112,10 +112,12 @@ def losses_twice(rank: int, world_size: int, model_name: str, plan: str, steps: 
 def train_from_state(rank: int, world_size: int, family: str, cfg, state: bytes, plan: str,
                      batches: list) -> tuple[list[float], bytes | None]:
     """Train a model of `family` built from `cfg` and loaded with `state` (float64) on this rank."""
-    from usc.testing.models import TinyGPT2 as GPT2, TinyLlama as Llama
+    from usc.testing.models import TinyDeepSeek, TinyGPT2, TinyLlama, TinyMixtral
 
     torch.set_num_threads(1)
-    model = {"llama": Llama, "gpt2": GPT2}[family](cfg).double()
+    os.environ["TRITON_INTERPRET"] = "0"  # fused regions run their eager ops (see _check)
+    families = {"llama": TinyLlama, "gpt2": TinyGPT2, "mixtral": TinyMixtral, "deepseek": TinyDeepSeek}
+    model = families[family](cfg).double()
     model.load_state_dict(torch.load(io.BytesIO(state)))
     step = usc.compile(model, plan, example_inputs=batches[0])
     losses = [step.step(*b) for b in batches]
