@@ -68,11 +68,10 @@ def plan_and_model(draw, *, max_ranks: int):
 
 FAMILIES = {"llama": (TinyLlama, token_batch), "gpt2": (TinyGPT2, shifted_batch),
             "mixtral": (TinyMixtral, token_batch), "deepseek": (TinyDeepSeek, token_batch)}
-# The routers score in float32 even in a float64 model (softmax(..., dtype=float), as Mixtral and
-# DeepSeek do), and usc's MoE node combines the experts in another order than the model's loop: MoE
-# models agree to float32 rounding (5e-6 relative on the loss even at dp=1), so they get the
-# foundation's float32 bounds.
-MOE_FLOAT64 = {"rtol": 1e-5, "atol": 1e-6, "param_atol": 1e-5}
+# The routers score in float32 (softmax(..., dtype=float), as Mixtral and DeepSeek do): the mesh
+# runs the same float32 ops on the same rows, but a sum over a different token split can round
+# differently, so MoE models get a little more room than dense ones.
+MOE_FLOAT64 = {"rtol": 1e-9, "atol": 1e-10, "param_atol": 1e-7}
 
 
 def _check(case, *, runner=None):
