@@ -14,9 +14,10 @@ SIZES = (1, 2, 4)
 
 
 @st.composite
-def plans(draw, *, max_ranks: int = 16, pipeline: bool = True) -> str:
-    """Plan text combining dp, tp (+sp), cp (+mode), pp (+schedule, mb), zero, recompute, fuse and dtype, with at
-    most ``max_ranks`` ranks. The text parses; whether it fits a given model is the compiler's say."""
+def plans(draw, *, max_ranks: int = 16, pipeline: bool = True, fuse: bool = False) -> str:
+    """Plan text combining dp, tp (+sp), cp (+mode), pp (+schedule, mb), zero, recompute and dtype
+    (and fuse=on when ``fuse``: off by default, since fused kernels run interpreted on CPU, slowly),
+    with at most ``max_ranks`` ranks. The text parses; whether it fits a model is the compiler's say."""
     axes = {}
     for axis in ("dp", "cp", "tp") + (("pp",) if pipeline else ()):
         size = draw(st.sampled_from(SIZES))
@@ -37,7 +38,7 @@ def plans(draw, *, max_ranks: int = 16, pipeline: bool = True) -> str:
     recompute = draw(st.sampled_from(["none", "none", "selective", "full"]))
     if recompute != "none":
         items.append(f"recompute={recompute}")
-    if draw(st.booleans()):
+    if fuse and draw(st.booleans()):
         items.append("fuse=on")
     return " ".join(items) or "dp=1"
 
