@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from usc.dsl import parse_plan
 
 
 def human_bytes(n: float) -> str:
@@ -74,7 +75,7 @@ def render_search(search) -> str:
                                                     for r, n in search.rejected.items()))
         return "\n".join(lines)
     best = search.best
-    lines.append(f"  chosen: {best.plan.text()}")
+    lines.append(f"  chosen: {parse_plan(best.plan.text())}")  # as the report's header writes it
     lines += ["  " + line for line in render_time_breakdown(best.estimate)]
     if search.alternatives:
         lines.append("  alternatives (best plan of each other mesh shape) and why they lost:")

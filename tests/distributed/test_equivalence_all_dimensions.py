@@ -34,7 +34,7 @@ FLOAT64 = {"rtol": 1e-10, "atol": 1e-12, "param_atol": 1e-9}
 @st.composite
 def plan_and_model(draw, *, max_ranks: int):
     """A plan and a (family, config, batch size, sequence length) every axis of it divides."""
-    text = draw(plans(max_ranks=max_ranks, experts=True))
+    text = draw(plans(max_ranks=max_ranks, experts=True, fuse=True))
     plan = usc.parse_plan(text)
     dp, tp, cp, pp = (plan.size(axis) for axis in ("dp", "tp", "cp", "pp"))
     ulysses = cp > 1 and plan.get("cp_mode") == "ulysses"

@@ -33,13 +33,18 @@ def run_fused(model, plan, batches, optimizer):
     sim = usc.simulate(model, plan, example_inputs=batches[0], optimizer=optimizer)
     losses = [sim.step(*b) for b in batches]
     counts = launches(sim)
-    # every fused node ran its forward and its backward kernel on every step
+    # every fused node ran its forward and its backward kernel on every step (selective recompute
+    # runs some forward kernels again in backward)
     assert counts["nodes"] > 0
-    assert counts["forward"] == counts["backward"] == counts["nodes"] * len(batches), counts
+    assert counts["backward"] == counts["nodes"] * len(batches), counts
+    if "recompute" in plan:
+        assert counts["forward"] > counts["backward"], counts
+    else:
+        assert counts["forward"] == counts["backward"], counts
     return losses, sim.full_state_dict()
 
 
-@pytest.mark.parametrize("plan", ["fuse=on", "dp=2 tp=2 fuse=on"])
+@pytest.mark.parametrize("plan", ["fuse=on", "dp=2 tp=2 fuse=on", "dp=2 tp=2 fuse=on recompute=selective"])
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_fused_kernels_match_one_device(model, plan):
     factory, batch = MODELS[model]

@@ -14,10 +14,11 @@ SIZES = (1, 2, 4)
 
 
 @st.composite
-def plans(draw, *, max_ranks: int = 16, pipeline: bool = True, experts: bool = False) -> str:
-    """Plan text combining dp, tp (+sp), cp (+mode), pp (+schedule, mb), zero, recompute, fuse and dtype, with at
-    most ``max_ranks`` ranks; with ``experts``, also ep (carved from dp, so it adds no ranks) for
-    mixture-of-experts models. The text parses; whether it fits a given model is the compiler's say."""
+def plans(draw, *, max_ranks: int = 16, pipeline: bool = True, experts: bool = False, fuse: bool = False) -> str:
+    """Plan text combining dp, tp (+sp), cp (+mode), pp (+schedule, mb), zero, recompute and dtype, with
+    at most ``max_ranks`` ranks; with ``experts`` also ep (carved from dp, so it adds no ranks) for
+    mixture-of-experts models, and with ``fuse`` also fuse=on (off by default: on CPU fused kernels
+    run interpreted, slowly). The text parses; whether it fits a model is the compiler's say."""
     axes = {}
     for axis in ("dp", "cp", "tp") + (("pp",) if pipeline else ()):
         size = draw(st.sampled_from(SIZES))
@@ -41,7 +42,7 @@ def plans(draw, *, max_ranks: int = 16, pipeline: bool = True, experts: bool = F
     recompute = draw(st.sampled_from(["none", "none", "selective", "full"]))
     if recompute != "none":
         items.append(f"recompute={recompute}")
-    if draw(st.booleans()):
+    if fuse and draw(st.booleans()):
         items.append("fuse=on")
     return " ".join(items) or "dp=1"
 
