@@ -14,10 +14,13 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from .fusion_cost import fusion_summary, kernel_sources
 from .ir import META, MeshSpec
 from .pipeline import pipeline_stages
 from .report_cost import cost_dict
 from .program import Program
+from .report_stages import StageRecord, stage_table, state_of_pp_rank
+from .recompute_report import RecomputeRecord, recompute_records, recompute_summary, region_bodies
 
 KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send/recv")
 
@@ -59,10 +62,18 @@ class Report:
     attention_flops: dict = field(default_factory=dict)  # cp axis -> multiply-adds per rank
     memory: dict = field(default_factory=dict)  # ZeRO stage -> predicted bytes per rank by kind
     zero_stage: int = 0
+    findings: list = field(default_factory=list)  # usc-lint findings (compiler/lint_rules.py), set by lint
+    stages: list[StageRecord] = field(default_factory=list)  # pipeline stages (pp > 1)
+    fusion: dict = field(default_factory=dict)  # fuse=on: kernels and bytes per step, eager vs fused
+    kernels: list = field(default_factory=list)  # fuse=on: each generated kernel (KernelInfo)
     cost: object = None  # the cost model's Estimate for this plan (usc.lint(..., hardware=...))
     plan_search: object = None  # the planner's PlanSearch when the plan came from `auto`
     activation_estimate: Callable[[], int] | None = field(default=None, repr=False)
     _activation_bytes: int | None = field(default=None, repr=False)
+    recompute: list[RecomputeRecord] = field(default_factory=list)  # tensors of recompute regions
+    recompute_mode: str = "none"
+    activation_estimate_by_recompute: Callable[[], dict[str, int]] | None = field(default=None, repr=False)
+    _activation_by_recompute: dict[str, int] | None = field(default=None, repr=False)
 
     @property
     def activation_bytes(self) -> int | None:
@@ -71,6 +82,19 @@ class Report:
         if self._activation_bytes is None and self.activation_estimate is not None:
             self._activation_bytes = self.activation_estimate()
         return self._activation_bytes
+
+    @property
+    def activation_bytes_by_recompute(self) -> dict[str, int] | None:
+        """Predicted activation bytes per rank for recompute=none|selective|full (this plan's rules
+        kept), each from that plan's rank-0 program run on fake tensors (computed on first use)."""
+        if self._activation_by_recompute is None and self.activation_estimate_by_recompute is not None:
+            self._activation_by_recompute = self.activation_estimate_by_recompute()
+        return self._activation_by_recompute
+
+    @property
+    def recompute_summary(self) -> dict[str, dict]:
+        """'input'/'kept' (saved) and 'recomputed': tensors, bytes and ops per decision."""
+        return recompute_summary(self.recompute)
 
     def count(self, kind: str | None = None, *, axis: str | None = None, direction: str | None = None,
               module_prefix: str | None = None) -> int:
@@ -101,8 +125,16 @@ class Report:
             "attention_flops_per_rank": self.attention_flops,
             "memory_per_rank_by_zero_stage": self.memory,
             "activation_bytes_per_rank": self.activation_bytes,
+            "recompute": {"mode": self.recompute_mode, "summary": self.recompute_summary,
+                          "tensors": [asdict(r) for r in self.recompute],
+                          "activation_bytes_by_mode": self.activation_bytes_by_recompute},
             "zero_stage": self.zero_stage,
             "p2p_bytes_per_step": self.p2p_bytes_per_step,
+            "findings": [{"code": f.code, "severity": f.severity, "message": f.message, "hint": f.hint,
+                          "module": f.module} for f in self.findings],
+            "pipeline_stages": [asdict(s) for s in self.stages],
+            "fusion": self.fusion,
+            "kernels": [{"name": k.name, "used_by": list(k.used_by)} for k in self.kernels],
             **cost_dict(self),
         }
 
@@ -171,11 +203,15 @@ def pipeline_transfers(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRec
 
 
 def _graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRecord]:
+    """The collectives of one graph (no pipeline stages), forward and backward, in graph order."""
     out = []
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
         module = gm.get_submodule(node.target)
+        if isinstance(getattr(module, "body", None), fx.GraphModule):  # a recompute region
+            out += _recomputed_collectives(_graph_collectives(module.body, mesh))
+            continue
         fwd, bwd = getattr(module, "forward_collective", None), getattr(module, "backward_collective", None)
         if fwd is None:
             continue
@@ -194,14 +230,26 @@ def _graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRec
     return out
 
 
+part_collectives = _graph_collectives
+
+
+def _recomputed_collectives(records: list[CollectiveRecord]) -> list[CollectiveRecord]:
+    """A region's collectives run in forward and, when backward recomputes the region, again
+    (recompute=full re-issues them; selective regions hold none that communicate in forward)."""
+    again = [replace(c, direction="backward", reason=f"re-issued by recompute in backward; {c.reason}".rstrip("; "))
+             for c in records if c.direction == "forward"]
+    return records + again
+
+
 def _p2p_records(node: fx.Node, module, mesh: MeshSpec) -> list[CollectiveRecord]:
     """Nodes whose traffic is not one tensor per call (ring attention, ZeRO-3 gathers) say it."""
-    shape, dtype = _local(node.args[-1], mesh)
+    shape, dtype = _local(node.args[getattr(module, "traffic_input", -1)], mesh)
     ann = node.meta[META]
+    default = ann.reason or "ring attention: K/V blocks passed to the next rank"
     return [CollectiveRecord(kind, module.axis, mesh.size(module.axis), direction, call_shape,
                              str(dtype).replace("torch.", ""), nbytes, calls, ann.module or "<root>", ann.source,
-                             ann.reason or "ring attention: K/V blocks passed to the next rank", node.name)
-            for direction, kind, call_shape, nbytes, calls in module.traffic(shape, dtype, mesh.size(module.axis))
+                             why[0] if why else default, node.name)
+            for direction, kind, call_shape, nbytes, calls, *why in module.traffic(shape, dtype, mesh.size(module.axis))
             if calls]
 
 
@@ -209,7 +257,8 @@ def attention_flops_per_rank(gm: fx.GraphModule, mesh: MeshSpec) -> dict[str, li
     """Per cp rank: multiply-adds of the attention it computes (shows zig-zag balance); the ring
     node knows its own schedule, so the report only asks it."""
     out: dict[str, list[int]] = {}
-    for node, gm in ((n, part) for part in program_parts(gm) for n in part.graph.nodes):
+    parts = program_parts(gm) + [body for _, body in region_bodies(gm)]
+    for node, gm in ((n, part) for part in parts for n in part.graph.nodes):
         module = gm.get_submodule(node.target) if node.op == "call_module" else None
         if module is None or not hasattr(module, "traffic"):
             continue
@@ -222,15 +271,28 @@ def attention_flops_per_rank(gm: fx.GraphModule, mesh: MeshSpec) -> dict[str, li
     return out
 
 
+JOINT_AXES = (("dp", "ep"),)  # axes the runtime's mesh also offers as one group (runtime/mesh.py)
+
+
+def _joint(axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Gradients summed over dp and ep (all data-parallel ranks) are one all-reduce over 'dp+ep'."""
+    for pair in JOINT_AXES:
+        if all(a in axes for a in pair):
+            first = min(axes.index(a) for a in pair)
+            rest = [a for a in axes if a not in pair]
+            axes = tuple(rest[:first]) + ("+".join(pair),) + tuple(rest[first:])
+    return axes
+
+
 def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: bool = True
                   ) -> list[tuple[tuple[str, ...], list[str], int]]:
     """(axes, parameter names, bytes) per gradient bucket, packed as the runtime packs them: in
     reverse order of the parameters, one open bucket per set of axes, closed once it holds
     bucket_bytes. ZeRO-3 parameters get their dp sum inside the graph, so dp is not theirs here."""
     done, open_buckets = [], {}
-    for spec in reversed(program.state):
+    for spec in reversed(state_of_pp_rank(program)):
         in_graph = graph_reduces_zero3 and spec.zero3
-        axes = tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1 and not (in_graph and a == "dp"))
+        axes = _joint(tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1 and not (in_graph and a == "dp")))
         if not axes:
             continue
         shape = spec.layout.local_shape(spec.global_shape, program.mesh)
@@ -272,12 +334,12 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
 
     Rajbhandari et al. 2020: stage 1 shards the optimizer state over dp, stage 2 also the
     gradients, stage 3 also the parameters. Sharded buffers are the gradient buckets reduced over
-    dp, each padded to a multiple of dp. optimizer_states: tensors of the parameter's size the
+    dp, each padded to a multiple of dp; with pp, rank 0's stages' parameters. optimizer_states: tensors of the parameter's size the
     optimizer keeps per parameter (2 for Adam/AdamW: exp_avg, exp_avg_sq). Gradients are counted
     at their peak, after the reduction and before the optimizer step.
     """
     params = sum(_nbytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
-                 for s in program.state if s.kind == "param" and s.trainable)
+                 for s in state_of_pp_rank(program) if s.kind == "param" and s.trainable)
     dp = program.mesh.size("dp")
     buckets = [(axes, nbytes) for axes, _, nbytes in _pack_buckets(program, bucket_bytes, graph_reduces_zero3=False)]
     sharded = sum(nbytes for axes, nbytes in buckets if "dp" in axes) if dp > 1 else 0
@@ -299,7 +361,8 @@ def loss_value_records(program: Program) -> list[CollectiveRecord]:
 
 
 def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, compile_seconds: float,
-                 warnings: list[str] | None = None, zero_stage: int = 0, microbatches: int = 1) -> Report:
+                 warnings: list[str] | None = None, zero_stage: int = 0, microbatches: int = 1,
+                 recompute_mode: str = "none") -> Report:
     collectives = graph_collectives(program.gm, program.mesh, microbatches) + gradient_buckets(
         program, bucket_bytes, zero_stage)
     collectives += loss_value_records(program)
@@ -310,4 +373,7 @@ def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, 
     return Report(model, plan, program.mesh, collectives, list(program.tp_choices), warnings, params,
                   compile_seconds, list(program.timings),
                   attention_flops=attention_flops_per_rank(program.gm, program.mesh),
-                  memory=memory, zero_stage=zero_stage)
+                  memory=memory, zero_stage=zero_stage, stages=stage_table(program),
+                  recompute=recompute_records(program.gm, program.mesh), recompute_mode=recompute_mode,
+                  fusion=fusion_summary(program.gm, program_parts(program.gm), program.mesh, microbatches),
+                  kernels=kernel_sources(program.gm, program_parts(program.gm)))

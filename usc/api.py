@@ -11,7 +11,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from usc.compiler.errors import CompileError
+from usc.compiler.errors import CompileError, TraceError
+from usc.compiler.moe import MoEPatternError, find_blocks
 from usc.compiler.report import Report, build_report
 from usc.compiler.trace import is_meta_model, trace
 from usc.dsl import Plan, PlanError, check_rules_match, parse_plan
@@ -21,6 +22,7 @@ from usc.passes.pipeline_schedule import build_schedule
 from usc.passes.pipeline_schedule_check import check_schedule
 from usc.runtime.executor import PipelineExecutor, RankExecutor, estimate_activation_bytes
 from usc.runtime.mesh import Mesh, run_in_threads, simulated_meshes
+from usc.runtime.moe import summarize
 from usc.runtime.trace import Timeline
 from usc.planning import estimate_plan
 
@@ -68,6 +70,10 @@ def _as_plan(plan: str | Plan) -> Plan:
     return parse_plan(plan)
 
 
+def as_batch(example_inputs) -> tuple:
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+
+
 def _full_state(model: nn.Module, traced) -> dict[str, torch.Tensor]:
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -75,11 +81,19 @@ def _full_state(model: nn.Module, traced) -> dict[str, torch.Tensor]:
     return state
 
 
+def stamped_activation_bytes(stamped: tuple, plan: Plan, options: dict) -> int:
+    """Activations of N identical layers from the 2- and 3-layer programs: the bytes a layer saves for
+    backward do not depend on its index, so a(N) = a(2) + (N - 2) * (a(3) - a(2))."""
+    two, three, layers = stamped
+    a2, a3 = (estimate_activation_bytes(parallelize(t, plan), **options) for t in (two, three))
+    return a2 + (layers - 2) * (a3 - a2)
+
+
 class _Compiled:
     """What compile and simulate share: the plan, the traced program and its report."""
 
     def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
-                 optimizer: OptimizerFactory | None = None, hardware=None) -> None:
+                 optimizer: OptimizerFactory | None = None, hardware=None, traced=None) -> None:
         self.plan = _as_plan(plan)
         self.model = _WithLoss(model, loss_fn) if loss_fn is not None else model
         if self.plan.auto:
@@ -90,7 +104,19 @@ class _Compiled:
         self._program = None
         self._report: Report | None = None
         if example_inputs is not None:
-            self._build(tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
+            self._build(as_batch(example_inputs), traced=traced)
+
+    def trace(self, batch: tuple, *, stamp: bool = False):
+        """The traced model for one global microbatch of ``batch`` (plans with the same mb share it).
+
+        stamp: trace repeated identical layers once and stamp them (compiler/stamp.py); falls back
+        to the full trace when the model does not repeat linearly (and for mixture-of-experts blocks)."""
+        microbatch, moe_blocks = self._microbatch(batch), self._moe_blocks()
+        if stamp and not moe_blocks:
+            from usc.compiler.stamp import trace_stamped
+
+            return trace_stamped(self.model, microbatch, wrapper_source=self._loss_source)
+        return trace(self.model, microbatch, wrapper_source=self._loss_source, moe_blocks=moe_blocks)
 
     def _attach_cost(self, batch: tuple, hardware) -> None:
         """The cost model's time breakdown for this plan (and the planner's reasons, if it chose)."""
@@ -101,20 +127,52 @@ class _Compiled:
         elif hardware is not None:
             report.cost = estimate_plan(self.model, self.plan, batch, hardware)
 
-    def _build(self, batch: tuple) -> None:
+    def _build(self, batch: tuple, *, traced=None) -> None:
         start = time.perf_counter()
-        traced = trace(self.model, self._microbatch(batch), wrapper_source=self._loss_source)
+        traced = traced if traced is not None else self.trace(batch)
         check_rules_match(self.plan, list(traced.module_types))
         self._traced = traced
         self._program = parallelize(traced, self.plan)
         self._report = build_report(self._program, model=type(self._user_model).__name__, plan=str(self.plan),
                                     bucket_bytes=self.bucket_bytes, compile_seconds=time.perf_counter() - start,
-                                    zero_stage=int(self.plan.get("zero")), microbatches=int(self.plan.get("mb")))
+                                    zero_stage=int(self.plan.get("zero")), microbatches=int(self.plan.get("mb")),
+                                    recompute_mode=self.plan.get("recompute"))
         program, options = self._program, self._executor_options()
         options.pop("microbatches")
         options.pop("reduce_dtype")
         if self.plan.size("pp") == 1:  # a pipeline rank holds one stage: not estimated yet
-            self._report.activation_estimate = lambda: estimate_activation_bytes(program, **options)
+            self._report.activation_estimate = (lambda: self._activations(traced, self.plan, options)) \
+                if traced.stamped else (lambda: estimate_activation_bytes(program, **options))
+            self._report.activation_estimate_by_recompute = lambda: self._activation_by_recompute(traced, options)
+
+    @staticmethod
+    def _activations(traced, plan: Plan, options: dict) -> int:
+        """Activation bytes of ``plan``'s rank 0 (from the 2- and 3-layer programs when stamped)."""
+        if traced.stamped:
+            return stamped_activation_bytes(traced.stamped, plan, options)
+        return estimate_activation_bytes(parallelize(traced, plan), **options)
+
+    def _activation_by_recompute(self, traced, options: dict) -> dict[str, int]:
+        """The activation estimate of this plan under each recompute mode (rules kept)."""
+        out = {}
+        for mode in ("none", "selective", "full"):
+            if mode == self.plan.get("recompute"):
+                out[mode] = self._report.activation_bytes
+            else:
+                out[mode] = self._activations(traced, self.plan.with_options(recompute=mode), options)
+        return out
+
+    def _moe_blocks(self) -> list:
+        """The model's mixture-of-experts blocks (rules with the action ``expert`` mark more)."""
+        rules = {path: rule for path, _ in self.model.named_modules() for rule in self.plan.rules
+                 if rule.matches(path) and any(a.name == "expert" for a in rule.actions)}
+        try:
+            return find_blocks(self.model, frozenset(rules))
+        except MoEPatternError as err:
+            if err.path in rules:
+                raise self.plan.error_at(rules[err.path], f"rule 'expert' on {err}",
+                                         hint="see README, 'Mixture of experts', for the patterns usc knows") from None
+            raise TraceError(f"usc could not reproduce the mixture-of-experts block {err}") from None
 
     def _microbatch(self, batch: tuple) -> tuple:
         """The program is compiled for one global microbatch (mb=M splits the batch's dim 0)."""
@@ -238,6 +296,11 @@ class Compiled(_Compiled):
         tensors, meta = checkpoint.read_all(path)
         self._rank().load_checkpoint_state(tensors, meta)
 
+    def moe_stats(self) -> dict:
+        """This rank's view of each MoE layer over the last step (loads of its own experts, the
+        all-to-all bytes it sent); ``usc.simulate(...).moe_stats()`` combines every rank's."""
+        return summarize([self._rank().moe_stats()])
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) tensors under the model's own state_dict names (a collective call)."""
         full = self._rank().full_state_dict()
@@ -312,6 +375,11 @@ class Simulated(_Compiled):
         full = self._run(lambda rank: rank.full_state_dict())[0]
         return {k: full[k] for k in self._user_model.state_dict() if k in full}
 
+    def moe_stats(self) -> dict:
+        """Per MoE layer (module path): tokens per expert and per rank (the load), their imbalance
+        (max / mean) and the all-to-all bytes each rank sent, over the last step."""
+        return summarize([rank.moe_stats() for rank in self.ranks])
+
     def rank_state(self, rank: int) -> dict[str, torch.Tensor]:
         """The local shards held by one rank (for tests and inspection)."""
         return self.ranks[rank].local_state()
@@ -346,16 +414,23 @@ def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None
 
 
 def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, hardware=None) -> Report:
-    """Compile without running anything and return the report (what ``usc-lint`` prints).
+    """Compile without running anything and return the report (what ``usc-lint`` prints), with the
+    lint findings in ``report.findings`` (codes USC1xx errors, USC2xx warnings, USC3xx notes).
 
-    Works for meshes of any size and for models on the ``meta`` device (no weights allocated).
-    ``hardware`` ("h100", "a100", a profile file or a HardwareProfile) adds the cost model's time
-    breakdown (``report.cost``): compute, exposed communication and bubble per step, tokens/s, MFU.
+    Works for meshes of any size and for models on the ``meta`` device (no weights allocated). A plan
+    that does not compile raises its PlanError / CompileError. ``hardware`` ("h100", "a100", a profile
+    file or a HardwareProfile) adds the cost model's time breakdown (``report.cost``): compute, exposed
+    communication and bubble per step, tokens/s, MFU; memory is checked against it (default h100).
     """
-    compiled = _Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, hardware=hardware)
-    batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    compiled._attach_cost(batch, hardware)
-    return compiled.report
+    from .linting import first_error, lint_plan
+
+    result = lint_plan(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, hardware=hardware or "h100")
+    if result.report is None:
+        if not result.exceptions:  # refused by a lint check before compiling: the compiler's own words
+            _Compiled(model, result.plan, example_inputs=example_inputs, loss_fn=loss_fn, traced=result.traced)
+        raise first_error(result)
+    result.compiled._attach_cost(as_batch(example_inputs), hardware)
+    return result.report
 
 
 def plan(model: nn.Module, spec: str | Plan, *, example_inputs, loss_fn=None, hardware=None, keep: int = 5) -> Plan:

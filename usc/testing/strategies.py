@@ -15,7 +15,7 @@ SIZES = (1, 2, 4)
 
 @st.composite
 def plans(draw, *, max_ranks: int = 16, pipeline: bool = True) -> str:
-    """Plan text combining dp, tp (+sp), cp (+mode), pp (+schedule, mb), zero and dtype, with at
+    """Plan text combining dp, tp (+sp), cp (+mode), pp (+schedule, mb), zero, recompute, fuse and dtype, with at
     most ``max_ranks`` ranks. The text parses; whether it fits a given model is the compiler's say."""
     axes = {}
     for axis in ("dp", "cp", "tp") + (("pp",) if pipeline else ()):
@@ -28,12 +28,17 @@ def plans(draw, *, max_ranks: int = 16, pipeline: bool = True) -> str:
     if axes.get("cp", 1) > 1:
         items.append(f"cp_mode={draw(st.sampled_from(['ring', 'zigzag', 'ulysses']))}")
     if axes.get("pp", 1) > 1:
-        items.append(f"schedule={draw(st.sampled_from(['gpipe', '1f1b']))}")
+        items.append(f"schedule={draw(st.sampled_from(['gpipe', '1f1b', 'zb', 'interleaved v=2']))}")
         items.append(f"mb={axes['pp'] * draw(st.sampled_from([1, 2]))}")
     if axes.get("dp", 1) > 1:
         zero = draw(st.sampled_from([0, 1, 2] + ([] if axes.get("pp", 1) > 1 else [3])))
         if zero:
             items.append(f"zero={zero}")
+    recompute = draw(st.sampled_from(["none", "none", "selective", "full"]))
+    if recompute != "none":
+        items.append(f"recompute={recompute}")
+    if draw(st.booleans()):
+        items.append("fuse=on")
     return " ".join(items) or "dp=1"
 
 
