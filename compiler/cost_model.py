@@ -520,9 +520,9 @@ def stage_flops(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -
 
 def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) -> Estimate:
     """Per-rank memory, FLOPs, collectives and step time of ``plan``. Memory is the fullest stage's;
-    time is the busiest stage's (the most FLOPs), which every other stage waits for."""
+    time is the busiest stage's (the most FLOPs at the plan's sequence), which the others wait for."""
     stages = merged_stages(profile, plan.pp)
-    busiest = max(stages, key=lambda u: u.flops_matmul + u.flops_attention)
+    busiest = max(stages, key=lambda u: stage_flops(profile, plan, [u]))  # at the plan's S: attention grows as S^2
     state, flops, time, comms = _stage_estimate(profile, plan, [busiest], hw)
     memory = peak_memory(profile, plan) if plan.pp > 1 else state
     model_flops = 3 * profile.forward_flops_per_token * plan.global_batch * plan.seq * (
