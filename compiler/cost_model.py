@@ -92,6 +92,8 @@ class UnitCost:
     params_expert: int = 0  # fp32 bytes of MoE expert weights (split over ep; not in params_rep/params_tp)
     moe_layers: int = 0  # MoE layers in the unit (each dispatches and combines its tokens over ep)
     params_saved: tuple = (0, 0)  # (replicated, tp-split) bytes of parameters autograd saves (ZeRO-3 re-gathers)
+    boundary: dict = field(default_factory=dict)  # sp -> {ScaleKey: bytes} crossing a pipeline cut after this unit
+    boundary_grad: dict = field(default_factory=dict)  # sp -> ... of those values that have a gradient
     largest_acts: dict = field(default_factory=dict)  # sp -> acts of the largest merged unit
 
 
@@ -253,7 +255,12 @@ def stage_units(profile: ModelProfile, pp: int) -> list[list[UnitCost]]:
 def merged_stages(profile: ModelProfile, pp: int) -> list[UnitCost]:
     """One summed UnitCost per stage (cached per pp): estimating a plan then costs a few dict sums."""
     if pp not in profile._stages:
-        profile._stages[pp] = [merge_units(units) for units in stage_units(profile, pp)]
+        stages = stage_units(profile, pp)
+        merged = [merge_units(units) for units in stages]
+        # a stage's pipeline traffic: the cut after it (the last stage: the cut before it)
+        cuts = [stages[min(k, len(stages) - 2)][-1] for k in range(len(stages))] if pp > 1 else stages[0][-1:]
+        profile._stages[pp] = [replace(m, boundary=cut.boundary, boundary_grad=cut.boundary_grad)
+                               for m, cut in zip(merged, cuts)]
     return profile._stages[pp]
 
 
@@ -486,11 +493,13 @@ def pipeline_collectives(profile: ModelProfile, plan: PlanPoint, units: list[Uni
     if plan.pp == 1 or not units:
         return []
     sp = plan.sp and plan.tp > 1
-    nbytes = _acts(units[-1].input_bytes.get(sp, {}), profile, plan) / units[-1].blocks  # one hidden state
     bw, lat = _link(hw, plan, "pp")
-    seconds = collective_seconds("send/recv", nbytes, 2, bw, lat)
-    return [CollectiveEstimate("pp", "send/recv", d, plan.pp, nbytes, 1, seconds, seconds)
-            for d in ("forward", "backward")]
+    out = []
+    for direction, crossing in (("forward", units[-1].boundary), ("backward", units[-1].boundary_grad)):
+        nbytes = _acts(crossing.get(sp, {}), profile, plan)  # values that cross the cut (hidden state, RoPE)
+        seconds = collective_seconds("send/recv", nbytes, 2, bw, lat)
+        out.append(CollectiveEstimate("pp", "send/recv", direction, plan.pp, nbytes, 1, seconds, seconds))
+    return out
 
 
 # ---------------------------------------------------------------------------------------- time
@@ -511,9 +520,9 @@ def stage_flops(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -
 
 def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) -> Estimate:
     """Per-rank memory, FLOPs, collectives and step time of ``plan``. Memory is the fullest stage's;
-    time is the busiest stage's (the most FLOPs), which every other stage waits for."""
+    time is the busiest stage's (the most FLOPs at the plan's sequence), which the others wait for."""
     stages = merged_stages(profile, plan.pp)
-    busiest = max(stages, key=lambda u: u.flops_matmul + u.flops_attention)
+    busiest = max(stages, key=lambda u: stage_flops(profile, plan, [u]))  # at the plan's S: attention grows as S^2
     state, flops, time, comms = _stage_estimate(profile, plan, [busiest], hw)
     memory = peak_memory(profile, plan) if plan.pp > 1 else state
     model_flops = 3 * profile.forward_flops_per_token * plan.global_batch * plan.seq * (
@@ -565,6 +574,8 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost
     sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
     grads += [CollectiveEstimate(axis, "all-reduce", "forward", sizes[axis], 4, 1, 0.0, 0.0)
               for axis in profile.loss_axes if sizes.get(axis, 1) > 1]  # the returned loss value
+    if plan.pp > 1:  # the last stage's loss sum and token count (two float64) reach every pp rank
+        grads.append(CollectiveEstimate("pp", "all-reduce", "forward", plan.pp, 16, 1, 0.0, 0.0))
     comms = [CollectiveEstimate(c.axis, c.kind, c.direction, c.group_size, c.bytes_per_step * m,
                                 c.calls_per_step * m, c.seconds * m, exposed_mb * m)
              for c, exposed_mb in zip(layer_comms, layer_exposed)] + grads

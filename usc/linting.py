@@ -117,8 +117,9 @@ def lint_plan(model, plan, *, example_inputs, loss_fn=None, hardware: str | Hard
     profile = hardware_profile(hardware) if hardware is not None else None
     try:
         plan = _as_plan(plan)
-        if plan.auto:  # the planner chooses first; the lint checks its choice
-            plan = _resolve_auto(_WithLoss(model, loss_fn) if loss_fn is not None else model, plan, example_inputs)
+        if plan.auto:  # the planner chooses first (for this hardware unless the plan names one); lint checks it
+            plan = _resolve_auto(_WithLoss(model, loss_fn) if loss_fn is not None else model, plan, example_inputs,
+                                 None if plan.is_set("hardware") else profile)
     except (PlanError, CompileError) as err:
         return LintResult(text, None, None, run_rules(LintInput(errors=(err,)), select=PLAN_ONLY), profile,
                           exceptions=[err])

@@ -53,7 +53,7 @@ def profile_model(model: torch.nn.Module, example_inputs: tuple, *, traced: Trac
     """Per-unit costs of ``model`` at the example's batch and sequence (one trace, two probe compiles).
 
     A stack of identical blocks (an ``nn.ModuleList`` of same-shaped layers, the 32 or 80 decoder
-    layers) is measured on its first ``KEEP_BLOCKS`` blocks and the last of those is stamped for the
+    layers) is measured on its first ``KEEP_BLOCKS`` blocks and a middle one is stamped for the
     rest, so profiling time does not grow with depth; a model whose forward needs every block is
     traced whole."""
     if traced is None:
@@ -84,7 +84,9 @@ def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
                               input_bytes={sp: per_sp[sp][1].get(name, {}) for sp in per_sp},
                               collectives={sp: tuple(per_sp[sp][2].get(name, ())) for sp in per_sp},
                               params_expert=expert_bytes.get(name, 0), moe_layers=int(name in expert_bytes),
-                              params_saved=saved.get(name, (0, 0, 0))[:2]))
+                              params_saved=saved.get(name, (0, 0, 0))[:2],
+                              boundary={sp: per_sp[sp][4][name][0] for sp in per_sp},
+                              boundary_grad={sp: per_sp[sp][4][name][1] for sp in per_sp}))
     layers = sum(1 for u in units if u.rsplit(".", 1)[-1].isdigit())
     return ModelProfile(traced.model_name, batch, seq, tuple(built), tp_divides=_tp_divides(probe_plain, batch, seq),
                         cp_possible="cp" in probe_plain.mesh.axes, layers=layers, experts=experts,
@@ -93,7 +95,7 @@ def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
 
 # ------------------------------------------------------------------------------- repeated blocks
 
-KEEP_BLOCKS = 2
+KEEP_BLOCKS = 3  # first, a middle one (stamped for the untraced), last
 
 
 def _same_structure(blocks) -> bool:
@@ -124,15 +126,18 @@ def _shallow_stacks(model: torch.nn.Module):
 
 
 def _stamp(profile: ModelProfile, stacks: dict[str, int]) -> ModelProfile:
-    """Repeat the last measured block of each stack for the blocks that were not traced."""
+    """Repeat a middle block of each stack for the blocks that were not traced. A middle block (not
+    the first, not the last) is what the untraced ones are: values made before the stack, such as
+    RoPE tables, still cross a pipeline cut after it; the last measured block stays the last."""
     units = list(profile.units)
     for path, length in stacks.items():
-        last = f"{path}.{KEEP_BLOCKS - 1}"
-        at = next((i for i, u in enumerate(units) if u.name == last), None)
-        if at is None:
+        names = [u.name for u in units]
+        middle, last = f"{path}.1", f"{path}.{KEEP_BLOCKS - 1}"
+        if middle not in names or last not in names:
             continue
-        copies = [replace(units[at], name=f"{path}.{i}") for i in range(KEEP_BLOCKS, length)]
-        units[at + 1:at + 1] = copies
+        at = names.index(last)
+        copies = [replace(units[names.index(middle)], name=f"{path}.{i}") for i in range(KEEP_BLOCKS - 1, length - 1)]
+        units[at:at + 1] = copies + [replace(units[at], name=f"{path}.{length - 1}")]
     layers = sum(1 for u in units if u.name.rsplit(".", 1)[-1].isdigit())
     return replace(profile, units=tuple(units), layers=layers)
 
@@ -220,7 +225,29 @@ def _probe_costs(program, units: list[str]):
                            is_float=is_float)
         bucket = acts.setdefault(where[name], {})
         bucket[key] = bucket.get(key, 0) + nbytes * factor
-    return acts, _unit_inputs(program, where), _collectives(program, where, nodes), saved_params
+    return acts, _unit_inputs(program, where), _collectives(program, where, nodes), saved_params, \
+        _boundaries(program, where, units)
+
+
+def _boundaries(program, where: dict[str, str], units: list[str]) -> dict[str, tuple[dict, dict]]:
+    """Per unit: ({ScaleKey: bytes} of the values made at or before it and used after it -- what a
+    pipeline cut after the unit sends forward --, the same for those with a gradient, sent back)."""
+    order = {u: i for i, u in enumerate(units)}
+    out = {u: ({}, {}) for u in units}
+    for node in program.gm.graph.nodes:
+        value = node.meta.get("val")
+        if node.op not in ("call_function", "call_module") or not isinstance(value, torch.Tensor):
+            continue
+        last_use = max((order[where[u.name]] for u in node.users if u.op != "output"), default=-1)
+        first = order[where[node.name]]
+        if last_use <= first:
+            continue
+        key, factor = _key(node, program.mesh)
+        local = math.prod(node.meta[META].layout.local_shape(tuple(value.shape), program.mesh)) * value.element_size()
+        for unit in units[first:last_use]:
+            for crossing in out[unit][:1] + (out[unit][1:] if node.meta[META].needs_grad else ()):
+                crossing[key] = crossing.get(key, 0) + local * factor
+    return out
 
 
 def _unit_inputs(program, where: dict[str, str]) -> dict[str, dict]:

@@ -89,8 +89,10 @@ def test_no_plan_fits_is_a_plan_error():
 def test_auto_in_simulate_runs_the_chosen_plan():
     batch = token_batch(CONFIG.vocab, 8, 32)
     torch.manual_seed(0)
-    sim = usc.simulate(TinyLlama(CONFIG), "auto gpus=2 timeout=60", example_inputs=batch)
+    # fuse=off kept as written: fused kernels run in Triton's interpreter on CPU, far too slow here
+    sim = usc.simulate(TinyLlama(CONFIG), "auto gpus=2 timeout=60 fuse=off", example_inputs=batch)
     assert sim.plan.world_size == 2 and sim.plan.get("timeout") == 60 and not sim.plan.auto
+    assert not sim.plan.get("fuse")
     torch.manual_seed(0)
     one = usc.simulate(TinyLlama(CONFIG), "dp=1", example_inputs=batch)
     assert sim.step(*batch) == pytest.approx(one.step(*batch), rel=1e-5)
@@ -138,17 +140,11 @@ def test_expert_parallel_splits_experts_and_adds_all_to_alls():
     assert ep.memory["activations"] == pytest.approx(one.memory["activations"])  # ep splits the batch like dp
 
 
-def test_planner_tries_ep_only_for_moe_models_and_only_when_compile_runs_it(profile):
+def test_planner_tries_ep_only_for_moe_models(profile):
     dense = search(profile, PlanTarget(gpus=4, seq=32, global_batch=8, dtype="fp32"), H100, supported=refusal)
-    assert not any("ep=" in r for r in dense.rejected) and dense.best.plan.ep == 1
+    shapes = [c.plan for c in [dense.best] + dense.alternatives]
+    assert all(p.ep == 1 for p in shapes) and not any("ep=" in r for r in dense.rejected)
     moe = search(_moe_profile(), PlanTarget(gpus=4, seq=32, global_batch=8, dtype="fp32"), H100, supported=refusal)
-    assert any("'ep' is not implemented yet" in r for r in moe.rejected)
-    assert moe.best.plan.ep == 1
-
-
-@pytest.mark.parametrize("plan", [PlanPoint(8, 32, dp=2, cp=2, tp=2, sp=True, zero=3),
-                                  PlanPoint(8, 32, dp=2, pp=2, mb=2, zero=1)])
-def test_exposed_communication_is_the_sum_over_collectives(profile, plan):
-    est = estimate(profile, plan, H100)
-    assert est.time["exposed_comm"] == pytest.approx(sum(c.exposed_seconds for c in est.collectives))
-    assert all(c.exposed_seconds <= c.seconds + 1e-12 for c in est.collectives)
+    tried = [c.plan.ep for c in [moe.best] + moe.alternatives] + [
+        int(e.split("ep=")[1].split()[0]) for e in moe.rejected_examples.values() if "ep=" in e]
+    assert max(tried) > 1  # ep is enumerated (and proposed or refused by name) for an MoE model
