@@ -91,6 +91,7 @@ class UnitCost:
     blocks: int = 1  # units merged into this one (a pipeline stage)
     params_expert: int = 0  # fp32 bytes of MoE expert weights (split over ep; not in params_rep/params_tp)
     moe_layers: int = 0  # MoE layers in the unit (each dispatches and combines its tokens over ep)
+    params_saved: tuple = (0, 0)  # (replicated, tp-split) bytes of parameters autograd saves (ZeRO-3 re-gathers)
     largest_acts: dict = field(default_factory=dict)  # sp -> acts of the largest merged unit
 
 
@@ -282,7 +283,8 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
                     {sp: add(u.input_bytes.get(sp, {}) for u in units) for sp in sps},
                     {sp: merge_comms(u.collectives.get(sp, ()) for u in units) for sp in sps},
                     blocks=sum(u.blocks for u in units), largest_acts=largest,
-                    params_expert=sum(u.params_expert for u in units), moe_layers=sum(u.moe_layers for u in units))
+                    params_expert=sum(u.params_expert for u in units), moe_layers=sum(u.moe_layers for u in units),
+                    params_saved=(sum(u.params_saved[0] for u in units), sum(u.params_saved[1] for u in units)))
 
 
 def balanced_cut(costs: list[float], parts: int) -> list[int]:
@@ -450,11 +452,14 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
         bw, lat = _link(hw, plan, "dp")
         seconds = collective_seconds("all-gather", params / plan.dp, plan.dp, bw, lat)
         out.append(CollectiveEstimate("dp", "all-gather", "optimizer", plan.dp, params / plan.dp, 1, seconds, seconds))
-    if plan.dp > 1 and plan.zero == 3:  # per layer gathers in forward and backward, prefetched
+    if plan.dp > 1 and plan.zero == 3:  # per layer gathers in forward and backward (prefetched)
         bw, lat = _link(hw, plan, "dp")
         layers = max(1, sum(u.blocks for u in units))
-        seconds = 2 * collective_seconds("all-gather", params / plan.dp / layers, plan.dp, bw, lat) * layers
-        out.append(CollectiveEstimate("dp", "all-gather", "forward+backward", plan.dp, 2 * params / plan.dp,
+        # backward gathers again only the parameters autograd saved (an embedding saves its indices)
+        saved = sum(u.params_saved[0] + u.params_saved[1] / plan.tp for u in units)
+        payload = (params + saved) / plan.dp
+        seconds = collective_seconds("all-gather", payload / (2 * layers), plan.dp, bw, lat) * 2 * layers
+        out.append(CollectiveEstimate("dp", "all-gather", "forward+backward", plan.dp, payload * plan.mb,
                                       2 * layers * plan.mb, seconds * plan.mb, 0.0))
     return out
 

@@ -51,7 +51,8 @@ def state_of_pp_rank(program: Program, rank: int = 0) -> list:
 
 
 def _stage_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), fx.GraphModule)]
+    return [n for n in gm.graph.nodes
+            if n.op == "call_module" and isinstance(gm.get_submodule(n.target), fx.GraphModule)]
 
 
 def _output_node(stage: fx.GraphModule, position: int) -> fx.Node:

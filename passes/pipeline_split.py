@@ -2,9 +2,9 @@
 
 Requires: every earlier pass ran (the stage programs are the final per-rank programs, cut).
 Establishes: with pp>1 the returned GraphModule is an orchestrator whose ``submod_k`` children are
-    the ``pp * v`` stages in order (stage s runs on pp rank s % pp); every value crossing a cut is an explicit input/output of the stages
-    (the runtime sends it between pp ranks). Nodes of one layer (module path up to its first
-    index, e.g. ``layers.3``) stay together; layers are assigned to stages contiguously so the
+    the ``pp * v`` stages in order (stage s runs on pp rank s % pp); every value crossing a cut is
+    an explicit input/output of the stages (the runtime sends it between pp ranks). Nodes of one
+    layer (module path up to its first index, e.g. ``layers.3``) stay together; layers are assigned to stages contiguously so the
     estimated compute per stage (FLOPs from the global shapes) is balanced (``split=auto``), or so
     that stage k+1 starts at the k-th layer ``split=a|b|...`` names; nodes outside layers
     go with what they consume (or, with no computed input, with their first consumer). The

@@ -281,7 +281,8 @@ class PipelineMixin:
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
         for consumer in consumers_of(self.specs, stage):
             for index in messages_from(self.specs, stage, consumer):
-                self._put((stage, consumer, index), FORWARD, mb, outputs[index].detach().to(self._wire(outputs[index].dtype)))
+                out = outputs[index]
+                self._put((stage, consumer, index), FORWARD, mb, out.detach().to(self._wire(out.dtype)))
         count = float(outputs[1]) if stage == self._last_stage and len(outputs) > 1 else 1.0
         return InFlight(received, outputs, count)
 

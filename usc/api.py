@@ -93,11 +93,11 @@ class _Compiled:
     """What compile and simulate share: the plan, the traced program and its report."""
 
     def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
-                 optimizer: OptimizerFactory | None = None, traced=None) -> None:
+                 optimizer: OptimizerFactory | None = None, hardware=None, traced=None) -> None:
         self.plan = _as_plan(plan)
         self.model = _WithLoss(model, loss_fn) if loss_fn is not None else model
         if self.plan.auto:
-            self.plan = _resolve_auto(self.model, self.plan, example_inputs)
+            self.plan = _resolve_auto(self.model, self.plan, example_inputs, hardware)
         self._loss_source = _source_of(loss_fn) if loss_fn is not None else ""
         self._user_model = model
         self._optimizer = optimizer
@@ -122,10 +122,10 @@ class _Compiled:
         """The cost model's time breakdown for this plan (and the planner's reasons, if it chose)."""
         report = self.report
         report.plan_search = self.plan.search
-        if self.plan.search is not None and self.plan.search.best is not None and hardware is None:
-            report.cost = self.plan.search.best.estimate
-        elif hardware is not None or self.plan.search is not None:
-            report.cost = estimate_plan(self.model, self.plan, batch, hardware or "h100")
+        if self.plan.search is not None and self.plan.search.best is not None:
+            report.cost = self.plan.search.best.estimate  # planned with `hardware` when given
+        elif hardware is not None:
+            report.cost = estimate_plan(self.model, self.plan, batch, hardware)
 
     def _build(self, batch: tuple, *, traced=None) -> None:
         start = time.perf_counter()
@@ -456,7 +456,7 @@ def plan(model: nn.Module, spec: str | Plan, *, example_inputs, loss_fn=None, ha
     return choose(model, _as_plan(spec) if not isinstance(spec, str) else spec, batch, hardware=hardware, keep=keep)
 
 
-def _resolve_auto(model: nn.Module, written: Plan, example_inputs) -> Plan:
+def _resolve_auto(model: nn.Module, written: Plan, example_inputs, hardware=None) -> Plan:
     """``auto`` in compile/lint/simulate: the planner chooses, for the example batch as the global batch."""
     from usc.planning import choose
 
@@ -464,7 +464,7 @@ def _resolve_auto(model: nn.Module, written: Plan, example_inputs) -> Plan:
         raise written.error_at("auto", "auto needs example_inputs= to plan for (the global batch)",
                                hint="pass example_inputs=(tokens, labels) to compile")
     batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    return choose(model, written, batch)
+    return choose(model, written, batch, hardware=hardware)
 
 
 __all__ = ["compile", "simulate", "lint", "plan", "parse_plan", "Compiled", "Simulated", "Report", "PlanError",

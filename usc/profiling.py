@@ -75,6 +75,7 @@ def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
     flops = _flops_by_unit(traced.gm, units)
     per_sp = {sp: _probe_costs(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
     params = _param_bytes(probe_sp, units)  # with sp, replicated norm weights also get their tp sum
+    saved = _param_bytes(probe_sp, units, only=per_sp[False][3])
     expert_bytes, experts = _experts(probe_plain, units)
     built = []
     for name in units:
@@ -82,7 +83,8 @@ def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
                               acts={sp: per_sp[sp][0].get(name, {}) for sp in per_sp},
                               input_bytes={sp: per_sp[sp][1].get(name, {}) for sp in per_sp},
                               collectives={sp: tuple(per_sp[sp][2].get(name, ())) for sp in per_sp},
-                              params_expert=expert_bytes.get(name, 0), moe_layers=int(name in expert_bytes)))
+                              params_expert=expert_bytes.get(name, 0), moe_layers=int(name in expert_bytes),
+                              params_saved=saved.get(name, (0, 0, 0))[:2]))
     layers = sum(1 for u in units if u.rsplit(".", 1)[-1].isdigit())
     return ModelProfile(traced.model_name, batch, seq, tuple(built), tp_divides=_tp_divides(probe_plain, batch, seq),
                         cp_possible="cp" in probe_plain.mesh.axes, layers=layers, experts=experts,
@@ -209,7 +211,7 @@ def _key(node: fx.Node, mesh, *, kept: bool = True, is_float: bool | None = None
 def _probe_costs(program, units: list[str]):
     """Per unit: saved activations and unit inputs ({ScaleKey: bytes}) and collectives, unsplit."""
     where = _units_by_node(program.gm, units)
-    saved = _saved_tensors(program)
+    saved, saved_params = _saved_tensors(program)
     acts: dict[str, dict] = {}
     nodes = {n.name: n for n in program.gm.graph.nodes}
     for name, nbytes, is_float in saved:
@@ -218,7 +220,7 @@ def _probe_costs(program, units: list[str]):
                            is_float=is_float)
         bucket = acts.setdefault(where[name], {})
         bucket[key] = bucket.get(key, 0) + nbytes * factor
-    return acts, _unit_inputs(program, where), _collectives(program, where, nodes)
+    return acts, _unit_inputs(program, where), _collectives(program, where, nodes), saved_params
 
 
 def _unit_inputs(program, where: dict[str, str]) -> dict[str, dict]:
@@ -287,11 +289,14 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.tensor([], dtype=dtype).element_size()
 
 
-def _param_bytes(program, units: list[str]) -> dict[str, tuple[int, int, int]]:
-    """(replicated, tp-split, tp-reduced) fp32 bytes of trainable dense parameters per unit, unsplit."""
+def _param_bytes(program, units: list[str], only: set[str] | None = None) -> dict[str, tuple[int, int, int]]:
+    """(replicated, tp-split, tp-reduced) fp32 bytes of trainable dense parameters per unit, unsplit
+    (``only``: of these parameters)."""
     out: dict[str, list[int]] = {}
     for spec in program.state:
         if spec.kind != "param" or not spec.trainable or EXPERT.search(spec.name):
+            continue
+        if only is not None and spec.name not in only:
             continue
         unit = _param_unit(spec.name, units)
         nbytes = math.prod(spec.global_shape) * _itemsize(spec.dtype)
@@ -321,9 +326,10 @@ def _tp_divides(program, batch: int, seq: int) -> int:
 
 # ------------------------------------------------------------------------------- fake execution
 
-def _saved_tensors(program) -> list[tuple[str, int, bool]]:
+def _saved_tensors(program) -> tuple[list[tuple[str, int, bool]], set[str]]:
     """(node, bytes, is_float) of every storage rank 0 saves for backward in one forward, on fake
-    tensors; a storage made inside a node (ring attention's blocks) belongs to that node."""
+    tensors (a storage made inside a node, e.g. ring attention's blocks, belongs to that node), and
+    the names of the parameters autograd saves."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from usc.runtime.comm import ShapeComm
@@ -341,12 +347,16 @@ def _saved_tensors(program) -> list[tuple[str, int, bool]]:
         rank = RankExecutor(program, mesh, state, microbatches=1)
         recorder = _Recorder(rank.gm)
         rank.gm = recorder
-        params = {p.untyped_storage()._cdata for p in rank.params}
+        params = {rank.state[s.placeholder].untyped_storage()._cdata: s.name for s in program.state
+                  if isinstance(rank.state[s.placeholder], torch.nn.Parameter)}
         seen: dict[int, tuple[str, int, bool]] = {}
+        saved_params: set[str] = set()
 
         def measure(t: torch.Tensor) -> None:
             storage = t.untyped_storage()
-            if storage._cdata not in params and storage._cdata not in seen:
+            if storage._cdata in params:  # ZeRO-3 gathers these again in backward
+                saved_params.add(params[storage._cdata])
+            elif storage._cdata not in seen:
                 owner = recorder.owner.get(storage._cdata)
                 if owner is None:  # made inside the running node: find the value it has the size of
                     owner = _same_size(recorder.nodes[recorder.current], t.numel(), program.mesh)
@@ -354,7 +364,7 @@ def _saved_tensors(program) -> list[tuple[str, int, bool]]:
 
         rank._measure = measure
         rank._loss(rank._split(batch)[0])
-    return list(seen.values())
+    return list(seen.values()), saved_params
 
 
 def _same_size(node: fx.Node, numel: int, mesh) -> str:

@@ -56,3 +56,8 @@ def test_auto_prints_the_choice_and_why_the_others_lost(capsys):
     chosen = out[out.index("chosen: "):].splitlines()[0].removeprefix("chosen: ")
     assert f'plan "{chosen}"' in first  # the report is of the chosen plan
     assert "alternatives" in out and "step time:" in out and "dropped:" in out
+
+
+def test_auto_plans_for_the_hardware_given(capsys):
+    code, out, _ = run_main(capsys, FACTORY, "--plan", "auto gpus=2", "--hardware", "a100")
+    assert code == 0 and "planner: 2 GPUs (8 per node, a100)" in out and "time breakdown per step on a100" in out

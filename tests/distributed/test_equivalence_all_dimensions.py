@@ -39,7 +39,7 @@ def plan_and_model(draw, *, max_ranks: int):
     head_unit = tp * cp if ulysses else tp
     heads = head_unit * draw(st.sampled_from([1, 2]))
     head_dim = draw(st.sampled_from([2, 4]))
-    layers = pp * draw(st.sampled_from([1, 2]))
+    layers = pp * int(plan.get("v")) * draw(st.sampled_from([1, 2]))
     seq = math.lcm(2 * cp, cp * tp if plan.get("sp") else 1) * draw(st.sampled_from([1, 2]))
     batch = dp * (plan.get("mb") or 1) * draw(st.sampled_from([1, 2]))
     vocab = 8 * tp * draw(st.sampled_from([1, 2]))

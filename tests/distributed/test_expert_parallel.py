@@ -20,7 +20,7 @@ BATCH = token_batch(128, 8, 8)
 FACTORIES = {"mixtral": TinyMixtral, "deepseek": TinyDeepSeek}
 
 
-@pytest.mark.parametrize("plan", ["dp=2 ep=2", "dp=4 ep=4", "dp=4 ep=2 tp=2"])
+@pytest.mark.parametrize("plan", ["dp=2 ep=2", "dp=4 ep=4", "dp=4 ep=2 tp=2", "dp=2 ep=2 cp=2"])
 @pytest.mark.parametrize("model", sorted(FACTORIES))
 def test_three_adamw_steps_equal_one_device(model, plan):
     result = assert_equivalent(FACTORIES[model], plan, [token_batch(128, 8, 8, seed=s) for s in range(3)])

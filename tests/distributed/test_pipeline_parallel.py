@@ -1,6 +1,7 @@
 """Pipeline parallelism: stages cut from the traced graph, run by schedule, equal to one device."""
 
 import pytest
+import torch
 
 import usc
 from gloo_cases import MODELS
@@ -167,3 +168,15 @@ def test_each_pipeline_rank_holds_only_its_stages_parameters():
     assert predicted["optimizer"] == sim.ranks[0].memory_bytes()["optimizer"]
     names = [set(rank.local_state()) for rank in sim.ranks]
     assert not names[0] & names[1] and "embed_tokens.weight" in names[0] and "lm_head.weight" in names[1]
+
+
+@pytest.mark.parametrize("plan", ["pp=2 mb=4 schedule=interleaved v=2", "pp=4 mb=8 schedule=zb"])
+def test_evaluation_runs_the_forwards_only(plan):
+    """Calling the compiled model runs every F action and no backward: messages are forward only."""
+    factory, batch = DEEP["llama"]
+    torch.manual_seed(0)
+    expected = usc.simulate(factory(), "dp=1", example_inputs=batch(0))(*batch(0))
+    torch.manual_seed(0)
+    sim = usc.simulate(factory(), plan, example_inputs=batch(0))
+    assert sim(*batch(0)) == pytest.approx(expected, rel=1e-12)
+    assert sim.step(*batch(0)) == pytest.approx(expected, rel=1e-12)  # nothing changed by evaluating
