@@ -195,10 +195,10 @@ def collective_order_mismatch(inp: LintInput) -> Iterator[Finding]:
 
 
 @rule("USC108", "unmatched-send-recv", "error", """
-    Every pipeline send must have its receive on the peer rank, in the same order and with the
-    same shape and dtype (the runtime matches sends and receives by their order per pair of
-    ranks). A send without its receive hangs the step; the message names both ranks and the
-    transfer.""")
+    Every pipeline send must have its receive on the peer rank, with the same shape and dtype
+    (the runtime tags each message with what it carries and for which microbatch, and matches a
+    receive to the send of the same message). A receive whose send never comes hangs the step;
+    the message names both ranks and the transfer.""")
 def unmatched_send_recv(inp: LintInput) -> Iterator[Finding]:
     for problem in inp.order_problems:
         if problem.kind == "p2p":

@@ -10,6 +10,11 @@ two-layer graph is stamped to all N layers: layer i's nodes are layer 1's with l
 parameters, reading layer i-1's outputs where layer 1 read layer 0's. When it does not (forward
 depends on the number of layers, or the layers are not a plain loop), the full trace is used.
 
+Assumed, not checked: forward runs every layer of the list once, in order (``for layer in
+self.layers``). A forward that uses a fixed prefix of a longer list (``self.layers[:4]`` of 32) passes
+the 2-vs-3 check and would be stamped to all 32; lint is the only user (``usc.compile`` and
+``usc.simulate`` always trace every layer).
+
 Node names come out as export's own (fx names a node from its op and a counter, in insertion
 order, as export does), so the compiled program and the report are the same as the full trace's.
 """

@@ -20,7 +20,7 @@ same order) and matched per ordered pair of ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -71,12 +71,14 @@ class Transfer:
 
 @dataclass(frozen=True, eq=False)
 class RankProgram:
-    """What one rank runs: ``gm`` (the whole program, or its pipeline stage) and, under pp, its
-    schedule actions. Ranks at the same pp coordinate share one object."""
+    """What one rank runs: ``gm`` (the whole program), or under pp its schedule actions over the
+    stage programs in ``stages`` (stage index -> GraphModule; interleaved schedules give a rank
+    several). ``stage`` is the rank's pp coordinate. Ranks at the same pp coordinate share one object."""
 
     gm: fx.GraphModule
     stage: int = 0
     actions: tuple = ()
+    stages: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,10 @@ def rank_programs(program, schedule=None) -> list[RankProgram]:
     if not stages:
         shared = RankProgram(program.gm)
         return [shared] * mesh.world_size
-    per_stage = [RankProgram(stage, k, tuple(schedule.actions[k])) for k, stage in enumerate(stages)]
-    pp = mesh.axes.index("pp")
-    return [per_stage[coord_of_rank(r, mesh.shape)[pp]] for r in range(mesh.world_size)]
+    pp, size = mesh.axes.index("pp"), mesh.size("pp")
+    per_rank = [RankProgram(stages[k], k, tuple(schedule.actions[k]),
+                            {s: gm for s, gm in enumerate(stages) if s % size == k}) for k in range(size)]
+    return [per_rank[coord_of_rank(r, mesh.shape)[pp]] for r in range(mesh.world_size)]
 
 
 # ------------------------------------------------------------------------------ collectives
@@ -129,19 +132,23 @@ def _pipeline_tail(program) -> list[Call]:
 
 def step_calls(rp: RankProgram, program, *, microbatches: int, bucket_bytes: int, zero_stage: int) -> list[Call]:
     """The calls of one step of ``rp``, in the order the executor issues them."""
-    records = [r for r in part_collectives(rp.gm, program.mesh) if r.kind != "send/recv" or r.axis != "pp"]
-    forward = [r for r in records if r.direction == "forward"]
-    backward = [r for r in reversed(records) if r.direction == "backward"]
+    def directions(gm):
+        records = [r for r in part_collectives(gm, program.mesh) if r.kind != "send/recv" or r.axis != "pp"]
+        return ([r for r in records if r.direction == "forward"],
+                [r for r in reversed(records) if r.direction == "backward"])
+
     out: list[Call] = []
     if rp.actions:
+        walked = {s: directions(gm) for s, gm in rp.stages.items()}
         for act in rp.actions:
             op = getattr(getattr(act, "op", None), "value", None)
             if op == "F":
-                out += _calls(forward, f"forward, microbatch {act.mb}")
-            elif op == "B":
-                out += _calls(backward, f"backward, microbatch {act.mb}")
+                out += _calls(walked[act.stage][0], f"stage {act.stage} forward, microbatch {act.mb}")
+            elif op in ("B", "I"):  # W (zero-bubble's weight gradients) communicates nothing of its own
+                out += _calls(walked[act.stage][1], f"stage {act.stage} backward, microbatch {act.mb}")
         out += _pipeline_tail(program)
     else:
+        forward, backward = directions(rp.gm)
         for m in range(microbatches):
             out += _calls(forward, f"forward, microbatch {m}") + _calls(backward, f"backward, microbatch {m}")
     out += _calls(gradient_buckets(program, bucket_bytes, zero_stage), "gradient buckets")
@@ -225,69 +232,80 @@ def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def stage_transfers(specs, stage: int, actions) -> tuple[list[Transfer], list[Transfer]]:
-    """(sends, recvs) of one stage over its actions, in the order runtime/pipeline.py posts them."""
-    sends, recvs, me = [], [], specs[stage]
+def stage_transfers(specs, actions, pp: int) -> tuple[list[Transfer], list[Transfer]]:
+    """(sends, recvs) of one pp rank over its actions, as runtime/pipeline.py posts them: F receives
+    the stage's inputs from lower stages and sends its outputs on; B or I receives its outputs'
+    gradients and sends its inputs' gradients back. Transfers between two stages of one rank stay
+    local and are not listed."""
+    sends, recvs = [], []
+
+    def move(producer, consumer, i, mb, backward):
+        shape, dtype, needs = specs[producer].outputs[i]
+        if backward and not _grad(dtype, needs):
+            return
+        src, dst = (consumer, producer) if backward else (producer, consumer)
+        if src % pp == dst % pp:
+            return
+        what = f"{'gradient of ' if backward else ''}output {i} of stage {producer}, microbatch {mb}"
+        t = Transfer(src, dst, shape, _dtype(dtype), what)
+        (sends if src in mine else recvs).append(t)
+
     for act in actions:
         op = getattr(getattr(act, "op", None), "value", None)
+        stage, mine = act.stage, {act.stage}
         if op == "F":
             for producer in range(stage):
                 for i in messages_from(specs, producer, stage):
-                    shape, dtype, _ = specs[producer].outputs[i]
-                    recvs.append(Transfer(producer, stage, shape, _dtype(dtype), f"output {i} of stage {producer}, "
-                                                                                f"microbatch {act.mb}"))
-            for consumer in _consumers(me):
+                    move(producer, stage, i, act.mb, False)
+            for consumer in _consumers(specs[stage]):
                 for i in messages_from(specs, stage, consumer):
-                    shape, dtype, _ = me.outputs[i]
-                    sends.append(Transfer(stage, consumer, shape, _dtype(dtype), f"output {i} of stage {stage}, "
-                                                                                f"microbatch {act.mb}"))
-        elif op == "B":
-            for consumer in _consumers(me) if stage < len(specs) - 1 else ():
+                    move(stage, consumer, i, act.mb, False)
+        elif op in ("B", "I"):
+            for consumer in _consumers(specs[stage]) if stage < len(specs) - 1 else ():
                 for i in messages_from(specs, stage, consumer):
-                    shape, dtype, needs = me.outputs[i]
-                    if _grad(dtype, needs):
-                        recvs.append(Transfer(consumer, stage, shape, _dtype(dtype),
-                                              f"gradient of output {i} of stage {stage}, microbatch {act.mb}"))
+                    move(stage, consumer, i, act.mb, True)
             for producer in range(stage):
                 for i in messages_from(specs, producer, stage):
-                    shape, dtype, needs = specs[producer].outputs[i]
-                    if _grad(dtype, needs):
-                        sends.append(Transfer(stage, producer, shape, _dtype(dtype),
-                                              f"gradient of output {i} of stage {producer}, microbatch {act.mb}"))
+                    move(producer, stage, i, act.mb, True)
     return sends, recvs
 
 
 def _pair_problem(ranks: tuple[int, int], sent: list[Transfer], received: list[Transfer]) -> OrderProblem | None:
+    """Messages carry tags (kind, direction, microbatch): each send needs the receive of the same
+    message, with the same shape and dtype, whatever the order they are posted in."""
     a, b = ranks
-    i = _first_difference(sent, received)
-    if i is None:
+    missing = [t for t in sent if t not in received]
+    extra = [t for t in received if t not in sent]
+    if not missing and not extra:
         return None
-    what_a = f"rank {a} sends {sent[i]}" if i < len(sent) else f"rank {a} sends nothing more ({len(sent)} sends)"
-    what_b = f"rank {b} receives {received[i]}" if i < len(received) else \
-        f"rank {b} receives nothing more ({len(received)} receives)"
-    return OrderProblem("p2p", ranks, f"pipeline transfer #{i + 1} from rank {a} to rank {b} is unmatched: "
-                                      f"{what_a}; {what_b}")
+    if missing:
+        what = f"rank {a} sends {missing[0]} to rank {b}, which never receives it"
+    else:
+        what = f"rank {b} waits for {extra[0]} from rank {a}, which never sends it"
+    more = len(missing) + len(extra) - 1
+    return OrderProblem("p2p", ranks, f"pipeline transfer from rank {a} to rank {b} is unmatched: {what}"
+                                      + (f" ({more} more)" if more else ""))
 
 
 def check_transfers(programs: Sequence[RankProgram], program) -> list[OrderProblem]:
     mesh: MeshSpec = program.mesh
     if "pp" not in mesh.axes or mesh.size("pp") == 1:
         return []
-    specs = _specs(program)
+    specs, pp = _specs(program), mesh.size("pp")
     problems, checked = [], set()
     for group in axis_groups(mesh.shape, mesh.axes.index("pp")):
         signature = tuple(id(programs[r]) for r in group)
         if signature in checked:  # the same programs as a group already checked
             continue
         checked.add(signature)
-        moves = {r: stage_transfers(specs, programs[r].stage, programs[r].actions) for r in group}
+        moves = {r: stage_transfers(specs, programs[r].actions, pp) for r in group}
         for a in group:
             for b in group:
                 if a == b:
                     continue
                 sa, sb = programs[a].stage, programs[b].stage
-                sent = [t for t in moves[a][0] if t.dst == sb]
-                received = [t for t in moves[b][1] if t.src == sa]
+                sent = [t for t in moves[a][0] if t.dst % pp == sb]
+                received = [t for t in moves[b][1] if t.src % pp == sa]
                 found = _pair_problem((a, b), sent, received)
                 if found:
                     problems.append(found)

@@ -176,8 +176,8 @@ def lint_target(args) -> int:
     plan = _plan_text(args)
     model, example_inputs = _load_factory(args.target)()
     result = lint_plan(model, plan, example_inputs=example_inputs, hardware=args.hardware or "h100")
-    if result.compiled is not None and (args.hardware or result.compiled.plan.search is not None):
-        result.compiled._attach_cost(as_batch(example_inputs), args.hardware)  # + the planner's reasons (auto)
+    if result.compiled is not None:  # the cost model's breakdown with --hardware, the planner's reasons for auto
+        result.compiled._attach_cost(as_batch(example_inputs), args.hardware)
     fmt = _output_format(args)
     if args.kernels and result.report is not None:
         from usc.compiler.report_text import render_kernels
