@@ -14,9 +14,13 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from .fusion_cost import fusion_summary, kernel_sources
 from .ir import META, MeshSpec
 from .pipeline import pipeline_stages
+from .report_cost import cost_dict
 from .program import Program
+from .report_stages import StageRecord, stage_table
+from .recompute_report import RecomputeRecord, recompute_records, recompute_summary, region_bodies
 
 KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send/recv")
 
@@ -58,8 +62,17 @@ class Report:
     attention_flops: dict = field(default_factory=dict)  # cp axis -> multiply-adds per rank
     memory: dict = field(default_factory=dict)  # ZeRO stage -> predicted bytes per rank by kind
     zero_stage: int = 0
+    stages: list[StageRecord] = field(default_factory=list)  # pipeline stages (pp > 1)
+    fusion: dict = field(default_factory=dict)  # fuse=on: kernels and bytes per step, eager vs fused
+    kernels: list = field(default_factory=list)  # fuse=on: each generated kernel (KernelInfo)
+    cost: object = None  # the cost model's Estimate for this plan (usc.lint(..., hardware=...))
+    plan_search: object = None  # the planner's PlanSearch when the plan came from `auto`
     activation_estimate: Callable[[], int] | None = field(default=None, repr=False)
     _activation_bytes: int | None = field(default=None, repr=False)
+    recompute: list[RecomputeRecord] = field(default_factory=list)  # tensors of recompute regions
+    recompute_mode: str = "none"
+    activation_estimate_by_recompute: Callable[[], dict[str, int]] | None = field(default=None, repr=False)
+    _activation_by_recompute: dict[str, int] | None = field(default=None, repr=False)
 
     @property
     def activation_bytes(self) -> int | None:
@@ -68,6 +81,19 @@ class Report:
         if self._activation_bytes is None and self.activation_estimate is not None:
             self._activation_bytes = self.activation_estimate()
         return self._activation_bytes
+
+    @property
+    def activation_bytes_by_recompute(self) -> dict[str, int] | None:
+        """Predicted activation bytes per rank for recompute=none|selective|full (this plan's rules
+        kept), each from that plan's rank-0 program run on fake tensors (computed on first use)."""
+        if self._activation_by_recompute is None and self.activation_estimate_by_recompute is not None:
+            self._activation_by_recompute = self.activation_estimate_by_recompute()
+        return self._activation_by_recompute
+
+    @property
+    def recompute_summary(self) -> dict[str, dict]:
+        """'input'/'kept' (saved) and 'recomputed': tensors, bytes and ops per decision."""
+        return recompute_summary(self.recompute)
 
     def count(self, kind: str | None = None, *, axis: str | None = None, direction: str | None = None,
               module_prefix: str | None = None) -> int:
@@ -98,8 +124,15 @@ class Report:
             "attention_flops_per_rank": self.attention_flops,
             "memory_per_rank_by_zero_stage": self.memory,
             "activation_bytes_per_rank": self.activation_bytes,
+            "recompute": {"mode": self.recompute_mode, "summary": self.recompute_summary,
+                          "tensors": [asdict(r) for r in self.recompute],
+                          "activation_bytes_by_mode": self.activation_bytes_by_recompute},
             "zero_stage": self.zero_stage,
             "p2p_bytes_per_step": self.p2p_bytes_per_step,
+            "pipeline_stages": [asdict(s) for s in self.stages],
+            "fusion": self.fusion,
+            "kernels": [{"name": k.name, "used_by": list(k.used_by)} for k in self.kernels],
+            **cost_dict(self),
         }
 
     @property
@@ -172,6 +205,9 @@ def _graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRec
         if node.op != "call_module":
             continue
         module = gm.get_submodule(node.target)
+        if isinstance(getattr(module, "body", None), fx.GraphModule):  # a recompute region
+            out += _recomputed_collectives(_graph_collectives(module.body, mesh))
+            continue
         fwd, bwd = getattr(module, "forward_collective", None), getattr(module, "backward_collective", None)
         if fwd is None:
             continue
@@ -190,14 +226,23 @@ def _graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRec
     return out
 
 
+def _recomputed_collectives(records: list[CollectiveRecord]) -> list[CollectiveRecord]:
+    """A region's collectives run in forward and, when backward recomputes the region, again
+    (recompute=full re-issues them; selective regions hold none that communicate in forward)."""
+    again = [replace(c, direction="backward", reason=f"re-issued by recompute in backward; {c.reason}".rstrip("; "))
+             for c in records if c.direction == "forward"]
+    return records + again
+
+
 def _p2p_records(node: fx.Node, module, mesh: MeshSpec) -> list[CollectiveRecord]:
     """Nodes whose traffic is not one tensor per call (ring attention, ZeRO-3 gathers) say it."""
-    shape, dtype = _local(node.args[-1], mesh)
+    shape, dtype = _local(node.args[getattr(module, "traffic_input", -1)], mesh)
     ann = node.meta[META]
+    default = ann.reason or "ring attention: K/V blocks passed to the next rank"
     return [CollectiveRecord(kind, module.axis, mesh.size(module.axis), direction, call_shape,
                              str(dtype).replace("torch.", ""), nbytes, calls, ann.module or "<root>", ann.source,
-                             ann.reason or "ring attention: K/V blocks passed to the next rank", node.name)
-            for direction, kind, call_shape, nbytes, calls in module.traffic(shape, dtype, mesh.size(module.axis))
+                             why[0] if why else default, node.name)
+            for direction, kind, call_shape, nbytes, calls, *why in module.traffic(shape, dtype, mesh.size(module.axis))
             if calls]
 
 
@@ -205,7 +250,8 @@ def attention_flops_per_rank(gm: fx.GraphModule, mesh: MeshSpec) -> dict[str, li
     """Per cp rank: multiply-adds of the attention it computes (shows zig-zag balance); the ring
     node knows its own schedule, so the report only asks it."""
     out: dict[str, list[int]] = {}
-    for node, gm in ((n, part) for part in program_parts(gm) for n in part.graph.nodes):
+    parts = program_parts(gm) + [body for _, body in region_bodies(gm)]
+    for node, gm in ((n, part) for part in parts for n in part.graph.nodes):
         module = gm.get_submodule(node.target) if node.op == "call_module" else None
         if module is None or not hasattr(module, "traffic"):
             continue
@@ -288,7 +334,8 @@ def loss_value_records(program: Program) -> list[CollectiveRecord]:
 
 
 def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, compile_seconds: float,
-                 warnings: list[str] | None = None, zero_stage: int = 0, microbatches: int = 1) -> Report:
+                 warnings: list[str] | None = None, zero_stage: int = 0, microbatches: int = 1,
+                 recompute_mode: str = "none") -> Report:
     collectives = graph_collectives(program.gm, program.mesh, microbatches) + gradient_buckets(
         program, bucket_bytes, zero_stage)
     collectives += loss_value_records(program)
@@ -299,4 +346,7 @@ def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, 
     return Report(model, plan, program.mesh, collectives, list(program.tp_choices), warnings, params,
                   compile_seconds, list(program.timings),
                   attention_flops=attention_flops_per_rank(program.gm, program.mesh),
-                  memory=memory, zero_stage=zero_stage)
+                  memory=memory, zero_stage=zero_stage, stages=stage_table(program),
+                  recompute=recompute_records(program.gm, program.mesh), recompute_mode=recompute_mode,
+                  fusion=fusion_summary(program.gm, program_parts(program.gm), program.mesh, microbatches),
+                  kernels=kernel_sources(program.gm, program_parts(program.gm)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .recompute_report import render_recompute
+
 
 def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -9,6 +11,25 @@ def human_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def fusion_line(f: dict) -> str:
+    """Fused regions: kernels and bytes per step (forward + backward), as eager ops and fused."""
+    return (f"fused regions: {f['regions']} ({f['distinct_kernels']} distinct kernels); per step "
+            f"{f['kernels_eager']} -> {f['kernels_fused']} kernels "
+            f"({f['kernels_eager'] / max(f['kernels_fused'], 1):.1f}x fewer), "
+            f"{human_bytes(f['bytes_eager'])} -> {human_bytes(f['bytes_fused'])} moved "
+            f"({f['bytes_eager'] / max(f['bytes_fused'], 1):.1f}x fewer; estimated from shapes and dtypes)")
+
+
+def render_kernels(report) -> str:
+    """Every generated kernel's source (usc-lint --kernels)."""
+    if not report.kernels:
+        return "no fused kernels: the plan has fuse=off (add fuse=on)"
+    parts = []
+    for k in report.kernels:
+        parts += [f"# kernel {k.name}, used by: {'; '.join(k.used_by)}", k.source]
+    return "\n".join(parts)
 
 
 def render(report) -> str:
@@ -47,6 +68,7 @@ def render(report) -> str:
         spread = (max(flops) - min(flops)) / max(max(flops), 1)
         lines.append(f"attention multiply-adds per {axis} rank: {', '.join(f'{f:,}' for f in flops)} "
                      f"(spread {spread:.0%}); send/recv {human_bytes(report.p2p_bytes_per_step)} per step")
+    lines += stage_lines(report)
     if report.memory:
         lines.append("predicted bytes per rank (params + grads + AdamW state), by ZeRO stage:")
         for stage, m in report.memory.items():
@@ -57,8 +79,30 @@ def render(report) -> str:
     if report.activation_bytes is not None:
         lines.append(f"activations saved for backward per rank (one microbatch, estimated on fake tensors): "
                      f"{human_bytes(report.activation_bytes)}")
+    lines += render_recompute(report)
+    if report.fusion:
+        lines.append(fusion_line(report.fusion))
     if report.exposed_comm_seconds is not None:
         lines.append(f"exposed communication in the last traced step: {report.exposed_comm_seconds * 1e3:.2f} ms")
     for w in report.warnings:
         lines.append(f"warning: {w}")
+    from .report_cost import cost_sections
+    lines += cost_sections(report)
     return "\n".join(lines)
+
+
+def stage_lines(report) -> list[str]:
+    """The pipeline stage table: layers, FLOPs, parameter bytes and what crosses each cut."""
+    if not report.stages:
+        return []
+    flops = [s.flops for s in report.stages]
+    lines = [f"pipeline stages (FLOPs per microbatch estimated from the shapes; largest/smallest "
+             f"{max(flops) / max(min(flops), 1):.2f}):"]
+    for s in report.stages:
+        lines.append(f"  stage {s.index} on pp rank {s.rank}: {s.flops / 1e6:,.2f} MFLOP, parameters "
+                     f"{human_bytes(s.param_bytes)}: {', '.join(s.modules) or '(no layer)'}")
+        for t in s.sends:
+            shape = "[" + ", ".join(str(d) for d in t.shape) + "]"
+            back = " (gradient back)" if t.grad else ""
+            lines.append(f"    -> stage {t.to_stage}: {t.value} {shape} {t.dtype} {human_bytes(t.bytes)}{back}")
+    return lines

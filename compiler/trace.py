@@ -25,6 +25,7 @@ from torch import nn
 from torch.export.graph_signature import InputKind
 
 from .errors import TraceError
+from .moe import MoEBlock, patched
 
 TORCH_DIR = os.path.dirname(torch.__file__)
 USC_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + d + os.sep
@@ -202,8 +203,11 @@ def _attribute_wrapper_frames(gm: fx.GraphModule, source: str) -> None:
             node.meta["usc_source"] = source
 
 
-def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "") -> Traced:
+def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
+          moe_blocks: list[MoEBlock] = ()) -> Traced:
     """Trace ``model(*example_inputs)`` into an ATen-level GraphModule with global shapes.
+
+    Each of ``moe_blocks`` (``usc.compiler.moe.find_blocks``) is traced as one ``usc::moe`` node.
 
     >>> from usc.testing.models import TinyLlama, token_batch
     >>> traced = trace(TinyLlama(), token_batch(128, 2, 8))
@@ -214,7 +218,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "") 
         example_inputs = (example_inputs,)
     example_inputs = _to_device(example_inputs, _model_device(model))
     error = None
-    with _quiet_torch_logs(), _held_output() as held:
+    with _quiet_torch_logs(), _held_output() as held, patched(model, list(moe_blocks)):
         try:
             exported = torch.export.export(model, example_inputs, strict=False)
         except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
@@ -229,10 +233,27 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "") 
         raise TraceError(f"{type(model).__name__}.forward must return one scalar loss (got outputs: {kinds}); "
                          "pass loss_fn= to compile, or return the loss from forward")
     gm = exported.graph_module
+    _refuse_data_dependent_shapes(gm, model)
     if wrapper_source:
         _attribute_wrapper_frames(gm, wrapper_source)
     types = {name: type(m).__name__ for name, m in model.named_modules()}
     return Traced(gm, _state_inputs(exported, model), user, types, type(model).__name__, dict(exported.constants))
+
+
+def _refuse_data_dependent_shapes(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Shapes that depend on tensor values (torch.where / nonzero / boolean masks) cannot be
+    planned: name the first module that makes one. An MoE block's routing loop is the usual case."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        values = value if isinstance(value, (tuple, list)) else [value]
+        if any(isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape) for v in values):
+            where = module_path(node) or "<root>"
+            src = user_source(node)
+            raise TraceError(
+                f"usc could not trace {type(model).__name__}: module '{where}'{f' ({src})' if src else ''} makes a "
+                f"tensor whose shape depends on tensor values ({node.target})\n  fix: if '{where}' is (inside) a "
+                "mixture-of-experts block usc did not recognise, mark the block with a plan rule "
+                "'path.to.block: expert'; otherwise keep shapes static (masks instead of boolean indexing)")
 
 
 def is_meta_model(model: nn.Module) -> bool:

@@ -210,6 +210,10 @@ OPTIONS = _table(
     OptionSpec("split", SplitPoints(), "auto", "pipeline cut points: auto, or module paths 'a|b'"),
     OptionSpec("timeout", PositiveNumber(), 300.0, "collective timeout in seconds"),
     OptionSpec("capacity_factor", PositiveNumber(), None, "MoE expert capacity factor (None: no limit)"),
+    OptionSpec("gpus", WholeNumber(1), None, "auto: ranks to plan for (default: the launch's world size)"),
+    OptionSpec("seq", WholeNumber(1), None, "auto: sequence length to plan for (default: the example's)"),
+    OptionSpec("global_batch", WholeNumber(1), None, "auto: sequences per step (default: the example's)"),
+    OptionSpec("hardware", Choice(("h100", "a100")), "h100", "auto: the GPU the cost model assumes"),
 )
 """Every option: ``OPTIONS[name].kind`` reads/checks/writes the value, ``.default`` when not written."""
 

@@ -34,6 +34,13 @@ class _Setting:
 
 
 @dataclass(frozen=True)
+class _Flag:
+    """A bare word as written (only ``auto``)."""
+
+    name: Token
+
+
+@dataclass(frozen=True)
 class _Action:
     """``name`` or ``name(arg)`` as written."""
 
@@ -63,6 +70,9 @@ class _Syntax(Transformer):
 
     def action(self, children: list) -> _Action:
         return _Action(*children)
+
+    def flag(self, children: list) -> _Flag:
+        return _Flag(*children)
 
 
 @functools.cache
@@ -102,6 +112,8 @@ def _parse(text: str) -> Plan:
     for item in _Syntax().transform(tree):
         if isinstance(item, _Rule):
             builder.add_rule(item)
+        elif isinstance(item, _Flag):
+            builder.add_flag(item)
         else:
             builder.add_setting(item)
     return builder.plan()
@@ -137,6 +149,7 @@ class _PlanBuilder:
         self.options: list[tuple[str, Any]] = []
         self.rules: list[Rule] = []
         self.positions: dict[str, tuple[int, int]] = {}
+        self.auto = False
 
     @contextmanager
     def _at(self, token: Token) -> Iterator[None]:
@@ -159,10 +172,17 @@ class _PlanBuilder:
         (self.axes if name in AXES else self.options).append((name, value))
         self.positions[name] = (setting.name.line, setting.name.column)
 
+    def add_flag(self, flag: _Flag) -> None:
+        """``auto`` (the only bare word the grammar reads)."""
+        with self._at(flag.name):
+            self._check_new(flag.name.value)
+        self.auto = True
+        self.positions[flag.name.value] = (flag.name.line, flag.name.column)
+
     def _check_new(self, name: str) -> None:
         if name in self.positions:
             line, column = self.positions[name]
-            what = "axis" if name in AXES else "option"
+            what = "axis" if name in AXES else "option" if name in OPTIONS else "item"
             raise Problem(
                 f"{what} '{name}' is set twice", f"first set at line {line}, column {column}; keep one"
             )
@@ -208,6 +228,7 @@ class _PlanBuilder:
             rules=tuple(self.rules),
             positions=self.positions,
             source=self.text,
+            auto=self.auto,
         )
 
 

@@ -155,6 +155,8 @@ class Plan:
     )
     source: str = field(default="", compare=False, repr=False)
     filename: str | None = field(default=None, compare=False, repr=False)
+    auto: bool = False  # `auto`: the planner chooses what is not written (usc.plan)
+    search: Any = field(default=None, compare=False, repr=False)  # the planner's reasons, when it chose
 
     def __post_init__(self) -> None:
         """Parse ``Plan(text)``; otherwise check and normalize axes, options and rules."""
@@ -174,7 +176,7 @@ class Plan:
         from .parser import parse_plan  # the parser builds Plans: import it late to avoid a cycle
 
         parsed = parse_plan(text)
-        for name in ("axes", "options", "rules", "positions", "source", "filename"):
+        for name in ("axes", "options", "rules", "positions", "source", "filename", "auto"):
             object.__setattr__(self, name, getattr(parsed, name))
 
     def _normalize(self) -> None:
@@ -202,13 +204,34 @@ class Plan:
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
-        """The axes written, outermost first (an empty plan has none: a single device)."""
-        return tuple(name for name, _ in self.axes)
+        """The axes written, outermost first (an empty plan has none: a single device).
+
+        ``ep`` is carved from the data-parallel ranks (Megatron, torchtitan): it sits just inside
+        ``dp``, whose size becomes dp/ep — ``dp=4 ep=2`` is the mesh ``dp=2 ep=2`` of 4 ranks, each
+        pair of neighbouring data-parallel ranks sharing one set of experts.
+
+        >>> Plan("dp=4 tp=2 ep=2").mesh_axes, Plan("dp=4 tp=2 ep=2").mesh_shape
+        (('dp', 'ep', 'tp'), (2, 2, 2))
+        """
+        return tuple(name for name, _ in self._mesh())
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
         """Sizes of :attr:`mesh_axes`, in the same order."""
-        return tuple(size for _, size in self.axes)
+        return tuple(size for _, size in self._mesh())
+
+    def _mesh(self) -> list[tuple[str, int]]:
+        sizes = dict(self.axes)
+        ep, dp = sizes.get("ep"), sizes.get("dp", 1)
+        if ep is None or dp % ep or "dp" not in sizes:  # not carvable: the compile checks refuse it
+            return list(self.axes)
+        out = []
+        for name, size in self.axes:
+            if name == "dp":
+                out += [("dp", dp // ep), ("ep", ep)]
+            elif name != "ep":
+                out.append((name, size))
+        return out
 
     @property
     def world_size(self) -> int:
@@ -275,7 +298,7 @@ class Plan:
     def __str__(self) -> str:
         axes = [f"{name}={size}" for name, size in self.axes]
         options = [f"{name}={OPTIONS[name].kind.format(value)}" for name, value in self.options]
-        return " ".join(axes + options + [str(rule) for rule in self.rules])
+        return " ".join(["auto"] * self.auto + axes + options + [str(rule) for rule in self.rules])
 
     def __repr__(self) -> str:
         return f"Plan({str(self)!r})"

@@ -14,6 +14,8 @@ from usc.compiler.pipeline import CompileContext, PassSpec, run_pipeline
 from usc.compiler.program import Program, build_program
 from usc.compiler.trace import Traced
 
+from .fusion import fusion_pass
+from .expert_parallel import expert_layouts
 from .grad_sync import grad_sync_pass
 from .layouts import batch_layouts, merge_layouts, tp_layouts
 from .localize import localize_pass
@@ -21,6 +23,7 @@ from .loss_count import expose_loss_count_pass
 from .pipeline_split import pipeline_split_pass
 from .plan_checks import check_supported
 from .propagate import propagate_pass
+from .recompute import recompute_pass
 from .zero3 import zero3_pass
 
 def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) -> list[PassSpec]:
@@ -35,8 +38,14 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) ->
         PassSpec("localize", localize_pass),
         PassSpec("expose_loss_count", expose_loss_count_pass),
         PassSpec("zero3", zero3_pass, {"params": params}),
+        # after localize (a kernel's rows are per-rank shapes) and after every pass that inserts
+        # collectives or gathers, so regions never cross one
+        PassSpec("fusion", fusion_pass),
         # last: the stages are cuts of the finished per-rank program
         PassSpec("pipeline_split", pipeline_split_pass),
+        # after the split: regions are cut from each stage's final program, and a region never
+        # spans a stage boundary
+        PassSpec("recompute", recompute_pass, {"params": params}),
     ]
 
 
@@ -58,7 +67,8 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
     replicated_cols: dict[str, str] = {}
     while True:
         tp = tp_layouts(traced, plan, mesh, replicated, replicated_cols)
-        layouts = merge_layouts(mesh, batch_layouts(traced, plan, mesh), tp.layouts)
+        layouts = merge_layouts(mesh, batch_layouts(traced, plan, mesh), tp.layouts,
+                                expert_layouts(traced, plan, mesh))
         ctx = CompileContext(mesh, plan)
         passes = build_pipeline(input_layouts=layouts, grad_inputs=params, params=params)
         try:

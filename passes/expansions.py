@@ -36,6 +36,7 @@ class ExpansionContext:
     editor: GraphEditor
     cp_mode: str = "ring"
     microbatches: int = 1
+    capacity_factor: float | None = None  # MoE expert capacity (expert_parallel)
 
 
 EXPANSIONS: dict = {}

@@ -20,11 +20,12 @@ from torch.distributed.tensor import Replicate
 
 from usc.compiler.ir import META, set_ann
 from usc.runtime.collectives import AllGather, GradAllReduce
+from usc.runtime.moe import ExpertParallelMoE
 from usc.runtime.vocab import ShardedGather, VocabParallelEmbedding
 
 from .graph_edit import GraphEditor, flat_inputs
 
-LOCAL_OPS = (VocabParallelEmbedding, ShardedGather)
+LOCAL_OPS = (VocabParallelEmbedding, ShardedGather, ExpertParallelMoE)
 
 
 def grad_sync_pass(gm: fx.GraphModule, ctx, *, params: set[str]) -> fx.GraphModule:

@@ -20,6 +20,7 @@ from .tensor_parallel import PairGroup, TPChoice, find_pairs, is_token_embedding
 aten = torch.ops.aten
 R = Replicate()
 TP_ACTIONS = ("colwise", "rowwise", "vocab", "replicate")
+DATA_AXES = ("dp", "ep")  # the batch is split over both: dp=4 ep=2 is a mesh dp=2 x ep=2
 
 
 @dataclass
@@ -35,13 +36,15 @@ def batch_layouts(traced: Traced, plan, mesh: MeshSpec) -> dict[str, Layout]:
     for name in traced.user_inputs:
         placements = [R] * n
         value = traced.placeholder(name).meta.get("val")
-        dp = mesh.size("dp")
+        dp = mesh.size("dp") * mesh.size("ep")  # ep ranks are carved from the dp ranks
         if dp > 1 and isinstance(value, torch.Tensor) and value.dim() > 0:
             if value.shape[0] % dp:
                 raise plan.error_at("dp", f"dp={dp} does not divide the batch of input '{name}' "
                                           f"(shape {list(value.shape)})",
                                     hint=f"pass a global batch whose first dim is a multiple of {dp}")
-            placements[mesh.axes.index("dp")] = Shard(0)
+            for axis in DATA_AXES:
+                if mesh.size(axis) > 1:
+                    placements[mesh.axes.index(axis)] = Shard(0)
         cp = mesh.size("cp")
         if cp > 1 and isinstance(value, torch.Tensor) and value.dim() > 1:
             pieces = 2 * cp if "cp" in mesh.zigzag else cp
@@ -107,14 +110,16 @@ def tp_layouts(traced: Traced, plan, mesh: MeshSpec, replicated: dict[int, str],
     result.groups = groups
     auto: dict[fx.Node, tuple[str, str]] = {}
     for index, group in enumerate(groups):
-        if index in replicated:
+        indivisible = {c.name: why for c in group.cols if (why := _indivisible(c, "colwise", tp))}
+        whole = replicated.get(index) or _indivisible(group.row, "rowwise", tp)
+        if whole or len(indivisible) == len(group.cols):
             for node in group.cols + [group.row]:
-                auto[node] = ("replicate", replicated[index])
+                auto[node] = ("replicate", whole or next(iter(indivisible.values())))
             continue
         names = ", ".join(module_path(c).rsplit(".", 1)[-1] for c in group.cols)
         for col in group.cols:
-            if col.name in replicated_cols:
-                auto[col] = ("replicate", replicated_cols[col.name])
+            if col.name in replicated_cols or col.name in indivisible:
+                auto[col] = ("replicate", replicated_cols.get(col.name) or indivisible[col.name])
                 continue
             auto[col] = ("colwise", f"column-parallel; pairs with row-parallel {module_path(group.row)} "
                                     f"(one all-reduce per direction for {names} -> "
@@ -128,6 +133,16 @@ def tp_layouts(traced: Traced, plan, mesh: MeshSpec, replicated: dict[int, str],
             auto[node] = ("vocab", "token embedding: each rank holds a vocabulary slice")
     _assign(result, plan, mesh, _weighted_nodes(gm, params), auto, tp)
     return result
+
+
+def _indivisible(node: fx.Node, style: str, tp: int) -> str | None:
+    """Why automatic TP must keep this linear whole (its split dimension is not a multiple of tp),
+    or None. Explicit rules are not softened this way: they raise in `_assign`."""
+    dim = _split_dim(style, node)
+    shape = _weight_shape(node)
+    if dim is None or shape[dim] % tp == 0:
+        return None
+    return f"kept replicated: tp={tp} does not divide dim {dim} (size {shape[dim]}) of its weight {list(shape)}"
 
 
 def _assign(result: LayoutChoice, plan, mesh: MeshSpec, nodes, auto, tp: int) -> None:

@@ -2,15 +2,19 @@
 
 Requires: every earlier pass ran (the stage programs are the final per-rank programs, cut).
 Establishes: with pp>1 the returned GraphModule is an orchestrator whose ``submod_k`` children are
-    the stages in order; every value crossing a cut is an explicit input/output of the stages
+    the ``pp * v`` stages in order (stage s runs on pp rank s % pp); every value crossing a cut is an explicit input/output of the stages
     (the runtime sends it between pp ranks). Nodes of one layer (module path up to its first
     index, e.g. ``layers.3``) stay together; layers are assigned to stages contiguously so the
-    estimated compute per stage (FLOPs from the global shapes) is balanced; nodes outside layers
-    go with what they consume (or, with no computed input, with their first consumer).
+    estimated compute per stage (FLOPs from the global shapes) is balanced (``split=auto``), or so
+    that stage k+1 starts at the k-th layer ``split=a|b|...`` names; nodes outside layers
+    go with what they consume (or, with no computed input, with their first consumer). The
+    orchestrator's meta["usc_stage_costs"] lists, per stage, its layers and estimated FLOPs per
+    microbatch (what the balance was computed from; the report prints it).
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 
 import torch
@@ -65,7 +69,30 @@ def balanced_cut(costs: list[float], parts: int) -> list[int]:
     return stages
 
 
-def assign_stages(gm: fx.GraphModule, pp: int) -> dict[fx.Node, int]:
+class CutError(ValueError):
+    """A split= path that names no layer, or cut points out of order."""
+
+
+def manual_cut(units: list[str], cuts: tuple[str, ...]) -> list[int]:
+    """Stage of each unit when stage k+1 starts at the layer ``cuts[k]`` names."""
+    starts = []
+    for path in cuts:
+        if path not in units:
+            inside = [u for u in units if path.startswith(u + ".")]
+            close = inside[:1] or difflib.get_close_matches(path, units, n=3)
+            why = (f"'{path}' is inside layer '{inside[0]}'; stages are cut between whole layers" if inside
+                   else f"'{path}' matches no layer of the model")
+            raise CutError(f"{why} (layers: {', '.join(units)})"
+                           + (f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""))
+        starts.append(units.index(path))
+    if starts != sorted(set(starts)) or starts[0] == 0:
+        raise CutError(f"cut points must name layers in model order after the first layer "
+                       f"('{units[0]}' already starts stage 0): got {'|'.join(cuts)}")
+    return [sum(1 for s in starts if s <= i) for i in range(len(units))]
+
+
+def assign_stages(gm: fx.GraphModule, pp: int, cuts: tuple[str, ...] | None = None) -> dict[fx.Node, int]:
+    """Stage of every computing node: layers balanced by FLOPs, or cut where ``cuts`` name."""
     computing = [n for n in gm.graph.nodes if n.op in ("call_function", "call_module")]
     units: list[str] = []
     for node in computing:
@@ -79,7 +106,10 @@ def assign_stages(gm: fx.GraphModule, pp: int) -> dict[fx.Node, int]:
     for node in computing:
         if module_path(node):
             cost[layer_key(module_path(node))] += node_flops(node)
-    stage_of_unit = dict(zip(units, balanced_cut([cost[u] for u in units], pp)))
+    if cuts is None:
+        stage_of_unit = dict(zip(units, balanced_cut([cost[u] for u in units], pp)))
+    else:
+        stage_of_unit = dict(zip(units, manual_cut(units, cuts)))
     stage: dict[fx.Node, int] = {}
     for node in computing:  # layer nodes first; the rest follow what they consume
         if module_path(node):
@@ -100,15 +130,34 @@ def assign_stages(gm: fx.GraphModule, pp: int) -> dict[fx.Node, int]:
     return stage
 
 
+def stage_costs(stage: dict[fx.Node, int], stages: int) -> list[dict]:
+    """Per stage: the layers (module paths up to their first index) in order, and estimated FLOPs."""
+    out = [{"modules": [], "flops": 0.0} for _ in range(stages)]
+    for node, s in stage.items():
+        key = layer_key(module_path(node)) if module_path(node) else None
+        if key is not None and key not in out[s]["modules"]:
+            out[s]["modules"].append(key)
+        out[s]["flops"] += node_flops(node)
+    return out
+
+
 def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Cut the program into pp stage GraphModules (see the module docstring)."""
     pp = ctx.mesh.size("pp")
     if pp == 1:
         return gm
+    v = int(ctx.plan.get("v"))
+    cuts = ctx.plan.get("split")
     try:
-        stage = assign_stages(gm, pp)
+        stage = assign_stages(gm, pp * v, None if cuts == "auto" else tuple(cuts))
+    except CutError as err:
+        raise ctx.plan.error_at("split", str(err), hint="name the first module of each stage after the first, "
+                                                        "e.g. split=layers.2|layers.4") from None
     except ValueError as err:
-        raise ctx.plan.error_at("pp", str(err), hint="use fewer pipeline stages") from None
+        where = "v" if v > 1 else "pp"
+        raise ctx.plan.error_at(where, str(err).replace(f"pp={pp * v}", f"pp={pp}" if v == 1 else f"pp*v={pp * v}"),
+                                hint="use fewer pipeline stages") from None
     split = split_module(gm, None, lambda node: stage[node], keep_original_order=True)
-    split.meta["usc_pipeline_stages"] = pp
+    split.meta["usc_pipeline_stages"] = pp * v
+    split.meta["usc_stage_costs"] = stage_costs(stage, pp * v)
     return split

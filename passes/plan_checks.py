@@ -11,9 +11,9 @@ from typing import Callable
 
 from usc.dsl import OPTIONS
 
-SUPPORTED_AXES = ("dp", "tp", "cp", "pp")
-EXECUTED_SCHEDULES = ("gpipe", "1f1b")
-NOT_BUILT = ("recompute", "fuse", "split")  # a value other than the default is refused
+SUPPORTED_AXES = ("dp", "tp", "cp", "pp", "ep")
+EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+NOT_BUILT: tuple[str, ...] = ()  # options whose value other than the default is refused
 
 
 @dataclass(frozen=True)
@@ -40,21 +40,52 @@ CHECKS = [
               "add tp=N (N>1) or remove sp=on"),
     PlanCheck(lambda p: "schedule", lambda p: p.size("pp") > 1 and p.get("schedule") not in EXECUTED_SCHEDULES,
               lambda p: f"schedule={p.get('schedule')} can be drawn (usc-lint --schedule) but not executed yet; "
-                        "gpipe and 1f1b run", "use schedule=1f1b"),
-    PlanCheck(lambda p: "v", lambda p: p.size("pp") > 1 and int(p.get("v")) != 1,
-              lambda p: "virtual pipeline stages (v>1) are not executed yet", "remove v="),
+                        f"{', '.join(EXECUTED_SCHEDULES)} run", "use schedule=zb"),
+    PlanCheck(lambda p: "v", lambda p: p.size("pp") > 1 and int(p.get("v")) > 1 and p.get("schedule") != "interleaved",
+              lambda p: f"v={p.get('v')} virtual stages per rank need schedule=interleaved "
+                        f"(schedule={p.get('schedule')} runs one stage per rank)", "add schedule=interleaved"),
+    PlanCheck(lambda p: "mb", lambda p: p.size("pp") > 1 and p.get("schedule") == "interleaved"
+              and int(p.get("mb")) % p.size("pp") != 0,
+              lambda p: f"schedule=interleaved sends microbatches through the chunks in groups of pp, so mb must be "
+                        f"a multiple of pp={p.size('pp')}, got mb={p.get('mb')}",
+              "use mb=a multiple of pp"),
     PlanCheck(lambda p: "zero", lambda p: p.size("pp") > 1 and int(p.get("zero")) == 3,
               lambda p: "zero=3 with pp>1 is not implemented yet", "use zero=1 or zero=2"),
     PlanCheck(lambda p: "schedule" if p.is_set("schedule") else "v",
               lambda p: p.size("pp") == 1 and (p.is_set("schedule") or p.is_set("v")),
               lambda p: "schedule and v choose how pipeline stages run and need pp>1", "add pp=N"),
+    PlanCheck(lambda p: "split", lambda p: p.get("split") != "auto" and p.size("pp") == 1,
+              lambda p: "split names pipeline cut points and needs pp>1", "add pp=N or remove split="),
+    PlanCheck(lambda p: "split", lambda p: p.get("split") != "auto" and p.size("pp") > 1
+              and len(p.get("split")) != p.size("pp") * int(p.get("v")) - 1,
+              lambda p: f"split names {len(p.get('split'))} cut point(s) but pp={p.size('pp')}"
+                        f"{' v=' + str(p.get('v')) if int(p.get('v')) > 1 else ''} has "
+                        f"{p.size('pp') * int(p.get('v'))} stages: name the module each stage after the "
+                        f"first starts at ({p.size('pp') * int(p.get('v')) - 1} paths, 'a|b|...')",
+              "use split=auto to let usc choose"),
     PlanCheck(lambda p: "cp_mode", lambda p: p.is_set("cp_mode") and p.size("cp") == 1,
               lambda p: "cp_mode chooses how attention runs under context parallelism and needs cp>1",
               "add cp=N (N>1) or remove cp_mode"),
-    PlanCheck(lambda p: "capacity_factor", lambda p: p.is_set("capacity_factor"),
-              lambda p: "option 'capacity_factor' is not implemented yet", "remove capacity_factor=..."),
+    PlanCheck(lambda p: "ep", lambda p: p.size("ep") > 1 and p.size("dp") % p.size("ep") != 0,
+              lambda p: f"ep={p.size('ep')} must divide dp={p.size('dp')}: expert-parallel ranks are carved from "
+                        "the data-parallel ranks", "use dp=N with N a multiple of ep (e.g. 'dp=4 ep=2')"),
+    PlanCheck(lambda p: "zero", lambda p: p.size("ep") > 1 and bool(p.get("zero")),
+              lambda p: "zero>0 with ep>1 is not implemented yet", "remove zero= or ep="),
+    *[PlanCheck(lambda p: "capacity_factor", lambda p, a=axis: p.is_set("capacity_factor") and p.size(a) > 1,
+                lambda p, a=axis: f"capacity_factor with {a}>1 is not implemented yet (tokens drop by their "
+                                  "global order in the batch)", f"remove capacity_factor= or {axis}=")
+      for axis in ("cp", "pp")],
+    PlanCheck(lambda p: "capacity_factor", lambda p: p.is_set("capacity_factor") and int(p.get("mb")) > 1,
+              lambda p: "capacity_factor with mb>1 is not implemented yet (capacity is per batch)",
+              "remove capacity_factor= or mb="),
+    PlanCheck(lambda p: "auto", lambda p: p.auto,
+              lambda p: "auto must be resolved by the planner before compiling (usc.compile/lint/simulate and "
+                        "usc.plan do it)", "call usc.plan(model, plan, example_inputs=...)"),
+    *[PlanCheck(lambda p, n=name: n, lambda p, n=name: p.is_set(n) and not p.auto,
+                lambda p, n=name: f"option {n} describes what to plan for and is only read with auto",
+                f"add auto, or remove {name}=") for name in ("gpus", "seq", "global_batch", "hardware")],
 ]
-RULE_ACTIONS = ("colwise", "rowwise", "vocab", "replicate")
+RULE_ACTIONS = ("colwise", "rowwise", "vocab", "replicate", "recompute", "expert")
 
 
 def check_supported(plan) -> None:

@@ -42,6 +42,7 @@ class Propagation:
     sequence_parallel: bool = False
     cp_mode: str = "ring"
     microbatches: int = 1
+    capacity_factor: float | None = None
     editor: GraphEditor = field(init=False)
     cache: dict[tuple[fx.Node, Layout], fx.Node] = field(default_factory=dict)
     reduced: dict[fx.Node, fx.Node] = field(default_factory=dict)  # partial value -> first reduced copy
@@ -53,7 +54,8 @@ class Propagation:
 def propagate_pass(gm: fx.GraphModule, ctx, *, input_layouts: dict[str, Layout], grad_inputs: set[str]):
     """Place every node on the mesh (see the module docstring)."""
     state = Propagation(gm, ctx.mesh, input_layouts, grad_inputs, sequence_parallel=bool(ctx.plan.get("sp")),
-                        cp_mode=ctx.plan.get("cp_mode"), microbatches=int(ctx.plan.get("mb")))
+                        cp_mode=ctx.plan.get("cp_mode"), microbatches=int(ctx.plan.get("mb")),
+                        capacity_factor=ctx.plan.get("capacity_factor"))
     for node in list(gm.graph.nodes):
         if node.graph is gm.graph and (node.users or node.op in ("output", "placeholder")):
             place(state, node)
@@ -83,7 +85,8 @@ def place(state: Propagation, node: fx.Node) -> None:
         return
     expand = EXPANSIONS.get(_op_key(state.gm, node))
     if expand is not None:
-        new_nodes = expand(ExpansionContext(state.gm, state.mesh, state.editor, state.cp_mode, state.microbatches),
+        new_nodes = expand(ExpansionContext(state.gm, state.mesh, state.editor, state.cp_mode, state.microbatches,
+                                            state.capacity_factor),
                            node)
         if new_nodes is not None:
             for new in new_nodes:

@@ -166,18 +166,21 @@ class Comm(ABC):
             "all-to-all", t, False, lambda: self._all_to_all_single(t, list(out_splits), list(in_splits))
         )
 
-    def send(self, t: torch.Tensor, peer: int, async_op: bool = False) -> Work | None:
-        """Send to the group member `peer`; matched by a recv(like, this rank) there. With async_op
-        the call returns at once with a Work (keep `t` alive until it is waited for): a pipeline
-        must not block on a send whose receiver is itself still sending."""
+    def send(self, t: torch.Tensor, peer: int, async_op: bool = False, tag: int = 0) -> Work | None:
+        """Send to the group member `peer`; matched by a recv(like, this rank, tag) there (messages
+        with one tag between one pair match in order; NCCL ignores tags and matches in post order). With async_op the call returns at once with
+        a Work (keep `t` alive until it is waited for): a pipeline must not block on a send whose
+        receiver is itself still sending."""
         self._check_peer(peer)
-        result = self._run("send/recv", t, async_op, lambda: self._send(t, peer))
+        self._check_tag(tag)
+        result = self._run("send/recv", t, async_op, lambda: self._send(t, peer, tag))
         return result[1] if async_op else None
 
-    def recv(self, like: torch.Tensor, peer: int) -> torch.Tensor:
-        """Receive a tensor shaped and typed like `like` from the group member `peer`."""
+    def recv(self, like: torch.Tensor, peer: int, tag: int = 0) -> torch.Tensor:
+        """Receive a tensor shaped and typed like `like` from the group member `peer`, sent with `tag`."""
         self._check_peer(peer)
-        return self._run("send/recv", like, False, lambda: self._recv(like, peer))
+        self._check_tag(tag)
+        return self._run("send/recv", like, False, lambda: self._recv(like, peer, tag))
 
     def send_recv(self, t: torch.Tensor, to_peer: int, from_peer: int, async_op: bool = False) -> Any:
         """Send t to `to_peer` and receive a tensor like t from `from_peer`, both at once (one ring
@@ -188,7 +191,7 @@ class Comm(ABC):
 
     def _send_recv(self, t: torch.Tensor, to_peer: int, from_peer: int) -> tuple[torch.Tensor, Work]:
         """Both halves posted before either is waited for, so a ring of them cannot deadlock."""
-        _, sent = self._send(t, to_peer)
+        _, sent = self._send(t, to_peer, 0)
         buf, received = self._recv_later(t, from_peer)
 
         def wait() -> None:
@@ -198,7 +201,7 @@ class Comm(ABC):
         return buf, Work(wait)
 
     def _recv_later(self, like: torch.Tensor, peer: int) -> tuple[torch.Tensor, Work]:
-        return self._recv(like, peer)
+        return self._recv(like, peer, 0)
 
     def barrier(self) -> None:
         """Block until every member of the group has reached the barrier."""
@@ -227,10 +230,10 @@ class Comm(ABC):
     ) -> tuple[torch.Tensor, Work]: ...
 
     @abstractmethod
-    def _send(self, t: torch.Tensor, peer: int) -> tuple[None, Work]: ...
+    def _send(self, t: torch.Tensor, peer: int, tag: int) -> tuple[None, Work]: ...
 
     @abstractmethod
-    def _recv(self, like: torch.Tensor, peer: int) -> tuple[torch.Tensor, Work]: ...
+    def _recv(self, like: torch.Tensor, peer: int, tag: int) -> tuple[torch.Tensor, Work]: ...
 
     @abstractmethod
     def _barrier(self) -> tuple[None, Work]: ...
@@ -303,6 +306,11 @@ class Comm(ABC):
                 f"all_to_all_single: in_splits {in_splits} do not add up to dim 0 of {tuple(t.shape)}"
             )
 
+    @staticmethod
+    def _check_tag(tag: int) -> None:
+        if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag < 2**31:
+            raise ValueError(f"a message tag must be an int in [0, 2**31), got {tag!r}")
+
     def _check_peer(self, peer: int) -> None:
         if not 0 <= peer < self.size:
             raise ValueError(f"peer {peer} is not in the group along {self.axis!r} (size {self.size})")
@@ -372,13 +380,13 @@ class ProcessGroupComm(Comm):
 
         return self._launch([t], issue, False)
 
-    def _send(self, t, peer):
-        work = dist.isend(t.contiguous(), group=self.group, group_dst=peer)
+    def _send(self, t, peer, tag):
+        work = dist.isend(t.contiguous(), group=self.group, group_dst=peer, tag=tag)
         return None, Work(lambda: self._wait_torch(work, t), work.is_completed)
 
-    def _recv(self, like, peer):
+    def _recv(self, like, peer, tag):
         buf = torch.empty_like(like, memory_format=torch.contiguous_format)
-        work = dist.irecv(buf, group=self.group, group_src=peer)
+        work = dist.irecv(buf, group=self.group, group_src=peer, tag=tag)
         return buf, Work(lambda: self._wait_torch(work, buf), work.is_completed)
 
     def _barrier(self):
@@ -449,7 +457,7 @@ class ThreadGroup:
 
     Calls are matched by their sequence number on the group (every rank counts its own calls),
     so consecutive collectives cannot mix; point-to-point messages are matched by
-    (source, destination, n-th message between them).
+    (source, destination, tag, n-th message with that tag between them).
     """
 
     def __init__(self, ranks: Sequence[int]):
@@ -457,7 +465,7 @@ class ThreadGroup:
         self.size = len(self.ranks)
         self._cond = threading.Condition()
         self._slots: dict[int, _Slot] = {}
-        self._mail: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._mail: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._abort_reason: str | None = None
 
     def abort(self, reason: str) -> None:
@@ -481,21 +489,21 @@ class ThreadGroup:
                 )
             return self._read(slot, seq)
 
-    def post(self, src: int, dst: int, n: int, tensor: torch.Tensor) -> None:
+    def post(self, src: int, dst: int, tag: int, n: int, tensor: torch.Tensor) -> None:
         """Buffered send: the message waits in the mailbox until dst receives it."""
         with self._cond:
             self._raise_if_aborted()
-            self._mail[(src, dst, n)] = tensor
+            self._mail[(src, dst, tag, n)] = tensor
             self._cond.notify_all()
 
-    def take(self, src: int, dst: int, n: int, timeout: float) -> torch.Tensor:
-        """Receive message n from src to dst, waiting up to `timeout` seconds."""
-        key = (src, dst, n)
+    def take(self, src: int, dst: int, tag: int, n: int, timeout: float) -> torch.Tensor:
+        """Receive message n with `tag` from src to dst, waiting up to `timeout` seconds."""
+        key = (src, dst, tag, n)
         with self._cond:
             arrived = self._cond.wait_for(lambda: key in self._mail or self._abort_reason, timeout)
             self._raise_if_aborted()
             if not arrived:
-                self._timeout(f"message #{n} from group rank {src}", [src], timeout)
+                self._timeout(f"message #{n} from group rank {src} (tag {tag})", [src], timeout)
             return self._mail.pop(key)
 
     def _read(self, slot: _Slot, seq: int) -> list[Any]:
@@ -581,14 +589,14 @@ class ThreadComm(Comm):
             raise RuntimeError(f"all_to_all_single: out_splits {out_splits} but the peers send {got} rows")
         return torch.cat(pieces), Work()
 
-    def _send(self, t, peer):
-        n, self._sent[peer] = self._sent[peer], self._sent[peer] + 1
-        self.group.post(self.rank, peer, n, t.detach().clone())
+    def _send(self, t, peer, tag):
+        n, self._sent[peer, tag] = self._sent[peer, tag], self._sent[peer, tag] + 1
+        self.group.post(self.rank, peer, tag, n, t.detach().clone())
         return None, Work()
 
-    def _recv(self, like, peer):
-        n, self._received[peer] = self._received[peer], self._received[peer] + 1
-        got = self.group.take(peer, self.rank, n, self.timeout)
+    def _recv(self, like, peer, tag):
+        n, self._received[peer, tag] = self._received[peer, tag], self._received[peer, tag] + 1
+        got = self.group.take(peer, self.rank, tag, n, self.timeout)
         if got.shape != like.shape or got.dtype != like.dtype:
             raise RuntimeError(
                 f"recv expected {tuple(like.shape)} {like.dtype}, got {tuple(got.shape)} {got.dtype}"
@@ -598,10 +606,10 @@ class ThreadComm(Comm):
     def _recv_later(self, like, peer):
         """Sends are buffered here, so the matching take can wait until the caller waits."""
         buf = torch.empty_like(like, memory_format=torch.contiguous_format)
-        n, self._received[peer] = self._received[peer], self._received[peer] + 1  # matched in post order
+        n, self._received[peer, 0] = self._received[peer, 0], self._received[peer, 0] + 1  # in post order
 
         def take() -> None:
-            got = self.group.take(peer, self.rank, n, self.timeout)
+            got = self.group.take(peer, self.rank, 0, n, self.timeout)
             if got.shape != like.shape or got.dtype != like.dtype:
                 raise RuntimeError(
                     f"recv expected {tuple(like.shape)} {like.dtype}, got {tuple(got.shape)} {got.dtype}")
@@ -642,10 +650,10 @@ class ShapeComm(Comm):
     def _all_to_all_single(self, t, out_splits, in_splits):
         return t.new_empty((sum(out_splits), *t.shape[1:])), Work()
 
-    def _send(self, t, peer):
+    def _send(self, t, peer, tag):
         return None, Work()
 
-    def _recv(self, like, peer):
+    def _recv(self, like, peer, tag):
         return torch.empty_like(like), Work()
 
     def _barrier(self):

@@ -11,17 +11,20 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import weakref
 from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.fx as fx
 
 from .layout import gather_full, local_chunk, zigzag_permute
+from .moe import rank_stats
 from .pipeline import PipelineMixin
 from .reducer import GradReducer
 from .trace import Timeline
 from .checkpoint import CheckpointError
 from .errors import NonFiniteLoss
+from .recompute import observe_kept
 from .reducer import pad_to_multiple
 from .zero import ZeroOptimizer
 from .zero3 import ZeroFetch, ZeroGather, Zero3Registry, shard_of, unshard
@@ -145,7 +148,13 @@ class RankExecutor:
                 measure(t)
             return packed
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, Zero3Registry.unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, Zero3Registry.unpack)
+        if measure is None:
+            return hooks
+        both = contextlib.ExitStack()  # selective recompute keeps matmul outputs past the hooks
+        both.enter_context(hooks)
+        both.enter_context(observe_kept(measure))
+        return both
 
     def _global(self, loss: torch.Tensor) -> float:
         value = loss.detach()
@@ -172,6 +181,9 @@ class RankExecutor:
         by count_m / N once N is known (after the last forward); the gradient reduction runs
         once, during the last microbatch's backward."""
         micro = self._split(batch)
+        for module in self.gm.modules():
+            if hasattr(module, "reset_stats"):  # per-step statistics (MoE loads)
+                module.reset_stats()
         count, weighted = 0.0, []
         for m, piece in enumerate(micro):
             last = m == len(micro) - 1
@@ -211,22 +223,28 @@ class RankExecutor:
 
     def activation_bytes(self, batch: tuple) -> int:
         """Bytes of the activations autograd saves for backward in one forward (unique storages,
-        parameters excluded): the activation memory a step holds at its peak, measured."""
+        parameters excluded): the activation memory a step holds at its peak, measured.
+        A storage freed before forward ends (a recompute region whose graph kept nothing) no
+        longer counts, and its address may be reused by another."""
         params = {p.untyped_storage()._cdata for p in self.params}  # _cdata: also unique for fake tensors
-        seen: dict[int, int] = {}
+        seen: dict[int, tuple[int, object]] = {}
 
         def measure(t: torch.Tensor) -> None:
             storage = t.untyped_storage()
-            if storage._cdata not in params:
-                seen[storage._cdata] = storage.nbytes()
+            key = storage._cdata
+            if key not in params and key not in seen:
+                token = object()
+                seen[key] = (storage.nbytes(), token)
+                weakref.finalize(storage, _forget, seen, key, token)
 
         self._measure = measure
         try:
             loss, _ = self._loss(self._split(batch)[0])
         finally:
             self._measure = None
+        total = sum(nbytes for nbytes, _ in seen.values())
         del loss
-        return sum(seen.values())
+        return total
 
     @torch.no_grad()
     def evaluate(self, batch: tuple) -> float:
@@ -371,8 +389,17 @@ class RankExecutor:
                 out[name] = full
         return out
 
+    def moe_stats(self) -> dict[str, dict]:
+        """This rank's MoE loads and all-to-all bytes of the last step (``runtime.moe.rank_stats``)."""
+        return rank_stats(self.gm, self.mesh)
+
     def local_state(self) -> dict[str, torch.Tensor]:
         return {spec.name: self.state[spec.placeholder].detach() for spec in self.program.state}
+
+
+def _forget(seen: dict, key: int, token: object) -> None:
+    if key in seen and seen[key][1] is token:
+        del seen[key]
 
 
 class _nothing:

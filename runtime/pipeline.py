@@ -1,13 +1,23 @@
-"""Pipeline executor: one pp rank runs its stage of the program over microbatches, by schedule.
+"""Pipeline executor: one pp rank runs its stages of the program over microbatches, by schedule.
 
-The compiler hands an orchestrator GraphModule whose ``submod_k`` are the stages. From it this
-module reads, as plain data, what each stage takes (program inputs, or outputs of earlier stages)
-and where its outputs go. A rank then follows its list of schedule actions: F(m) receives the
-stage's inputs of microbatch m from the stages that make them, runs the stage and sends its
-outputs on; B(m) receives the gradients of those outputs, runs backward and sends the gradients
-of what it received back. Sends never wait (gloo isend / buffered in the simulator), receives
-match in post order per pair of stages, and the schedule checker has proved the order deadlock
-free.
+The compiler hands an orchestrator GraphModule whose ``submod_k`` are the ``pp * v`` stages; stage
+``s`` runs on pp rank ``s % pp`` (Megatron's looping assignment, so with ``v > 1`` rank r holds
+chunks r, r + pp, ...). From the orchestrator this module reads, as plain data, what each stage
+takes (program inputs, or outputs of earlier stages) and where its outputs go. A rank then follows
+its list of schedule actions: F(s, m) receives stage s's inputs of microbatch m from the stages that
+make them, runs the stage and sends its outputs on; B(s, m) receives the gradients of those
+outputs, runs backward and sends the gradients of what it received back. Zero-bubble schedules
+split B into I (the input gradients only, sent back at once: the critical path) and W (the weight
+gradients, later, from the graph I kept) -- Qi et al. 2024, "Zero Bubble Pipeline Parallelism".
+
+Messages. Every transfer is one (producer stage, consumer stage, output index) "kind", in one
+direction, for one microbatch; its tag is unique within a step, so messages between one pair of
+ranks (with v > 1 several stage pairs share a rank pair) can never be matched wrongly on backends
+that match by tag (gloo, the simulator). NCCL ignores tags and matches in post order per pair, so
+a rank also receives from each peer in the order that peer posts (``posting_orders``), keeping
+messages it needs later. A transfer between two stages of the same rank stays in memory.
+Sends never wait (gloo isend / buffered in the simulator), and the schedule checker has proved the
+order deadlock free.
 
 The loss: each microbatch's backward starts from its token *sum* (loss x count); after the last
 microbatch every gradient is divided by the global count N, so the step equals the global token
@@ -77,13 +87,78 @@ def messages_from(specs: list[StageSpec], producer: int, consumer: int) -> list[
     return sorted(i for i, users in specs[producer].consumers.items() if consumer in users)
 
 
+def consumers_of(specs: list[StageSpec], producer: int) -> list[int]:
+    return sorted({c for users in specs[producer].consumers.values() for c in users})
+
+
+Kind = tuple[int, int, int]  # (producer stage, consumer stage, producer output index)
+FORWARD, BACKWARD = 0, 1
+
+
+def message_kinds(specs: list[StageSpec]) -> list[Kind]:
+    """Every activation that crosses a cut, in one order all ranks agree on."""
+    return [(p, c, i) for p in range(len(specs)) for c in consumers_of(specs, p) for i in messages_from(specs, p, c)]
+
+
+def carries_gradient(specs: list[StageSpec], kind: Kind) -> bool:
+    _, dtype, needs = specs[kind[0]].outputs[kind[2]]
+    return needs and dtype.is_floating_point
+
+
+def message_tag(kinds: dict[Kind, int], kind: Kind, direction: int, mb: int) -> int:
+    """Unique within a step: microbatch, direction, then the kind."""
+    return (mb * 2 + direction) * len(kinds) + kinds[kind]
+
+
+Message = tuple[int, Kind, int]  # (direction, kind, microbatch)
+
+
+def _receiver_stage(message: Message) -> int:
+    direction, (producer, consumer, _), _ = message
+    return consumer if direction == FORWARD else producer
+
+
+def _messages_of(specs: list[StageSpec], kinds: list[Kind], op: str, stage: int, mb: int) -> tuple[list, list]:
+    """(received, sent) messages of one compute action, each in the order the executor posts them."""
+    into = [k for k in kinds if k[1] == stage]  # producer, then output index: _forward's order
+    out_of = [k for k in kinds if k[0] == stage]  # consumer, then output index
+    if op == "F":
+        return [(FORWARD, k, mb) for k in into], [(FORWARD, k, mb) for k in out_of]
+    if op in ("B", "I"):
+        grads_in = [(BACKWARD, k, mb) for k in out_of if carries_gradient(specs, k)]
+        grads_out = [(BACKWARD, k, mb) for k in sorted(into, key=lambda k: (k[0], k[2])) if carries_gradient(specs, k)]
+        return grads_in, grads_out
+    return [], []
+
+
+def posting_orders(specs: list[StageSpec], actions: dict[int, tuple], pp: int, *, train: bool) -> dict:
+    """(sender rank, receiver rank) -> the messages the sender posts to the receiver, in its order.
+
+    This is the one total order per rank pair both sides agree on: a receiver takes its messages
+    in this order (keeping the ones it needs later), so a backend that matches point-to-point
+    messages by post order alone (NCCL) pairs them right too. Sends never block, so every message
+    before the one a receiver waits for has been posted already: following the order adds no wait
+    that could deadlock."""
+    kinds = message_kinds(specs)
+    orders: dict[tuple[int, int], list[Message]] = {}
+    for rank, acts in actions.items():
+        for act in acts:
+            if train or act.op.value == "F":
+                for message in _messages_of(specs, kinds, act.op.value, act.stage, act.mb)[1]:
+                    peer = _receiver_stage(message) % pp
+                    if peer != rank:
+                        orders.setdefault((rank, peer), []).append(message)
+    return orders
+
+
 @dataclass
 class InFlight:
-    """What one microbatch's forward left for its backward on this stage."""
+    """What one microbatch's forward left for its backward on one stage."""
 
     received: dict[tuple[int, int], torch.Tensor]
     outputs: list[torch.Tensor]
     count: float = 1.0
+    roots: list = field(default_factory=list)  # (tensor, gradient) pairs backward starts from, once known
 
 
 class PipelineMixin:
@@ -94,48 +169,77 @@ class PipelineMixin:
         mesh_spec = self.program.mesh
         self.specs = stage_specs(top, lambda n: n.meta["usc"].layout.local_shape(tuple(n.meta["val"].shape),
                                                                                   mesh_spec))
-        self.stage = self.mesh.coord_of("pp")
-        self.spec = self.specs[self.stage]
-        self.stage_module = top.get_submodule(self.spec.module)
         self.pp = self.mesh.comm("pp")
-        self.actions = [a for a in schedule.actions[self.stage]]
+        self.pp_rank, self.pp_size = self.mesh.coord_of("pp"), self.pp.size
+        if len(self.specs) != schedule.stages or schedule.pp != self.pp_size:
+            raise ValueError(f"the program has {len(self.specs)} stages on pp={self.pp_size}, the schedule "
+                             f"{schedule.name} expects {schedule.stages} on pp={schedule.pp}")
+        self.modules = {s: top.get_submodule(self.specs[s].module) for s in range(len(self.specs))
+                        if self._rank_of(s) == self.pp_rank}
+        self.actions = list(schedule.actions[self.pp_rank])
+        self.kinds = {kind: n for n, kind in enumerate(message_kinds(self.specs))}
         self._pending: list = []
+        self._local: dict = {}  # transfers between two stages of this rank
         users: dict[str, set[int]] = {}
         for spec in self.specs:
             for source in spec.sources:
                 if source[0] == "input":
                     users.setdefault(source[1], set()).add(spec.index)
-        self.owner = {name: min(stages) for name, stages in users.items()}
-        self.shared = sorted(name for name, stages in users.items() if len(stages) > 1 and name in self.state
-                             and isinstance(self.state[name], torch.nn.Parameter))
+        self.owner = {name: self._rank_of(min(stages)) for name, stages in users.items()}
+        self.shared = sorted(name for name, stages in users.items()
+                             if len({self._rank_of(s) for s in stages}) > 1 and self._is_param(name))
+        self.stage_params = {s: [self.state[x[1]] for x in self.specs[s].sources
+                                 if x[0] == "input" and self._is_param(x[1]) and self.state[x[1]].requires_grad]
+                             for s in self.modules}
+        self._orders = {train: {src: order for (src, dst), order in
+                                posting_orders(self.specs, schedule.actions, self.pp_size, train=train).items()
+                                if dst == self.pp_rank} for train in (True, False)}
+        self._inbox: dict[int, list] = {}  # peer -> messages still to take, in its posting order
+        self._early: dict[Message, torch.Tensor] = {}  # taken before they were needed
 
-    # ----------------------------------------------------------------------------- one microbatch
-    def _receive_inputs(self) -> dict[tuple[int, int], torch.Tensor]:
-        received = {}
-        for producer in range(self.stage):
-            for index in messages_from(self.specs, producer, self.stage):
-                shape, dtype, grad = self.specs[producer].outputs[index]
-                value = self.pp.recv(torch.empty(shape, dtype=self._wire(dtype)), producer)
-                received[(producer, index)] = value.requires_grad_(grad and dtype.is_floating_point)
-        return received
+    def _is_param(self, name: str) -> bool:
+        return name in self.state and isinstance(self.state[name], torch.nn.Parameter)
 
-    def _forward(self, piece: tuple) -> InFlight:
-        values = self._input_values(piece)
-        received = self._receive_inputs()
-        args = [values[s[1]] if s[0] == "input" else received[(s[1], s[2])] for s in self.spec.sources]
-        with self._saved_tensor_hooks():
-            out = self.stage_module(*args)
-        outputs = list(out) if isinstance(out, (tuple, list)) else [out]
-        for consumer in sorted({c for users in self.spec.consumers.values() for c in users}):
-            for index in messages_from(self.specs, self.stage, consumer):
-                self._send(outputs[index].detach().to(self._wire(outputs[index].dtype)), consumer)
-        count = float(outputs[1]) if self._last and len(outputs) > 1 else 1.0
-        return InFlight(received, outputs, count)
+    def _rank_of(self, stage: int) -> int:
+        return stage % self.pp_size
 
-    def _send(self, t: torch.Tensor, peer: int) -> None:
+    @property
+    def _last_stage(self) -> int:
+        return len(self.specs) - 1
+
+    @property
+    def _last(self) -> bool:
+        """This rank holds the last stage (the loss)."""
+        return self._rank_of(self._last_stage) == self.pp_rank
+
+    # ----------------------------------------------------------------------------- transfers
+    def _put(self, kind: Kind, direction: int, mb: int, t: torch.Tensor) -> None:
         """Sends never block the schedule (a blocking send to a stage that is itself sending would
         deadlock 1F1B); they are waited for at the end of the step."""
-        self._pending.append((t, self.pp.send(t, peer, async_op=True)))
+        to_stage = kind[1] if direction == FORWARD else kind[0]
+        peer = self._rank_of(to_stage)
+        if peer == self.pp_rank:
+            self._local[(kind, direction, mb)] = t
+            return
+        tag = message_tag(self.kinds, kind, direction, mb)
+        self._pending.append((t, self.pp.send(t, peer, async_op=True, tag=tag)))
+
+    def _get(self, kind: Kind, direction: int, mb: int) -> torch.Tensor:
+        from_stage = kind[0] if direction == FORWARD else kind[1]
+        peer = self._rank_of(from_stage)
+        if peer == self.pp_rank:
+            return self._local.pop((kind, direction, mb))
+        wanted = (direction, kind, mb)
+        while wanted not in self._early:  # take the peer's messages in its order (see posting_orders)
+            message = self._inbox[peer].pop(0)
+            self._early[message] = self._recv(message, peer)
+        return self._early.pop(wanted)
+
+    def _recv(self, message: Message, peer: int) -> torch.Tensor:
+        direction, kind, mb = message
+        shape, dtype, _ = self.specs[kind[0]].outputs[kind[2]]
+        tag = message_tag(self.kinds, kind, direction, mb)
+        return self.pp.recv(torch.empty(shape, dtype=self._wire(dtype)), peer, tag=tag)
 
     def _wait_sends(self) -> None:
         for _, work in self._pending:
@@ -146,9 +250,25 @@ class PipelineMixin:
         """Float activations and gradients travel in the compute dtype (bf16 under dtype=bf16)."""
         return self.compute_dtype if self.compute_dtype is not None and dtype.is_floating_point else dtype
 
-    @property
-    def _last(self) -> bool:
-        return self.stage == len(self.specs) - 1
+    # ----------------------------------------------------------------------------- one microbatch
+    def _forward(self, stage: int, mb: int, piece: tuple) -> InFlight:
+        spec = self.specs[stage]
+        values = self._input_values(piece)
+        received = {}
+        for producer in range(stage):
+            for index in messages_from(self.specs, producer, stage):
+                value = self._get((producer, stage, index), FORWARD, mb)
+                received[(producer, index)] = value.requires_grad_(carries_gradient(self.specs,
+                                                                                     (producer, stage, index)))
+        args = [values[s[1]] if s[0] == "input" else received[(s[1], s[2])] for s in spec.sources]
+        with self._saved_tensor_hooks():
+            out = self.modules[stage](*args)
+        outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+        for consumer in consumers_of(self.specs, stage):
+            for index in messages_from(self.specs, stage, consumer):
+                self._put((stage, consumer, index), FORWARD, mb, outputs[index].detach().to(self._wire(outputs[index].dtype)))
+        count = float(outputs[1]) if stage == self._last_stage and len(outputs) > 1 else 1.0
+        return InFlight(received, outputs, count)
 
     def _input_values(self, piece: tuple) -> dict[str, torch.Tensor]:
         values = {name: self._compute(t) for name, t in self.state.items()}
@@ -156,48 +276,81 @@ class PipelineMixin:
             values[spec.placeholder] = self._compute(self._local_input(spec, value))
         return values
 
-    def _backward(self, flight: InFlight) -> None:
-        if self._last:
-            (flight.outputs[0] * flight.count).backward()
-        else:
-            grads = [None] * len(flight.outputs)
-            for consumer in sorted({c for users in self.spec.consumers.values() for c in users}):
-                for index in messages_from(self.specs, self.stage, consumer):
-                    shape, dtype, needs = self.spec.outputs[index]
-                    if needs and dtype.is_floating_point:
-                        g = self.pp.recv(torch.empty(shape, dtype=self._wire(dtype)), consumer)
-                        g = g.to(flight.outputs[index].dtype)
-                        grads[index] = g if grads[index] is None else grads[index] + g
-            pairs = [(o, g) for o, g in zip(flight.outputs, grads) if g is not None and o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    def _roots(self, stage: int, mb: int, flight: InFlight) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """What backward starts from: the last stage's token-weighted loss sum, or the stage outputs
+        with the gradients their consumers sent back (summed over consumers)."""
+        if stage == self._last_stage:
+            return [(flight.outputs[0] * flight.count, None)]
+        grads: list[torch.Tensor | None] = [None] * len(flight.outputs)
+        for consumer in consumers_of(self.specs, stage):
+            for index in messages_from(self.specs, stage, consumer):
+                if carries_gradient(self.specs, (stage, consumer, index)):
+                    g = self._get((stage, consumer, index), BACKWARD, mb).to(flight.outputs[index].dtype)
+                    grads[index] = g if grads[index] is None else grads[index] + g
+        return [(o, g) for o, g in zip(flight.outputs, grads) if g is not None and o.requires_grad]
+
+    def _send_input_grads(self, stage: int, mb: int, flight: InFlight, grads: dict) -> None:
         for (producer, index), value in sorted(flight.received.items()):
-            shape, dtype, needs = self.specs[producer].outputs[index]
-            if needs and dtype.is_floating_point:
-                grad = value.grad if value.grad is not None else torch.zeros_like(value)
-                self._send(grad.to(self._wire(dtype)), producer)
+            kind = (producer, stage, index)
+            if carries_gradient(self.specs, kind):
+                grad = grads.get((producer, index))
+                grad = grad if grad is not None else torch.zeros_like(value)
+                self._put(kind, BACKWARD, mb, grad.to(self._wire(value.dtype)))
+
+    def _backward(self, stage: int, mb: int, flight: InFlight) -> None:
+        """B: input and weight gradients in one pass."""
+        roots = self._roots(stage, mb, flight)
+        if roots:
+            torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
+        self._send_input_grads(stage, mb, flight, {key: v.grad for key, v in flight.received.items()})
+
+    def _input_grad(self, stage: int, mb: int, flight: InFlight) -> None:
+        """I: only the gradients of what the stage received (what the previous stage waits for);
+        the graph is kept for W."""
+        flight.roots = self._roots(stage, mb, flight)
+        keys = [key for key, v in sorted(flight.received.items()) if v.requires_grad]
+        grads = {}
+        if flight.roots and keys:
+            found = torch.autograd.grad([t for t, _ in flight.roots], [flight.received[k] for k in keys],
+                                        [g for _, g in flight.roots], retain_graph=True, allow_unused=True)
+            grads = dict(zip(keys, found))
+        self._send_input_grads(stage, mb, flight, grads)
+
+    def _weight_grad(self, stage: int, mb: int, flight: InFlight) -> None:
+        """W: the weight gradients, accumulated into .grad exactly as B would. Autograd walks the
+        kept graph again from the stage outputs, restricted to the weights (torch.autograd.backward's
+        ``inputs``), so the input-gradient chain inside the stage is recomputed; capturing the
+        gradients where the weights join that chain (torch.distributed.pipelining's
+        ``stage_backward_weight``) would avoid it."""
+        params = self.stage_params[stage]
+        if flight.roots and params:
+            torch.autograd.backward([t for t, _ in flight.roots], [g for _, g in flight.roots], inputs=params)
+        flight.roots = []
 
     # ------------------------------------------------------------------------------------ a step
     def _run_schedule(self, batch: tuple, *, train: bool) -> tuple[torch.Tensor, float]:
         micro = self._split(batch)
-        flights: dict[int, InFlight] = {}
+        self._inbox = {peer: list(order) for peer, order in self._orders[train].items()}
+        flights: dict[tuple[int, int], InFlight] = {}
         total, count = torch.zeros((), dtype=torch.float64), 0.0
         for action in self.actions:
-            if action.op.value == "F":
-                with self._span(f"F{action.mb}"):
-                    if train:
-                        flights[action.mb] = self._forward(micro[action.mb])
-                    else:
-                        with torch.no_grad():
-                            flights[action.mb] = self._forward(micro[action.mb])
-                flight = flights[action.mb]
-                if self._last:
+            op, key = action.op.value, (action.stage, action.mb)
+            if op == "F":
+                with self._span(f"F{action.mb}"), torch.set_grad_enabled(train):
+                    flights[key] = self._forward(action.stage, action.mb, micro[action.mb])
+                if action.stage == self._last_stage:
+                    flight = flights[key]
                     total = total + flight.outputs[0].detach().double() * flight.count
                     count += flight.count
             elif train:
-                with self.reducer.no_sync(), self._span(f"B{action.mb}"):
-                    self._backward(flights.pop(action.mb))
+                with self.reducer.no_sync(), self._span(f"{op}{action.mb}"):
+                    self._BACKWARD_STEPS[op](self, action.stage, action.mb, flights[key])
+                if op in ("B", "W"):
+                    del flights[key]
         return total, count
+
+    # Which method runs each backward action of a schedule.
+    _BACKWARD_STEPS = {"B": _backward, "I": _input_grad, "W": _weight_grad}
 
     def _pipeline_global(self, total: torch.Tensor, count: float) -> tuple[torch.Tensor, float]:
         """The last stage's (token-weighted loss sum, count), on every pp rank."""
@@ -228,7 +381,7 @@ class PipelineMixin:
         return self._global(total / count)
 
     def _sum_shared_grads(self) -> None:
-        """A weight used by two stages (tied embedding / lm head) gets both stages' gradients."""
+        """A weight used by stages on two ranks (tied embedding / lm head) gets both stages' gradients."""
         for name in self.shared:
             param = self.state[name]
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
@@ -236,5 +389,5 @@ class PipelineMixin:
 
     def _owned(self, spec, value: torch.Tensor) -> torch.Tensor:
         """The owning stage's value of a state tensor, on every pp rank."""
-        mine = value if self.owner.get(spec.placeholder, 0) == self.stage else torch.zeros_like(value)
+        mine = value if self.owner.get(spec.placeholder, 0) == self.pp_rank else torch.zeros_like(value)
         return self.pp.all_reduce(mine)

@@ -5,6 +5,9 @@ import os
 # Before torch starts its thread pools: 2-core CI boxes run several ranks (threads or processes)
 # at once, and oversubscribed OpenMP pools make them crawl.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Fused kernels (fuse=on) run on CPU under Triton's interpreter; it must be chosen before triton
+# is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 # Run the IR verifier after every compiler pass in tests (usc.compiler.pipeline.run_pipeline).
 os.environ.setdefault("USC_DEBUG", "1")
 

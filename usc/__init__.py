@@ -10,9 +10,9 @@ from usc.dsl import Plan, PlanError, load_plan, parse_plan
 from usc.runtime.checkpoint import CheckpointError
 from usc.runtime.errors import CollectiveError, CollectiveTimeout, NonFiniteLoss
 
-from .api import Compiled, Simulated, compile, lint, simulate
+from .api import Compiled, Simulated, compile, lint, plan, simulate
 
-__all__ = ["compile", "simulate", "lint", "parse_plan", "load_plan", "Plan", "PlanError", "CompileError",
+__all__ = ["compile", "simulate", "lint", "plan", "parse_plan", "load_plan", "Plan", "PlanError", "CompileError",
            "TraceError", "ShardingError", "CollectiveError", "CollectiveTimeout", "Compiled", "Simulated",
            "Report", "CollectiveRecord", "CheckpointError", "NonFiniteLoss"]
 __version__ = "0.1.0"

@@ -11,7 +11,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from usc.compiler.errors import CompileError
+from usc.compiler.errors import CompileError, TraceError
+from usc.compiler.moe import MoEPatternError, find_blocks
 from usc.compiler.report import Report, build_report
 from usc.compiler.trace import is_meta_model, trace
 from usc.dsl import Plan, PlanError, check_rules_match, parse_plan
@@ -21,7 +22,9 @@ from usc.passes.pipeline_schedule import build_schedule
 from usc.passes.pipeline_schedule_check import check_schedule
 from usc.runtime.executor import PipelineExecutor, RankExecutor, estimate_activation_bytes
 from usc.runtime.mesh import Mesh, run_in_threads, simulated_meshes
+from usc.runtime.moe import summarize
 from usc.runtime.trace import Timeline
+from usc.planning import estimate_plan
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -81,6 +84,8 @@ class _Compiled:
                  optimizer: OptimizerFactory | None = None) -> None:
         self.plan = _as_plan(plan)
         self.model = _WithLoss(model, loss_fn) if loss_fn is not None else model
+        if self.plan.auto:
+            self.plan = _resolve_auto(self.model, self.plan, example_inputs)
         self._loss_source = _source_of(loss_fn) if loss_fn is not None else ""
         self._user_model = model
         self._optimizer = optimizer
@@ -89,20 +94,55 @@ class _Compiled:
         if example_inputs is not None:
             self._build(tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
 
+    def _attach_cost(self, batch: tuple, hardware) -> None:
+        """The cost model's time breakdown for this plan (and the planner's reasons, if it chose)."""
+        report = self.report
+        report.plan_search = self.plan.search
+        if self.plan.search is not None and self.plan.search.best is not None and hardware is None:
+            report.cost = self.plan.search.best.estimate
+        elif hardware is not None or self.plan.search is not None:
+            report.cost = estimate_plan(self.model, self.plan, batch, hardware or "h100")
+
     def _build(self, batch: tuple) -> None:
         start = time.perf_counter()
-        traced = trace(self.model, self._microbatch(batch), wrapper_source=self._loss_source)
+        traced = trace(self.model, self._microbatch(batch), wrapper_source=self._loss_source,
+                       moe_blocks=self._moe_blocks())
         check_rules_match(self.plan, list(traced.module_types))
         self._traced = traced
         self._program = parallelize(traced, self.plan)
         self._report = build_report(self._program, model=type(self._user_model).__name__, plan=str(self.plan),
                                     bucket_bytes=self.bucket_bytes, compile_seconds=time.perf_counter() - start,
-                                    zero_stage=int(self.plan.get("zero")), microbatches=int(self.plan.get("mb")))
+                                    zero_stage=int(self.plan.get("zero")), microbatches=int(self.plan.get("mb")),
+                                    recompute_mode=self.plan.get("recompute"))
         program, options = self._program, self._executor_options()
         options.pop("microbatches")
         options.pop("reduce_dtype")
         if self.plan.size("pp") == 1:  # a pipeline rank holds one stage: not estimated yet
             self._report.activation_estimate = lambda: estimate_activation_bytes(program, **options)
+            self._report.activation_estimate_by_recompute = lambda: self._activation_by_recompute(traced, options)
+
+    def _activation_by_recompute(self, traced, options: dict) -> dict[str, int]:
+        """The activation estimate of this plan under each recompute mode (rules kept)."""
+        out = {}
+        for mode in ("none", "selective", "full"):
+            if mode == self.plan.get("recompute"):
+                out[mode] = self._report.activation_bytes
+            else:
+                out[mode] = estimate_activation_bytes(parallelize(traced, self.plan.with_options(recompute=mode)),
+                                                      **options)
+        return out
+
+    def _moe_blocks(self) -> list:
+        """The model's mixture-of-experts blocks (rules with the action ``expert`` mark more)."""
+        rules = {path: rule for path, _ in self.model.named_modules() for rule in self.plan.rules
+                 if rule.matches(path) and any(a.name == "expert" for a in rule.actions)}
+        try:
+            return find_blocks(self.model, frozenset(rules))
+        except MoEPatternError as err:
+            if err.path in rules:
+                raise self.plan.error_at(rules[err.path], f"rule 'expert' on {err}",
+                                         hint="see README, 'Mixture of experts', for the patterns usc knows") from None
+            raise TraceError(f"usc could not reproduce the mixture-of-experts block {err}") from None
 
     def _microbatch(self, batch: tuple) -> tuple:
         """The program is compiled for one global microbatch (mb=M splits the batch's dim 0)."""
@@ -226,6 +266,11 @@ class Compiled(_Compiled):
         tensors, meta = checkpoint.read_all(path)
         self._rank().load_checkpoint_state(tensors, meta)
 
+    def moe_stats(self) -> dict:
+        """This rank's view of each MoE layer over the last step (loads of its own experts, the
+        all-to-all bytes it sent); ``usc.simulate(...).moe_stats()`` combines every rank's."""
+        return summarize([self._rank().moe_stats()])
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) tensors under the model's own state_dict names (a collective call)."""
         full = self._rank().full_state_dict()
@@ -300,6 +345,11 @@ class Simulated(_Compiled):
         full = self._run(lambda rank: rank.full_state_dict())[0]
         return {k: full[k] for k in self._user_model.state_dict() if k in full}
 
+    def moe_stats(self) -> dict:
+        """Per MoE layer (module path): tokens per expert and per rank (the load), their imbalance
+        (max / mean) and the all-to-all bytes each rank sent, over the last step."""
+        return summarize([rank.moe_stats() for rank in self.ranks])
+
     def rank_state(self, rank: int) -> dict[str, torch.Tensor]:
         """The local shards held by one rank (for tests and inspection)."""
         return self.ranks[rank].local_state()
@@ -333,13 +383,52 @@ def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None
     return Simulated(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
 
 
-def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None) -> Report:
+def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, hardware=None) -> Report:
     """Compile without running anything and return the report (what ``usc-lint`` prints).
 
     Works for meshes of any size and for models on the ``meta`` device (no weights allocated).
+    ``hardware`` ("h100", "a100", a profile file or a HardwareProfile) adds the cost model's time
+    breakdown (``report.cost``): compute, exposed communication and bubble per step, tokens/s, MFU.
     """
-    return _Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn).report
+    compiled = _Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn)
+    batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    compiled._attach_cost(batch, hardware)
+    return compiled.report
 
 
-__all__ = ["compile", "simulate", "lint", "parse_plan", "Compiled", "Simulated", "Report", "PlanError",
+def plan(model: nn.Module, spec: str | Plan, *, example_inputs, loss_fn=None, hardware=None, keep: int = 5) -> Plan:
+    """Choose a plan for a cluster: ``spec`` names the target, the result is a ``usc.Plan``.
+
+    ``spec`` is plan text: ``gpus=N`` (required unless axes are written), ``gpus_per_node``, ``seq`` and
+    ``global_batch`` (sequences per step; default: the example's shape), and any axes or options to
+    keep as written (``tp=8``, ``zero=1``, ``dtype=bf16``). Every dp/tp/pp/cp/ep/zero/mb/recompute/
+    schedule combination that usc.compile runs is checked for divisibility and memory and ranked by
+    the cost model's step time on ``hardware``; ``plan.search`` holds the runners-up and why each
+    lost (``print(plan.search)``). The example inputs only give shapes: a model on the meta device works.
+
+    >>> import usc, torch
+    >>> from usc.testing.models import TinyLlama, token_batch
+    >>> chosen = usc.plan(TinyLlama(), "gpus=4 dtype=bf16", example_inputs=token_batch(128, 8, 32))
+    >>> chosen.world_size
+    4
+    """
+    from usc.planning import choose
+
+    model = _WithLoss(model, loss_fn) if loss_fn is not None else model
+    batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    return choose(model, _as_plan(spec) if not isinstance(spec, str) else spec, batch, hardware=hardware, keep=keep)
+
+
+def _resolve_auto(model: nn.Module, written: Plan, example_inputs) -> Plan:
+    """``auto`` in compile/lint/simulate: the planner chooses, for the example batch as the global batch."""
+    from usc.planning import choose
+
+    if example_inputs is None:
+        raise written.error_at("auto", "auto needs example_inputs= to plan for (the global batch)",
+                               hint="pass example_inputs=(tokens, labels) to compile")
+    batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    return choose(model, written, batch)
+
+
+__all__ = ["compile", "simulate", "lint", "plan", "parse_plan", "Compiled", "Simulated", "Report", "PlanError",
            "CompileError", "Plan"]

@@ -53,13 +53,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", help="plan text, e.g. \"dp=2 tp=2\"")
     p.add_argument("--plan-file", help="a .usc file with the plan")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--kernels", action="store_true",
+                   help="print the Triton source generated for every fused region (plans with fuse=on)")
     p.add_argument("--schedule", action="store_true",
                    help="print the pipeline schedule of the plan's pp/mb/schedule/v (timeline per rank, "
                         "bubble, in-flight microbatches) and exit; needs no model")
+    p.add_argument("--schedule-png", metavar="FILE",
+                   help="with --schedule: also draw the timeline to FILE (.png, .svg; needs matplotlib)")
     return p
 
 
-def print_schedule(plan_text: str, as_json: bool) -> int:
+def print_schedule(plan_text: str, as_json: bool, png: str | None = None) -> int:
     """The schedule is data: generated, checked and drawn without running (or tracing) anything."""
     from usc.dsl import parse_plan
     from usc.passes.pipeline_schedule import build_schedule
@@ -69,6 +73,10 @@ def print_schedule(plan_text: str, as_json: bool) -> int:
     pp, v, mb, name = plan.size("pp"), int(plan.get("v")), int(plan.get("mb")), plan.get("schedule")
     schedule = build_schedule(name, pp, v, mb)
     metrics = check_schedule(schedule)
+    if png is not None:
+        from usc.passes.pipeline_schedule_png import draw_timeline
+
+        draw_timeline(schedule, png)
     if as_json:
         print(json.dumps({"schedule": str(schedule), "makespan": metrics.makespan,
                           "bubble_fraction": metrics.bubble_fraction, "bubble_ratio": metrics.bubble_ratio,
@@ -86,13 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     import usc
 
     args = parser().parse_args(argv)
+    if args.schedule_png and not args.schedule:
+        print("usc-lint: --schedule-png draws the pipeline schedule; add --schedule", file=sys.stderr)
+        raise SystemExit(2)
     if args.schedule:
         try:
-            return print_schedule(_plan_text(args), args.json)
+            return print_schedule(_plan_text(args), args.json, args.schedule_png)
         except UsageError as err:
             print(f"usc-lint: {err}", file=sys.stderr)
             raise SystemExit(2) from None
-        except (PlanError, ValueError, NotImplementedError) as err:
+        except (PlanError, ValueError, NotImplementedError, ImportError) as err:
             print(f"usc-lint: {type(err).__name__}: {err}", file=sys.stderr)
             return 1
     try:
@@ -110,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"usc-lint: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
+    if args.kernels:
+        from usc.compiler.report_text import render_kernels
+        print(render_kernels(report))
+        return 0
     print(report.to_json() if args.json else str(report))
     return 0
 

@@ -126,3 +126,43 @@ def test_schedule_json_and_bad_schedule(capsys):
     assert data["bubble_ratio"] == pytest.approx(3 / 8) and data["peak_in_flight"] == [4, 3, 2, 1]
     assert usc.cli.main(["--schedule", "--plan", "pp=4 mb=6 v=2 schedule=interleaved"]) == 1
     assert "multiple of pp" in capsys.readouterr().err
+
+
+def test_schedule_boxes_follow_the_dry_run():
+    from usc.passes.pipeline_schedule import ComputeOp, build_schedule
+    from usc.passes.pipeline_schedule_png import COLOURS, timeline_boxes
+
+    boxes = [(b.rank, b.start, b.length, b.label) for b in timeline_boxes(build_schedule("gpipe", 2, 1, 2))]
+    assert boxes == [(0, 0, 1, "0"), (0, 1, 1, "1"), (0, 5, 2, "0"), (0, 7, 2, "1"),
+                     (1, 1, 1, "0"), (1, 2, 1, "1"), (1, 3, 2, "0"), (1, 5, 2, "1")]
+    interleaved = timeline_boxes(build_schedule("interleaved", 2, 2, 2))
+    chunk1 = next(b for b in interleaved if b.label == "c1:0")
+    chunk0 = next(b for b in interleaved if b.label == "c0:0")
+    assert chunk1.colour != chunk0.colour and min(chunk1.colour) > min(chunk0.colour)  # a lighter tint
+    zb = {b.colour for b in timeline_boxes(build_schedule("zb", 2, 1, 2))}
+    assert zb == {_rgb(COLOURS[op][0]) for op in (ComputeOp.FORWARD, ComputeOp.INPUT_GRAD, ComputeOp.WEIGHT_GRAD)}
+
+
+def _rgb(colour: str) -> tuple[float, float, float]:
+    return tuple(int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5))
+
+
+def test_schedule_png_is_drawn(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    path = tmp_path / "zb.png"
+    assert usc.cli.main(["--schedule", "--plan", "pp=4 mb=8 schedule=zb", "--schedule-png", str(path)]) == 0
+    assert "rank 3 |" in capsys.readouterr().out
+    pixels = imread(path)[..., :3].reshape(-1, 3)
+    for colour in ("#56B4E9", "#E69F00", "#CC79A7"):  # F, I and W boxes are all on the picture
+        assert (abs(pixels - _rgb(colour)).max(axis=1) < 0.02).sum() > 100, colour
+
+
+def test_schedule_png_needs_matplotlib_and_schedule(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert usc.cli.main(["--schedule", "--plan", "pp=2 mb=2", "--schedule-png", str(tmp_path / "x.png")]) == 1
+    assert "needs matplotlib" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
+    with pytest.raises(SystemExit) as info:
+        usc.cli.main(["--plan", "pp=2 mb=2", "--schedule-png", str(tmp_path / "x.png")])
+    assert info.value.code == 2 and "add --schedule" in capsys.readouterr().err

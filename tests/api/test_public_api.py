@@ -247,9 +247,7 @@ def test_dp_that_does_not_divide_the_batch_names_dp_and_the_batch():
 
 
 @pytest.mark.parametrize("plan, position, name", [
-    ("dp=1 ep=2", (1, 6), "ep"),
-    ("dp=2\nfuse=on", (2, 1), "fuse"),
-    ("tp=1  recompute=full", (1, 7), "recompute"),
+    ("dp=2 pp=2 capacity_factor=1.5", (1, 11), "capacity_factor"),
 ])
 def test_unimplemented_options_are_refused_by_name(plan, position, name):
     err = plan_error(TwoLinears(), plan, (torch.randn(4, 8),))
@@ -292,6 +290,27 @@ def test_gqa_kv_heads_not_divisible_by_tp_fall_back_with_a_warning():
     others = [(c.kind, c.direction) for c in attention if c.kind != "all-reduce"]
     assert others == [("all-gather", "backward")] * 2
     assert any("k_proj" in w for w in report.warnings)
+
+
+KV_NARROWER_THAN_TP = LlamaConfig(vocab=32, hidden=8, heads=4, kv_heads=1, mlp=16, layers=1, max_seq=16)
+
+
+def test_automatic_tp_keeps_a_linear_whole_when_tp_does_not_divide_its_weight():
+    """k/v weights of 1 head x 2 dims cannot split 4 ways: automatic TP keeps them whole (found by
+    the all-dimension property test, which raised a PlanError here) while q/o and the MLP split."""
+    batch = token_batch(32, 4, 8)
+    report = usc.lint(TinyLlama(KV_NARROWER_THAN_TP), "tp=4", example_inputs=batch)
+    styles = {c.module: c.style for c in report.tp_choices}
+    assert styles["layers.0.self_attn.k_proj"] == "replicate" and styles["layers.0.self_attn.q_proj"] == "colwise"
+    assert any("k_proj" in w and "does not divide dim 0 (size 2)" in w for w in report.warnings)
+    assert_equivalent(lambda: TinyLlama(KV_NARROWER_THAN_TP).double(), "tp=4", [batch] * 2,
+                      rtol=1e-10, atol=1e-12, param_atol=1e-9)
+
+
+def test_an_explicit_rule_on_an_indivisible_weight_is_still_a_plan_error():
+    with pytest.raises(usc.PlanError, match="does not divide dim 0 .size 2. of the weight of 'layers.0.self_attn.k_proj'"):
+        usc.lint(TinyLlama(KV_NARROWER_THAN_TP), "tp=4 layers.*.self_attn.k_proj: colwise",
+                 example_inputs=token_batch(32, 4, 8))
 
 
 def test_plan_text_reads_back_equal():

@@ -7,11 +7,13 @@ import time
 import torch
 
 import usc
-from usc.testing.models import TinyGPT2, TinyLlama, shifted_batch, token_batch
+from usc.testing.models import TinyDeepSeek, TinyGPT2, TinyLlama, TinyMixtral, shifted_batch, token_batch
 
 MODELS = {
     "llama": (TinyLlama, lambda seed: token_batch(128, 4, 16, seed=seed)),
     "gpt2": (TinyGPT2, lambda seed: shifted_batch(128, 4, 16, seed=seed)),
+    "mixtral": (TinyMixtral, lambda seed: token_batch(128, 4, 16, seed=seed)),
+    "deepseek": (TinyDeepSeek, lambda seed: token_batch(128, 4, 16, seed=seed)),
 }
 
 
@@ -58,3 +60,60 @@ def save_after_two_steps(rank: int, world_size: int, plan: str, path: str) -> li
     losses = [step.step(*b) for b in batches]
     step.save(path)
     return losses
+
+
+def die_inside_a_step_after_a_checkpoint(rank: int, world_size: int, plan: str, path: str) -> str:
+    """Step 1, save (a complete checkpoint), then rank 1 dies halfway through step 2's collectives.
+
+    The death is placed by counting step 1's all-reduces: rank 1 exits on the first one issued
+    after half of step 2's have gone through, so its peers are left inside the step's backward.
+    """
+    from usc.runtime.comm import ProcessGroupComm
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyLlama()
+    batches = [token_batch(128, 4, 16, seed=s) for s in range(2)]
+    step = usc.compile(model, plan, example_inputs=batches[0])
+    calls = {"n": 0}
+    original = ProcessGroupComm._all_reduce
+
+    def counting(self, t, op, async_op):
+        calls["n"] += 1
+        if calls.get("die_at") == calls["n"]:
+            os._exit(1)
+        return original(self, t, op, async_op)
+
+    ProcessGroupComm._all_reduce = counting
+    step.step(*batches[0])
+    step.save(path)
+    if rank == 1:
+        per_step = calls["n"]
+        calls.update(n=0, die_at=per_step // 2 + 1)
+    start = time.monotonic()
+    try:
+        step.step(*batches[1])
+    except usc.CollectiveError as err:
+        return f"{time.monotonic() - start:.1f}|{err}"
+    return "no error"
+
+
+def losses_twice(rank: int, world_size: int, model_name: str, plan: str, steps: int) -> list[list[float]]:
+    """The same seed and plan trained twice in one world: the loss sequences of both runs."""
+    torch.set_num_threads(1)
+    return [[loss for loss in train_cases(rank, world_size, [(model_name, plan)], steps)[0][0]] for _ in range(2)]
+
+
+def train_from_state(rank: int, world_size: int, family: str, cfg, state: bytes, plan: str,
+                     batches: list) -> tuple[list[float], bytes | None]:
+    """Train a model of `family` built from `cfg` and loaded with `state` (float64) on this rank."""
+    from usc.testing.models import TinyGPT2 as GPT2, TinyLlama as Llama
+
+    torch.set_num_threads(1)
+    model = {"llama": Llama, "gpt2": GPT2}[family](cfg).double()
+    model.load_state_dict(torch.load(io.BytesIO(state)))
+    step = usc.compile(model, plan, example_inputs=batches[0])
+    losses = [step.step(*b) for b in batches]
+    buffer = io.BytesIO()
+    torch.save({k: v.detach().clone() for k, v in step.full_state_dict().items()}, buffer)
+    return losses, buffer.getvalue() if rank == 0 else None

@@ -15,7 +15,9 @@ WORLDS = {2: [("llama", "dp=2"), ("llama", "tp=2"), ("gpt2", "dp=2"), ("gpt2", "
               ("llama", "tp=2 sp=on"), ("gpt2", "tp=2 sp=on"), ("llama", "cp=2"), ("gpt2", "cp=2"),
               ("llama", "cp=2 cp_mode=zigzag"), ("gpt2", "cp=2 cp_mode=zigzag"),
               ("llama", "dp=2 zero=1"), ("gpt2", "dp=2 zero=1"), ("llama", "dp=2 zero=2"), ("gpt2", "dp=2 zero=2"),
-              ("llama", "dp=2 zero=3"), ("gpt2", "dp=2 zero=3"), ("llama", "pp=2 mb=2"), ("gpt2", "pp=2 mb=2")],
+              ("llama", "dp=2 zero=3"), ("gpt2", "dp=2 zero=3"), ("llama", "pp=2 mb=2"), ("gpt2", "pp=2 mb=2"),
+              ("llama", "pp=2 mb=4 schedule=zb"), ("gpt2", "pp=2 mb=2 schedule=zb"),
+              ("gpt2", "pp=2 mb=2 schedule=interleaved v=2")],
           4: [("llama", "dp=2 tp=2"), ("llama", "tp=4"), ("gpt2", "dp=2 tp=2"), ("gpt2", "tp=4"),
               ("llama", "dp=2 tp=2 sp=on"), ("gpt2", "dp=2 tp=2 sp=on"),
               ("llama", "dp=2 pp=2 zero=1 mb=2"), ("gpt2", "dp=2 pp=2 zero=1 mb=2")]}

@@ -353,3 +353,28 @@ def test_render_shows_chunks_and_ignores_transfers():
     picture = render_timeline(s)
     assert picture == render_timeline(lower_communication(s))
     assert picture.splitlines()[1] == "rank 1 | ... 1F0 1F1 3F0 3B0 3B0 3F1 3B1 3B1 1B0 1B0 1B1 1B1 ... ..."
+
+
+# --- properties over random sizes (the "Done means") ----------------------------------------
+
+
+@st.composite
+def sizes(draw):
+    p, v = draw(st.integers(1, 8)), draw(st.integers(1, 4))
+    return p, v, p * draw(st.integers(1, 4))  # interleaved needs m a multiple of p
+
+
+@given(sizes())
+def test_random_sizes_pass_the_checker_and_meet_the_bubble_formulas(size):
+    p, v, m = size
+    metrics = {name: check_schedule(build_schedule(name, p, v if name == "interleaved" else 1, m))
+               for name in ("gpipe", "1f1b", "interleaved", "zb")}
+    for name in ("gpipe", "1f1b"):
+        assert exact(metrics[name].bubble_ratio) == Fraction(p - 1, m)
+    assert exact(metrics["interleaved"].bubble_ratio) == Fraction(p - 1, v * m)
+    assert exact(metrics["zb"].bubble_ratio) == Fraction(p - 1, 3 * m)
+    assert p == 1 or metrics["zb"].bubble_ratio < metrics["1f1b"].bubble_ratio
+    assert metrics["1f1b"].peak_in_flight[0] == p and metrics["zb"].peak_in_flight[0] == p
+    assert metrics["gpipe"].peak_in_flight[0] == m
+    lowered = lower_communication(build_schedule("interleaved", p, v, m))
+    assert check_schedule(lowered) == metrics["interleaved"]

@@ -69,6 +69,14 @@ def _check_uneven_all_to_all_and_p2p(comm: ProcessGroupComm) -> None:
         received = comm.recv(torch.empty(4, 6, dtype=torch.float64), peer)
         comm.send(_x(comm.global_rank), peer)
         assert torch.equal(received, _x(comm.group_ranks[peer]))
+    # tagged messages: two of one shape, received in the other order than sent (pipelines with v>1)
+    if r == 0:
+        works = [comm.send(_x(100 + t), peer, async_op=True, tag=t) for t in (5, 9)]
+        for work in works:
+            work.wait()
+    elif r == 1:
+        late, early = (comm.recv(torch.empty(4, 6, dtype=torch.float64), 0, tag=t) for t in (9, 5))
+        assert torch.equal(late, _x(109)) and torch.equal(early, _x(105))
     comm.barrier()
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from usc.runtime.comm import CommStats
+from usc.runtime.comm import CommStats, solo_comm
 from usc.runtime.errors import CollectiveError
 from usc.runtime.mesh import run_in_threads, simulated_meshes
 
@@ -89,6 +89,25 @@ def test_send_recv_ring_and_barrier(size):
     results = _run(size, ring)
     for r, got in enumerate(results):
         assert torch.equal(got, _input((r - 1) % size))
+
+
+def test_tagged_messages_match_by_tag_not_by_order():
+    """A pipeline with v>1 sends two same-shaped messages to one peer; the receiver asks in the
+    other order. Each recv gets the message of its tag."""
+    def swap(comm, r):
+        if r == 0:
+            comm.send(_input(10), 1, tag=7)
+            comm.send(_input(11), 1, tag=3)
+            return None
+        return comm.recv(torch.empty(4, 8), 0, tag=3), comm.recv(torch.empty(4, 8), 0, tag=7)
+
+    first, second = _run(2, swap)[1]
+    assert torch.equal(first, _input(11)) and torch.equal(second, _input(10))
+
+
+def test_bad_tag_is_refused():
+    with pytest.raises(ValueError, match="tag"):
+        solo_comm("pp", 0, 1.0).send(torch.ones(1), 0, tag=-1)
 
 
 @pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "reduce_scatter"])

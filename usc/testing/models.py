@@ -194,6 +194,162 @@ class TinyGPT2(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """A Llama-style decoder whose MLPs are mixtures of SwiGLU experts."""
+
+    vocab: int = 128
+    hidden: int = 32
+    heads: int = 4
+    kv_heads: int = 2
+    mlp: int = 32  # each routed expert's hidden size
+    shared_mlp: int = 64  # the shared expert's (DeepSeek)
+    experts: int = 8
+    top_k: int = 2
+    layers: int = 2
+    max_seq: int = 64
+    aux_loss_coef: float = 0.01
+    router_std: float = 0.5  # large enough that top-k choices are not near-ties
+    rope_theta: float = 10000.0
+    eps: float = 1e-6
+
+
+class MixtralExpert(nn.Module):
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.hidden, cfg.mlp, bias=False)
+        self.w3 = nn.Linear(cfg.hidden, cfg.mlp, bias=False)
+        self.w2 = nn.Linear(cfg.mlp, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MixtralSparseMoeBlock(nn.Module):
+    """Mixtral's MoE block (as Hugging Face writes it): softmax router, top-k renormalised, a
+    ModuleList of experts, a dropless loop over experts; returns (output, router logits)."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.gate = nn.Linear(cfg.hidden, cfg.experts, bias=False)
+        self.experts = nn.ModuleList(MixtralExpert(cfg) for _ in range(cfg.experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, s, h = x.shape
+        flat = x.view(-1, h)
+        logits = self.gate(flat)
+        weights = F.softmax(logits, dim=-1, dtype=torch.float)
+        weights, selected = torch.topk(weights, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(selected == e)
+            out.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])
+        return out.view(b, s, h), logits
+
+
+def load_balancing_loss(logits: torch.Tensor, experts: int, top_k: int) -> torch.Tensor:
+    """Switch/Mixtral auxiliary loss: E * sum_e (fraction of assignments to e) * (mean prob of e)."""
+    probs = F.softmax(logits, dim=-1, dtype=torch.float)
+    _, selected = torch.topk(probs, top_k, dim=-1)
+    mask = (selected.unsqueeze(-1) == torch.arange(experts, device=logits.device)).float()
+    return experts * (mask.mean(0) * probs.mean(0).unsqueeze(0)).sum()
+
+
+class MoEDecoderBlock(nn.Module):
+    def __init__(self, cfg: MoEConfig, moe: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden, cfg.eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.eps)
+        self.moe = moe
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        out = self.moe(self.post_attention_layernorm(x))
+        if isinstance(out, tuple):
+            return x + out[0], out[1]
+        return x + out, None
+
+
+class _MoEDecoder(nn.Module):
+    """Embedding, MoE decoder blocks, lm head; forward(tokens, labels) -> mean cross-entropy
+    (+ the auxiliary loss of blocks that return router logits)."""
+
+    def __init__(self, cfg: MoEConfig, make_moe) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(MoEDecoderBlock(cfg, make_moe(cfg)) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.eps)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        head_dim = cfg.hidden // cfg.heads
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        emb = torch.outer(torch.arange(cfg.max_seq, dtype=torch.float32), inv_freq).repeat(1, 2)
+        self.register_buffer("rope_cos", emb.cos(), persistent=False)
+        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+        init_weights(self)
+        for layer in self.layers:
+            nn.init.normal_(layer.moe.gate.weight, std=cfg.router_std)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        seq = tokens.shape[1]
+        x = self.embed_tokens(tokens)
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        aux = []
+        for layer in self.layers:
+            x, logits = layer(x, cos, sin)
+            if logits is not None:
+                aux.append(load_balancing_loss(logits, cfg.experts, cfg.top_k))
+        logits = self.lm_head(self.norm(x))
+        loss = F.cross_entropy(logits[:, :-1, :].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return loss + cfg.aux_loss_coef * sum(aux) / len(aux) if aux else loss
+
+
+class TinyMixtral(_MoEDecoder):
+    """Mixtral-style: every MLP is top-2 of 8 SwiGLU experts (a ModuleList), with the
+    load-balancing auxiliary loss added to the LM loss."""
+
+    def __init__(self, cfg: MoEConfig = MoEConfig()) -> None:
+        super().__init__(cfg, MixtralSparseMoeBlock)
+
+
+class DeepSeekMoE(nn.Module):
+    """DeepSeek-style MoE: sigmoid router, top-k renormalised, routed experts as stacked weights
+    [E, in, out], plus an always-on shared expert."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.gate = nn.Linear(cfg.hidden, cfg.experts, bias=False)
+        self.w1 = nn.Parameter(torch.empty(cfg.experts, cfg.hidden, cfg.mlp))
+        self.w3 = nn.Parameter(torch.empty(cfg.experts, cfg.hidden, cfg.mlp))
+        self.w2 = nn.Parameter(torch.empty(cfg.experts, cfg.mlp, cfg.hidden))
+        self.shared_expert = LlamaMLP(LlamaConfig(hidden=cfg.hidden, mlp=cfg.shared_mlp))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        scores = torch.sigmoid(self.gate(flat).float())
+        weights, selected = torch.topk(scores, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        routed = torch.zeros_like(flat)
+        for e in range(self.w1.shape[0]):
+            token, slot = torch.where(selected == e)
+            h = flat[token]
+            y = (F.silu(h @ self.w1[e]) * (h @ self.w3[e])) @ self.w2[e]
+            routed.index_add_(0, token, y * weights[token, slot, None])
+        return routed.view_as(x) + self.shared_expert(x)
+
+
+class TinyDeepSeek(_MoEDecoder):
+    """DeepSeek-style: every MLP is a shared expert plus top-2 of 8 routed experts (stacked weights)."""
+
+    def __init__(self, cfg: MoEConfig = MoEConfig()) -> None:
+        super().__init__(cfg, DeepSeekMoE)
+
+
 def token_batch(vocab: int, batch: int, seq: int, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A deterministic (tokens, labels) batch of random ids; labels equal tokens (the model shifts)."""
     gen = torch.Generator().manual_seed(seed)

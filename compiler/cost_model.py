@@ -1,0 +1,533 @@
+"""The cost model: bytes, FLOPs, collectives and step time per rank for any plan, from ONE trace.
+
+A :class:`ModelProfile` holds per-layer quantities measured once (``usc.profiling.profile_model``
+traces the model and compiles two small probe plans); :func:`estimate` turns it into per-rank costs
+for a :class:`PlanPoint` analytically, in microseconds, so the planner can score thousands of plans
+without tracing again. Every measured quantity is a sum of :class:`Amount` buckets keyed by how it
+scales (``ScaleKey``): with the global batch B (split over dp and the mb microbatches), with the
+sequence S (split over cp), and whether tp splits it. The formulas (docs/cost_model.md):
+
+    tokens per rank per microbatch   t  = B/(dp*mb) * S/cp
+    parameters                       P  = P_rep + P_tp/tp       (fp32; the stage's layers)
+    gradients / AdamW state          P, 2P                      (ZeRO: /dp from stage 2 / 1)
+    activations (one microbatch)     A  = sum_k a_k * B^[b_k]/(dp*mb)^[b_k] * S^[s_k]/cp^[s_k] / tp^[t_k]
+    peak activations                 A * in_flight(schedule, pp, mb)   (1F1B: min(pp, mb))
+    FLOPs (forward)                  F  = f_mm * t / tp + f_attn * t * S/cp / tp;  backward 2F
+    collective time (ring)           all-reduce 2(n-1)/n * bytes/bw, all-gather (n-1) * bytes/bw, ...
+    step                             mb * (compute + tp + cp + pp) + bubble + exposed dp + optimizer
+
+Assumptions are named constants below, each with its reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+from .hardware import HardwareProfile
+
+# Sustained fraction of the tensor-core peak over a step's matmuls and attention kernels. Large
+# cuBLAS GEMMs reach 70-80% of peak, FlashAttention less; well-tuned dense runs report 40-55% MFU
+# (Ultra-Scale Playbook; Megatron-LM's tables), so 0.6 before communication and bubbles. Small
+# per-rank matmuls reach less: efficiency falls off with the rows per microbatch as
+# t / (t + MATMUL_HALF_ROWS) (a saturating curve; 256 rows reach half of it).
+MATMUL_EFFICIENCY = 0.6
+MATMUL_HALF_ROWS = 256
+# NCCL reaches ~80% of the link's peak as bus bandwidth at large messages (nccl-tests on DGX H100).
+COMM_EFFICIENCY = 0.8
+# Element-wise work is memory bound: each saved activation byte is read/written about 3 times in
+# forward + backward (write in forward, read + gradient write in backward).
+POINTWISE_TRAFFIC = 3.0
+# AdamW touches params, grads and two states (read) and writes params and states: ~2x their bytes.
+OPTIMIZER_TRAFFIC = 2.0
+BYTES_FP32 = 4
+
+
+class ScaleKey(NamedTuple):
+    """How an amount scales: with the batch (split by dp*mb), with the sequence (split by cp),
+    split by tp, float (bf16 halves it) and kept by selective recompute."""
+
+    batch: bool
+    seq: bool
+    tp: bool
+    is_float: bool = True
+    kept: bool = True
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """A collective of one layer measured in a probe plan: payload per call at the probe's batch and
+    sequence as if unsplit (global-equivalent), and how it scales."""
+
+    axis: str
+    kind: str
+    direction: str
+    key: ScaleKey
+    amount: float
+    ring: bool = False  # cp ring send/recv: calls per step depend on cp
+    count: int = 1  # calls merged into this entry (amount is their sum)
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One pipeline unit (a numbered layer such as ``layers.3``, or a module outside the layers)."""
+
+    name: str
+    balance: float = 0.0  # the pipeline split's cost estimate (passes/pipeline_split.node_flops)
+    flops_matmul: float = 0.0  # forward FLOPs of linears/matmuls at (B0, S0): scales with tokens
+    flops_attention: float = 0.0  # forward FLOPs of attention at (B0, S0): scales with B*S^2
+    params_rep: int = 0  # fp32 bytes of trainable parameters tp does not split
+    params_tp: int = 0  # ... that tp splits
+    params_tp_reduced: int = 0  # replicated parameters whose gradients are summed over tp under sp
+    acts: dict = field(default_factory=dict)  # sp (bool) -> {ScaleKey: bytes}
+    input_bytes: dict = field(default_factory=dict)  # sp -> {ScaleKey: bytes} of the unit's input
+    collectives: dict = field(default_factory=dict)  # sp -> tuple[CollectiveCost]
+    blocks: int = 1  # units merged into this one (a pipeline stage)
+    largest_acts: dict = field(default_factory=dict)  # sp -> acts of the largest merged unit
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Per-unit costs of a model, measured at global batch ``batch`` and sequence ``seq``."""
+
+    name: str
+    batch: int
+    seq: int
+    units: tuple[UnitCost, ...]
+    tp_divides: int = 0  # gcd of every dim tp splits (heads, kv heads, hidden, vocab); 0: tp impossible
+    cp_possible: bool = True
+    layers: int = 0  # numbered layers (what pp cuts between)
+    experts: int = 0  # experts per MoE layer (0: dense)
+    _stages: dict = field(default_factory=dict, compare=False, repr=False)  # pp -> merged stages (cache)
+
+    @property
+    def param_count(self) -> int:
+        return sum(u.params_rep + u.params_tp for u in self.units) // BYTES_FP32
+
+    @property
+    def forward_flops_per_token(self) -> float:
+        tokens = self.batch * self.seq
+        return sum(u.flops_matmul + u.flops_attention for u in self.units) / tokens
+
+
+@dataclass(frozen=True)
+class PlanPoint:
+    """The numbers of one plan the cost model reads (a usc.Plan plus the batch and sequence)."""
+
+    global_batch: int
+    seq: int
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    mb: int = 1
+    sp: bool = False
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    v: int = 1
+    cp_mode: str = "ring"
+    dtype: str = "fp32"
+    reduce_dtype: str = "fp32"
+    gpus_per_node: int = 8
+    bucket_mb: float = 25.0
+    order: tuple[str, ...] = ("dp", "pp", "cp", "ep", "tp")  # mesh axes outermost first
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp * self.ep
+
+    def text(self) -> str:
+        """The plan text (axes > 1 in mesh order, options that differ from the defaults)."""
+        sizes = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
+        items = [f"{a}={sizes[a]}" for a in self.order if sizes[a] > 1]
+        extras = [("zero", self.zero, 0), ("mb", self.mb, 1), ("sp", "on" if self.sp else "off", "off"),
+                  ("recompute", self.recompute, "none"), ("dtype", self.dtype, "fp32"),
+                  ("reduce_dtype", self.reduce_dtype, "fp32")]
+        if self.pp > 1:
+            extras += [("schedule", self.schedule, "1f1b"), ("v", self.v, 1)]
+        if self.cp > 1:
+            extras += [("cp_mode", self.cp_mode, "ring")]
+        items += [f"{k}={v}" for k, v, default in extras if v != default]
+        return " ".join(items) or "dp=1"
+
+
+@dataclass(frozen=True)
+class CollectiveEstimate:
+    axis: str
+    kind: str
+    direction: str
+    group_size: int
+    bytes_per_step: float
+    calls_per_step: float
+    seconds: float
+    exposed_seconds: float
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-rank costs of one plan (the bottleneck pipeline stage)."""
+
+    plan: PlanPoint
+    memory: dict  # params, grads, optimizer, activations, gathered -> bytes
+    flops_per_rank: float  # per step, forward + backward (+ recompute)
+    model_flops: float  # per step for the whole global batch, without recompute (MFU numerator)
+    collectives: tuple[CollectiveEstimate, ...]
+    time: dict  # compute, exposed_comm, bubble, optimizer, step -> seconds
+    tokens_per_second: float
+    mfu: float
+    hardware: str
+
+    @property
+    def memory_total(self) -> int:
+        return int(sum(self.memory.values()))
+
+    @property
+    def largest_memory_term(self) -> str:
+        return max(self.memory, key=self.memory.get)
+
+    def fits(self, capacity: float) -> bool:
+        return self.memory_total <= capacity
+
+    def bytes_by_axis(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for c in self.collectives:
+            out[c.axis] = out.get(c.axis, 0.0) + c.bytes_per_step
+        return out
+
+
+# ---------------------------------------------------------------------------------------- scaling
+
+def scale(key: ScaleKey, amount: float, profile: ModelProfile, plan: PlanPoint) -> float:
+    """``amount`` measured at the profile's (B0, S0), unsplit, for one rank's microbatch of ``plan``."""
+    value = amount
+    if key.batch:
+        value *= plan.global_batch / profile.batch / (plan.dp * plan.mb)
+    if key.seq:
+        value *= plan.seq / profile.seq / plan.cp
+    if key.tp:
+        value /= plan.tp
+    if key.is_float and plan.dtype == "bf16":
+        value /= 2
+    return value
+
+
+def _acts(buckets: dict, profile: ModelProfile, plan: PlanPoint, *, kept_only: bool = False) -> float:
+    return sum(scale(k, a, profile, plan) for k, a in buckets.items() if k.kept or not kept_only)
+
+
+def tokens_per_microbatch(profile: ModelProfile, plan: PlanPoint) -> float:
+    return plan.global_batch * plan.seq / (plan.dp * plan.mb * plan.cp)
+
+
+# ----------------------------------------------------------------------------------- pipeline stages
+
+def stage_units(profile: ModelProfile, pp: int) -> list[list[UnitCost]]:
+    """Units per stage: contiguous, minimising the largest stage's estimated FLOPs -- the cut the
+    pipeline split pass makes (same costs, same exact dynamic programme)."""
+    units = list(profile.units)
+    if pp == 1:
+        return [units]
+    stage = balanced_cut([u.balance for u in units], pp)
+    return [[u for u, s in zip(units, stage) if s == k] for k in range(pp)]
+
+
+def merged_stages(profile: ModelProfile, pp: int) -> list[UnitCost]:
+    """One summed UnitCost per stage (cached per pp): estimating a plan then costs a few dict sums."""
+    if pp not in profile._stages:
+        profile._stages[pp] = [merge_units(units) for units in stage_units(profile, pp)]
+    return profile._stages[pp]
+
+
+def merge_units(units: list[UnitCost]) -> UnitCost:
+    def add(dicts) -> dict:
+        out: dict = {}
+        for d in dicts:
+            for k, v in d.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def merge_comms(lists) -> tuple:
+        out: dict = {}
+        for c in (c for cs in lists for c in cs):
+            k = (c.axis, c.kind, c.direction, c.key, c.ring)
+            old = out.get(k)
+            out[k] = c if old is None else replace(old, amount=old.amount + c.amount, count=old.count + c.count)
+        return tuple(out.values())
+
+    sps = {sp for u in units for sp in u.acts}
+    largest = {sp: max((u.acts.get(sp, {}) for u in units), key=lambda d: sum(d.values()), default={}) for sp in sps}
+    return UnitCost(units[0].name if len(units) == 1 else f"{units[0].name}..{units[-1].name}",
+                    sum(u.balance for u in units), sum(u.flops_matmul for u in units),
+                    sum(u.flops_attention for u in units), sum(u.params_rep for u in units),
+                    sum(u.params_tp for u in units), sum(u.params_tp_reduced for u in units),
+                    {sp: add(u.acts.get(sp, {}) for u in units) for sp in sps},
+                    {sp: add(u.input_bytes.get(sp, {}) for u in units) for sp in sps},
+                    {sp: merge_comms(u.collectives.get(sp, ()) for u in units) for sp in sps},
+                    sum(u.blocks for u in units), largest)
+
+
+def balanced_cut(costs: list[float], parts: int) -> list[int]:
+    """Stage of each unit: contiguous, minimising the largest part (exact DP over few units)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    best = [[math.inf] * (parts + 1) for _ in range(n + 1)]
+    cut = [[0] * (parts + 1) for _ in range(n + 1)]
+    best[0][0] = 0.0
+    for i in range(1, n + 1):
+        for p in range(1, min(parts, i) + 1):
+            for j in range(p - 1, i):
+                value = max(best[j][p - 1], prefix[i] - prefix[j])
+                if value < best[i][p]:
+                    best[i][p], cut[i][p] = value, j
+    stages, i = [0] * n, n
+    for p in range(parts, 0, -1):
+        j = cut[i][p]
+        stages[j:i] = [p - 1] * (i - j)
+        i = j
+    return stages
+
+
+def in_flight(plan: PlanPoint) -> float:
+    """Microbatches whose activations stage 0 holds at once (ALGORITHMS.md, Narayanan et al. 2021)."""
+    p, m = plan.pp, plan.mb
+    if p == 1:
+        return 1.0  # gradient accumulation: one microbatch at a time
+    if plan.schedule == "gpipe":
+        return float(m)
+    if plan.schedule == "interleaved":  # each chunk holds 1/v of the stage; p*v + p - 1 chunk-mbs
+        return min(float(m), (p * plan.v + p - 1) / plan.v)
+    return float(min(p, m))  # 1f1b, zb (ZB-H1 keeps 1F1B's memory), dualpipe ~ 1f1b
+
+
+def bubble_units(plan: PlanPoint) -> float:
+    """Idle time in units of one microbatch's forward+backward on a stage (ALGORITHMS.md)."""
+    p = plan.pp
+    if p == 1:
+        return 0.0
+    if plan.schedule == "interleaved":
+        return (p - 1) / plan.v
+    if plan.schedule in ("zb", "dualpipe"):
+        return (p - 1) / 3  # ZB-H1 (Qi et al. 2024): about a third of 1F1B's bubble
+    return float(p - 1)
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> dict[str, float]:
+    """Bytes one rank of this stage holds at the step's peak."""
+    params = sum(u.params_rep + u.params_tp / plan.tp for u in units)
+    sharded = params / plan.dp  # every trainable parameter is replicated over dp
+    grads = sharded if plan.zero >= 2 else params
+    optimizer = 2 * (sharded if plan.zero >= 1 else params)
+    held = sharded if plan.zero >= 3 else params
+    gathered = 0.0
+    if plan.zero >= 3 and plan.dp > 1:  # two layers whole at once (the current one, one prefetched)
+        biggest = max(((u.params_rep + u.params_tp / plan.tp) / u.blocks for u in units), default=0.0)
+        gathered = 2 * biggest
+    return {"params": held, "grads": grads, "optimizer": optimizer,
+            "activations": stage_activations(profile, plan, units), "gathered": gathered}
+
+
+def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> float:
+    """Peak bytes saved for backward: one microbatch's worth times the microbatches in flight."""
+    sp = plan.sp and plan.tp > 1
+    if plan.recompute == "full":  # only each unit's input is kept; one unit is live in backward
+        kept = sum(_acts(u.input_bytes.get(sp, {}), profile, plan) for u in units)
+        live = max((_acts(u.largest_acts.get(sp, u.acts.get(sp, {})), profile, plan) for u in units), default=0.0)
+        per_mb = kept
+    else:
+        per_mb = sum(_acts(u.acts.get(sp, {}), profile, plan, kept_only=plan.recompute == "selective")
+                     for u in units)
+        live = 0.0
+    if plan.dtype == "bf16":  # the bf16 copies of the weights that linears save
+        per_mb += sum(u.params_rep + u.params_tp / plan.tp for u in units) / 2
+    return per_mb * in_flight(plan) + live
+
+
+# ------------------------------------------------------------------------------------ communication
+
+def crosses_node(plan: PlanPoint, axis: str) -> bool:
+    """Whether one group of ``axis`` spans nodes: its ranks are stride apart (row-major mesh)."""
+    sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
+    order = list(plan.order)
+    stride = math.prod(sizes[a] for a in order[order.index(axis) + 1:])
+    return stride * sizes[axis] > plan.gpus_per_node
+
+
+def collective_seconds(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Ring algorithms (Patarasuk & Yuan 2009; NCCL): ``nbytes`` is this rank's payload."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw = bandwidth * COMM_EFFICIENCY
+    if kind == "all-reduce":
+        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * latency
+    if kind == "all-gather":  # payload is the local shard; n-1 shards arrive
+        return (n - 1) * nbytes / bw + (n - 1) * latency
+    if kind in ("reduce-scatter", "all-to-all"):  # payload is the whole input; (n-1)/n leaves
+        return (n - 1) / n * nbytes / bw + (n - 1) * latency
+    return nbytes / bw + latency  # send/recv
+
+
+def _link(hw: HardwareProfile, plan: PlanPoint, axis: str) -> tuple[float, float]:
+    return hw.link(crosses_node=crosses_node(plan, axis))
+
+
+def layer_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile
+                      ) -> list[CollectiveEstimate]:
+    """tp/sp and cp collectives of the stage for one microbatch (from the probes, rescaled)."""
+    sp = plan.sp and plan.tp > 1
+    sizes = {"tp": plan.tp, "cp": plan.cp, "dp": plan.dp}
+    out: dict[tuple, list[float]] = {}
+    for unit in units:
+        for c in unit.collectives.get(sp, ()):
+            n = sizes.get(c.axis, 1)
+            if n <= 1:
+                continue
+            per_call = scale(c.key, c.amount / c.count, profile, plan)
+            calls = c.count * ((n - 1 if c.direction == "forward" else 2 * n - 1) if c.ring else 1)
+            acc = out.setdefault((c.axis, c.kind, c.direction, n), [0.0, 0.0, 0.0])
+            bw, lat = _link(hw, plan, c.axis)
+            acc[0] += per_call * calls
+            acc[1] += calls
+            acc[2] += calls * collective_seconds(c.kind, per_call, n, bw, lat)
+    return [CollectiveEstimate(axis, kind, direction, n, b, calls, s, s) for (axis, kind, direction, n), (b, calls, s)
+            in out.items()]
+
+
+def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile, backward_seconds: float
+                         ) -> list[CollectiveEstimate]:
+    """Gradient sums over dp (and cp), ZeRO gathers; overlapped with the last backward as buckets fill."""
+    params = sum(u.params_rep + u.params_tp / plan.tp for u in units)
+    grad_bytes = params / (2 if plan.reduce_dtype == "bf16" else 1)
+    out = []
+    for axis, n in (("dp", plan.dp), ("cp", plan.cp)):
+        if n <= 1:
+            continue
+        kind = "reduce-scatter" if axis == "dp" and plan.zero >= 2 else "all-reduce"
+        bw, lat = _link(hw, plan, axis)
+        calls = max(1.0, math.ceil(grad_bytes / (plan.bucket_mb * 2**20)))
+        seconds = collective_seconds(kind, grad_bytes, n, bw, lat * calls)
+        last_bucket = collective_seconds(kind, min(grad_bytes, plan.bucket_mb * 2**20), n, bw, lat)
+        exposed = max(seconds - backward_seconds, last_bucket)
+        out.append(CollectiveEstimate(axis, kind, "backward", n, grad_bytes, calls, seconds, exposed))
+    if plan.dp > 1 and plan.zero in (1, 2):  # updated slices gathered after the step: not overlapped
+        bw, lat = _link(hw, plan, "dp")
+        seconds = collective_seconds("all-gather", params / plan.dp, plan.dp, bw, lat)
+        out.append(CollectiveEstimate("dp", "all-gather", "optimizer", plan.dp, params / plan.dp, 1, seconds, seconds))
+    if plan.dp > 1 and plan.zero == 3:  # per layer gathers in forward and backward, prefetched
+        bw, lat = _link(hw, plan, "dp")
+        layers = max(1, sum(u.blocks for u in units))
+        seconds = 2 * collective_seconds("all-gather", params / plan.dp / layers, plan.dp, bw, lat) * layers
+        out.append(CollectiveEstimate("dp", "all-gather", "forward+backward", plan.dp, 2 * params / plan.dp,
+                                      2 * layers * plan.mb, seconds * plan.mb, 0.0))
+    return out
+
+
+def pipeline_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile
+                         ) -> list[CollectiveEstimate]:
+    """Activations sent to the next stage and their gradients back, per microbatch."""
+    if plan.pp == 1 or not units:
+        return []
+    sp = plan.sp and plan.tp > 1
+    nbytes = _acts(units[-1].input_bytes.get(sp, {}), profile, plan) / units[-1].blocks  # one hidden state
+    bw, lat = _link(hw, plan, "pp")
+    seconds = collective_seconds("send/recv", nbytes, 2, bw, lat)
+    return [CollectiveEstimate("pp", "send/recv", d, plan.pp, nbytes, 1, seconds, seconds)
+            for d in ("forward", "backward")]
+
+
+# ---------------------------------------------------------------------------------------- time
+
+def matmul_efficiency(profile: ModelProfile, plan: PlanPoint) -> float:
+    rows = tokens_per_microbatch(profile, plan)
+    return MATMUL_EFFICIENCY * rows / (rows + MATMUL_HALF_ROWS)
+
+
+def stage_flops(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> float:
+    """Forward FLOPs of one microbatch on one rank of the stage."""
+    tokens = plan.global_batch * plan.seq / (plan.dp * plan.mb * plan.cp)
+    probe_tokens = profile.batch * profile.seq
+    mm = sum(u.flops_matmul for u in units) * tokens / probe_tokens / plan.tp
+    attn = sum(u.flops_attention for u in units) * tokens / probe_tokens * (plan.seq / profile.seq) / plan.tp
+    return mm + attn
+
+
+def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) -> Estimate:
+    """Per-rank memory, FLOPs, collectives and step time of ``plan``. Memory is the fullest stage's;
+    time is the busiest stage's (the most FLOPs), which every other stage waits for."""
+    stages = merged_stages(profile, plan.pp)
+    busiest = max(stages, key=lambda u: u.flops_matmul + u.flops_attention)
+    state, flops, time, comms = _stage_estimate(profile, plan, [busiest], hw)
+    memory = peak_memory(profile, plan) if plan.pp > 1 else state
+    model_flops = 3 * profile.forward_flops_per_token * plan.global_batch * plan.seq * (
+        1 + _attention_growth(profile, plan))
+    step = time["step"]
+    peak = hw.peak_flops(plan.dtype) * plan.world
+    return Estimate(plan, memory, flops, model_flops, tuple(comms), time,
+                    plan.global_batch * plan.seq / step, model_flops / (step * peak), hw.name)
+
+
+def peak_memory(profile: ModelProfile, plan: PlanPoint) -> dict[str, float]:
+    """Per-rank memory of the stage that holds the most (what estimate() reports, without the time)."""
+    return max((stage_memory(profile, plan, [unit]) for unit in merged_stages(profile, plan.pp)),
+               key=lambda m: sum(m.values()))
+
+
+def _attention_growth(profile: ModelProfile, plan: PlanPoint) -> float:
+    """Attention FLOPs per token grow with S: the extra fraction at the plan's S over the probe's."""
+    attn = sum(u.flops_attention for u in profile.units)
+    total = sum(u.flops_matmul + u.flops_attention for u in profile.units)
+    return attn / total * (plan.seq / profile.seq - 1) if total else 0.0
+
+
+def _stage_estimate(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile):
+    fwd_flops = stage_flops(profile, plan, units)
+    rate = hw.peak_flops(plan.dtype) * matmul_efficiency(profile, plan)
+    extra = {"full": 1.0, "selective": 0.0}.get(plan.recompute, 0.0)  # selective: pointwise only
+    acts = sum(_acts(u.acts.get(plan.sp and plan.tp > 1, {}), profile, plan) for u in units)
+    pointwise = POINTWISE_TRAFFIC * acts / hw.hbm_bandwidth
+    forward = fwd_flops / rate + pointwise / 3
+    backward = (2 + extra) * fwd_flops / rate + 2 * pointwise / 3
+    layer_comms = layer_collectives(profile, plan, units, hw) + pipeline_collectives(profile, plan, units, hw)
+    per_mb_comm = sum(_exposed_layer_comm(c, profile, plan, units, hw) for c in layer_comms)
+    per_mb = forward + backward + per_mb_comm
+    grads = gradient_collectives(plan, units, hw, backward)
+    state = stage_memory(profile, plan, units)
+    optimizer = OPTIMIZER_TRAFFIC * (state["params"] + state["grads"] + state["optimizer"]) / hw.hbm_bandwidth
+    bubble = bubble_units(plan) * per_mb
+    zero3_exposed = _zero3_exposed(grads, plan.mb * (forward + backward))
+    exposed = plan.mb * per_mb_comm + sum(c.exposed_seconds for c in grads) + zero3_exposed
+    time = {"compute": plan.mb * (forward + backward), "exposed_comm": exposed, "bubble": bubble,
+            "optimizer": optimizer}
+    time["step"] = sum(time.values())
+    flops = plan.mb * (3 + extra) * fwd_flops
+    m = plan.mb
+    comms = [CollectiveEstimate(c.axis, c.kind, c.direction, c.group_size, c.bytes_per_step * m,
+                                c.calls_per_step * m, c.seconds * m, c.exposed_seconds * m)
+             for c in layer_comms] + grads
+    return state, flops, time, comms
+
+
+def _exposed_layer_comm(c: CollectiveEstimate, profile, plan, units, hw) -> float:
+    """tp/sp and pipeline transfers sit on the critical path; the cp ring hides behind attention."""
+    if c.axis == "cp" and c.kind == "send/recv":
+        attention = sum(u.flops_attention for u in units) * (3 * tokens_per_microbatch(profile, plan)
+                                                            / (profile.batch * profile.seq))
+        attention *= plan.seq / profile.seq / plan.tp / (hw.peak_flops(plan.dtype) * MATMUL_EFFICIENCY)
+        return max(0.0, c.seconds - attention)
+    return c.seconds
+
+
+def _zero3_exposed(grads: list[CollectiveEstimate], compute: float) -> float:
+    gathers = sum(c.seconds for c in grads if c.direction == "forward+backward")
+    return max(0.0, gathers - compute)
+
+
+__all__ = ["ScaleKey", "CollectiveCost", "UnitCost", "ModelProfile", "PlanPoint", "Estimate",
+           "CollectiveEstimate", "estimate", "scale", "stage_units", "in_flight", "bubble_units",
+           "crosses_node", "collective_seconds", "peak_memory", "MATMUL_EFFICIENCY", "COMM_EFFICIENCY"]

@@ -1,0 +1,182 @@
+"""Hardware profiles: the few numbers of a machine that the cost model turns into seconds.
+
+A profile is a frozen value in SI units (FLOP/s, bytes, bytes/s, seconds). Two are built in
+(``h100``: H100 SXM5 80GB in an 8-GPU HGX/DGX node; ``a100``: A100 SXM4 80GB in a DGX A100);
+a user describes their own in a TOML or JSON file with the same field names::
+
+    # my_cluster.toml  (every field of HardwareProfile; or `base = "h100"` plus the ones that differ)
+    name = "h100-roce"
+    base = "h100"
+    inter_node_bandwidth = 25e9     # bytes/s per GPU, one direction
+    inter_node_latency = 15e-6
+
+    >>> from usc.compiler.hardware import hardware_profile
+    >>> hardware_profile("h100").gpus_per_node
+    8
+
+Bandwidths are per GPU and per direction (what one rank can push to its peers at once), which is
+what ring/tree collective formulas divide by (NCCL's "bus bandwidth", nccl-tests
+doc/PERFORMANCE.md). They are peak values; the cost model applies its own efficiencies.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+from .errors import CompileError
+
+
+class HardwareProfileError(CompileError):
+    """A hardware profile name is unknown or a profile file is malformed; the message says which field."""
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Peak numbers of one GPU and its links. Units: FLOP/s, bytes, bytes/s, seconds."""
+
+    name: str
+    peak_bf16_flops: float  # dense tensor-core bf16 matmul throughput
+    peak_fp32_flops: float  # plain fp32 (no TF32): what an fp32 plan's matmuls run at
+    hbm_bytes: int  # device memory capacity
+    hbm_bandwidth: float
+    intra_node_bandwidth: float  # per GPU, one direction (NVLink/NVSwitch)
+    intra_node_latency: float  # per collective step inside a node
+    inter_node_bandwidth: float  # per GPU, one direction (the GPU's NIC share)
+    inter_node_latency: float  # per collective step across nodes
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "name":
+                if not isinstance(value, str) or not value:
+                    raise HardwareProfileError("hardware profile: 'name' must be a non-empty string")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise HardwareProfileError(
+                    f"hardware profile {self.name!r}: {f.name!r} must be a positive number, got {value!r}"
+                )
+        if int(self.gpus_per_node) != self.gpus_per_node:
+            raise HardwareProfileError(
+                f"hardware profile {self.name!r}: 'gpus_per_node' must be an integer, got {self.gpus_per_node!r}"
+            )
+
+    def peak_flops(self, dtype: str) -> float:
+        """Matmul peak for the plan's compute dtype ("bf16"/"fp16" on tensor cores, else fp32)."""
+        return self.peak_bf16_flops if dtype in ("bf16", "bfloat16", "fp16", "float16") else self.peak_fp32_flops
+
+    def link(self, *, crosses_node: bool) -> tuple[float, float]:
+        """(bandwidth, latency) of the slowest link a group uses: NIC once it spans nodes."""
+        if crosses_node:
+            return self.inter_node_bandwidth, self.inter_node_latency
+        return self.intra_node_bandwidth, self.intra_node_latency
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# H100 SXM5 80GB, NVIDIA H100 Tensor Core GPU datasheet (2023): BF16 dense 989.4 TFLOP/s
+# (1,979 is with 2:4 sparsity), FP32 66.9 TFLOP/s, 80 GB HBM3 at 3.35 TB/s, NVLink 4 at
+# 900 GB/s total = 450 GB/s per direction. Inter-node: DGX H100 user guide, 8x ConnectX-7
+# 400 Gb/s InfiniBand NDR, one NIC per GPU = 50 GB/s per direction. Latencies: order of the
+# per-step base latencies in NCCL's tuning model (src/graph/tuning.cc: a few us on NVLink,
+# more through the NIC and switches); nccl-tests small-message all-reduce times agree.
+H100 = HardwareProfile(
+    name="h100",
+    peak_bf16_flops=989.4e12,
+    peak_fp32_flops=66.9e12,
+    hbm_bytes=80 * 10**9,
+    hbm_bandwidth=3.35e12,
+    intra_node_bandwidth=450e9,
+    intra_node_latency=5e-6,
+    inter_node_bandwidth=50e9,
+    inter_node_latency=10e-6,
+    gpus_per_node=8,
+)
+
+# A100 SXM4 80GB, NVIDIA A100 Tensor Core GPU datasheet (2021): BF16 dense 312 TFLOP/s,
+# FP32 19.5 TFLOP/s, 80 GB HBM2e at 2,039 GB/s, NVLink 3 at 600 GB/s total = 300 GB/s per
+# direction. Inter-node: DGX A100 user guide, 8x ConnectX-6 200 Gb/s InfiniBand HDR, one per
+# GPU = 25 GB/s per direction. Latencies as for the H100 (same NCCL model, NVSwitch gen 2).
+A100 = HardwareProfile(
+    name="a100",
+    peak_bf16_flops=312e12,
+    peak_fp32_flops=19.5e12,
+    hbm_bytes=80 * 10**9,
+    hbm_bandwidth=2.039e12,
+    intra_node_bandwidth=300e9,
+    intra_node_latency=5e-6,
+    inter_node_bandwidth=25e9,
+    inter_node_latency=10e-6,
+    gpus_per_node=8,
+)
+
+BUILTIN_PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H100, A100)}
+
+
+def hardware_profile(spec: "str | Path | HardwareProfile") -> HardwareProfile:
+    """A profile from a built-in name ("h100", "a100"), a .toml/.json file path, or a profile."""
+    if isinstance(spec, HardwareProfile):
+        return spec
+    key = str(spec).strip()
+    if key.lower() in BUILTIN_PROFILES:
+        return BUILTIN_PROFILES[key.lower()]
+    path = Path(key)
+    if path.suffix.lower() in (".toml", ".json") or path.exists():
+        return load_hardware_profile(path)
+    raise HardwareProfileError(
+        f"unknown hardware {key!r}: use one of {sorted(BUILTIN_PROFILES)} or a .toml/.json profile file"
+    )
+
+
+def load_hardware_profile(path: "str | Path") -> HardwareProfile:
+    """Read a profile file (TOML or JSON, keys = HardwareProfile fields, optional ``base``)."""
+    path = Path(path)
+    if not path.exists():
+        raise HardwareProfileError(f"hardware profile file {str(path)!r} does not exist")
+    data = _read_table(path)
+    return profile_from_dict(data, source=str(path))
+
+
+def profile_from_dict(data: dict, *, source: str = "<dict>") -> HardwareProfile:
+    """Build a profile from a mapping; ``base`` names a built-in profile whose fields fill the gaps."""
+    data = dict(data)
+    base_name = data.pop("base", None)
+    known = {f.name for f in fields(HardwareProfile)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise HardwareProfileError(
+            f"{source}: unknown field(s) {unknown}; a profile has {sorted(known)} and optional 'base'"
+        )
+    if base_name is not None:
+        if str(base_name).lower() not in BUILTIN_PROFILES:
+            raise HardwareProfileError(f"{source}: base {base_name!r} is not one of {sorted(BUILTIN_PROFILES)}")
+        data.setdefault("name", Path(source).stem)
+        return replace(BUILTIN_PROFILES[str(base_name).lower()], **data)
+    missing = sorted(known - set(data))
+    if missing:
+        raise HardwareProfileError(f"{source}: missing field(s) {missing} (or give base = \"h100\")")
+    return HardwareProfile(**data)
+
+
+def _read_table(path: Path) -> dict:
+    text = path.read_text()
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            data = _load_toml(text)
+    except ValueError as exc:  # json.JSONDecodeError and tomllib.TOMLDecodeError are ValueErrors
+        raise HardwareProfileError(f"{path}: cannot parse hardware profile: {exc}") from None
+    if not isinstance(data, dict):
+        raise HardwareProfileError(f"{path}: a hardware profile is a table of fields, got {type(data).__name__}")
+    return data
+
+
+def _load_toml(text: str) -> dict:
+    try:
+        import tomllib  # Python 3.11+
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+        raise HardwareProfileError("TOML profiles need Python 3.11+; write the profile as JSON") from None
+    return tomllib.loads(text)

@@ -1,0 +1,283 @@
+"""The planner: enumerate plans for a cluster, drop those that cannot run, rank the rest by step time.
+
+Follows the Ultra-Scale Playbook's order (fit memory first, then reach the batch, then maximise
+throughput): every combination of dp/tp/pp/cp/ep sizes whose product is the GPU count, ZeRO stage,
+microbatches, recompute and pipeline schedule is checked for divisibility (the model's tp-split dims,
+the sequence for cp and sp, the batch for dp x mb, layers for pp), for support (a callback, so plan
+items the compiler refuses today are never proposed and newly built ones become eligible), and for
+memory against the device's capacity; the rest are ranked by the cost model's step time. All of it
+runs on one :class:`ModelProfile` -- nothing is traced per plan.
+
+    >>> from usc.compiler.planner import PlanTarget
+    >>> PlanTarget(gpus=64, seq=4096, global_batch=256).gpus
+    64
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator
+
+from .cost_model import Estimate, ModelProfile, PlanPoint, estimate, peak_memory
+from .hardware import HardwareProfile
+
+# Fraction of HBM a plan may fill: the CUDA context, NCCL buffers and allocator fragmentation take
+# the rest (PyTorch's caching allocator typically loses 5-10% to fragmentation).
+MEMORY_HEADROOM = 0.9
+# Microbatch counts tried beyond the minimum (powers of two, as practitioners choose them).
+MAX_MICROBATCHES = 64
+# Interleaved schedules are tried with this many virtual stages per rank (Narayanan et al. 2021 use 2-4).
+INTERLEAVED_V = (2,)
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
+
+
+@dataclass(frozen=True)
+class PlanTarget:
+    """What to plan for: the cluster and the training shape (global_batch in sequences)."""
+
+    gpus: int
+    seq: int
+    global_batch: int
+    gpus_per_node: int = 8
+    dtype: str = "bf16"
+    fixed: tuple[tuple[str, object], ...] = ()  # axes/options the user wrote: kept as written
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: PlanPoint
+    estimate: Estimate
+
+    @property
+    def step(self) -> float:
+        return self.estimate.time["step"]
+
+
+@dataclass
+class PlanSearch:
+    """The planner's answer: the best plan, the runners-up and why each lost, what was dropped."""
+
+    target: PlanTarget
+    hardware: str
+    best: Candidate | None
+    alternatives: list[Candidate]
+    rejected: dict[str, int] = field(default_factory=dict)  # reason -> how many plans
+    rejected_examples: dict[str, str] = field(default_factory=dict)  # reason -> one plan and why
+    evaluated: int = 0
+    seconds: float = 0.0
+
+    def why_lost(self, other: Candidate) -> str:
+        return why_slower(other, self.best)
+
+    def __str__(self) -> str:
+        from .report_cost import render_search
+        return render_search(self)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, k = [], 1
+    while k <= limit:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def mesh_shapes(profile: ModelProfile, target: PlanTarget) -> Iterator[tuple[dict, str | None]]:
+    """(axis sizes, None) for every factorisation of the GPUs, or (sizes, reason) when one is impossible."""
+    fixed = dict(target.fixed)
+    layers = max(1, profile.layers)
+    eps = divisors(target.gpus) if profile.experts or fixed.get("ep", 1) > 1 else [1]
+    for tp in divisors(target.gpus):
+        for pp in divisors(target.gpus // tp):
+            for cp in divisors(target.gpus // (tp * pp)):
+                for ep in (e for e in eps if (target.gpus // (tp * pp * cp)) % e == 0):
+                    dp = target.gpus // (tp * pp * cp * ep)
+                    sizes = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
+                    if any(axis in fixed and fixed[axis] != n for axis, n in sizes.items()):
+                        continue
+                    yield sizes, _shape_problem(profile, target, sizes, layers)
+
+
+def _shape_problem(profile: ModelProfile, target: PlanTarget, s: dict, layers: int) -> str | None:
+    """Why a mesh shape cannot run this model and batch (None when it can)."""
+    rules = [
+        (s["tp"] > 1 and (not profile.tp_divides or profile.tp_divides % s["tp"]),
+         f"tp={s['tp']} does not divide the model's split dims (heads, kv heads, hidden, vocab)"),
+        (s["tp"] > target.gpus_per_node, f"tp={s['tp']} would cross nodes (playbook: keep tp within a node)"),
+        (s["cp"] > 1 and (not profile.cp_possible or target.seq % s["cp"]),
+         f"cp={s['cp']} does not divide the sequence {target.seq} (or attention cannot be split)"),
+        (s["pp"] > layers, f"pp={s['pp']} exceeds the {layers} layers"),
+        (target.global_batch % s["dp"], f"dp={s['dp']} does not divide the global batch {target.global_batch}"),
+        (s["ep"] > 1 and (not profile.experts or profile.experts % s["ep"]),
+         f"ep={s['ep']} needs experts divisible by it (the model has {profile.experts})"),
+    ]
+    return next((reason for bad, reason in rules if bad), None)
+
+
+def base_point(target: PlanTarget, sizes: dict) -> PlanPoint:
+    """The plan of a mesh shape before options: sp whenever tp>1 allows it (it only saves memory,
+    Korthikanti et al. 2022), zig-zag cp when the sequence splits into 2*cp chunks (balanced causal work)."""
+    sp = sizes["tp"] > 1 and (target.seq // sizes["cp"]) % sizes["tp"] == 0
+    cp_mode = "zigzag" if sizes["cp"] > 1 and target.seq % (2 * sizes["cp"]) == 0 else "ring"
+    return PlanPoint(target.global_batch, target.seq, **sizes, sp=sp, cp_mode=cp_mode, dtype=target.dtype,
+                     gpus_per_node=target.gpus_per_node)
+
+
+def _matches_fixed(point: PlanPoint, fixed: dict) -> bool:
+    return all(getattr(point, name) == value for name, value in fixed.items()
+               if hasattr(point, name) and name != "recompute")
+
+
+def _schedules(pp: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    return [(s, 1) for s in SCHEDULES if s != "interleaved"] + [("interleaved", v) for v in INTERLEAVED_V]
+
+
+def _microbatches(per_replica: int, pp: int) -> list[int]:
+    options = [m for m in _powers_of_two(min(per_replica, MAX_MICROBATCHES)) if per_replica % m == 0]
+    return [m for m in options if m >= pp] or options[-1:]
+
+
+def search(profile: ModelProfile, target: PlanTarget, hw: HardwareProfile, *,
+           supported: Callable[[PlanPoint], str | None] = lambda p: None, keep: int = 5) -> PlanSearch:
+    """Rank every plan that fits; ``supported(point)`` returns why the compiler refuses it, or None."""
+    start = time.perf_counter()
+    result = PlanSearch(target, hw.name, None, [])
+    search_state = _Search(profile, target, hw, result, supported)
+    fits: list[Candidate] = []
+    for sizes, problem in mesh_shapes(profile, target):
+        if problem:
+            _reject(result, problem, _shape_text(sizes))
+            continue
+        fits += search_state.shape(sizes)
+    fits.sort(key=lambda c: c.step)
+    result.best = fits[0] if fits else None
+    result.alternatives = _distinct(fits[1:], keep)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+class _Search:
+    """Walks the options of one mesh shape, pruning what cannot win (see ``shape``)."""
+
+    def __init__(self, profile, target, hw, result, supported) -> None:
+        self.profile, self.target, self.hw, self.result = profile, target, hw, result
+        self.supported, self.cache = supported, {}
+        self.capacity = hw.hbm_bytes * MEMORY_HEADROOM
+        self.fixed = dict(target.fixed)
+
+    def shape(self, sizes: dict) -> list[Candidate]:
+        """For each ZeRO stage and schedule, microbatch counts in increasing order: more microbatches
+        save activation memory and shrink the bubble but make each matmul smaller, so the walk stops
+        once a plan fits without recompute (pp=1) or once the step time stops improving (pp>1)."""
+        base = base_point(self.target, sizes)
+        per_replica = self.target.global_batch // sizes["dp"]
+        found = []
+        for zero in ((0, 1, 2, 3) if sizes["dp"] > 1 else (0,)):
+            for schedule, v in _schedules(sizes["pp"]):
+                previous = None
+                for mb in _microbatches(per_replica, sizes["pp"]):
+                    point = replace(base, zero=zero, schedule=schedule, v=v, mb=mb)
+                    if not _matches_fixed(point, self.fixed):
+                        continue
+                    candidate, refused = self.first_that_fits(point)
+                    if refused:
+                        break
+                    if candidate is None:
+                        continue
+                    found.append(candidate)
+                    if previous is not None and candidate.step >= previous.step:
+                        break
+                    if sizes["pp"] == 1 and candidate.plan.recompute == "none":
+                        break
+                    previous = candidate
+        return found
+
+    def first_that_fits(self, point: PlanPoint) -> tuple[Candidate | None, bool]:
+        """(the point with the least recompute that fits, whether the compiler refuses the point)."""
+        choices = (self.fixed["recompute"],) if "recompute" in self.fixed else ("none", "selective", "full")
+        refused_all = True
+        for recompute in choices:
+            candidate = replace(point, recompute=recompute)
+            reason = self.refusal(candidate)
+            if reason:
+                _reject(self.result, f"not supported yet: {reason}", candidate.text())
+                continue
+            refused_all = False
+            memory = peak_memory(self.profile, candidate)  # cheap: the time model runs only on plans that fit
+            self.result.evaluated += 1
+            if sum(memory.values()) <= self.capacity:
+                return Candidate(candidate, estimate(self.profile, candidate, self.hw)), False
+            largest = max(memory, key=memory.get)
+            _reject(self.result, "does not fit in memory", f"{candidate.text()}: {sum(memory.values()) / 2**30:.1f} "
+                                                           f"GiB per rank (largest: {largest})")
+        return None, refused_all
+
+    def refusal(self, point: PlanPoint) -> str | None:
+        key = _support_key(point)
+        if key not in self.cache:
+            self.cache[key] = self.supported(point)
+        return self.cache[key]
+
+
+def _support_key(p: PlanPoint) -> tuple:
+    return (p.dp > 1, p.tp > 1, p.pp > 1, p.cp > 1, p.ep > 1, p.zero, p.mb > 1, p.sp, p.recompute,
+            p.schedule if p.pp > 1 else "", p.v, p.cp_mode if p.cp > 1 else "", p.dtype)
+
+
+def _reject(result: PlanSearch, reason: str, example: str) -> None:
+    result.rejected[reason] = result.rejected.get(reason, 0) + 1
+    result.rejected_examples.setdefault(reason, example)
+
+
+def _shape_text(sizes: dict) -> str:
+    return " ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "dp=1"
+
+
+def _distinct(candidates: list[Candidate], keep: int) -> list[Candidate]:
+    """The runners-up, one per mesh shape (the best options of each), so the list shows real choices."""
+    seen, out = set(), []
+    for c in candidates:
+        shape = (c.plan.dp, c.plan.tp, c.plan.pp, c.plan.cp, c.plan.ep)
+        if shape not in seen:
+            seen.add(shape)
+            out.append(c)
+        if len(out) == keep:
+            break
+    return out
+
+
+TIME_TERMS = {"compute": "compute", "exposed_comm": "exposed communication", "bubble": "pipeline bubble",
+              "optimizer": "optimizer step"}
+
+
+def why_slower(loser: Candidate, best: Candidate) -> str:
+    """One line: how much slower and which time term grew most (and by what)."""
+    slower = loser.step / best.step - 1
+    deltas = {k: loser.estimate.time[k] - best.estimate.time[k] for k in TIME_TERMS}
+    term = max(deltas, key=deltas.get)
+    axes = _exposed_by_axis(loser.estimate)
+    detail = ""
+    if term == "exposed_comm" and axes:
+        axis = max(axes, key=axes.get)
+        detail = f", mostly {axis} ({axes[axis] * 1e3:.2f} ms)"
+    if term == "compute" and loser.plan.recompute != "none":
+        detail = f" (recompute={loser.plan.recompute})"
+    from .report_cost import _ms
+    return f"{slower:+.1%} step time: {TIME_TERMS[term]} +{_ms(deltas[term])}{detail}"
+
+
+def _exposed_by_axis(est: Estimate) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for c in est.collectives:
+        out[c.axis] = out.get(c.axis, 0.0) + c.exposed_seconds
+    return out
+
+
+__all__ = ["PlanTarget", "PlanSearch", "Candidate", "search", "why_slower", "MEMORY_HEADROOM"]

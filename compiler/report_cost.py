@@ -1,0 +1,88 @@
+"""Text of the cost model's answers: the time breakdown of one plan and the planner's choice."""
+
+from __future__ import annotations
+
+
+
+def human_bytes(n: float) -> str:
+    from .report_text import human_bytes as text
+    return text(n)
+
+
+def cost_sections(report) -> list[str]:
+    """What the report adds when the cost model ran: the planner's choice, the time breakdown."""
+    lines = []
+    if report.plan_search is not None:
+        lines += ["", str(report.plan_search)]
+    elif report.cost is not None:
+        lines += [""] + render_time_breakdown(report.cost)
+    return lines
+
+
+def cost_dict(report) -> dict:
+    """The JSON form of the same sections."""
+    out = {}
+    if report.cost is not None:
+        out["time_breakdown"] = estimate_dict(report.cost)
+    if report.plan_search is not None:
+        s = report.plan_search
+        out["planner"] = {"chosen": s.best.plan.text() if s.best else None,
+                          "alternatives": [{"plan": c.plan.text(), "why_lost": s.why_lost(c),
+                                            **estimate_dict(c.estimate)} for c in s.alternatives],
+                          "rejected": dict(s.rejected), "evaluated": s.evaluated}
+    return out
+
+
+def estimate_dict(est) -> dict:
+    return {"hardware": est.hardware, "seconds": dict(est.time), "tokens_per_second": est.tokens_per_second,
+            "mfu": est.mfu, "memory_bytes": {k: int(v) for k, v in est.memory.items()}}
+
+
+def _ms(seconds: float) -> str:
+    """Milliseconds, or microseconds for the tiny steps of small models."""
+    return f"{seconds * 1e3:,.1f} ms" if abs(seconds) >= 1e-3 or seconds == 0 else f"{seconds * 1e6:,.1f} us"
+
+
+def render_time_breakdown(est) -> list[str]:
+    """The usc-lint section: per step, compute / exposed communication / bubble, tokens/s and MFU."""
+    t = est.time
+    step = t["step"]
+    lines = [f"time breakdown per step on {est.hardware} (cost model estimate, {est.plan.world} GPUs):"]
+    for key, label in (("compute", "compute"), ("exposed_comm", "exposed communication"),
+                       ("bubble", "pipeline bubble"), ("optimizer", "optimizer step")):
+        lines.append(f"  {label:<22} {_ms(t[key]):>12}  {t[key] / step:6.1%}")
+    lines.append(f"  {'step':<22} {_ms(step):>12}")
+    exposed = {}
+    for c in est.collectives:
+        exposed[c.axis] = exposed.get(c.axis, 0.0) + c.exposed_seconds
+    if exposed:
+        parts = ", ".join(f"{axis} {_ms(s)}" for axis, s in sorted(exposed.items(), key=lambda kv: -kv[1]))
+        lines.append(f"  exposed communication by axis: {parts}")
+    lines.append(f"  {est.tokens_per_second:,.0f} tokens/s, MFU {est.mfu:.1%}; memory per rank "
+                 f"{human_bytes(est.memory_total)} (largest: {est.largest_memory_term})")
+    return lines
+
+
+def render_search(search) -> str:
+    """The planner's answer: the choice, its estimate, the runners-up and why each lost."""
+    t = search.target
+    head = (f"planner: {t.gpus} GPUs ({t.gpus_per_node} per node, {search.hardware}), seq {t.seq}, "
+            f"global batch {t.global_batch}; {search.evaluated} plans estimated in {search.seconds:.2f} s")
+    lines = [head]
+    if search.best is None:
+        lines.append("  no plan fits: " + "; ".join(f"{n} x {r} (e.g. {search.rejected_examples[r]})"
+                                                    for r, n in search.rejected.items()))
+        return "\n".join(lines)
+    best = search.best
+    lines.append(f"  chosen: {best.plan.text()}")
+    lines += ["  " + line for line in render_time_breakdown(best.estimate)]
+    if search.alternatives:
+        lines.append("  alternatives (best plan of each other mesh shape) and why they lost:")
+        for c in search.alternatives:
+            lines.append(f"    {c.plan.text():<58} {c.estimate.tokens_per_second:>12,.0f} tok/s  "
+                         f"{search.why_lost(c)}")
+    if search.rejected:
+        lines.append("  dropped:")
+        for reason, n in sorted(search.rejected.items(), key=lambda kv: -kv[1]):
+            lines.append(f"    {n:>5} x {reason} (e.g. {search.rejected_examples[reason]})")
+    return "\n".join(lines)

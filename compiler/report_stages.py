@@ -1,0 +1,84 @@
+"""The pipeline stage table of the report: per stage its layers, estimated FLOPs, parameter bytes and
+the activations it sends across each cut (read from the orchestrator the split pass made)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .ir import META
+from .program import Program
+
+
+@dataclass(frozen=True)
+class StageTransfer:
+    """One activation a stage sends to a later stage per microbatch (its gradient comes back if grad)."""
+
+    to_stage: int
+    value: str
+    shape: tuple[int, ...]  # this rank's tensor
+    dtype: str
+    bytes: int
+    grad: bool
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    index: int
+    rank: int  # the pp rank that runs it (stage % pp)
+    modules: tuple[str, ...]
+    flops: float  # per microbatch, from the global shapes (what the split balanced)
+    param_bytes: int  # this rank's parameters used by the stage (before ZeRO sharding)
+    sends: tuple[StageTransfer, ...]
+
+
+def _bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _stage_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), fx.GraphModule)]
+
+
+def _output_node(stage: fx.GraphModule, position: int) -> fx.Node:
+    outputs = next(n for n in stage.graph.nodes if n.op == "output").args[0]
+    return outputs[position] if isinstance(outputs, (tuple, list)) else outputs
+
+
+def _sends(gm: fx.GraphModule, program: Program, nodes: list[fx.Node]) -> dict[int, list[StageTransfer]]:
+    index = {node: i for i, node in enumerate(nodes)}
+    sends: dict[int, list[StageTransfer]] = {i: [] for i in range(len(nodes))}
+    for consumer in nodes:
+        for arg in consumer.args:
+            producer = arg.args[0] if arg.op == "call_function" else arg
+            if producer not in index:
+                continue
+            inner = _output_node(gm.get_submodule(producer.target), arg.args[1] if arg.op == "call_function" else 0)
+            value = inner.meta["val"]
+            shape = inner.meta[META].layout.local_shape(tuple(value.shape), program.mesh)
+            sends[index[producer]].append(StageTransfer(index[consumer], inner.name, shape,
+                                                        str(value.dtype).replace("torch.", ""),
+                                                        _bytes(shape, value.dtype), bool(inner.meta[META].needs_grad)))
+    return sends
+
+
+def stage_table(program: Program) -> list[StageRecord]:
+    """One record per pipeline stage, in order; [] without pp."""
+    gm = program.gm
+    costs = gm.meta.get("usc_stage_costs")
+    if not costs:
+        return []
+    nodes = _stage_nodes(gm)
+    params = {s.placeholder: s for s in program.state if s.kind == "param"}
+    sends = _sends(gm, program, nodes)
+    pp = program.mesh.size("pp")
+    records = []
+    for i, (node, cost) in enumerate(zip(nodes, costs)):
+        used = {a.name for a in node.args if isinstance(a, fx.Node) and a.op == "placeholder" and a.name in params}
+        nbytes = sum(_bytes(params[p].layout.local_shape(params[p].global_shape, program.mesh), params[p].dtype)
+                     for p in used)
+        records.append(StageRecord(i, i % pp, tuple(cost["modules"]), cost["flops"], nbytes, tuple(sends[i])))
+    return records

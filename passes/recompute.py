@@ -1,0 +1,249 @@
+"""Recompute: decide per node what backward keeps and what it recomputes; cut regions to recompute.
+
+Requires: every other pass ran (regions are cut from the final per-rank program, or from each
+    pipeline stage); nodes carry ``meta["usc"]`` with their module path.
+Establishes: with ``recompute=selective|full`` or a ``recompute`` rule, every node of a transformer
+    block (module path up to its first index, e.g. ``layers.3``, as ZeRO-3 and the pipeline split
+    group nodes) carries ``meta["usc"].extra["recompute"]``: "kept" (output stored for backward),
+    "recomputed" (run again in backward) or "boundary" (runs once, outside any region). Each
+    maximal convex run of kept/recomputed nodes of one block is replaced by one ``call_module`` to a
+    ``usc.runtime.recompute.Recompute`` whose ``body`` holds the run; uses of the run's values read
+    ``getitem`` nodes of that call. Nothing else changes; with recompute=none and no rule the graph
+    is returned untouched.
+
+The decision is a table of rules (first match wins), after Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models") and the Ultra-Scale Playbook:
+- full: the whole block is recomputed from its input; the block's collectives are re-issued in
+  backward (one more forward's worth of tp/cp traffic: Megatron's full recompute does the same).
+- selective: matmul outputs are kept; norms, rotary embeddings, activations and the attention core
+  are recomputed. A collective that communicates in forward is a boundary: its output is saved
+  and it is never re-issued (cheaper than communicating again; ring attention already keeps only
+  q, k, v, its output and the LSE, and recomputes block scores in its own backward).
+- both: random ops (dropout) are boundaries, so they are never drawn twice and recompute sees
+  exactly the forward's numbers on any rank and any thread; ZeRO-3's gathers are boundaries.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from usc.compiler.ir import META, NodeAnn
+from usc.compiler.pipeline import pipeline_stages
+from usc.compiler.trace import module_path
+from usc.runtime.recompute import Recompute
+from usc.runtime.zero3 import ZeroFetch, ZeroGather
+
+aten = torch.ops.aten
+KEPT, RECOMPUTED, BOUNDARY = "kept", "recomputed", "boundary"
+MATMULS = frozenset({aten.linear.default, aten.mm.default, aten.bmm.default, aten.addmm.default,
+                     aten.matmul.default, aten.baddbmm.default, aten.einsum.default})
+
+
+def block_of(path: str) -> str | None:
+    """'layers.3.mlp.up_proj' -> 'layers.3'; None outside a numbered list of blocks."""
+    match = re.match(r"^(.*?\.\d+)(\.|$)", path)
+    return match.group(1) if match else None
+
+
+def node_module(node: fx.Node) -> str:
+    ann = node.meta.get(META)
+    return (ann.module if ann is not None and ann.module else "") or module_path(node)
+
+
+@dataclass(frozen=True)
+class Where:
+    """What a decision rule may read about one node."""
+
+    node: fx.Node
+    gm: fx.GraphModule
+    module: object | None  # the call_module target, if any
+    mode: str  # the plan's recompute mode
+    marked: bool  # a `recompute` rule matches the node's module (or a parent)
+    block: str | None
+
+
+@dataclass(frozen=True)
+class DecisionRule:
+    applies: Callable[[Where], bool]
+    decision: str | None  # None: not considered for recompute at all
+    why: str
+
+
+def _is_zero3(w: Where) -> bool:
+    if isinstance(w.module, (ZeroFetch, ZeroGather)):
+        return True
+    source = w.node.args[0] if w.node.target is operator.getitem and w.node.args else None
+    return isinstance(source, fx.Node) and source.op == "call_module" \
+        and isinstance(w.gm.get_submodule(source.target), ZeroGather)
+
+
+def _is_random(w: Where) -> bool:
+    """Draws random numbers: a seeded op, except dropout that is off (p=0 or not training)."""
+    target, args = w.node.target, w.node.args
+    if target is aten.scaled_dot_product_attention.default:
+        return bool(args[4] if len(args) > 4 else w.node.kwargs.get("dropout_p", 0.0))
+    if target in (aten.dropout.default, aten.native_dropout.default):
+        return bool(args[1]) and bool(args[2])
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _communicates_forward(w: Where) -> bool:
+    kind = getattr(w.module, "forward_collective", None)
+    return kind is not None and kind() not in (None, "none")
+
+
+RULES = [
+    # placeholders and the output are the region's edges, never inside one
+    DecisionRule(lambda w: w.node.op not in ("call_function", "call_module"), None, "not computed"),
+    # gathered parameters enter regions as inputs; ZeRO-3's hook re-gathers them in backward
+    DecisionRule(_is_zero3, BOUNDARY, "ZeRO-3 gather"),
+    # drawn once: a region never re-draws random numbers (see the module docstring)
+    DecisionRule(_is_random, BOUNDARY, "random op: output kept"),
+    DecisionRule(lambda w: w.marked, RECOMPUTED, "a recompute rule marks its module"),
+    DecisionRule(lambda w: w.block is None, None, "outside the transformer blocks"),
+    DecisionRule(lambda w: w.mode == "full", RECOMPUTED, "recompute=full"),
+    DecisionRule(lambda w: w.mode != "selective", None, "recompute=none"),
+    # selective: communicate once, keep the result (cheaper than re-issuing it in backward)
+    DecisionRule(_communicates_forward, BOUNDARY, "collective: output kept, not re-issued"),
+    DecisionRule(lambda w: w.node.target in MATMULS, KEPT, "matmul output kept"),
+    DecisionRule(lambda w: True, RECOMPUTED, "pointwise / norm / attention: recomputed"),
+]
+
+
+def decide(node: fx.Node, gm: fx.GraphModule, mode: str, marked: Callable[[str], bool]) -> str | None:
+    module = gm.get_submodule(node.target) if node.op == "call_module" else None
+    path = node_module(node)
+    where = Where(node, gm, module, mode, marked(path), block_of(path))
+    for rule in RULES:
+        if rule.applies(where):
+            return rule.decision
+    return None
+
+
+def rule_marker(plan) -> Callable[[str], bool]:
+    """Whether a `recompute` rule matches a module path or one of its parents."""
+    globs = [r for r in plan.rules if any(a.name == "recompute" for a in r.actions)]
+
+    def marked(path: str) -> bool:
+        parts = path.split(".") if path else []
+        prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        return any(rule.matches(p) for rule in globs for p in prefixes)
+
+    return marked
+
+
+def recompute_pass(gm: fx.GraphModule, ctx, *, params: set[str] = frozenset()) -> fx.GraphModule:
+    """Mark nodes kept/recomputed and wrap recompute regions (see the module docstring)."""
+    mode = ctx.plan.get("recompute")
+    marked = rule_marker(ctx.plan)
+    if mode == "none" and not any(any(a.name == "recompute" for a in r.actions) for r in ctx.plan.rules):
+        return gm
+    for part in pipeline_stages(gm) or [gm]:
+        _recompute_graph(part, mode, marked, params)
+    return gm
+
+
+def _recompute_graph(gm: fx.GraphModule, mode: str, marked, params: set[str]) -> None:
+    decisions = {}
+    for node in gm.graph.nodes:
+        decision = decide(node, gm, mode, marked)
+        if decision is not None:
+            decisions[node] = decision
+            node.meta[META].extra["recompute"] = decision
+    runs = convex_runs(gm, decisions)
+    for index, run in enumerate(r for r in runs if any(decisions[n] == RECOMPUTED for n in r)):
+        extract_region(gm, run, kept=tuple(n.name for n in run if decisions[n] == KEPT), index=index,
+                       params=params)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def convex_runs(gm: fx.GraphModule, decisions: dict) -> list[list[fx.Node]]:
+    """Per block, maximal runs (graph order) of kept/recomputed nodes. A run closes when a node
+    outside it uses one of its values, so no path leaves a run and comes back: every run is convex
+    and can become one call placed after its last node."""
+    open_runs: dict[str, list[fx.Node]] = {}
+    run_of: dict[fx.Node, str] = {}
+    done: list[list[fx.Node]] = []
+
+    def close(key: str) -> None:
+        run = open_runs.pop(key)
+        for n in run:
+            run_of.pop(n, None)
+        done.append(run)
+
+    for node in gm.graph.nodes:
+        inside = decisions.get(node) in (KEPT, RECOMPUTED)
+        key = block_of(node_module(node)) or node_module(node) if inside else None
+        for source in {run_of[x] for x in node.all_input_nodes if x in run_of} - {key}:
+            close(source)
+        if inside:
+            open_runs.setdefault(key, []).append(node)
+            run_of[node] = key
+    for key in list(open_runs):
+        close(key)
+    return done
+
+
+def extract_region(gm: fx.GraphModule, run: list[fx.Node], *, kept: tuple[str, ...], index: int,
+                   params: set[str] = frozenset()) -> fx.Node:
+    """Replace ``run`` (convex, in graph order) by a call to a Recompute module holding it."""
+    inside = set(run)
+    inputs = list(dict.fromkeys(x for n in run for x in n.all_input_nodes if x not in inside))
+    outputs = [n for n in run if any(u not in inside for u in n.users)]
+    body, env = fx.Graph(), {}
+    for x in inputs:
+        env[x] = body.placeholder(x.name)
+        env[x].meta = copy.copy(x.meta)
+        env[x].meta["usc_region_input"] = "param" if _is_param(gm, x, params) else "activation"
+    for n in run:
+        env[n] = body.node_copy(n, lambda a: env[a])
+    body.output(tuple(env[o] for o in outputs))
+    label = block_of(node_module(run[0])) or node_module(run[0])
+    kept = tuple(env[n].name for n in run if n.name in kept)
+    name = _free_name(gm, f"usc_recompute_{index}")
+    gm.add_submodule(name, Recompute(fx.GraphModule(gm, body, class_name="RecomputeRegion"), kept=kept, label=label))
+    with gm.graph.inserting_after(run[-1]):
+        call = gm.graph.call_module(name, tuple(inputs))
+    call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+    call.meta["nn_module_stack"] = run[0].meta.get("nn_module_stack", {})
+    first = outputs[0].meta[META] if outputs else run[0].meta[META]
+    call.meta[META] = NodeAnn(first.layout, needs_grad=any(o.meta[META].needs_grad for o in outputs), module=label,
+                              reason=f"recompute region of {label}")
+    previous = call
+    for i, out in enumerate(outputs):
+        with gm.graph.inserting_after(previous):
+            item = gm.graph.call_function(operator.getitem, (call, i))
+        item.meta = copy.copy(out.meta)
+        out.replace_all_uses_with(item, delete_user_cb=lambda user: user not in inside)
+        previous = item
+    moved = [n.target for n in run if n.op == "call_module"]
+    for n in reversed(run):
+        gm.graph.erase_node(n)
+    for target in moved:
+        gm.delete_submodule(target)
+    return call
+
+
+def _is_param(gm: fx.GraphModule, x: fx.Node, params: set[str]) -> bool:
+    """A parameter entering a region (saved, but not an activation)."""
+    if x.op == "placeholder":
+        return x.name in params
+    source = x.args[0] if x.target is operator.getitem and x.args else None
+    return isinstance(source, fx.Node) and source.op == "call_module" \
+        and isinstance(gm.get_submodule(source.target), ZeroGather)
+
+
+def _free_name(gm: fx.GraphModule, name: str) -> str:
+    stem, k = name, 0
+    while hasattr(gm, name):
+        k += 1
+        name = f"{stem}_{k}"
+    return name

@@ -1,0 +1,296 @@
+"""Expert parallelism: routed tokens dispatched to the ranks that hold their experts and combined back.
+
+The algorithm (ALGORITHMS.md, "Expert parallel"; GShard, Lepikhin et al. 2020; DeepSpeed-MoE and
+Megatron-Core's all-to-all token dispatcher): every (token, slot) assignment goes to the ep rank
+holding its expert. Each rank sorts its assignments by (expert, token order), tells every peer how
+many rows it will send per local expert of that peer (an all-to-all of counts), then sends the
+hidden rows with ``all_to_all_single`` and uneven splits. The receiver groups the rows by local
+expert, runs its experts, and sends the results back with the reverse exchange; the sender
+un-permutes them, weights them by the router weights and sums the k slots of each token.
+Backward is the same two exchanges in reverse (the gradient of an all-to-all is the all-to-all
+with in and out splits swapped).
+
+Dropless by default: equal to the single-device model. With a capacity C per expert, the
+assignments an expert keeps are the first C in *global* token order: each rank learns from an
+all-gather of per-expert counts how many assignments to each expert the earlier token shards
+hold, so the same tokens drop as on one device.
+
+Example (one rank, no peers: the dropless single-device computation)::
+
+    moe = ExpertParallelMoE(num_experts=4, top_k=2, stacked=True).bind(mesh)
+    out = moe(x, weights, indices, w_gate, w_up, w_down)        # stacked weights [E, in, out]
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .collectives import CollectiveNode
+from .comm import Comm
+
+if TYPE_CHECKING:
+    from .mesh import Mesh
+
+
+class _AllToAllSingleFn(torch.autograd.Function):
+    """Uneven all-to-all of rows; backward sends the gradient rows back the way they came."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, out_splits: list, in_splits: list, stats: Counter, name: str):
+        ctx.comm, ctx.splits, ctx.stats, ctx.name = comm, (out_splits, in_splits), stats, name
+        stats[f"{name} forward"] += x.numel() * x.element_size()
+        return comm.all_to_all_single(x.contiguous(), out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        ctx.stats[f"{ctx.name} backward"] += grad.numel() * grad.element_size()
+        return ctx.comm.all_to_all_single(grad.contiguous(), in_splits, out_splits), None, None, None, None, None
+
+
+def exchange_rows(x: torch.Tensor, comm: Comm, out_splits: list, in_splits: list, stats: Counter,
+                  name: str) -> torch.Tensor:
+    if comm.size == 1:
+        return x
+    return _AllToAllSingleFn.apply(x, comm, out_splits, in_splits, stats, name)
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """A SwiGLU expert on [in, out] matrices (the expert MLP of Mixtral and DeepSeek)."""
+    return (F.silu(x @ gate) * (x @ up)) @ down
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def balanced_counts(rows: int, ep: int, local: int) -> list[list[int]]:
+    """Assignments spread evenly over ep ranks x local experts (shapes for fake-tensor runs)."""
+    cells = ep * local
+    flat = [rows // cells + (1 if i < rows % cells else 0) for i in range(cells)]
+    return [flat[r * local:(r + 1) * local] for r in range(ep)]
+
+
+class ExpertParallelMoE(CollectiveNode):
+    """Routed SwiGLU experts over the ``ep`` axis (see the module docstring).
+
+    Inputs: hidden x [..., H], router weights and expert indices [..., k], then the expert weights:
+    ``stacked``: gate, up [E_local, H, F] and down [E_local, F, H] (this rank's experts);
+    otherwise E gate, E up, E down ``nn.Linear`` weights ([F, H], [F, H], [H, F]), of which this rank
+    uses its E/ep. Under tp each expert's F is split: the output is then a partial sum.
+    ``capacity``: assignments kept per expert (None: dropless); ``token_axes``: the mesh axes that
+    split the tokens along dim 0, outer first (the global token order for dropping).
+    """
+
+    kind = "all-to-all"
+    traffic_input = 0  # the report sizes the exchanges from x
+
+    def __init__(self, axis: str = "ep", *, num_experts: int, top_k: int, stacked: bool,
+                 capacity: int | None = None, token_axes: tuple[str, ...] = (), path: str = "") -> None:
+        super().__init__(axis)
+        self.num_experts, self.top_k, self.stacked = num_experts, top_k, stacked
+        self.capacity, self.token_axes = capacity, tuple(token_axes)
+        self.path = path
+        self._token_comms: list[Comm] = []
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Start counting a new step: bytes sent by the exchanges, rows received per local expert."""
+        self.stats: Counter = Counter()
+        self.load: list[int] = []
+
+    def bind(self, mesh: Mesh) -> ExpertParallelMoE:
+        super().bind(mesh)
+        self._token_comms = [mesh.comm(a) for a in self.token_axes]
+        return self
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_token_comms"] = []
+        return state
+
+    def extra_repr(self) -> str:
+        return (f"axis={self.axis!r}, num_experts={self.num_experts}, top_k={self.top_k}, stacked={self.stacked}"
+                + (f", capacity={self.capacity}, token_axes={self.token_axes}" if self.capacity else ""))
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.comm.size
+
+    # ------------------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, *experts: torch.Tensor):
+        hidden = x.shape[-1]
+        flat, w = x.reshape(-1, hidden), weights.reshape(-1, self.top_k)
+        expert = indices.reshape(-1)  # assignment a = token * k + slot
+        order, send = self._route(expert)
+        recv = self._exchange_counts(send, expert)
+        rows = flat.index_select(0, torch.div(order, self.top_k, rounding_mode="floor"))
+        got = exchange_rows(rows, self.comm, [sum(r) for r in recv], [sum(s) for s in send], self.stats, "dispatch")
+        y = self._run_experts(got, recv, experts)
+        back = exchange_rows(y, self.comm, [sum(s) for s in send], [sum(r) for r in recv], self.stats, "combine")
+        slots = flat.new_zeros(expert.numel(), y.shape[-1]).index_add(0, order, back)
+        out = (slots.view(-1, self.top_k, y.shape[-1]) * w.unsqueeze(-1).to(slots.dtype)).sum(1)
+        return out.view(*x.shape[:-1], y.shape[-1]) + self._anchor(experts)
+
+    def _route(self, expert: torch.Tensor) -> tuple[torch.Tensor, list[list[int]]]:
+        """(kept assignments sorted by (expert, token order), rows for [peer][its local expert])."""
+        ep, local = self.comm.size, self.num_experts // self.comm.size
+        if _is_fake(expert):
+            return torch.arange(expert.numel()), balanced_counts(expert.numel(), ep, local)
+        kept = self._kept(expert)
+        key = expert * expert.numel() + torch.arange(expert.numel())
+        if kept is not None:
+            key = torch.where(kept, key, self.num_experts * expert.numel())  # dropped: last
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(expert[kept] if kept is not None else expert, minlength=self.num_experts)
+        send = counts.view(ep, local).tolist()
+        return order[: sum(map(sum, send))], send
+
+    def _exchange_counts(self, send: list[list[int]], expert: torch.Tensor) -> list[list[int]]:
+        """How many rows each peer sends me per local expert (the all-to-all of counts)."""
+        ep, local = self.comm.size, self.num_experts // self.comm.size
+        if ep == 1 or _is_fake(expert):
+            return send if ep == 1 else balanced_counts(expert.numel(), ep, local)
+        counts = torch.tensor(send, dtype=torch.int64).reshape(-1)
+        got = self.comm.all_to_all_single(counts, [local] * ep, [local] * ep)
+        return got.view(ep, local).tolist()
+
+    def _kept(self, expert: torch.Tensor) -> torch.Tensor | None:
+        """Capacity: an assignment is kept if fewer than C assignments to its expert come before it
+        in global token order (earlier token shards first, then earlier tokens of this shard)."""
+        if self.capacity is None:
+            return None
+        onehot = expert.unsqueeze(1) == torch.arange(self.num_experts, device=expert.device)
+        position = onehot.cumsum(0).gather(1, expert.unsqueeze(1)).squeeze(1) - 1
+        before = self._earlier_shards(onehot.sum(0))
+        return before[expert] + position < self.capacity
+
+    def _earlier_shards(self, counts: torch.Tensor) -> torch.Tensor:
+        """Per-expert assignments held by the token shards before this one (dim-0 chunk order)."""
+        table, mine = counts.unsqueeze(0), 0
+        for comm in reversed(self._token_comms):  # innermost axis varies fastest in the chunk order
+            table = comm.all_gather(table.unsqueeze(0), 0).flatten(0, 1)
+        for comm in self._token_comms:
+            mine = mine * comm.size + comm.rank
+        return table[:mine].sum(0)
+
+    def _run_experts(self, rows: torch.Tensor, recv: list[list[int]], experts) -> torch.Tensor:
+        """Group the received rows by local expert, run each expert, restore the received order."""
+        local = len(recv[0])
+        segment = torch.tensor([e for per_peer in recv for e, n in enumerate(per_peer) for _ in range(n)],
+                               dtype=torch.int64, device=rows.device) if not _is_fake(rows) \
+            else torch.arange(rows.shape[0], device=rows.device) % local
+        perm = torch.argsort(segment, stable=True)
+        sizes = [sum(per_peer[e] for per_peer in recv) for e in range(local)]
+        self.load = [a + b for a, b in zip(self.load, sizes)] if self.load else sizes
+        grouped = rows.index_select(0, perm).split(sizes)
+        outs = [swiglu(chunk, *self._weights(experts, e)) for e, chunk in enumerate(grouped)]
+        result = torch.cat(outs) if outs else rows
+        return result.index_select(0, torch.argsort(perm))
+
+    def _weights(self, experts, e: int) -> tuple[torch.Tensor, ...]:
+        """Local expert e's (gate, up, down) as [in, out] matrices."""
+        if self.stacked:
+            gate, up, down = experts
+            return gate[e], up[e], down[e]
+        n = self.num_experts
+        first = self.comm.rank * self.local_experts + e
+        return experts[first].t(), experts[n + first].t(), experts[2 * n + first].t()
+
+    def _anchor(self, experts) -> torch.Tensor | float:
+        """Zero that depends on the experts this rank does not run (``nn.Linear`` experts under ep), so
+        every rank produces a gradient (zeros) for every parameter, as the bucketed reducer expects."""
+        if self.stacked or self.comm.size == 1:
+            return 0.0
+        n, mine = self.num_experts, range(self.comm.rank * self.local_experts, (self.comm.rank + 1) * self.local_experts)
+        others = [experts[k * n + e] for k in range(3) for e in range(n) if e not in mine]
+        return sum(t.reshape(-1)[0] for t in others) * 0.0
+
+    @staticmethod
+    def global_fn(x: torch.Tensor, *rest) -> torch.Tensor:
+        """The global value's shape: the output is shaped like the hidden states."""
+        return torch.empty_like(x)
+
+    # ---------------------------------------------------------------------------- reporting
+    def forward_collective(self) -> str | None:
+        return "all-to-all"
+
+    def backward_collective(self) -> str | None:
+        return "all-to-all"
+
+    def traffic(self, shape: tuple[int, ...], dtype: torch.dtype, n: int) -> list[tuple]:
+        """The two exchanges per direction (dispatch, combine), assuming balanced dropless routing:
+        T*k rows of H leave each rank (the rows for its own experts included)."""
+        del n
+        tokens = 1
+        for s in shape[:-1]:
+            tokens *= s
+        rows = (tokens * self.top_k, shape[-1])
+        nbytes = rows[0] * rows[1] * torch.empty((), dtype=dtype).element_size()
+        what = {"dispatch": "MoE dispatch: token rows to their experts' ranks (counts exchanged first)",
+                "combine": "MoE combine: expert outputs back to their tokens' ranks"}
+        return [(direction, "all-to-all", rows, nbytes, 1, f"{what[step]}{' (gradient)' if back else ''}")
+                for direction, back in (("forward", False), ("backward", True))
+                for step in (("dispatch", "combine") if not back else ("combine", "dispatch"))]
+
+
+# ================================================================================ statistics
+@dataclass(frozen=True)
+class MoEStats:
+    """One MoE layer over one step, gathered from every rank.
+
+    tokens_per_expert: rows each expert processed (summed over the replicas that hold it);
+    tokens_per_rank: rows each rank's experts processed (the load, indexed by global rank);
+    imbalance: max / mean of tokens_per_expert (1.0 = perfectly balanced);
+    rank_imbalance: max / mean of tokens_per_rank;
+    all_to_all_bytes: per rank, bytes this rank handed to each exchange ('dispatch forward', ...).
+    """
+
+    tokens_per_expert: tuple[int, ...]
+    tokens_per_rank: tuple[int, ...]
+    imbalance: float
+    rank_imbalance: float
+    all_to_all_bytes: tuple[dict, ...]
+
+
+def rank_stats(gm: torch.nn.Module, mesh) -> dict[str, dict]:
+    """This rank's view of every MoE layer it ran: its experts' loads and its exchange bytes."""
+    out = {}
+    for module in gm.modules():
+        if isinstance(module, ExpertParallelMoE) and module.load:
+            first = module.comm.rank * module.local_experts
+            out[module.path] = {"first": first, "load": list(module.load), "bytes": dict(module.stats),
+                                "counted": mesh.coord_of("tp") == 0,
+                                "experts": module.num_experts}
+    return out
+
+
+def summarize(per_rank: list[dict[str, dict]]) -> dict[str, MoEStats]:
+    """Combine every rank's view (``rank_stats``): tp ranks repeat their group's work, so only
+    tp rank 0 is counted in the loads."""
+    paths = sorted({p for view in per_rank for p in view})
+    result = {}
+    for path in paths:
+        views = [view.get(path) for view in per_rank]
+        experts = next(v["experts"] for v in views if v)
+        per_expert, per_rank_load = [0] * experts, []
+        for v in views:
+            counted = v is not None and v["counted"]
+            per_rank_load.append(sum(v["load"]) if v else 0)
+            for i, n in enumerate(v["load"] if counted else []):
+                per_expert[v["first"] + i] += n
+        result[path] = MoEStats(tuple(per_expert), tuple(per_rank_load), _ratio(per_expert), _ratio(per_rank_load),
+                                tuple(v["bytes"] if v else {} for v in views))
+    return result
+
+
+def _ratio(values: list[int]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean else 1.0

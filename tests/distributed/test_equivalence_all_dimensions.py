@@ -1,0 +1,92 @@
+"""Property-based equivalence over every landed dimension at once: hypothesis draws a plan
+(`usc.testing.strategies.plans`) and a model shape that the plan divides, and the simulated mesh
+must train exactly like one device (float64, tight bounds; see test_equivalence_properties for
+why float64).
+
+CI runs the profile's bounded examples (6 each, up to 16 and up to 64 simulated ranks);
+`pytest --hypothesis-profile=deep` draws 200 each. A failure found here becomes a named
+regression test beside the code it fixed (e.g. test_public_api's indivisible-weight case).
+"""
+
+import io
+import math
+
+import pytest
+import torch
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import usc
+from usc.testing import assert_equivalent
+from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
+from usc.testing.strategies import plans
+
+from gloo_cases import train_from_state
+from harness import run_world
+
+FLOAT64 = {"rtol": 1e-10, "atol": 1e-12, "param_atol": 1e-9}
+
+
+@st.composite
+def plan_and_model(draw, *, max_ranks: int):
+    """A plan and a (family, config, batch size, sequence length) every axis of it divides."""
+    text = draw(plans(max_ranks=max_ranks))
+    plan = usc.parse_plan(text)
+    dp, tp, cp, pp = (plan.size(axis) for axis in ("dp", "tp", "cp", "pp"))
+    ulysses = cp > 1 and plan.get("cp_mode") == "ulysses"
+    # Ulysses trades the cp sequence shard for a head shard on top of tp's: heads divide by both
+    head_unit = tp * cp if ulysses else tp
+    heads = head_unit * draw(st.sampled_from([1, 2]))
+    head_dim = draw(st.sampled_from([2, 4]))
+    layers = pp * draw(st.sampled_from([1, 2]))
+    seq = math.lcm(2 * cp, cp * tp if plan.get("sp") else 1) * draw(st.sampled_from([1, 2]))
+    batch = dp * (plan.get("mb") or 1) * draw(st.sampled_from([1, 2]))
+    vocab = 8 * tp * draw(st.sampled_from([1, 2]))
+    if draw(st.booleans()):
+        kv_heads = draw(st.sampled_from([d for d in range(1, heads + 1)
+                                         if heads % d == 0 and d % (head_unit if ulysses else 1) == 0]))
+        cfg = LlamaConfig(vocab=vocab, hidden=heads * head_dim, heads=heads, kv_heads=kv_heads,
+                          mlp=4 * tp * draw(st.sampled_from([1, 2])), layers=layers, max_seq=seq)
+        return text, "llama", cfg, batch, seq
+    cfg = GPT2Config(vocab=vocab, hidden=heads * head_dim, heads=heads, layers=layers, max_seq=seq)
+    return text, "gpt2", cfg, batch, seq
+
+
+FAMILIES = {"llama": (TinyLlama, token_batch), "gpt2": (TinyGPT2, shifted_batch)}
+
+
+def _check(case, *, runner=None):
+    plan, family, cfg, batch, seq = case
+    model, make_batch = FAMILIES[family]
+    batches = [make_batch(cfg.vocab, batch, seq, seed=s) for s in range(2)]
+    assert_equivalent(lambda: model(cfg).double(), plan, batches, runner=runner, **FLOAT64)
+
+
+def _on_gloo(family, cfg):
+    """An assert_equivalent runner: the mesh run on real gloo processes, one per rank."""
+    def run(mesh_model, plan, batches, optimizer):
+        state = io.BytesIO()
+        torch.save(mesh_model.state_dict(), state)
+        world = usc.parse_plan(plan).world_size
+        results = run_world(train_from_state, world, family, cfg, state.getvalue(), plan, batches, timeout=120)
+        assert all(r[0] == results[0][0] for r in results), f"{plan}: ranks disagree on the losses"
+        return results[0][0], torch.load(io.BytesIO(results[0][1]))
+    return run
+
+
+@given(case=plan_and_model(max_ranks=16))
+def test_any_plan_up_to_16_ranks_trains_like_one_device(case):
+    _check(case)
+
+
+@given(case=plan_and_model(max_ranks=64))
+def test_any_plan_up_to_64_ranks_trains_like_one_device(case):
+    _check(case)
+
+
+@pytest.mark.distributed
+@given(case=plan_and_model(max_ranks=8))
+@settings(max_examples=max(2, settings.default.max_examples // 2))  # a world per example: half as many
+def test_any_plan_up_to_8_ranks_trains_like_one_device_on_gloo(case):
+    _check(case, runner=_on_gloo(case[1], case[2]))

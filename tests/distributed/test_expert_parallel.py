@@ -1,0 +1,199 @@
+"""Expert parallelism (ep): Mixtral- and DeepSeek-style models on a mesh equal one device.
+
+``ep`` is carved from the data-parallel ranks: ``dp=4 ep=2`` is 4 ranks, each neighbouring pair
+sharing one set of experts; tokens move to their experts' ranks by all-to-all and back.
+"""
+
+import io
+
+import pytest
+import torch
+
+import usc
+from gloo_cases import MODELS, train_cases
+from harness import run_world
+from usc.testing import assert_equivalent
+from usc.testing.equivalence import compare_states, reference_run
+from usc.testing.models import MoEConfig, TinyDeepSeek, TinyLlama, TinyMixtral, token_batch
+
+BATCH = token_batch(128, 8, 8)
+FACTORIES = {"mixtral": TinyMixtral, "deepseek": TinyDeepSeek}
+
+
+@pytest.mark.parametrize("plan", ["dp=2 ep=2", "dp=4 ep=4", "dp=4 ep=2 tp=2"])
+@pytest.mark.parametrize("model", sorted(FACTORIES))
+def test_three_adamw_steps_equal_one_device(model, plan):
+    result = assert_equivalent(FACTORIES[model], plan, [token_batch(128, 8, 8, seed=s) for s in range(3)])
+    assert result.max_param_diff <= 1e-5
+
+
+def test_stacked_experts_are_split_over_ep_and_their_hidden_size_over_tp():
+    sim = usc.simulate(TinyDeepSeek(), "dp=4 ep=2 tp=2", example_inputs=BATCH)
+    cfg = MoEConfig()
+    held = [sim.rank_state(r)["layers.0.moe.w1"] for r in range(4)]
+    assert all(tuple(w.shape) == (cfg.experts // 2, cfg.hidden, cfg.mlp // 2) for w in held)
+    full = sim.full_state_dict()["layers.0.moe.w1"]
+    # mesh dp=2 x ep=2 x tp=2 (rank = 4 dp + 2 ep + tp): rank 3 holds experts 4..7, second half of F
+    assert torch.equal(sim.rank_state(3)["layers.0.moe.w1"], full[4:, :, cfg.mlp // 2:])
+
+
+def test_expert_gradients_are_summed_over_the_ranks_that_hold_the_same_experts():
+    program = usc.simulate(TinyDeepSeek(), "dp=4 ep=2", example_inputs=BATCH).program
+    axes = {s.name: s.grad_axes for s in program.state}
+    assert axes["layers.0.moe.w1"] == ("dp",)  # dp/ep = 2 replicas of each expert
+    assert set(axes["layers.0.moe.gate.weight"]) == {"dp", "ep"}  # every data-parallel rank
+    assert set(axes["embed_tokens.weight"]) == {"dp", "ep"}
+
+
+@pytest.mark.parametrize("model", sorted(FACTORIES))
+def test_lint_shows_two_all_to_alls_per_moe_layer_per_direction_with_bytes(model):
+    report = usc.lint(FACTORIES[model](), "dp=2 ep=2", example_inputs=BATCH)
+    cfg = MoEConfig()
+    rows = BATCH[0].numel() // 2 * cfg.top_k  # this rank's tokens x k, balanced routing
+    for layer in range(cfg.layers):
+        for direction in ("forward", "backward"):
+            found = [c for c in report.collectives if c.kind == "all-to-all" and c.direction == direction
+                     and c.module == f"layers.{layer}.moe"]
+            assert len(found) == 2, (layer, direction, found)
+            assert {c.reason.split(":")[0] for c in found} == {"MoE dispatch", "MoE combine"}
+            assert all(c.axis == "ep" and c.bytes_per_call == rows * cfg.hidden * 4 for c in found)
+    assert "all-to-all     ep" in str(report)
+
+
+def test_moe_statistics_report_load_and_all_to_all_bytes():
+    sim = usc.simulate(TinyMixtral(), "dp=2 ep=2", example_inputs=BATCH)
+    sim.step(*BATCH)
+    stats = sim.moe_stats()
+    cfg = MoEConfig()
+    layer = stats["layers.0.moe"]
+    assert len(layer.tokens_per_expert) == cfg.experts  # summed over the replicas of each expert
+    assert sum(layer.tokens_per_expert) == BATCH[0].numel() * cfg.top_k  # dropless: every assignment
+    assert layer.imbalance >= 1.0
+    total = {key: sum(sent[key] for sent in layer.all_to_all_bytes) for key in layer.all_to_all_bytes[0]}
+    rows = BATCH[0].numel() * cfg.top_k  # every assignment leaves its rank and comes back (own rank included)
+    assert total == {f"{step} {direction}": rows * cfg.hidden * 4
+                     for step in ("dispatch", "combine") for direction in ("forward", "backward")}
+    assert layer.all_to_all_bytes[0]["dispatch forward"] == BATCH[0].numel() // 2 * cfg.top_k * cfg.hidden * 4
+
+
+# ---------------------------------------------------------------------------- capacity factor
+def _train(model, plan, batches):
+    sim = usc.simulate(model, plan, example_inputs=batches[0])
+    return [sim.step(*b) for b in batches], sim.full_state_dict(), sim
+
+
+@pytest.mark.parametrize("model", sorted(FACTORIES))
+def test_capacity_drops_the_same_tokens_as_one_device(model):
+    batches = [token_batch(128, 8, 8, seed=s) for s in range(3)]
+    torch.manual_seed(0)
+    first = FACTORIES[model]()
+    second = FACTORIES[model]()
+    second.load_state_dict(first.state_dict())
+    third = FACTORIES[model]()
+    third.load_state_dict(first.state_dict())
+    one_losses, one_state, one = _train(first, "capacity_factor=0.5", batches)
+    mesh_losses, mesh_state, mesh = _train(second, "dp=2 ep=2 capacity_factor=0.5", batches)
+    dropless, _, _ = _train(third, "", batches[:1])
+    assert mesh_losses == pytest.approx(one_losses, rel=1e-5, abs=1e-6)
+    assert abs(one_losses[0] - dropless[0]) > 1e-4  # tokens really were dropped
+    kept = sum(one.moe_stats()["layers.0.moe"].tokens_per_expert)
+    assert kept == sum(mesh.moe_stats()["layers.0.moe"].tokens_per_expert) < BATCH[0].numel() * 2
+    for name, value in one_state.items():
+        assert torch.allclose(mesh_state[name], value, atol=1e-5, rtol=0), name
+
+
+# ------------------------------------------------------------------------------------ errors
+def _plan_error(model, plan) -> usc.PlanError:
+    with pytest.raises(usc.PlanError) as info:
+        usc.lint(model, plan, example_inputs=BATCH)
+    return info.value
+
+
+def test_ep_must_divide_dp():
+    err = _plan_error(TinyMixtral(), "dp=2 ep=4")
+    assert (err.line, err.column) == (1, 6) and "ep=4 must divide dp=2" in err.message
+
+
+def test_ep_must_divide_the_experts_and_the_error_names_the_module():
+    err = _plan_error(TinyDeepSeek(MoEConfig(experts=6)), "dp=4 ep=4")
+    assert "6 experts" in err.message and "'layers.0.moe'" in err.message
+
+
+def test_ep_on_a_model_without_experts_is_refused():
+    err = _plan_error(TinyLlama(), "dp=2 ep=2")
+    assert "no mixture-of-experts block" in err.message and "expert" in err.hint
+
+
+def test_expert_rule_on_a_module_that_is_not_an_moe_block_points_at_the_rule():
+    err = _plan_error(TinyMixtral(), "dp=2 ep=2\nlayers.0.self_attn: expert")
+    assert err.line == 2 and "layers.0.self_attn" in err.message
+
+
+# ------------------------------------------------------------------------------- real processes
+@pytest.mark.distributed
+def test_gloo_processes_match_one_device():
+    cases = [("mixtral", "dp=2 ep=2"), ("deepseek", "dp=2 ep=2")]
+    results = run_world(train_cases, 2, cases, 3, timeout=300)
+    for index, (name, plan) in enumerate(cases):
+        factory, batch = MODELS[name]
+        torch.manual_seed(0)
+        model = factory()
+        ref_losses, grad_max = reference_run(model, [batch(s) for s in range(3)], lambda p: torch.optim.AdamW(p))
+        per_rank = [r[index][0] for r in results]
+        assert all(losses == per_rank[0] for losses in per_rank), f"{plan}: ranks disagree on the loss"
+        assert per_rank[0] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), f"{name} {plan}"
+        full = torch.load(io.BytesIO(results[0][index][1]))
+        worst, _ = compare_states(full, model.state_dict(), atol=1e-5, grad_max=grad_max, zero_grad_atol=3e-3)
+        assert worst <= 1e-5
+
+
+# ------------------------------------------------------------------- a block the names miss
+class OddExpert(torch.nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(hidden, ffn, bias=False)
+        self.b = torch.nn.Linear(hidden, ffn, bias=False)
+        self.c = torch.nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.c(torch.nn.functional.silu(self.b(x)) * self.a(x))  # b is the gate here
+
+
+class OddMoE(torch.nn.Module):
+    """An MoE block with names usc's tables do not know: 'scorer', 'mlps', 'k'."""
+
+    def __init__(self, hidden: int = 16, ffn: int = 24, experts: int = 4) -> None:
+        super().__init__()
+        self.k = 2
+        self.scorer = torch.nn.Linear(hidden, experts, bias=False)
+        torch.nn.init.normal_(self.scorer.weight, std=0.5)
+        self.mlps = torch.nn.ModuleList(OddExpert(hidden, ffn) for _ in range(experts))
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        w, idx = torch.topk(torch.softmax(self.scorer(flat), -1), self.k, dim=-1)
+        out = torch.zeros_like(flat)
+        for e, mlp in enumerate(self.mlps):
+            token, slot = torch.where(idx == e)
+            out.index_add_(0, token, mlp(flat[token]) * w[token, slot, None])
+        return out.view_as(x)
+
+
+class OddModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(128, 16)
+        self.block = OddMoE()
+        self.head = torch.nn.Linear(16, 128, bias=False)
+
+    def forward(self, tokens, labels):
+        x = self.embed(tokens)
+        x = x + self.block(x)
+        return torch.nn.functional.cross_entropy(self.head(x).view(-1, 128), labels.view(-1))
+
+
+def test_an_expert_rule_marks_a_block_the_name_tables_miss():
+    with pytest.raises(usc.TraceError, match="(?s)module 'block'.*depends on tensor values.*'path.to.block: expert'"):
+        usc.lint(OddModel(), "dp=2", example_inputs=BATCH)
+    result = assert_equivalent(OddModel, "dp=2 ep=2 block: expert", [token_batch(128, 8, 8, seed=s) for s in range(3)])
+    assert result.max_param_diff <= 1e-5

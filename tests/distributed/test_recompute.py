@@ -1,0 +1,150 @@
+"""Recompute keeps the correctness contract: 3 AdamW steps equal one device (simulator, gloo),
+dropout is not redrawn, and the activation bytes it saves are measured and predicted."""
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import usc
+from gloo_cases import MODELS, train_cases
+from harness import run_world
+from usc.testing import assert_equivalent
+from usc.testing.equivalence import compare_states, reference_run
+from usc.testing.models import LlamaConfig, TinyLlama, token_batch
+
+STEPS = 3
+
+
+@pytest.mark.parametrize("plan", ["recompute=full", "recompute=selective", "dp=2 tp=2 recompute=selective"])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_three_adamw_steps_match_one_device(model, plan):
+    factory, batch = MODELS[model]
+    result = assert_equivalent(factory, plan, [batch(seed) for seed in range(STEPS)])
+    assert result.max_param_diff <= 1e-5
+
+
+@pytest.mark.parametrize("plan", ["tp=2 sp=on recompute=full", "cp=2 recompute=full", "cp=2 recompute=selective",
+                                  "dp=2 zero=3 recompute=full", "dp=2 zero=1 mb=2 recompute=selective",
+                                  "pp=2 mb=2 recompute=selective", "layers.*.mlp: recompute"])
+def test_recompute_composes_with_every_dimension(plan):
+    factory, batch = MODELS["llama"]
+    assert_equivalent(factory, plan, [batch(seed) for seed in range(2)])
+
+
+def _train(plan: str, batches) -> tuple[list[float], dict]:
+    torch.manual_seed(0)
+    sim = usc.simulate(TinyLlama(), plan, example_inputs=batches[0])
+    return [sim.step(*b) for b in batches], sim.full_state_dict()
+
+
+def test_bf16_recompute_computes_exactly_what_bf16_computes():
+    batches = [token_batch(128, 4, 16, seed=s) for s in range(2)]
+    losses, state = _train("dp=2 dtype=bf16", batches)
+    for mode in ("full", "selective"):
+        again, state_again = _train(f"dp=2 dtype=bf16 recompute={mode}", batches)
+        assert again == losses
+        assert all(torch.equal(state[k], state_again[k]) for k in state)
+
+
+class DropoutNet(nn.Module):
+    """Dropout inside the blocks: a recompute that drew new random numbers would change the gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.5), nn.Linear(32, 16))
+                                    for _ in range(2))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens, labels):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("plan", ["recompute=full", "recompute=selective"])
+def test_dropout_is_not_redrawn_by_recompute(plan):
+    """One rank, the same seed before each step: the recomputed program draws the masks the eager
+    model draws, and backward uses them (a second draw would give other gradients)."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 32, (4, 8), generator=gen), torch.randint(0, 32, (4, 8), generator=gen))
+               for _ in range(3)]
+    torch.manual_seed(0)
+    reference = DropoutNet()
+    model = DropoutNet()
+    model.load_state_dict(reference.state_dict())
+    opt = torch.optim.AdamW(reference.parameters())
+    ref_losses = []
+    for step, batch in enumerate(batches):
+        torch.manual_seed(100 + step)
+        loss = reference(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    compiled = usc.compile(model, plan, example_inputs=batches[0])
+    losses = []
+    for step, batch in enumerate(batches):
+        torch.manual_seed(100 + step)
+        losses.append(compiled.step(*batch))
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    full = compiled.full_state_dict()
+    assert max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items()) <= 1e-6
+
+
+def test_full_keeps_exactly_one_block_input_per_block():
+    """Measured: two more blocks add two [batch, seq, hidden] float32 tensors, nothing else."""
+    batch = token_batch(128, 4, 16)
+    measured = {}
+    for layers in (2, 4):
+        torch.manual_seed(0)
+        sim = usc.simulate(TinyLlama(LlamaConfig(layers=layers)), "recompute=full", example_inputs=batch)
+        measured[layers] = sim.activation_bytes(*batch)[0]
+    assert measured[4] - measured[2] == 2 * (4 * 16 * 64 * 4)
+
+
+def test_measured_activation_bytes_match_the_prediction_for_every_mode():
+    batch = token_batch(128, 4, 16)
+    torch.manual_seed(0)
+    sim = usc.simulate(TinyLlama(LlamaConfig(layers=4)), "dp=2 tp=2", example_inputs=batch)
+    predicted = sim.report.activation_bytes_by_recompute
+    measured = {}
+    for mode in ("none", "selective", "full"):
+        torch.manual_seed(0)
+        run = usc.simulate(TinyLlama(LlamaConfig(layers=4)), f"dp=2 tp=2 recompute={mode}", example_inputs=batch)
+        measured[mode] = max(run.activation_bytes(*batch))
+        assert abs(measured[mode] - predicted[mode]) <= 0.1 * measured[mode], mode
+    assert measured["none"] > measured["selective"] > measured["full"]
+
+
+GLOO_CASES = [("llama", "tp=2 recompute=full"), ("gpt2", "dp=2 recompute=selective")]
+
+
+@pytest.mark.distributed
+def test_gloo_recompute_matches_one_device():
+    results = run_world(train_cases, 2, GLOO_CASES, STEPS, timeout=240)
+    for index, (model_name, plan) in enumerate(GLOO_CASES):
+        factory, batch = MODELS[model_name]
+        torch.manual_seed(0)
+        model = factory()
+        ref_losses, grad_max = reference_run(model, [batch(s) for s in range(STEPS)], lambda p: torch.optim.AdamW(p))
+        assert results[0][index][0] == results[1][index][0], f"{plan}: ranks disagree on the loss"
+        assert results[0][index][0] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), f"{model_name} {plan}"
+        full = torch.load(io.BytesIO(results[0][index][1]))
+        worst, _ = compare_states(full, model.state_dict(), atol=1e-5, grad_max=grad_max,
+                                  zero_grad_atol=STEPS * 1e-3)
+        assert worst <= 1e-5
+
+
+@pytest.mark.parametrize("model, plan", [("llama", "dp=2 tp=2 sp=on recompute=selective"), ("gpt2", "recompute=full")])
+def test_hugging_face_models_recompute_like_one_device(model, plan):
+    pytest.importorskip("transformers")
+    from test_huggingface_models import batch, gpt2, llama
+
+    factory = {"llama": llama, "gpt2": gpt2}[model]
+    report = usc.lint(factory(), plan, example_inputs=batch(0))
+    assert len({r.block for r in report.recompute}) == 2  # both decoder layers
+    assert_equivalent(factory, plan, [batch(s) for s in range(2)])

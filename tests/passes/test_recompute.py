@@ -1,0 +1,162 @@
+"""The recompute pass: which nodes are kept, which recomputed, how regions are cut, and what the
+report says about them (graph-level; numerics are in tests/distributed/test_recompute.py)."""
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+import usc
+from usc.api import _Compiled
+from usc.compiler.ir import META
+from usc.compiler.recompute_report import region_bodies
+from usc.runtime.collectives import AllReduce, GradAllReduce
+from usc.runtime.recompute import Recompute
+from usc.testing.models import LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
+
+aten = torch.ops.aten
+BATCH = token_batch(128, 4, 16)
+
+
+def program(plan: str, model=None, batch=BATCH):
+    torch.manual_seed(0)
+    return _Compiled(model or TinyLlama(), plan, example_inputs=batch).program
+
+
+def regions(gm: fx.GraphModule) -> list[Recompute]:
+    return [m for m in gm.modules() if isinstance(m, Recompute)]
+
+
+def decided(body: fx.GraphModule, decision: str) -> list[fx.Node]:
+    return [n for n in body.graph.nodes if n.op != "placeholder" and n.meta.get(META)
+            and n.meta[META].extra.get("recompute") == decision]
+
+
+def test_selective_keeps_matmul_outputs_and_recomputes_norms_attention_and_activations():
+    gm = program("recompute=selective").gm
+    found = regions(gm)
+    assert [r.label for r in found] == ["layers.0", "layers.1"]  # one region per block (no collectives)
+    for region in found:
+        kept = {n.target for n in decided(region.body, "kept")}
+        recomputed = {n.target for n in decided(region.body, "recomputed")}
+        assert kept == {aten.linear.default}
+        assert len(decided(region.body, "kept")) == 7  # q, k, v, o, gate, up, down
+        assert {aten.scaled_dot_product_attention.default, aten.silu.default, aten.rsqrt.default,
+                aten.pow.Tensor_Scalar, aten.mean.dim} <= recomputed
+        assert set(region.kept) == {n.name for n in decided(region.body, "kept")}
+    outside = [n for n in gm.graph.nodes if n.target is aten.linear.default]
+    assert len(outside) == 1 and outside[0].meta[META].module == "lm_head"  # not in a block: untouched
+
+
+def test_full_puts_each_whole_block_in_one_region_including_its_collectives():
+    gm = program("tp=2 recompute=full").gm
+    found = regions(gm)
+    assert [r.label for r in found] == ["layers.0", "layers.1"]
+    for region in found:
+        assert not region.kept and not decided(region.body, "kept")
+        kinds = [type(m) for m in region.body.modules() if isinstance(m, (AllReduce, GradAllReduce))]
+        assert kinds.count(AllReduce) == 2 and kinds.count(GradAllReduce) == 2  # re-issued in backward
+        inputs = [n for n in region.body.graph.nodes if n.op == "placeholder"
+                  and n.meta["usc_region_input"] == "activation"]
+        assert [tuple(n.meta["val"].shape) for n in inputs if n.meta["val"].dim() == 3] == [(4, 16, 64)]
+
+
+def test_selective_never_puts_a_communicating_collective_in_a_region():
+    gm = program("dp=2 tp=2 recompute=selective").gm
+    in_regions = [m for r in regions(gm) for m in r.body.modules()]
+    assert not any(isinstance(m, AllReduce) for m in in_regions)  # forward all-reduce: output kept
+    assert any(isinstance(m, GradAllReduce) for m in in_regions)  # f is the identity forward
+    top = [gm.get_submodule(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    assert sum(isinstance(m, AllReduce) for m in top) >= 4
+
+
+def test_report_counts_the_collectives_full_recompute_issues_again():
+    plain = usc.lint(TinyLlama(), "tp=2", example_inputs=BATCH)
+    full = usc.lint(TinyLlama(), "tp=2 recompute=full", example_inputs=BATCH)
+    selective = usc.lint(TinyLlama(), "tp=2 recompute=selective", example_inputs=BATCH)
+    in_blocks = plain.count("all-reduce", axis="tp", direction="forward", module_prefix="layers.")
+    assert in_blocks == 4
+    again = full.count("all-reduce", axis="tp", direction="backward") - plain.count("all-reduce", axis="tp",
+                                                                                    direction="backward")
+    assert again == in_blocks
+    assert [c for c in full.collectives if "re-issued" in c.reason][0].module.startswith("layers.")
+    assert selective.count(axis="tp") == plain.count(axis="tp")
+
+
+def test_a_recompute_rule_marks_only_its_modules():
+    gm = program("layers.*.mlp: recompute").gm
+    found = regions(gm)
+    assert [r.label for r in found] == ["layers.0", "layers.1"]
+    for region in found:
+        modules = {n.meta[META].module for n in region.body.graph.nodes if n.op.startswith("call")}
+        assert modules and all(".mlp" in m for m in modules)
+        assert not decided(region.body, "kept")
+
+
+def test_zero3_gathers_stay_outside_regions():
+    gm = program("dp=2 zero=3 recompute=full").gm
+    names = {type(m).__name__ for r in regions(gm) for m in r.body.modules()}
+    assert not names & {"ZeroFetch", "ZeroGather"}
+    top = {type(gm.get_submodule(n.target)).__name__ for n in gm.graph.nodes if n.op == "call_module"}
+    assert {"ZeroFetch", "ZeroGather", "Recompute"} <= top
+
+
+def test_pipeline_stages_get_their_own_regions():
+    gm = program("pp=2 mb=2 recompute=selective").gm
+    labels = sorted(r.label for r in regions(gm))
+    assert labels == ["layers.0", "layers.1"]
+    stages = [m for name, m in gm.named_children() if isinstance(m, fx.GraphModule)]
+    assert all(regions(stage) for stage in stages)
+
+
+class DropoutNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.3), nn.Linear(32, 16))
+                                    for _ in range(2))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens, labels):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_random_ops_are_never_inside_a_region():
+    batch = (torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8)))
+    gm = program("recompute=full", DropoutNet(), batch).gm
+    found = regions(gm)
+    assert found
+    for region in found:
+        assert not any(n.target is aten.dropout.default for n in region.body.graph.nodes)
+    dropout = [n for n in gm.graph.nodes if n.target is aten.dropout.default]
+    assert len(dropout) == 2 and all(n.meta[META].extra["recompute"] == "boundary" for n in dropout)
+
+
+def test_report_lists_saved_and_recomputed_tensors_with_bytes():
+    report = usc.lint(TinyLlama(), "recompute=selective", example_inputs=BATCH)
+    summary = report.recompute_summary
+    b, s, h = 4, 16, 64
+    assert summary["input"]["bytes"] >= 2 * b * s * h * 4  # each block's input
+    # kept per block: q (64) + k, v (32 each) + o (64) + gate, up (128 each) + down (64) columns, float32
+    assert summary["kept"]["bytes"] == 2 * b * s * (64 + 32 + 32 + 64 + 128 + 128 + 64) * 4
+    assert summary["recomputed"]["ops"]["scaled_dot_product_attention"] == 2
+    text = str(report)
+    assert "recompute=selective" in text and "saved (matmul outputs)" in text
+    assert "none" in text and "<- this plan" in text.split("by recompute mode")[1]
+    assert report.to_dict()["recompute"]["summary"]["kept"]["tensors"] == 14
+
+
+def test_activation_prediction_by_mode_orders_none_selective_full():
+    report = usc.lint(TinyGPT2(), "dp=2", example_inputs=shifted_batch(128, 4, 16))
+    by_mode = report.activation_bytes_by_recompute
+    assert by_mode["none"] == report.activation_bytes
+    assert by_mode["none"] > by_mode["selective"] > by_mode["full"]
+
+
+@pytest.mark.parametrize("plan", ["recompute=full", "recompute=selective", "layers.*: recompute"])
+def test_recompute_plans_compile_and_print(plan):
+    report = usc.lint(TinyLlama(LlamaConfig(layers=1)), plan, example_inputs=BATCH)
+    assert report.recompute

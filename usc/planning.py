@@ -1,0 +1,93 @@
+"""``usc.plan`` and the plan item ``auto``: the planner strung to the parser, the profiler and the
+compiler's own support checks (so the planner proposes only what ``usc.compile`` runs)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from usc.compiler.cost_model import Estimate, ModelProfile, PlanPoint, estimate
+from usc.compiler.hardware import HardwareProfile, hardware_profile
+from usc.compiler.planner import PlanSearch, PlanTarget, search
+from usc.dsl import OPTIONS, Plan, PlanError, parse_plan
+from usc.passes.plan_checks import check_supported
+
+from .profiling import batch_and_sequence, profile_model
+
+# Options only the planner reads; they describe the target, not the plan it returns.
+TARGET_OPTIONS = ("gpus", "seq", "global_batch", "hardware")
+# Options the planner chooses (the rest of what a user writes is carried into the returned plan).
+CHOSEN_OPTIONS = ("zero", "mb", "sp", "recompute", "schedule", "v", "cp_mode")
+
+
+def as_auto_plan(spec: "str | Plan") -> Plan:
+    plan = spec if isinstance(spec, Plan) else parse_plan(spec)
+    return plan if plan.auto else replace(plan, auto=True)
+
+
+def plan_target(plan: Plan, example_inputs: tuple, hw: HardwareProfile) -> PlanTarget:
+    """The cluster and training shape: written options first, then the example batch and the launch."""
+    batch, seq = batch_and_sequence(example_inputs)
+    gpus = plan.get("gpus") or (plan.world_size if plan.axes else int(os.environ.get("WORLD_SIZE", "1")))
+    fixed = [(name, size) for name, size in plan.axes]
+    fixed += [(name, value) for name, value in plan.options if name in CHOSEN_OPTIONS + ("dtype",)]
+    per_node = plan.get("gpus_per_node") if plan.is_set("gpus_per_node") else hw.gpus_per_node
+    return PlanTarget(gpus=gpus, seq=plan.get("seq") or seq, global_batch=plan.get("global_batch") or batch,
+                      gpus_per_node=per_node, dtype=plan.get("dtype"), fixed=tuple(fixed))
+
+
+def point_of(plan: Plan, *, global_batch: int, seq: int) -> PlanPoint:
+    """The cost model's view of a written plan."""
+    sizes = {axis: plan.size(axis) for axis in ("dp", "tp", "pp", "cp", "ep")}
+    order = tuple(plan.mesh_axes) + tuple(a for a in ("dp", "pp", "cp", "ep", "tp") if a not in plan.mesh_axes)
+    return PlanPoint(global_batch, seq, **sizes, zero=int(plan.get("zero")), mb=int(plan.get("mb")),
+                     sp=bool(plan.get("sp")), recompute=plan.get("recompute"), schedule=plan.get("schedule"),
+                     v=int(plan.get("v")), cp_mode=plan.get("cp_mode"), dtype=plan.get("dtype"),
+                     reduce_dtype=plan.get("reduce_dtype"), gpus_per_node=int(plan.get("gpus_per_node")),
+                     bucket_mb=float(plan.get("bucket_mb")), order=order)
+
+
+def refusal(point: PlanPoint) -> str | None:
+    """Why ``usc.compile`` would refuse this plan today (None: it runs it)."""
+    try:
+        check_supported(parse_plan(point.text()))
+    except PlanError as err:
+        return str(err).splitlines()[0].split(": ", 1)[-1]
+    return None
+
+
+def choose(model, spec: "str | Plan", example_inputs: tuple, *, hardware=None, keep: int = 5,
+           profile: ModelProfile | None = None) -> Plan:
+    """The body of ``usc.plan`` (see there)."""
+    plan = as_auto_plan(spec)
+    hw = hardware_profile(hardware or plan.get("hardware"))
+    target = plan_target(plan, example_inputs, hw)
+    profile = profile or profile_model(model, tuple(example_inputs))
+    result = search(profile, target, hw, supported=refusal, keep=keep)
+    if result.best is None:
+        raise plan.error_at("auto", f"no plan for {target.gpus} GPUs fits this model:\n{result}",
+                            hint="add GPUs, lower global_batch or seq, or write options that save memory")
+    return replace(_written_back(plan, result.best.plan), search=result)
+
+
+def _written_back(plan: Plan, point: PlanPoint) -> Plan:
+    """The chosen plan's text plus what the user wrote that the planner does not choose (rules, timeout...)."""
+    chosen = parse_plan(point.text())
+    keep = [(n, v) for n, v in plan.options
+            if n not in TARGET_OPTIONS and n not in CHOSEN_OPTIONS and n not in dict(chosen.options)]
+    return Plan(axes=chosen.axes, options=chosen.options + tuple(keep), rules=plan.rules)
+
+
+def estimate_plan(model, plan: Plan, example_inputs: tuple, hardware="h100",
+                  profile: ModelProfile | None = None) -> Estimate:
+    """The cost model's estimate of ``plan`` for the example's batch and sequence (what usc-lint prints)."""
+    hw = hardware_profile(hardware)
+    batch, seq = batch_and_sequence(example_inputs)
+    profile = profile or profile_model(model, tuple(example_inputs))
+    point = point_of(plan, global_batch=batch, seq=seq)
+    if not plan.is_set("gpus_per_node"):
+        point = replace(point, gpus_per_node=hw.gpus_per_node)
+    return estimate(profile, point, hw)
+
+
+__all__ = ["choose", "estimate_plan", "point_of", "plan_target", "refusal", "PlanSearch", "OPTIONS"]

@@ -1,0 +1,346 @@
+"""Measure a model's per-layer costs once, for the cost model and the planner.
+
+``profile_model`` traces the model once, compiles the traced graph for two small probe plans
+(``dp=2 cp=2 tp=2`` with and without ``sp=on``, shrunk to what the model and batch allow) and runs
+rank 0 of each on fake tensors (no memory, no processes). Every tensor autograd saves is attributed to
+the graph node that made it; that node's layout in the probe says whether the batch (dp), the
+sequence (cp) and tp split it, which is all the cost model needs to rescale it to any plan. The
+collectives of the probe programs are rescaled the same way. Compiling a probe reuses the one trace.
+
+This is glue (it uses the tracer, the passes and the runtime's fake-tensor execution) and so lives
+in ``usc``; the cost model itself (``usc.compiler.cost_model``) is pure arithmetic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import replace
+from functools import reduce
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Shard
+
+from usc.compiler.cost_model import CollectiveCost, ModelProfile, ScaleKey, UnitCost
+from usc.compiler.errors import CompileError
+from usc.compiler.ir import META
+from usc.compiler.report import graph_collectives
+from usc.compiler.trace import Traced, module_path, trace
+from usc.dsl import PlanError, parse_plan
+from usc.passes import parallelize
+from usc.passes.pipeline_split import node_flops
+from usc.passes.zero3 import layer_key
+
+aten = torch.ops.aten
+MATMULS = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default}
+ATTENTION = {aten.scaled_dot_product_attention.default}
+# Saved tensors made by these survive selective recompute (Korthikanti et al. 2022: keep matmul
+# inputs/outputs, recompute the cheap pointwise work); everything else is recomputed.
+KEPT_BY_SELECTIVE = MATMULS | ATTENTION | {aten.embedding.default}
+
+
+def batch_and_sequence(example_inputs: tuple) -> tuple[int, int]:
+    """(global batch, sequence) of the first input with two dims (token ids [B, S])."""
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[0]), int(value.shape[1])
+    raise CompileError("the planner needs an example input shaped [batch, sequence, ...] (token ids)")
+
+
+def profile_model(model: torch.nn.Module, example_inputs: tuple, *, traced: Traced | None = None) -> ModelProfile:
+    """Per-unit costs of ``model`` at the example's batch and sequence (one trace, two probe compiles).
+
+    A stack of identical blocks (an ``nn.ModuleList`` of same-shaped layers, the 32 or 80 decoder
+    layers) is measured on its first ``KEEP_BLOCKS`` blocks and the last of those is stamped for the
+    rest, so profiling time does not grow with depth; a model whose forward needs every block is
+    traced whole."""
+    if traced is None:
+        with _shallow_stacks(model) as stacks:
+            try:
+                traced = trace(model, tuple(example_inputs))
+            except CompileError:
+                stacks.clear()
+        if not stacks:
+            traced = trace(model, tuple(example_inputs))
+        return _stamp(_profile(traced, example_inputs), stacks)
+    return _profile(traced, example_inputs)
+
+
+def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
+    batch, seq = batch_and_sequence(example_inputs)
+    probe_sp, probe_plain = _probe_programs(traced, batch, seq)
+    units = _unit_order(traced.gm)
+    flops = _flops_by_unit(traced.gm, units)
+    per_sp = {sp: _probe_costs(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
+    params = _param_bytes(probe_plain, units)
+    built = []
+    for name in units:
+        built.append(UnitCost(name, *flops.get(name, (0.0, 0.0, 0.0)), *params.get(name, (0, 0, 0)),
+                              acts={sp: per_sp[sp][0].get(name, {}) for sp in per_sp},
+                              input_bytes={sp: per_sp[sp][1].get(name, {}) for sp in per_sp},
+                              collectives={sp: tuple(per_sp[sp][2].get(name, ())) for sp in per_sp}))
+    layers = sum(1 for u in units if u.rsplit(".", 1)[-1].isdigit())
+    return ModelProfile(traced.model_name, batch, seq, tuple(built), tp_divides=_tp_divides(probe_plain, batch, seq),
+                        cp_possible="cp" in probe_plain.mesh.axes, layers=layers)
+
+
+# ------------------------------------------------------------------------------- repeated blocks
+
+KEEP_BLOCKS = 2
+
+
+def _same_structure(blocks) -> bool:
+    def shape(m):
+        return type(m), [(n, tuple(p.shape)) for n, p in m.named_parameters()]
+    first = shape(blocks[0])
+    return all(shape(b) == first for b in blocks[1:])
+
+
+@contextlib.contextmanager
+def _shallow_stacks(model: torch.nn.Module):
+    """Temporarily cut each ModuleList of identical blocks to KEEP_BLOCKS; yields {path: length}."""
+    cut: dict[str, tuple] = {}
+    for path, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.ModuleList) and len(module) > KEEP_BLOCKS and _same_structure(module):
+            if any(path.startswith(other + ".") for other in cut):
+                continue
+            parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
+            cut[path] = (parent, path.rsplit(".", 1)[-1], module)
+    stacks = {path: len(module) for path, (_, _, module) in cut.items()}
+    try:
+        for parent, name, module in cut.values():
+            setattr(parent, name, torch.nn.ModuleList(list(module)[:KEEP_BLOCKS]))
+        yield stacks
+    finally:
+        for parent, name, module in cut.values():
+            setattr(parent, name, module)
+
+
+def _stamp(profile: ModelProfile, stacks: dict[str, int]) -> ModelProfile:
+    """Repeat the last measured block of each stack for the blocks that were not traced."""
+    units = list(profile.units)
+    for path, length in stacks.items():
+        last = f"{path}.{KEEP_BLOCKS - 1}"
+        at = next((i for i, u in enumerate(units) if u.name == last), None)
+        if at is None:
+            continue
+        copies = [replace(units[at], name=f"{path}.{i}") for i in range(KEEP_BLOCKS, length)]
+        units[at + 1:at + 1] = copies
+    layers = sum(1 for u in units if u.name.rsplit(".", 1)[-1].isdigit())
+    return replace(profile, units=tuple(units), layers=layers)
+
+
+# ------------------------------------------------------------------------------------------ probes
+
+def _probe_programs(traced: Traced, batch: int, seq: int):
+    """Compile the largest probe the model allows: each axis 2 where it divides, dropped where not."""
+    axes = [a for a, ok in (("dp", batch % 2 == 0), ("cp", seq % 2 == 0), ("tp", True)) if ok]
+    while True:
+        try:
+            plain = parallelize(traced, parse_plan(" ".join(f"{a}=2" for a in axes) or "dp=1"))
+            if "tp" not in axes or (seq // (2 if "cp" in axes else 1)) % 2:
+                return plain, plain
+            return parallelize(traced, parse_plan(" ".join(f"{a}=2" for a in axes) + " sp=on")), plain
+        except (PlanError, CompileError):
+            if not axes:
+                raise
+            axes.remove("cp" if "cp" in axes else "tp" if "tp" in axes else "dp")
+
+
+def _unit_of(node: fx.Node, current: str) -> str:
+    path = module_path(node) or (node.meta[META].module if META in node.meta else "")
+    return layer_key(path) if path else current
+
+
+def _unit_order(gm: fx.GraphModule) -> list[str]:
+    units: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_module") and module_path(node):
+            key = layer_key(module_path(node))
+            if key not in units:
+                units.append(key)
+    return units or ["<root>"]
+
+
+def _units_by_node(gm: fx.GraphModule, units: list[str]) -> dict[str, str]:
+    """Unit of every node; nodes outside any module (the loss) go with the unit before them."""
+    out, current = {}, units[0]
+    for node in gm.graph.nodes:
+        current = _unit_of(node, current)
+        out[node.name] = current if current in units else units[-1]
+    return out
+
+
+def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> dict[str, tuple[float, float, float]]:
+    """(balance, matmul, attention) forward FLOPs per unit at the example's shapes."""
+    where = _units_by_node(gm, units)
+    out: dict[str, list[float]] = {u: [0.0, 0.0, 0.0] for u in units}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        cost = node_flops(node)
+        unit = out[where[node.name]]
+        if module_path(node):
+            unit[0] += cost
+        if node.target in MATMULS:
+            unit[1] += cost
+        elif node.target in ATTENTION:
+            unit[2] += cost
+    return {u: tuple(v) for u, v in out.items()}
+
+
+def _key(node: fx.Node, mesh, *, kept: bool = True, is_float: bool = True) -> tuple[ScaleKey, int]:
+    """How the value of ``node`` scales, and the factor from its probe-local size to unsplit."""
+    placements = node.meta[META].layout.placements if META in node.meta else ()
+    split = {a for a, p in zip(mesh.axes, placements) if isinstance(p, Shard)}
+    factor = math.prod(mesh.size(a) for a in split)
+    return ScaleKey("dp" in split, "cp" in split, "tp" in split, is_float, kept), factor
+
+
+def _probe_costs(program, units: list[str]):
+    """Per unit: saved activations and unit inputs ({ScaleKey: bytes}) and collectives, unsplit."""
+    where = _units_by_node(program.gm, units)
+    saved = _saved_tensors(program)
+    acts: dict[str, dict] = {}
+    nodes = {n.name: n for n in program.gm.graph.nodes}
+    for name, nbytes, is_float in saved:
+        node = nodes[name]
+        key, factor = _key(node, program.mesh, kept=node.target in KEPT_BY_SELECTIVE or node.op != "call_function",
+                           is_float=is_float)
+        bucket = acts.setdefault(where[name], {})
+        bucket[key] = bucket.get(key, 0) + nbytes * factor
+    return acts, _unit_inputs(program, where), _collectives(program, where, nodes)
+
+
+def _unit_inputs(program, where: dict[str, str]) -> dict[str, dict]:
+    """Bytes of the activations each unit reads from outside itself (what full recompute keeps)."""
+    state = {s.placeholder for s in program.state}
+    out: dict[str, dict] = {}
+    for node in program.gm.graph.nodes:
+        if node.op not in ("call_function", "call_module"):
+            continue
+        for arg in node.all_input_nodes:
+            if arg.name in state or where.get(arg.name) == where[node.name] or "val" not in arg.meta:
+                continue
+            value = arg.meta["val"]
+            if not isinstance(value, torch.Tensor):
+                continue
+            key, factor = _key(arg, program.mesh, is_float=value.dtype.is_floating_point)
+            local = value.numel() * value.element_size() / factor
+            seen = out.setdefault(where[node.name], {})
+            seen.setdefault(("arg", arg.name), (key, local * factor))
+    return {u: _sum_keys(v.values()) for u, v in out.items()}
+
+
+def _sum_keys(pairs) -> dict:
+    total: dict = {}
+    for key, amount in pairs:
+        total[key] = total.get(key, 0) + amount
+    return total
+
+
+def _collectives(program, where: dict[str, str], nodes: dict[str, fx.Node]) -> dict[str, list[CollectiveCost]]:
+    out: dict[str, list[CollectiveCost]] = {}
+    for record in graph_collectives(program.gm, program.mesh):
+        node = nodes.get(record.node)
+        if node is None or record.axis not in ("tp", "cp"):
+            continue
+        payload = node if record.direction == "backward" else node.args[-1 if record.kind == "send/recv" else 0]
+        key, factor = _key(payload, program.mesh)
+        ring = record.kind == "send/recv" and record.axis == "cp"
+        out.setdefault(where.get(record.node, next(iter(where.values()))), []).append(
+            CollectiveCost(record.axis, record.kind, record.direction, key, record.bytes_per_call * factor, ring))
+    return out
+
+
+def _param_bytes(program, units: list[str]) -> dict[str, tuple[int, int, int]]:
+    """(replicated, tp-split, tp-reduced) fp32 bytes of trainable parameters per unit, unsplit."""
+    out: dict[str, list[int]] = {}
+    for spec in program.state:
+        if spec.kind != "param" or not spec.trainable:
+            continue
+        unit = layer_key(spec.name.rsplit(".", 1)[0]) if "." in spec.name else "<root>"
+        unit = unit if unit in units else units[-1 if unit == "<root>" else 0]
+        nbytes = math.prod(spec.global_shape) * torch.tensor([], dtype=spec.dtype).element_size()
+        split = any(isinstance(p, Shard) for a, p in zip(program.mesh.axes, spec.layout.placements) if a == "tp")
+        row = out.setdefault(unit, [0, 0, 0])
+        row[1 if split else 0] += nbytes
+        if not split and "tp" in spec.grad_axes:
+            row[2] += nbytes
+    return {u: tuple(v) for u, v in out.items()}
+
+
+def _tp_divides(program, batch: int, seq: int) -> int:
+    """gcd of every model dim tp splits (heads, kv heads, hidden, vocab); 0 when nothing splits."""
+    if "tp" not in program.mesh.axes:
+        return 0
+    index = program.mesh.axes.index("tp")
+    sizes = []
+    for node in program.gm.graph.nodes:
+        value = node.meta.get("val")
+        if META not in node.meta or not isinstance(value, torch.Tensor):
+            continue
+        placement = node.meta[META].layout.placements[index]
+        if isinstance(placement, Shard) and value.shape[placement.dim] not in (batch, seq, batch * seq):
+            sizes.append(int(value.shape[placement.dim]))
+    return reduce(math.gcd, sizes, 0)
+
+
+# ------------------------------------------------------------------------------- fake execution
+
+def _saved_tensors(program) -> list[tuple[str, int, bool]]:
+    """(node, bytes, is_float) of every storage rank 0 saves for backward in one forward, on fake
+    tensors; a storage made inside a node (ring attention's blocks) belongs to that node."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from usc.runtime.comm import ShapeComm
+    from usc.runtime.executor import RankExecutor
+    from usc.runtime.mesh import Mesh
+
+    mesh = Mesh(program.mesh.axes, program.mesh.shape, 0, torch.device("cpu"),
+                {a: ShapeComm(a, n) for a, n in zip(program.mesh.axes, program.mesh.shape)})
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        state = {}
+        for spec in program.state:
+            tensor = torch.zeros(spec.global_shape, dtype=spec.dtype)
+            state[spec.name] = torch.nn.Parameter(tensor) if spec.kind == "param" and spec.trainable else tensor
+        batch = tuple(torch.zeros(spec.global_shape, dtype=spec.dtype) for spec in program.inputs)
+        rank = RankExecutor(program, mesh, state, microbatches=1)
+        recorder = _Recorder(rank.gm)
+        rank.gm = recorder
+        params = {p.untyped_storage()._cdata for p in rank.params}
+        seen: dict[int, tuple[str, int, bool]] = {}
+
+        def measure(t: torch.Tensor) -> None:
+            storage = t.untyped_storage()
+            if storage._cdata not in params and storage._cdata not in seen:
+                owner = recorder.owner.get(storage._cdata, recorder.current)
+                seen[storage._cdata] = (owner, storage.nbytes(), t.dtype.is_floating_point)
+
+        rank._measure = measure
+        rank._loss(rank._split(batch)[0])
+    return list(seen.values())
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the rank's program node by node, remembering which node made each storage."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.owner: dict[int, str] = {}
+        self.current = ""
+
+    def __call__(self, *args):
+        return self.run(*args)
+
+    def run_node(self, n: fx.Node):
+        self.current = n.name
+        out = super().run_node(n)
+        for value in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(value, torch.Tensor):
+                self.owner.setdefault(value.untyped_storage()._cdata, n.name)
+        return out
+
+
+__all__ = ["profile_model", "batch_and_sequence"]
