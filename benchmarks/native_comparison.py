@@ -43,6 +43,7 @@ from usc.testing.models import LlamaConfig, TinyLlama, token_batch  # noqa: E402
 
 CFG = LlamaConfig(vocab=2048, hidden=256, heads=8, kv_heads=4, mlp=768, layers=4, max_seq=128)
 BATCH, SEQ, MICROBATCHES, WORLD = 8, 128, 4, 4
+SIDES = ("native", "usc")
 
 
 @dataclass(frozen=True)
@@ -104,35 +105,75 @@ def _trainer(side: str, case: Case, batch: tuple):
     return builder(model, rank, world, **options)
 
 
-def run_side(side: str, name: str, warmup: int, steps: int) -> dict:
-    """One rank of one world: build, warm up, time `steps` steps; per-step times and memory."""
+def _timed(trainer, batch: tuple) -> tuple[float, float, float]:
+    """(loss, wall seconds, CPU seconds of this process) of one step, started after a barrier."""
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
+    loss = trainer.step(batch)
+    return loss, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def run_timing(name: str, warmup: int, steps: int) -> dict:
+    """One rank of the timing world: both sides in this process, their steps alternating (the
+    order flips every step), so a burst of load from other processes hits both sides alike."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # usc's Mesh and the native meshes reuse the default group
+    batch = token_batch(CFG.vocab, BATCH, SEQ)
+    trainers = {side: _trainer(side, CASES[name], batch) for side in SIDES}
+    out = {side: {"wall": [], "cpu": [], "losses": []} for side in SIDES}
+    for i in range(warmup + steps):
+        for side in (SIDES if i % 2 == 0 else SIDES[::-1]):
+            loss, wall, cpu = _timed(trainers[side], batch)
+            out[side]["losses"].append(loss)
+            if i >= warmup:
+                out[side]["wall"].append(wall)
+                out[side]["cpu"].append(cpu)
+    for side in SIDES:
+        out[side]["state"] = trainers[side].state_bytes
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def run_memory(side: str, name: str, steps: int) -> int:
+    """One rank of a memory world (one side only): RSS growth over the pre-model baseline, peak
+    during steps after the first."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
     batch = token_batch(CFG.vocab, BATCH, SEQ)
     _trim()
     base_kib = _status_kib("VmRSS")
     trainer = _trainer(side, CASES[name], batch)
-    losses, times = [], []
-    for i in range(warmup + steps):
-        if i == warmup:
-            _trim()
-            _reset_peak_rss()
-        dist.barrier()
-        start = time.perf_counter()
-        losses.append(trainer.step(batch))
-        times.append(time.perf_counter() - start)
+    trainer.step(batch)
+    _trim()
+    _reset_peak_rss()
+    for _ in range(steps):
+        trainer.step(batch)
     peak_kib = _status_kib("VmHWM")
     dist.barrier()
     dist.destroy_process_group()
-    return {"times": times[warmup:], "first_loss": losses[0], "state": trainer.state_bytes,
-            "rss": (peak_kib - base_kib) * 1024}
+    return (peak_kib - base_kib) * 1024
 
 
 # ------------------------------------------------------------------------------------- report
-def _summary(results: list[dict]) -> dict:
-    slowest = [max(step) for step in zip(*(r["times"] for r in results))]
-    return {"median": statistics.median(slowest), "state": max(r["state"] for r in results),
-            "rss": max(r["rss"] for r in results), "first_loss": results[0]["first_loss"]}
+def _summary(timing: list[dict], rss: list[int] | None, side: str) -> dict:
+    ranks = [t[side] for t in timing]
+    slowest = [max(step) for step in zip(*(r["wall"] for r in ranks))]
+    cpu = [sum(step) for step in zip(*(r["cpu"] for r in ranks))]
+    return {"wall": slowest, "median": statistics.median(slowest), "cpu": statistics.median(cpu),
+            "state": max(r["state"] for r in ranks), "rss": max(rss) if rss else float("nan"),
+            "first_loss": ranks[0]["losses"][0]}
+
+
+def measure(name: str, warmup: int, steps: int, rss_steps: int) -> tuple[dict, dict]:
+    timing = launch_local(run_timing, WORLD, name, warmup, steps)
+    out = {}
+    for side in SIDES:
+        rss = launch_local(run_memory, WORLD, side, name, rss_steps) if rss_steps else None
+        out[side] = _summary(timing, rss, side)
+    pair = [u / n for u, n in zip(out["usc"]["wall"], out["native"]["wall"])]
+    out["usc"]["ratio"] = statistics.median(pair)
+    return out["usc"], out["native"]
 
 
 def environment() -> str:
@@ -142,21 +183,22 @@ def environment() -> str:
 
 
 def table(rows: list[tuple[str, dict, dict]]) -> str:
-    lines = ["| plan | usc ms | native ms | usc/native | state MiB usc / native | RSS MiB usc / native | "
-             "first-step loss diff |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| plan | usc ms | native ms | usc/native (wall) | usc/native (CPU) | state MiB usc / native | "
+             "RSS MiB usc / native | first-step loss diff |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     mib = 2**20
     for plan, u, n in rows:
-        lines.append(f"| `{plan}` | {u['median'] * 1e3:.1f} | {n['median'] * 1e3:.1f} | "
-                     f"{u['median'] / n['median']:.2f} | {u['state'] / mib:.1f} / {n['state'] / mib:.1f} | "
+        lines.append(f"| `{plan}` | {u['median'] * 1e3:.0f} | {n['median'] * 1e3:.0f} | {u['ratio']:.2f} | "
+                     f"{u['cpu'] / n['cpu']:.2f} | {u['state'] / mib:.1f} / {n['state'] / mib:.1f} | "
                      f"{u['rss'] / mib:.0f} / {n['rss'] / mib:.0f} | {abs(u['first_loss'] - n['first_loss']):.1e} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per side (median reported)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per side (medians reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--rss-steps", type=int, default=3, help="steps of each memory world (0: skip RSS)")
     parser.add_argument("--only", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     args = parser.parse_args()
     names = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -166,14 +208,13 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     print(f"environment: {environment()}")
     print(f"model: Llama-style {CFG.layers} layers, hidden {CFG.hidden}, vocab {CFG.vocab}; global batch "
-          f"{BATCH} x {SEQ}; AdamW; {args.warmup} warm-up + {args.steps} timed steps\n", flush=True)
+          f"{BATCH} x {SEQ}; AdamW; {args.warmup} warm-up + {args.steps} timed steps per side\n", flush=True)
     rows = []
     for name in names:
-        sides = {side: _summary(launch_local(run_side, WORLD, side, name, args.warmup, args.steps))
-                 for side in ("native", "usc")}
-        rows.append((CASES[name].plan, sides["usc"], sides["native"]))
-        print(f"{CASES[name].plan:<28} usc {sides['usc']['median'] * 1e3:7.1f} ms   native "
-              f"{sides['native']['median'] * 1e3:7.1f} ms   (load {os.getloadavg()[0]:.2f})", flush=True)
+        usc_side, native = measure(name, args.warmup, args.steps, args.rss_steps)
+        rows.append((CASES[name].plan, usc_side, native))
+        print(f"{CASES[name].plan:<28} usc {usc_side['median'] * 1e3:7.1f} ms   native {native['median'] * 1e3:7.1f} ms"
+              f"   ratio {usc_side['ratio']:.2f}   (load {os.getloadavg()[0]:.2f})", flush=True)
     print()
     print(table(rows))
     print(f"\nenvironment at the end: {environment()}")
