@@ -84,14 +84,15 @@ def main() -> None:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"environment: {os.cpu_count()} cores, load average {load}; torch {torch.__version__}; "
           f"Python {platform.python_version()}\n")
-    print("| model | ranks | plan | usc.lint s (CPU s) | of which passes s | usc.compile s (CPU s) | collectives | "
-          "params/rank GiB | peak RSS GiB |")
+    print("| model | ranks | plan | usc.lint s (CPU s) | of which passes s | usc.compile s (CPU s) | "
+          "collectives | params/rank GiB | peak RSS GiB |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for model_name in args.models.split(","):
         for ranks in (int(r) for r in args.ranks.split(",")):
             r = _row_in_subprocess(model_name, ranks)
-            print(f"| Llama-3-{model_name.upper()} | {ranks} | `{r['plan']}` | {r['lint_s']:.1f} ({r['lint_cpu']:.1f}) | "
-                  f"{r['passes_s']:.1f} | {r['compile_s']:.1f} ({r['compile_cpu']:.1f}) | {r['collectives']} | "
+            print(f"| Llama-3-{model_name.upper()} | {ranks} | `{r['plan']}` | "
+                  f"{r['lint_s']:.1f} ({r['lint_cpu']:.1f}) | {r['passes_s']:.1f} | "
+                  f"{r['compile_s']:.1f} ({r['compile_cpu']:.1f}) | {r['collectives']} | "
                   f"{r['param_gib']:.2f} | {r['rss_gib']:.2f} |", flush=True)
     print(f"\nload average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 

@@ -3,20 +3,22 @@
     python benchmarks/native_comparison.py                      # every case, 20 timed steps
     python benchmarks/native_comparison.py --steps 40 --only dp4,tp4
 
-For each case, two worlds of 4 real gloo CPU processes (usc.runtime.launch.launch_local, one
-thread per process) train the same Llama-style model (4 layers, hidden 256, 8 heads / 4 kv
-heads, SwiGLU 768, vocab 2048) from the same seed on the same global batch (8 x 128 tokens) with
-AdamW: one world runs `usc.compile(model, plan).step`, the other the PyTorch-native version
-(benchmarks/native_parallel.py says what each shards). Each timed step starts after a barrier;
-a step's time is the slowest rank's, and the table gives the median over the timed steps (after
-`--warmup` untimed ones). Memory per rank, two measures:
+For each case, 4 real gloo CPU processes (usc.runtime.launch.launch_local, one thread each) build
+the same Llama-style model (4 layers, hidden 256, 8 heads / 4 kv heads, SwiGLU 768, vocab 2048)
+twice from the same seed: once compiled by usc (`usc.compile(model, plan).step`), once wrapped by
+the PyTorch-native API (benchmarks/native_parallel.py says what each shards). Both train on the
+same global batch (8 x 128 tokens) with AdamW, their steps alternating in the same processes (the
+order flips every step) so that load from other processes hits both alike. Each step starts
+after a barrier; a step's time is the slowest rank's. Reported: the median step time of each
+side, the median of the per-step usc/native ratios, and the ratio of CPU seconds per step summed
+over ranks (less sensitive to load than wall time). Memory per rank, two measures:
   - state: bytes of parameters + gradients + AdamW state this rank holds at the gradient peak
     (after backward), counted from the tensors (local shards) — exact, noise-free;
-  - RSS: peak resident set during the timed steps (VmHWM, reset after warm-up) minus the
-    resident set before the model was built (both after malloc_trim), max over ranks — includes
-    activations, communication buffers and allocator slack.
-The first-step losses of both sides must agree (same weights, same batch): the max difference
-is printed. Timings are wall-clock on a shared machine: the environment (cores, load) is printed.
+  - RSS: in a separate world per side, the peak resident set during steps after the first (VmHWM,
+    reset) minus the resident set before the model was built (both after malloc_trim), max over
+    ranks — includes activations, communication buffers and allocator slack.
+The first-step losses of both sides must agree (same weights, same batch): the difference is
+printed. Timings are wall-clock on a shared machine: the environment (cores, load) is printed.
 """
 
 from __future__ import annotations
