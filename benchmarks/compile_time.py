@@ -7,7 +7,8 @@ Plan-only mode: the models are built on the meta device (no weights allocated) a
 larger than this one process, so nothing runs; `usc.lint` returns the report and `usc.compile`
 returns the per-rank program, ready for torchrun. Each row is timed in a fresh interpreter (so
 no cache from an earlier row helps), after a warm-up lint of a tiny model in the same process
-(imports excluded). Prints a markdown table with the wall time of each call, its CPU time (the\nprocess's, which load from other processes inflates less), the time in passes, and peak RSS.
+(imports excluded). Prints a markdown table with the wall time of each call, its CPU time (the
+process's, which load from other processes inflates less), the time in passes, and peak RSS.
 """
 
 from __future__ import annotations
