@@ -25,6 +25,8 @@ def region_kind(module) -> str:
         return "residual add + RMSNorm" if ops[0] == "add" else "RMSNorm"
     if "silu" in ops:
         return "SwiGLU silu(gate) * up"
+    if ops == ["cross_entropy_loss"]:
+        return "cross-entropy (per-row)"
     if ops == ["mul", "mul", "add"]:
         return "RoPE x*cos + rot(x)*sin"
     return "+".join(ops)

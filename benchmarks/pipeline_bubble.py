@@ -1,8 +1,9 @@
-"""Idle fraction per pipeline rank, gpipe vs 1f1b, on real gloo processes (p=4, m=8).
+"""Idle fraction per pipeline rank of each schedule on real gloo processes (p=4 or 2, m=8).
 
-    python benchmarks/pipeline_bubble.py
+    python benchmarks/pipeline_bubble.py        # pp=4
+    python benchmarks/pipeline_bubble.py 2      # pp=2 (one process per core on a 2-core machine)
 
-Four local processes train an 8-layer Llama-style model with pp=4 and 8 microbatches. Each rank
+Local processes train an 8-layer Llama-style model with pp=P and 8 microbatches. Each rank
 records its forward/backward spans (Chrome trace); idle fraction = 1 - busy time / step time,
 where busy time counts the F/B spans minus the time blocked in receives inside them.
 """
@@ -42,11 +43,12 @@ def run(plan: str, trace_dir: str) -> dict:
 
 
 def main() -> None:
+    pp = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     with tempfile.TemporaryDirectory() as tmp:
-        for schedule in ("gpipe", "1f1b"):
-            results = launch_local(run, 4, f"pp=4 mb=8 schedule={schedule}", tmp)
+        for schedule in ("gpipe", "1f1b", "interleaved v=2", "zb"):
+            results = launch_local(run, pp, f"pp={pp} mb=8 schedule={schedule}", tmp)
             idle = ", ".join(f"{r['idle']:.0%}" for r in results)
-            print(f"schedule={schedule:<6} step {max(r['wall'] for r in results) * 1e3:6.0f} ms; "
+            print(f"schedule={schedule:<15} step {max(r['wall'] for r in results) * 1e3:6.0f} ms; "
                   f"idle per rank: {idle}")
 
 

@@ -39,9 +39,14 @@ COMM_EFFICIENCY = 0.8
 # Element-wise work is memory bound: each saved activation byte is read/written about 3 times in
 # forward + backward (write in forward, read + gradient write in backward).
 POINTWISE_TRAFFIC = 3.0
+# fuse=on: generated kernels run a chain of element-wise ops in one pass, so intermediates are not
+# written to and read back from HBM; we take half the traffic (typical of fused norm/activation chains).
+FUSED_POINTWISE = 0.5
 # AdamW touches params, grads and two states (read) and writes params and states: ~2x their bytes.
 OPTIMIZER_TRAFFIC = 2.0
 BYTES_FP32 = 4
+# Experts each token is routed to when the profile cannot tell (Mixtral, DeepSeek-MoE's routed top-2/6/8).
+MOE_TOP_K = 2
 
 
 class ScaleKey(NamedTuple):
@@ -84,6 +89,9 @@ class UnitCost:
     input_bytes: dict = field(default_factory=dict)  # sp -> {ScaleKey: bytes} of the unit's input
     collectives: dict = field(default_factory=dict)  # sp -> tuple[CollectiveCost]
     blocks: int = 1  # units merged into this one (a pipeline stage)
+    params_expert: int = 0  # fp32 bytes of MoE expert weights (split over ep; not in params_rep/params_tp)
+    moe_layers: int = 0  # MoE layers in the unit (each dispatches and combines its tokens over ep)
+    params_saved: tuple = (0, 0)  # (replicated, tp-split) bytes of parameters autograd saves (ZeRO-3 re-gathers)
     largest_acts: dict = field(default_factory=dict)  # sp -> acts of the largest merged unit
 
 
@@ -99,6 +107,7 @@ class ModelProfile:
     cp_possible: bool = True
     layers: int = 0  # numbered layers (what pp cuts between)
     experts: int = 0  # experts per MoE layer (0: dense)
+    loss_axes: tuple[str, ...] = ()  # axes the returned loss value is summed over (4 bytes each, per step)
     _stages: dict = field(default_factory=dict, compare=False, repr=False)  # pp -> merged stages (cache)
 
     @property
@@ -131,6 +140,7 @@ class PlanPoint:
     cp_mode: str = "ring"
     dtype: str = "fp32"
     reduce_dtype: str = "fp32"
+    fuse: bool = False
     gpus_per_node: int = 8
     bucket_mb: float = 25.0
     order: tuple[str, ...] = ("dp", "pp", "cp", "ep", "tp")  # mesh axes outermost first
@@ -145,6 +155,7 @@ class PlanPoint:
         items = [f"{a}={sizes[a]}" for a in self.order if sizes[a] > 1]
         extras = [("zero", self.zero, 0), ("mb", self.mb, 1), ("sp", "on" if self.sp else "off", "off"),
                   ("recompute", self.recompute, "none"), ("dtype", self.dtype, "fp32"),
+                  ("fuse", "on" if self.fuse else "off", "off"),
                   ("reduce_dtype", self.reduce_dtype, "fp32")]
         if self.pp > 1:
             extras += [("schedule", self.schedule, "1f1b"), ("v", self.v, 1)]
@@ -204,7 +215,7 @@ def scale(key: ScaleKey, amount: float, profile: ModelProfile, plan: PlanPoint) 
     """``amount`` measured at the profile's (B0, S0), unsplit, for one rank's microbatch of ``plan``."""
     value = amount
     if key.batch:
-        value *= plan.global_batch / profile.batch / (plan.dp * plan.mb)
+        value *= plan.global_batch / profile.batch / (plan.dp * plan.ep * plan.mb)  # ep ranks see their own data
     if key.seq:
         value *= plan.seq / profile.seq / plan.cp
     if key.tp:
@@ -219,7 +230,12 @@ def _acts(buckets: dict, profile: ModelProfile, plan: PlanPoint, *, kept_only: b
 
 
 def tokens_per_microbatch(profile: ModelProfile, plan: PlanPoint) -> float:
-    return plan.global_batch * plan.seq / (plan.dp * plan.mb * plan.cp)
+    return plan.global_batch * plan.seq / (plan.dp * plan.ep * plan.mb * plan.cp)
+
+
+def _params(u: UnitCost, plan: PlanPoint) -> float:
+    """fp32 bytes of the unit's parameters one rank holds (before ZeRO)."""
+    return u.params_rep + u.params_tp / plan.tp + u.params_expert / plan.ep
 
 
 # ----------------------------------------------------------------------------------- pipeline stages
@@ -266,7 +282,9 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
                     {sp: add(u.acts.get(sp, {}) for u in units) for sp in sps},
                     {sp: add(u.input_bytes.get(sp, {}) for u in units) for sp in sps},
                     {sp: merge_comms(u.collectives.get(sp, ()) for u in units) for sp in sps},
-                    sum(u.blocks for u in units), largest)
+                    blocks=sum(u.blocks for u in units), largest_acts=largest,
+                    params_expert=sum(u.params_expert for u in units), moe_layers=sum(u.moe_layers for u in units),
+                    params_saved=(sum(u.params_saved[0] for u in units), sum(u.params_saved[1] for u in units)))
 
 
 def balanced_cut(costs: list[float], parts: int) -> list[int]:
@@ -320,14 +338,14 @@ def bubble_units(plan: PlanPoint) -> float:
 
 def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> dict[str, float]:
     """Bytes one rank of this stage holds at the step's peak."""
-    params = sum(u.params_rep + u.params_tp / plan.tp for u in units)
+    params = sum(_params(u, plan) for u in units)
     sharded = params / plan.dp  # every trainable parameter is replicated over dp
     grads = sharded if plan.zero >= 2 else params
     optimizer = 2 * (sharded if plan.zero >= 1 else params)
     held = sharded if plan.zero >= 3 else params
     gathered = 0.0
     if plan.zero >= 3 and plan.dp > 1:  # two layers whole at once (the current one, one prefetched)
-        biggest = max(((u.params_rep + u.params_tp / plan.tp) / u.blocks for u in units), default=0.0)
+        biggest = max((_params(u, plan) / u.blocks for u in units), default=0.0)
         gathered = 2 * biggest
     return {"params": held, "grads": grads, "optimizer": optimizer,
             "activations": stage_activations(profile, plan, units), "gathered": gathered}
@@ -345,7 +363,7 @@ def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
                      for u in units)
         live = 0.0
     if plan.dtype == "bf16":  # the bf16 copies of the weights that linears save
-        per_mb += sum(u.params_rep + u.params_tp / plan.tp for u in units) / 2
+        per_mb += sum(_params(u, plan) for u in units) / 2
     return per_mb * in_flight(plan) + live
 
 
@@ -360,16 +378,20 @@ def crosses_node(plan: PlanPoint, axis: str) -> bool:
 
 
 def collective_seconds(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
-    """Ring algorithms (Patarasuk & Yuan 2009; NCCL): ``nbytes`` is this rank's payload."""
+    """Seconds of one collective; ``nbytes`` is this rank's payload. Bandwidth term of the ring
+    algorithms (Patarasuk & Yuan 2009), which NCCL uses for large messages; latency term of the
+    (double binary) trees NCCL switches to when messages are small: 2*log2(n) steps for all-reduce,
+    log2(n) for the others (Sanders et al. 2009; NCCL's tuning model)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     bw = bandwidth * COMM_EFFICIENCY
+    steps = math.ceil(math.log2(n))
     if kind == "all-reduce":
-        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * latency
+        return 2 * (n - 1) / n * nbytes / bw + 2 * steps * latency
     if kind == "all-gather":  # payload is the local shard; n-1 shards arrive
-        return (n - 1) * nbytes / bw + (n - 1) * latency
+        return (n - 1) * nbytes / bw + steps * latency
     if kind in ("reduce-scatter", "all-to-all"):  # payload is the whole input; (n-1)/n leaves
-        return (n - 1) / n * nbytes / bw + (n - 1) * latency
+        return (n - 1) / n * nbytes / bw + steps * latency
     return nbytes / bw + latency  # send/recv
 
 
@@ -383,6 +405,7 @@ def layer_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
     sp = plan.sp and plan.tp > 1
     sizes = {"tp": plan.tp, "cp": plan.cp, "dp": plan.dp}
     out: dict[tuple, list[float]] = {}
+    # (the dp entries are the loss's token count, summed in the graph: a few bytes)
     for unit in units:
         for c in unit.collectives.get(sp, ()):
             n = sizes.get(c.axis, 1)
@@ -402,30 +425,59 @@ def layer_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
 def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile, backward_seconds: float
                          ) -> list[CollectiveEstimate]:
     """Gradient sums over dp (and cp), ZeRO gathers; overlapped with the last backward as buckets fill."""
-    params = sum(u.params_rep + u.params_tp / plan.tp for u in units)
+    params = sum(_params(u, plan) for u in units)
     grad_bytes = params / (2 if plan.reduce_dtype == "bf16" else 1)
     out = []
-    for axis, n in (("dp", plan.dp), ("cp", plan.cp)):
+    # Buckets are reduced over one axis after the other (dp first): after ZeRO-2's dp reduce-scatter
+    # the cp and tp sums move only this rank's slice.
+    sliced = plan.dp if plan.zero >= 2 else 1
+    dense = sum(u.params_rep + u.params_tp / plan.tp for u in units) / (2 if plan.reduce_dtype == "bf16" else 1)
+    for axis, n in (("dp", plan.dp), ("cp", plan.cp), ("ep", plan.ep)):
         if n <= 1:
             continue
         kind = "reduce-scatter" if axis == "dp" and plan.zero >= 2 else "all-reduce"
+        payload = grad_bytes if axis == "dp" else (dense if axis == "ep" else grad_bytes) / sliced
         bw, lat = _link(hw, plan, axis)
         calls = max(1.0, math.ceil(grad_bytes / (plan.bucket_mb * 2**20)))
-        seconds = collective_seconds(kind, grad_bytes, n, bw, lat * calls)
-        last_bucket = collective_seconds(kind, min(grad_bytes, plan.bucket_mb * 2**20), n, bw, lat)
+        seconds = collective_seconds(kind, payload, n, bw, lat * calls)
+        last_bucket = collective_seconds(kind, min(payload, plan.bucket_mb * 2**20), n, bw, lat)
         exposed = max(seconds - backward_seconds, last_bucket)
-        out.append(CollectiveEstimate(axis, kind, "backward", n, grad_bytes, calls, seconds, exposed))
+        out.append(CollectiveEstimate(axis, kind, "backward", n, payload, calls, seconds, exposed))
+    tp_reduced = sum(u.params_tp_reduced for u in units) / sliced
+    if plan.sp and plan.tp > 1 and tp_reduced:  # norm weights see a sequence shard under sp: sum over tp
+        bw, lat = _link(hw, plan, "tp")
+        seconds = collective_seconds("all-reduce", tp_reduced, plan.tp, bw, lat)
+        out.append(CollectiveEstimate("tp", "all-reduce", "backward", plan.tp, tp_reduced, 1, seconds, seconds))
     if plan.dp > 1 and plan.zero in (1, 2):  # updated slices gathered after the step: not overlapped
         bw, lat = _link(hw, plan, "dp")
         seconds = collective_seconds("all-gather", params / plan.dp, plan.dp, bw, lat)
         out.append(CollectiveEstimate("dp", "all-gather", "optimizer", plan.dp, params / plan.dp, 1, seconds, seconds))
-    if plan.dp > 1 and plan.zero == 3:  # per layer gathers in forward and backward, prefetched
+    if plan.dp > 1 and plan.zero == 3:  # per layer gathers in forward and backward (prefetched)
         bw, lat = _link(hw, plan, "dp")
         layers = max(1, sum(u.blocks for u in units))
-        seconds = 2 * collective_seconds("all-gather", params / plan.dp / layers, plan.dp, bw, lat) * layers
-        out.append(CollectiveEstimate("dp", "all-gather", "forward+backward", plan.dp, 2 * params / plan.dp,
+        # backward gathers again only the parameters autograd saved (an embedding saves its indices)
+        saved = sum(u.params_saved[0] + u.params_saved[1] / plan.tp for u in units)
+        payload = (params + saved) / plan.dp
+        seconds = collective_seconds("all-gather", payload / (2 * layers), plan.dp, bw, lat) * 2 * layers
+        out.append(CollectiveEstimate("dp", "all-gather", "forward+backward", plan.dp, payload * plan.mb,
                                       2 * layers * plan.mb, seconds * plan.mb, 0.0))
     return out
+
+
+def expert_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile
+                       ) -> list[CollectiveEstimate]:
+    """Expert parallel (ALGORITHMS.md): per MoE layer, tokens dispatched to their experts' ranks and
+    combined back -- two all-to-alls forward, two backward, each of top_k copies of the hidden states."""
+    layers = sum(u.moe_layers for u in units)
+    if plan.ep == 1 or not layers:
+        return []
+    sp = plan.sp and plan.tp > 1
+    hidden = sum(_acts(u.input_bytes.get(sp, {}), profile, plan) / u.blocks for u in units) / len(units)
+    payload = MOE_TOP_K * hidden * layers
+    bw, lat = _link(hw, plan, "ep")
+    seconds = 2 * layers * collective_seconds("all-to-all", payload / layers, plan.ep, bw, lat)
+    return [CollectiveEstimate("ep", "all-to-all", d, plan.ep, 2 * payload, 2 * layers, seconds, seconds)
+            for d in ("forward", "backward")]
 
 
 def pipeline_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile
@@ -450,7 +502,7 @@ def matmul_efficiency(profile: ModelProfile, plan: PlanPoint) -> float:
 
 def stage_flops(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> float:
     """Forward FLOPs of one microbatch on one rank of the stage."""
-    tokens = plan.global_batch * plan.seq / (plan.dp * plan.mb * plan.cp)
+    tokens = tokens_per_microbatch(profile, plan)
     probe_tokens = profile.batch * profile.seq
     mm = sum(u.flops_matmul for u in units) * tokens / probe_tokens / plan.tp
     attn = sum(u.flops_attention for u in units) * tokens / probe_tokens * (plan.seq / profile.seq) / plan.tp
@@ -490,26 +542,32 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost
     rate = hw.peak_flops(plan.dtype) * matmul_efficiency(profile, plan)
     extra = {"full": 1.0, "selective": 0.0}.get(plan.recompute, 0.0)  # selective: pointwise only
     acts = sum(_acts(u.acts.get(plan.sp and plan.tp > 1, {}), profile, plan) for u in units)
-    pointwise = POINTWISE_TRAFFIC * acts / hw.hbm_bandwidth
+    pointwise = POINTWISE_TRAFFIC * acts / hw.hbm_bandwidth * (FUSED_POINTWISE if plan.fuse else 1.0)
     forward = fwd_flops / rate + pointwise / 3
     backward = (2 + extra) * fwd_flops / rate + 2 * pointwise / 3
-    layer_comms = layer_collectives(profile, plan, units, hw) + pipeline_collectives(profile, plan, units, hw)
-    per_mb_comm = sum(_exposed_layer_comm(c, profile, plan, units, hw) for c in layer_comms)
+    layer_comms = (layer_collectives(profile, plan, units, hw) + pipeline_collectives(profile, plan, units, hw)
+                   + expert_collectives(profile, plan, units, hw))
+    layer_exposed = [_exposed_layer_comm(c, profile, plan, units, hw) for c in layer_comms]
+    per_mb_comm = sum(layer_exposed)
     per_mb = forward + backward + per_mb_comm
     grads = gradient_collectives(plan, units, hw, backward)
     state = stage_memory(profile, plan, units)
     optimizer = OPTIMIZER_TRAFFIC * (state["params"] + state["grads"] + state["optimizer"]) / hw.hbm_bandwidth
     bubble = bubble_units(plan) * per_mb
     zero3_exposed = _zero3_exposed(grads, plan.mb * (forward + backward))
-    exposed = plan.mb * per_mb_comm + sum(c.exposed_seconds for c in grads) + zero3_exposed
+    grads = [replace(c, exposed_seconds=zero3_exposed) if c.direction == "forward+backward" else c for c in grads]
+    exposed = plan.mb * per_mb_comm + sum(c.exposed_seconds for c in grads)
     time = {"compute": plan.mb * (forward + backward), "exposed_comm": exposed, "bubble": bubble,
             "optimizer": optimizer}
     time["step"] = sum(time.values())
     flops = plan.mb * (3 + extra) * fwd_flops
     m = plan.mb
+    sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
+    grads += [CollectiveEstimate(axis, "all-reduce", "forward", sizes[axis], 4, 1, 0.0, 0.0)
+              for axis in profile.loss_axes if sizes.get(axis, 1) > 1]  # the returned loss value
     comms = [CollectiveEstimate(c.axis, c.kind, c.direction, c.group_size, c.bytes_per_step * m,
-                                c.calls_per_step * m, c.seconds * m, c.exposed_seconds * m)
-             for c in layer_comms] + grads
+                                c.calls_per_step * m, c.seconds * m, exposed_mb * m)
+             for c, exposed_mb in zip(layer_comms, layer_exposed)] + grads
     return state, flops, time, comms
 
 

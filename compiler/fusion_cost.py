@@ -25,6 +25,10 @@ import torch.fx as fx
 from .ir import META, MeshSpec
 
 FREE_TARGETS = ("aten.detach.default", "aten.view.default", "aten._unsafe_view.default")
+# ATen runs cross-entropy as log_softmax + nll_loss: forward writes and reads the [rows, classes]
+# log-probabilities; backward writes nll's one-hot gradient, then log_softmax_backward reads it and
+# the log-probabilities and writes the logits' gradient. (kernels, full-logits passes) per direction.
+TWO_KERNEL_OPS = {"aten.cross_entropy_loss.default": ((2, 3), (2, 4))}
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,9 @@ def eager_traffic(region: fx.GraphModule, mesh: MeshSpec | None) -> Traffic:
         inputs = [a for a in node.all_input_nodes if _value(a) is not None]
         out = local_bytes(node, mesh)
         reads = sum(local_bytes(a, mesh) for a in inputs)
+        if str(node.target) in TWO_KERNEL_OPS:
+            total += _two_kernel_op(node, out, reads, mesh)
+            continue
         if str(node.target) not in FREE_TARGETS:
             total += Traffic(1, reads + out)
         total += _eager_backward(node, inputs, out, reads, mesh)
@@ -80,6 +87,15 @@ def eager_traffic(region: fx.GraphModule, mesh: MeshSpec | None) -> Traffic:
         uses = len([u for u in node.users if u.op == "call_function"])
         if uses > 1 and _needs_grad(node):
             total += Traffic(uses - 1, 3 * (uses - 1) * local_bytes(node, mesh))
+    return total
+
+
+def _two_kernel_op(node: fx.Node, out: int, reads: int, mesh) -> Traffic:
+    (fwd_kernels, fwd_passes), (bwd_kernels, bwd_passes) = TWO_KERNEL_OPS[str(node.target)]
+    logits = local_bytes(node.args[0], mesh)
+    total = Traffic(fwd_kernels, fwd_passes * logits + (reads - logits) + out)
+    if _needs_grad(node):
+        total += Traffic(bwd_kernels, bwd_passes * logits + out)
     return total
 
 

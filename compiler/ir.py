@@ -39,6 +39,8 @@ class MeshSpec:
         return "zigzag" if axis in self.zigzag else "contiguous"
 
     def size(self, axis: str) -> int:
+        if "+" in axis:  # a joint group of neighbouring axes ('dp+ep')
+            return prod(self.size(a) for a in axis.split("+"))
         return self.shape[self.axes.index(axis)] if axis in self.axes else 1
 
     @property

@@ -158,7 +158,7 @@ def search(profile: ModelProfile, target: PlanTarget, hw: HardwareProfile, *,
         fits += search_state.shape(sizes)
     fits.sort(key=lambda c: c.step)
     result.best = fits[0] if fits else None
-    result.alternatives = _distinct(fits[1:], keep)
+    result.alternatives = _distinct(fits, keep + 1)[1:]
     result.seconds = time.perf_counter() - start
     return result
 
@@ -177,6 +177,8 @@ class _Search:
         save activation memory and shrink the bubble but make each matmul smaller, so the walk stops
         once a plan fits without recompute (pp=1) or once the step time stops improving (pp>1)."""
         base = base_point(self.target, sizes)
+        if "fuse" not in self.fixed and not self.refusal(replace(base, fuse=True)):
+            base = replace(base, fuse=True)  # fusion only saves memory traffic: use it once compile runs it
         per_replica = self.target.global_batch // sizes["dp"]
         found = []
         for zero in ((0, 1, 2, 3) if sizes["dp"] > 1 else (0,)):
@@ -228,7 +230,7 @@ class _Search:
 
 def _support_key(p: PlanPoint) -> tuple:
     return (p.dp > 1, p.tp > 1, p.pp > 1, p.cp > 1, p.ep > 1, p.zero, p.mb > 1, p.sp, p.recompute,
-            p.schedule if p.pp > 1 else "", p.v, p.cp_mode if p.cp > 1 else "", p.dtype)
+            p.schedule if p.pp > 1 else "", p.v, p.cp_mode if p.cp > 1 else "", p.dtype, p.fuse)
 
 
 def _reject(result: PlanSearch, reason: str, example: str) -> None:
@@ -241,7 +243,8 @@ def _shape_text(sizes: dict) -> str:
 
 
 def _distinct(candidates: list[Candidate], keep: int) -> list[Candidate]:
-    """The runners-up, one per mesh shape (the best options of each), so the list shows real choices."""
+    """The best plan of each mesh shape in order (the first is the winner's), so the runners-up show
+    real choices rather than the winner with another ZeRO stage."""
     seen, out = set(), []
     for c in candidates:
         shape = (c.plan.dp, c.plan.tp, c.plan.pp, c.plan.cp, c.plan.ep)
@@ -259,6 +262,8 @@ TIME_TERMS = {"compute": "compute", "exposed_comm": "exposed communication", "bu
 
 def why_slower(loser: Candidate, best: Candidate) -> str:
     """One line: how much slower and which time term grew most (and by what)."""
+    from .report_cost import _ms
+
     slower = loser.step / best.step - 1
     deltas = {k: loser.estimate.time[k] - best.estimate.time[k] for k in TIME_TERMS}
     term = max(deltas, key=deltas.get)
@@ -266,10 +271,9 @@ def why_slower(loser: Candidate, best: Candidate) -> str:
     detail = ""
     if term == "exposed_comm" and axes:
         axis = max(axes, key=axes.get)
-        detail = f", mostly {axis} ({axes[axis] * 1e3:.2f} ms)"
+        detail = f", mostly {axis} ({_ms(axes[axis])})"
     if term == "compute" and loser.plan.recompute != "none":
         detail = f" (recompute={loser.plan.recompute})"
-    from .report_cost import _ms
     return f"{slower:+.1%} step time: {TIME_TERMS[term]} +{_ms(deltas[term])}{detail}"
 
 

@@ -31,6 +31,7 @@ class RecomputeRecord:
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
+    reason: str = ""
 
 
 def region_bodies(gm: fx.GraphModule) -> list[tuple[str, fx.GraphModule]]:
@@ -61,8 +62,10 @@ def recompute_records(gm: fx.GraphModule, mesh: MeshSpec) -> list[RecomputeRecor
                 continue
             ann = node.meta.get(META)
             shape = ann.layout.local_shape(tuple(value.shape), mesh) if ann is not None else tuple(value.shape)
+            reason = "saved as the region's input" if decision == "input" else ann.extra.get("recompute_reason", "")
             records.append(RecomputeRecord(label, node.name, _op_name(node), decision, shape,
-                                           str(value.dtype).replace("torch.", ""), _nbytes(shape, value.dtype)))
+                                           str(value.dtype).replace("torch.", ""), _nbytes(shape, value.dtype),
+                                           reason))
     return records
 
 
@@ -110,7 +113,8 @@ def render_recompute(report) -> list[str]:
     summary = report.recompute_summary
     if summary:
         blocks = len({r.block for r in report.recompute})
-        lines.append(f"recompute={report.recompute_mode}: regions in {blocks} module(s); per rank and microbatch:")
+        what = "recompute rules" if report.recompute_mode == "none" else f"recompute={report.recompute_mode}"
+        lines.append(f"{what}: regions in {blocks} module(s); per rank and microbatch:")
         for decision, what in (("input", "saved (region inputs)"), ("kept", "saved (matmul outputs)"),
                                ("recomputed", "recomputed in backward")):
             if decision in summary:

@@ -19,7 +19,7 @@ from .ir import META, MeshSpec
 from .pipeline import pipeline_stages
 from .report_cost import cost_dict
 from .program import Program
-from .report_stages import StageRecord, stage_table
+from .report_stages import StageRecord, stage_table, state_of_pp_rank
 from .recompute_report import RecomputeRecord, recompute_records, recompute_summary, region_bodies
 
 KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send/recv")
@@ -62,6 +62,7 @@ class Report:
     attention_flops: dict = field(default_factory=dict)  # cp axis -> multiply-adds per rank
     memory: dict = field(default_factory=dict)  # ZeRO stage -> predicted bytes per rank by kind
     zero_stage: int = 0
+    findings: list = field(default_factory=list)  # usc-lint findings (compiler/lint_rules.py), set by lint
     stages: list[StageRecord] = field(default_factory=list)  # pipeline stages (pp > 1)
     fusion: dict = field(default_factory=dict)  # fuse=on: kernels and bytes per step, eager vs fused
     kernels: list = field(default_factory=list)  # fuse=on: each generated kernel (KernelInfo)
@@ -129,6 +130,8 @@ class Report:
                           "activation_bytes_by_mode": self.activation_bytes_by_recompute},
             "zero_stage": self.zero_stage,
             "p2p_bytes_per_step": self.p2p_bytes_per_step,
+            "findings": [{"code": f.code, "severity": f.severity, "message": f.message, "hint": f.hint,
+                          "module": f.module} for f in self.findings],
             "pipeline_stages": [asdict(s) for s in self.stages],
             "fusion": self.fusion,
             "kernels": [{"name": k.name, "used_by": list(k.used_by)} for k in self.kernels],
@@ -200,6 +203,7 @@ def pipeline_transfers(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRec
 
 
 def _graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRecord]:
+    """The collectives of one graph (no pipeline stages), forward and backward, in graph order."""
     out = []
     for node in gm.graph.nodes:
         if node.op != "call_module":
@@ -224,6 +228,9 @@ def _graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRec
                                         str(dtype).replace("torch.", ""), _nbytes(shape, dtype), 1,
                                         ann.module or "<root>", ann.source, ann.reason, node.name))
     return out
+
+
+part_collectives = _graph_collectives
 
 
 def _recomputed_collectives(records: list[CollectiveRecord]) -> list[CollectiveRecord]:
@@ -264,15 +271,28 @@ def attention_flops_per_rank(gm: fx.GraphModule, mesh: MeshSpec) -> dict[str, li
     return out
 
 
+JOINT_AXES = (("dp", "ep"),)  # axes the runtime's mesh also offers as one group (runtime/mesh.py)
+
+
+def _joint(axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Gradients summed over dp and ep (all data-parallel ranks) are one all-reduce over 'dp+ep'."""
+    for pair in JOINT_AXES:
+        if all(a in axes for a in pair):
+            first = min(axes.index(a) for a in pair)
+            rest = [a for a in axes if a not in pair]
+            axes = tuple(rest[:first]) + ("+".join(pair),) + tuple(rest[first:])
+    return axes
+
+
 def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: bool = True
                   ) -> list[tuple[tuple[str, ...], list[str], int]]:
     """(axes, parameter names, bytes) per gradient bucket, packed as the runtime packs them: in
     reverse order of the parameters, one open bucket per set of axes, closed once it holds
     bucket_bytes. ZeRO-3 parameters get their dp sum inside the graph, so dp is not theirs here."""
     done, open_buckets = [], {}
-    for spec in reversed(program.state):
+    for spec in reversed(state_of_pp_rank(program)):
         in_graph = graph_reduces_zero3 and spec.zero3
-        axes = tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1 and not (in_graph and a == "dp"))
+        axes = _joint(tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1 and not (in_graph and a == "dp")))
         if not axes:
             continue
         shape = spec.layout.local_shape(spec.global_shape, program.mesh)
@@ -289,15 +309,22 @@ def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0) -
     records = []
     for axes, names, nbytes in _pack_buckets(program, bucket_bytes):
         label = names[0] if len(names) == 1 else f"{names[-1]} .. {names[0]} ({len(names)} params)"
-        for axis in axes:
+        payload = nbytes
+        for axis in axes:  # reduced one axis after the other; after the dp reduce-scatter only a slice is left
             kind = "reduce-scatter" if zero_stage == 2 and axis == "dp" else "all-reduce"
-            records.append(CollectiveRecord(kind, axis, program.mesh.size(axis), "backward", (nbytes // 4,),
-                                            "float32", nbytes, 1, label, "gradient bucket",
+            if kind == "reduce-scatter":
+                payload = -(-nbytes // (4 * program.mesh.size(axis))) * 4 * program.mesh.size(axis)
+            records.append(CollectiveRecord(kind, axis, program.mesh.size(axis), "backward", (payload // 4,),
+                                            "float32", payload, 1, label, "gradient bucket",
                                             "data-parallel gradient sum, launched during backward as the bucket "
                                             "fills", "reducer"))
-        if zero_stage in (1, 2) and "dp" in axes:
-            records.append(CollectiveRecord("all-gather", "dp", program.mesh.size("dp"), "optimizer", (nbytes // 4,),
-                                            "float32", nbytes, 1, label, "ZeRO step",
+            if kind == "reduce-scatter":
+                payload //= program.mesh.size(axis)
+        if zero_stage in (1, 2) and "dp" in axes:  # each rank hands its (padded) slice to the gather
+            n = program.mesh.size("dp")
+            shard = -(-nbytes // (4 * n)) * 4
+            records.append(CollectiveRecord("all-gather", "dp", n, "optimizer", (shard // 4,),
+                                            "float32", shard, 1, label, "ZeRO step",
                                             "each rank updated its slice; the slices are gathered", "optimizer"))
     return records
 
@@ -307,12 +334,12 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
 
     Rajbhandari et al. 2020: stage 1 shards the optimizer state over dp, stage 2 also the
     gradients, stage 3 also the parameters. Sharded buffers are the gradient buckets reduced over
-    dp, each padded to a multiple of dp. optimizer_states: tensors of the parameter's size the
+    dp, each padded to a multiple of dp; with pp, rank 0's stages' parameters. optimizer_states: tensors of the parameter's size the
     optimizer keeps per parameter (2 for Adam/AdamW: exp_avg, exp_avg_sq). Gradients are counted
     at their peak, after the reduction and before the optimizer step.
     """
     params = sum(_nbytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
-                 for s in program.state if s.kind == "param" and s.trainable)
+                 for s in state_of_pp_rank(program) if s.kind == "param" and s.trainable)
     dp = program.mesh.size("dp")
     buckets = [(axes, nbytes) for axes, _, nbytes in _pack_buckets(program, bucket_bytes, graph_reduces_zero3=False)]
     sharded = sum(nbytes for axes, nbytes in buckets if "dp" in axes) if dp > 1 else 0

@@ -39,8 +39,20 @@ def _bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+def state_of_pp_rank(program: Program, rank: int = 0) -> list:
+    """The state entries a pipeline rank keeps (those its stages take); all of them without pp.
+    The memory prediction and the gradient buckets of the report are pp rank 0's."""
+    if not program.gm.meta.get("usc_stage_costs"):
+        return list(program.state)
+    pp = program.mesh.size("pp")
+    taken = {a.name for k, node in enumerate(_stage_nodes(program.gm)) if k % pp == rank
+             for a in node.args if isinstance(a, fx.Node) and a.op == "placeholder"}
+    return [s for s in program.state if s.placeholder in taken]
+
+
 def _stage_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), fx.GraphModule)]
+    return [n for n in gm.graph.nodes
+            if n.op == "call_module" and isinstance(gm.get_submodule(n.target), fx.GraphModule)]
 
 
 def _output_node(stage: fx.GraphModule, position: int) -> fx.Node:

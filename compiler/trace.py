@@ -51,6 +51,8 @@ class Traced:
     module_types: dict[str, str]
     model_name: str
     constants: dict = field(default_factory=dict)  # lifted tensor constants by name
+    # (two-layer trace, three-layer trace, layers) when repeated layers were stamped (compiler/stamp.py)
+    stamped: tuple = field(default=(), compare=False, repr=False)
 
     def placeholder(self, name: str) -> fx.Node:
         return next(n for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == name)

@@ -7,6 +7,7 @@ Each pass is ``name_pass(gm, ctx, **options) -> gm`` in its own module, with ``R
 from __future__ import annotations
 
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module
 
 from usc.compiler.errors import ShardingError
 from usc.compiler.ir import MeshSpec
@@ -26,7 +27,8 @@ from .propagate import propagate_pass
 from .recompute import recompute_pass
 from .zero3 import zero3_pass
 
-def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) -> list[PassSpec]:
+def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
+                   constants: frozenset[str] = frozenset()) -> list[PassSpec]:
     """The ordered pass list. Order matters:
     propagate first (every later pass reads layouts); grad_sync needs the final layouts and the
     inserted redistributions (an AllGather can absorb an f); localize then rewrites shapes for one
@@ -42,7 +44,7 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) ->
         # collectives or gathers, so regions never cross one
         PassSpec("fusion", fusion_pass),
         # last: the stages are cuts of the finished per-rank program
-        PassSpec("pipeline_split", pipeline_split_pass),
+        PassSpec("pipeline_split", pipeline_split_pass, {"constants": constants}),
         # after the split: regions are cut from each stage's final program, and a region never
         # spans a stage boundary
         PassSpec("recompute", recompute_pass, {"params": params}),
@@ -50,11 +52,13 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str]) ->
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A fresh graph over the same (shared) submodules: cheap, and safe to mutate."""
+    """A fresh graph over the same (shared) submodules: cheap, and safe to mutate. Under
+    ``_use_lazy_graph_module(True)`` (plan-only lint) its Python code is generated on first call
+    only, so the passes' recompiles cost nothing when nothing runs."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    return fx.GraphModule(gm, graph)
+    return _make_graph_module(gm, graph)
 
 
 def parallelize(traced: Traced, plan, *, verify=None) -> Program:
@@ -70,7 +74,8 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
         layouts = merge_layouts(mesh, batch_layouts(traced, plan, mesh), tp.layouts,
                                 expert_layouts(traced, plan, mesh))
         ctx = CompileContext(mesh, plan)
-        passes = build_pipeline(input_layouts=layouts, grad_inputs=params, params=params)
+        constants = frozenset(s.placeholder for s in traced.state if not s.trainable)
+        passes = build_pipeline(input_layouts=layouts, grad_inputs=params, params=params, constants=constants)
         try:
             gm = run_pipeline(copy_graph_module(traced.gm), ctx, passes, verify=verify)
             break

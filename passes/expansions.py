@@ -273,7 +273,7 @@ def context_parallel_attention(ctx: ExpansionContext, node: fx.Node):
     b = _Builder(ctx, node)
     qkv = (args["query"], args["key"], args["value"])
     if ctx.cp_mode == "ulysses":
-        heads = [b.module(AllToAll(axis, 2, 1), t, stem="all_to_all") for t in qkv]
+        heads = [b.module(AllToAll(axis, 2, 1, whole_elsewhere=True), t, stem="all_to_all") for t in qkv]
         out = b.call(aten.scaled_dot_product_attention.default, *heads, None, 0.0, args["is_causal"],
                      scale=args["scale"])
         return b.finish(b.module(AllToAll(axis, 1, 2), out, stem="all_to_all"))

@@ -6,7 +6,9 @@ Establishes: with ``fuse=on``, every region of two or more fusable ops (a residu
     SwiGLU's silu(gate) * up, softmax, the pieces of a vocab-parallel cross-entropy ...) is one
     ``call_module`` node running a ``usc.runtime.fused.FusedRegion`` whose kernel source was
     generated from the region (passes/triton_codegen.py); each value used outside the region is a
-    ``getitem`` of it, annotated like the node it replaces. Nothing else in the graph changes.
+    ``getitem`` of it, annotated like the node it replaces. A whole mean/sum cross-entropy is first
+    split into per-row losses (one region: its kernel never writes the log-probabilities) and
+    their sum / count. Nothing else in the graph changes.
 
 Regions are found by rules over op classes (``OP_CLASS``), not by module classes, so a user's own
 pointwise chain fuses too. The kernel runs one program per row of the last dimension (a row
@@ -18,7 +20,7 @@ without leaving on-chip memory (the point of fused kernels; cf. Liger kernels, H
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -27,7 +29,7 @@ import torch.fx as fx
 from usc.compiler.ir import META, set_ann
 from usc.runtime.fused import FusedRegion
 
-from .graph_edit import flat_inputs
+from .graph_edit import fake_value, flat_inputs
 from .triton_codegen import generate
 
 aten = torch.ops.aten
@@ -44,13 +46,19 @@ OP_CLASS = {
     # reductions over the last dim only (checked by REDUCES_LAST_DIM): the kernel's row
     **{op: REDUCTION for op in (
         aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.layer_norm.default,
-        aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)},
+        aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
+        aten.cross_entropy_loss.default)},
 }
 FREE_OPS = {aten.detach.default}  # launch no kernel of their own: a region of them alone gains nothing
+# Worth a kernel even alone: eager cross-entropy writes (and backward reads) the [rows, vocab]
+# log-probabilities; the fused kernel never does.
+WORTH_ALONE = {aten.cross_entropy_loss.default}
 SUPPORTED_POWERS = {-2.0, -1.0, 0.5, 1.0, 2.0, 3.0, 4.0}
 
 
 def _dims_arg(node: fx.Node):
+    if node.target is aten.cross_entropy_loss.default:
+        return [-1]
     if node.target in (aten.layer_norm.default,):
         return [-len(node.args[1])]
     if node.target in (aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int):
@@ -121,11 +129,74 @@ def _reduction_ok(node: fx.Node, shape_of: ShapeFn) -> bool:
         return False
     if node.target is aten.layer_norm.default:
         return all(a is None or isinstance(a, fx.Node) for a in node.args[2:4])
+    if node.target is aten.cross_entropy_loss.default:
+        return _per_row_cross_entropy(node, shape_of)
     if node.target in (aten._softmax.default, aten._log_softmax.default):
         return node.args[2] is False  # half_to_float
     if node.target in (aten.softmax.int, aten.log_softmax.int):
         return len(node.args) < 3 or node.args[2] is None
     return node.kwargs.get("dtype") is None
+
+
+def _cross_entropy_args(node: fx.Node) -> tuple:
+    """(weight, reduction, ignore_index, label_smoothing) with ATen's defaults."""
+    names = ("weight", "reduction", "ignore_index", "label_smoothing")
+    values = dict(zip(names, (None, 1, -100, 0.0)))
+    values.update(zip(names, node.args[2:]))
+    values.update({k: v for k, v in node.kwargs.items() if k in names})
+    return tuple(values[k] for k in names)
+
+
+def _per_row_cross_entropy(node: fx.Node, shape_of: ShapeFn) -> bool:
+    """reduction='none' on [rows, classes] logits and [rows] labels, no class weights or smoothing
+    (a mean or sum loss is split into per-row losses first: split_cross_entropy)."""
+    weight, reduction, _, smoothing = _cross_entropy_args(node)
+    logits, labels = shape_of(node.args[0]), shape_of(node.args[1])
+    return weight is None and not smoothing and reduction == 0 and len(logits) == 2 and labels == logits[:1]
+
+
+def split_cross_entropy(gm: fx.GraphModule, shape_of: ShapeFn) -> bool:
+    """cross_entropy(x, y, reduction=mean|sum) -> sum(cross_entropy(x, y, reduction=none)) [/ count of
+    counted labels], the mean's denominator exactly as ATen counts it (ignore_index excluded)."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.cross_entropy_loss.default:
+            continue
+        weight, reduction, ignore, smoothing = _cross_entropy_args(node)
+        logits, labels = shape_of(node.args[0]), shape_of(node.args[1])
+        if weight is not None or smoothing or reduction not in (1, 2) or len(logits) != 2 or labels != logits[:1]:
+            continue
+        edit = _NodeMaker(gm, node)
+        rows = edit.call(aten.cross_entropy_loss.default, node.args[0], node.args[1], None, 0, ignore, 0.0)
+        loss = edit.call(aten.sum.default, rows)
+        if reduction == 1:
+            counted = edit.call(aten.ne.Scalar, node.args[1], ignore, grad=False)
+            loss = edit.call(aten.div.Tensor, loss, edit.call(aten.sum.default, counted, grad=False))
+        node.replace_all_uses_with(loss)
+        gm.graph.erase_node(node)
+        changed = True
+    return changed
+
+
+class _NodeMaker:
+    """New nodes before ``at`` with its value computed on fake tensors and its annotation (layout,
+    module) when it has one: the replaced loss computes on replicated values only."""
+
+    def __init__(self, gm: fx.GraphModule, at: fx.Node) -> None:
+        self.gm, self.at = gm, at
+
+    def call(self, target, *args, grad: bool = True) -> fx.Node:
+        with self.gm.graph.inserting_before(self.at):
+            node = self.gm.graph.call_function(target, args)
+        node.meta["val"] = fake_value(target, args, {})
+        if META in self.at.meta:
+            node.meta[META] = _copy_ann(self.at, grad)
+        return node
+
+
+def _copy_ann(node: fx.Node, grad: bool):
+    ann = node.meta[META]
+    return replace(ann, needs_grad=ann.needs_grad and grad, extra={})
 
 
 def _float_tensor(node: fx.Node) -> bool:
@@ -246,7 +317,7 @@ class _Regions:
         out = []
         for rid, nodes in self.members.items():
             nodes = sorted(nodes, key=self.order.__getitem__)
-            if sum(n.target not in FREE_OPS for n in nodes) < 2:
+            if sum(n.target not in FREE_OPS for n in nodes) < 2 and not WORTH_ALONE & {n.target for n in nodes}:
                 continue
             members = set(nodes)
             inputs = _unique(a for n in nodes for a in flat_inputs(n) if a not in members)
@@ -295,6 +366,8 @@ def fusion_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 
 def fuse_graph(gm: fx.GraphModule, shape_of: ShapeFn = meta_shape) -> fx.GraphModule:
     """Find the regions of ``gm`` and replace each by a FusedRegion with its generated kernel."""
+    if split_cross_entropy(gm, shape_of):
+        gm.recompile()
     return fuse_regions(gm, find_regions(gm, shape_of), lambda region: build_fused(region, shape_of))
 
 

@@ -3,7 +3,8 @@
 The same dry run as ``render_timeline`` (unit costs F=1, B=2, I=W=1), drawn with matplotlib: one
 row per rank, one box per compute action as long as its cost, coloured by what it computes and
 labelled with the microbatch (``c1:3`` is chunk 1, microbatch 3 when v > 1, drawn in a lighter
-tint than chunk 0); the white gaps are the bubble. matplotlib is an optional dependency (``pip install matplotlib`` or the ``test`` extra).
+tint than chunk 0); the white gaps are the bubble. matplotlib is an optional dependency
+(``pip install matplotlib`` or the ``test`` extra).
 
 Example::
 

@@ -2,12 +2,14 @@
 
 Requires: every earlier pass ran (the stage programs are the final per-rank programs, cut).
 Establishes: with pp>1 the returned GraphModule is an orchestrator whose ``submod_k`` children are
-    the ``pp * v`` stages in order (stage s runs on pp rank s % pp); every value crossing a cut is an explicit input/output of the stages
-    (the runtime sends it between pp ranks). Nodes of one layer (module path up to its first
-    index, e.g. ``layers.3``) stay together; layers are assigned to stages contiguously so the
+    the ``pp * v`` stages in order (stage s runs on pp rank s % pp); every value crossing a cut is
+    an explicit input/output of the stages (the runtime sends it between pp ranks). Nodes of one
+    layer (module path up to its first index, e.g. ``layers.3``) stay together; layers are assigned to stages contiguously so the
     estimated compute per stage (FLOPs from the global shapes) is balanced (``split=auto``), or so
     that stage k+1 starts at the k-th layer ``split=a|b|...`` names; nodes outside layers
-    go with what they consume (or, with no computed input, with their first consumer). The
+    go with what they consume (or, with no computed input, with their first consumer). Values
+    computed from buffers and constants alone (RoPE tables) are recomputed on each stage that
+    uses them rather than sent. The
     orchestrator's meta["usc_stage_costs"] lists, per stage, its layers and estimated FLOPs per
     microbatch (what the balance was computed from; the report prints it).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -124,6 +127,9 @@ def assign_stages(gm: fx.GraphModule, pp: int, cuts: tuple[str, ...] | None = No
             users = [stage[u] for u in node.users if u in stage]
             stage[node] = min(users) if users else 0
     for node in computing:  # a value is never consumed on an earlier stage than it is made
+        if node.target is operator.getitem and node.args[0] in stage:
+            stage[node] = stage[node.args[0]]  # a multi-output node's tuple never crosses a cut (fused regions)
+            continue
         inputs = [stage[x] for x in node.all_input_nodes if x in stage]
         if inputs and max(inputs) > stage[node]:
             stage[node] = max(inputs)
@@ -141,7 +147,54 @@ def stage_costs(stage: dict[fx.Node, int], stages: int) -> list[dict]:
     return out
 
 
-def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+def constant_nodes(gm: fx.GraphModule, constants: set[str]) -> set[fx.Node]:
+    """Nodes computed from buffers and constants alone (RoPE tables, masks): the same on every
+    microbatch and cheap, so each stage computes its own copy instead of receiving it."""
+    free: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if node.name in constants:
+                free.add(node)
+        elif node.op in ("call_function", "get_attr") and all(x in free for x in node.all_input_nodes):
+            free.add(node)
+    return {n for n in free if n.op != "placeholder"}
+
+
+def copy_constants_per_stage(gm: fx.GraphModule, stage: dict[fx.Node, int], free: set[fx.Node]) -> None:
+    """Give every stage that uses a constant-only value made on another stage its own copy of the
+    nodes computing it (edits gm and ``stage``), so that value never crosses a cut."""
+    for node in [n for n in gm.graph.nodes if n in free]:
+        users = [u for u in node.users if u in stage and u not in free and stage[u] != stage[node]]
+        for s in sorted({stage[u] for u in users}):
+            first = next(u for u in gm.graph.nodes if u in users and stage[u] == s)
+            copy = _copy_with_inputs(gm, node, free, stage, s, first)
+            for user in (u for u in users if stage[u] == s):
+                user.replace_input_with(node, copy)
+    for node in reversed([n for n in gm.graph.nodes if n in free]):
+        if not node.users:
+            gm.graph.erase_node(node)
+            stage.pop(node, None)
+
+
+def _copy_with_inputs(gm, node, free, stage, s, before):
+    """node and the constant-only nodes it needs that are not on stage s, copied before ``before``."""
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def copy_of(n: fx.Node) -> fx.Node:
+        if n not in free or stage.get(n) == s:
+            return n
+        if n not in copies:
+            for arg in n.all_input_nodes:
+                copy_of(arg)
+            with gm.graph.inserting_before(before):
+                copies[n] = gm.graph.node_copy(n, lambda a: copies.get(a, a))
+            stage[copies[n]] = s
+        return copies[n]
+
+    return copy_of(node)
+
+
+def pipeline_split_pass(gm: fx.GraphModule, ctx, *, constants: frozenset[str] = frozenset()) -> fx.GraphModule:
     """Cut the program into pp stage GraphModules (see the module docstring)."""
     pp = ctx.mesh.size("pp")
     if pp == 1:
@@ -157,6 +210,8 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         where = "v" if v > 1 else "pp"
         raise ctx.plan.error_at(where, str(err).replace(f"pp={pp * v}", f"pp={pp}" if v == 1 else f"pp*v={pp * v}"),
                                 hint="use fewer pipeline stages") from None
+    copy_constants_per_stage(gm, stage, constant_nodes(gm, set(constants)) & set(stage))
+    gm.recompile()
     split = split_module(gm, None, lambda node: stage[node], keep_original_order=True)
     split.meta["usc_pipeline_stages"] = pp * v
     split.meta["usc_stage_costs"] = stage_costs(stage, pp * v)

@@ -2,10 +2,12 @@
 
 Requires: every other pass ran (regions are cut from the final per-rank program, or from each
     pipeline stage); nodes carry ``meta["usc"]`` with their module path.
-Establishes: with ``recompute=selective|full`` or a ``recompute`` rule, every node of a transformer
-    block (module path up to its first index, e.g. ``layers.3``, as ZeRO-3 and the pipeline split
-    group nodes) carries ``meta["usc"].extra["recompute"]``: "kept" (output stored for backward),
-    "recomputed" (run again in backward) or "boundary" (runs once, outside any region). Each
+Establishes: with ``recompute=selective|full`` every computing node of a transformer block
+    (module path up to its first index, e.g. ``layers.3``, as ZeRO-3 and the pipeline split group
+    nodes), and every node of a module a ``recompute`` rule matches, carries
+    ``meta["usc"].extra["recompute"]``: "kept" (output stored for backward), "recomputed" (run
+    again in backward) or "boundary" (runs once, outside any region), and the reason in
+    ``extra["recompute_reason"]``. Each
     maximal convex run of kept/recomputed nodes of one block is replaced by one ``call_module`` to a
     ``usc.runtime.recompute.Recompute`` whose ``body`` holds the run; uses of the run's values read
     ``getitem`` nodes of that call. Nothing else changes; with recompute=none and no rule the graph
@@ -20,7 +22,8 @@ Activation Recomputation in Large Transformer Models") and the Ultra-Scale Playb
   and it is never re-issued (cheaper than communicating again; ring attention already keeps only
   q, k, v, its output and the LSE, and recomputes block scores in its own backward).
 - both: random ops (dropout) are boundaries, so they are never drawn twice and recompute sees
-  exactly the forward's numbers on any rank and any thread; ZeRO-3's gathers are boundaries.
+  exactly the forward's numbers on any rank and any thread; ZeRO-3's gathers and in-place ops
+  (which could write a region's input that recomputation reads) are boundaries.
 """
 
 from __future__ import annotations
@@ -94,6 +97,12 @@ def _is_random(w: Where) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
+def _mutates(w: Where) -> bool:
+    """An in-place op (``add_``, ``relu_`` ...): rerunning it would change a tensor twice."""
+    schema = getattr(w.node.target, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
 def _communicates_forward(w: Where) -> bool:
     kind = getattr(w.module, "forward_collective", None)
     return kind is not None and kind() not in (None, "none")
@@ -106,6 +115,8 @@ RULES = [
     DecisionRule(_is_zero3, BOUNDARY, "ZeRO-3 gather"),
     # drawn once: a region never re-draws random numbers (see the module docstring)
     DecisionRule(_is_random, BOUNDARY, "random op: output kept"),
+    # an in-place op may write a region's input, which a recomputation would then read changed
+    DecisionRule(_mutates, BOUNDARY, "in-place op: runs once"),
     DecisionRule(lambda w: w.marked, RECOMPUTED, "a recompute rule marks its module"),
     DecisionRule(lambda w: w.block is None, None, "outside the transformer blocks"),
     DecisionRule(lambda w: w.mode == "full", RECOMPUTED, "recompute=full"),
@@ -117,14 +128,12 @@ RULES = [
 ]
 
 
-def decide(node: fx.Node, gm: fx.GraphModule, mode: str, marked: Callable[[str], bool]) -> str | None:
+def decide(node: fx.Node, gm: fx.GraphModule, mode: str, marked: Callable[[str], bool]) -> DecisionRule:
+    """The first rule of RULES that applies to ``node`` (the last one always does)."""
     module = gm.get_submodule(node.target) if node.op == "call_module" else None
     path = node_module(node)
     where = Where(node, gm, module, mode, marked(path), block_of(path))
-    for rule in RULES:
-        if rule.applies(where):
-            return rule.decision
-    return None
+    return next(rule for rule in RULES if rule.applies(where))
 
 
 def rule_marker(plan) -> Callable[[str], bool]:
@@ -151,18 +160,34 @@ def recompute_pass(gm: fx.GraphModule, ctx, *, params: set[str] = frozenset()) -
 
 
 def _recompute_graph(gm: fx.GraphModule, mode: str, marked, params: set[str]) -> None:
-    decisions = {}
+    decisions, reasons = {}, {}
     for node in gm.graph.nodes:
-        decision = decide(node, gm, mode, marked)
-        if decision is not None:
-            decisions[node] = decision
-            node.meta[META].extra["recompute"] = decision
+        rule = decide(node, gm, mode, marked)
+        if rule.decision is not None:
+            decisions[node], reasons[node] = rule.decision, rule.why
     runs = convex_runs(gm, decisions)
-    for index, run in enumerate(r for r in runs if any(decisions[n] == RECOMPUTED for n in r)):
+    for run in runs:
+        if not worth_recomputing(run, decisions):  # e.g. a lone residual add: nothing to free
+            decisions.update({n: BOUNDARY for n in run})
+            reasons.update({n: "nothing in its run saves a tensor" for n in run})
+    for node, decision in decisions.items():
+        node.meta[META].extra.update(recompute=decision, recompute_reason=reasons[node])
+    for index, run in enumerate(r for r in runs if decisions[r[0]] != BOUNDARY):
         extract_region(gm, run, kept=tuple(n.name for n in run if decisions[n] == KEPT), index=index,
                        params=params)
     gm.graph.lint()
     gm.recompile()
+
+
+# ops whose backward needs no saved tensor: recomputing only these frees nothing
+SAVES_NOTHING = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.clone.default,
+                           aten.cat.default, operator.getitem})
+
+
+def worth_recomputing(run: list[fx.Node], decisions: dict) -> bool:
+    """A region frees memory only if a recomputed node would otherwise save a tensor."""
+    return any(decisions[n] == RECOMPUTED and (n.op == "call_module" or (
+        n.target not in SAVES_NOTHING and not getattr(n.target, "is_view", False))) for n in run)
 
 
 def convex_runs(gm: fx.GraphModule, decisions: dict) -> list[list[fx.Node]]:
@@ -182,14 +207,15 @@ def convex_runs(gm: fx.GraphModule, decisions: dict) -> list[list[fx.Node]]:
     for node in gm.graph.nodes:
         inside = decisions.get(node) in (KEPT, RECOMPUTED)
         key = block_of(node_module(node)) or node_module(node) if inside else None
-        for source in {run_of[x] for x in node.all_input_nodes if x in run_of} - {key}:
+        for source in sorted({run_of[x] for x in node.all_input_nodes if x in run_of} - {key}):
             close(source)
         if inside:
             open_runs.setdefault(key, []).append(node)
             run_of[node] = key
     for key in list(open_runs):
         close(key)
-    return done
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(done, key=lambda run: order[run[0]])
 
 
 def extract_region(gm: fx.GraphModule, run: list[fx.Node], *, kept: tuple[str, ...], index: int,

@@ -588,6 +588,8 @@ def all_to_all_rule(view: OpView) -> Decision:
     module = _module(view)
     if view.axis == module.axis:
         return Decision((Shard(module.from_dim),), Shard(module.to_dim))
+    if module.whole_elsewhere and is_shard(view.placements[0], module.from_dim):
+        return Decision((R,), R)
     return keep(view, view.placements[0])
 
 

@@ -40,6 +40,7 @@ class Prim:
     expr: str
     grads: tuple[str | None, ...]  # in terms of g (output grad), o (output), a, b (arguments)
     reduces: bool = False  # vec -> one value per row
+    grad_vec: bool | None = None  # the gradient is a whole row even when it reads no whole row
 
 
 # Forward expressions and gradient rules of the primitives (d/da, d/db).
@@ -63,6 +64,10 @@ PRIMS = {
     "rowmax": Prim("tl.max(tl.where(mask, {a}, -float('inf')), axis=0)",
                    ("tl.where(({a} == {o}) & mask, {g}, 0.0) / tl.sum(tl.where(({a} == {o}) & mask, 1.0, 0.0), axis=0)",),
                    reduces=True),
+    # the entry at column b (a label) of each row, and where a label is counted
+    "pick": Prim("tl.sum(tl.where(cols == {b}, {a}, 0.0), axis=0)", ("tl.where(cols == {b}, {g}, 0.0)", None),
+                 reduces=True, grad_vec=True),
+    "counted": Prim("tl.where({a} != {b}, 1.0, 0.0)", (None, None)),
     # softmax's shift: any per-row constant gives the same result, so no gradient flows through it
     "rowmax_shift": Prim("tl.max(tl.where(mask, {a}, -float('inf')), axis=0)", (None,), reduces=True),
 }
@@ -117,7 +122,8 @@ class _Builder:
         key = (node, domain)
         if key not in self.load_vars:
             index = self.region.inputs.index(node)
-            self.loads.append(Load(index, domain, _is_float(node)))
+            as_float = _is_float(node) or node.meta["val"].dtype == torch.bool  # masks compute as 0/1
+            self.loads.append(Load(index, domain, _is_float(node), as_float))
             self.load_vars[key] = Var(f"x{len(self.loads) - 1}", domain == "vec")
         return self.load_vars[key]
 
@@ -125,16 +131,19 @@ class _Builder:
         """Broadcast to the consumer's output (torch's rule): a last dim equal to the row length is
         a whole row; otherwise one value per row."""
         space = self.region.space
+        fixed = INPUT_DOMAINS.get(consumer.target)
+        if fixed is not None:
+            return fixed[list(consumer.args).index(node)]
         out = space.domain(tuple(self.shape_of(consumer)))
-        if consumer.target in _ROW_INPUT_OPS:
-            out = "vec"
         shape = tuple(self.shape_of(node))
         if out == "vec":
             return "vec" if shape and shape[-1] == space.length else "row"
         return out
 
 
-_ROW_INPUT_OPS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default}
+# Reductions read whole rows; cross-entropy reads the logits' rows and one label per row.
+INPUT_DOMAINS = {aten.sum.dim_IntList: ("vec",), aten.mean.dim: ("vec",), aten.amax.default: ("vec",),
+                 aten.cross_entropy_loss.default: ("vec", "flat")}
 
 
 def _is_float(node: fx.Node) -> bool:
@@ -212,7 +221,19 @@ def _softmax(b: _Builder, n: fx.Node, *, log: bool = False) -> Var:
     return b.emit("sub", shifted, b.emit("log", total)) if log else b.emit("div", exp, total)
 
 
+def _cross_entropy_rows(b: _Builder, n: fx.Node) -> Var:
+    """Per-row loss (reduction='none'): logsumexp(x) - x[label], 0 where the label is ignored.
+    The log-probabilities are never written (Liger kernels' fused cross-entropy, Hsu et al. 2024)."""
+    x, labels = b.value(n.args[0], n), b.value(n.args[1], n)
+    ignore = int(n.args[4]) if len(n.args) > 4 else -100
+    shifted = b.emit("sub", x, b.emit("rowmax_shift", x))
+    log_total = b.emit("log", b.emit("rowsum", b.emit("exp", shifted)))
+    per_row = b.emit("sub", log_total, b.emit("pick", shifted, labels))
+    return b.emit("mul", per_row, b.emit("counted", labels, Const(str(ignore))))
+
+
 LOWER: dict = {
+    aten.cross_entropy_loss.default: _cross_entropy_rows,
     aten.add.Tensor: _binary("add"), aten.sub.Tensor: _binary("sub"), aten.mul.Tensor: _binary("mul"),
     aten.div.Tensor: _binary("div"), aten.neg.default: _unary("neg"), aten.exp.default: _unary("exp"),
     aten.log.default: _unary("log"), aten.rsqrt.default: _unary("rsqrt"), aten.sqrt.default: _unary("sqrt"),
@@ -261,7 +282,8 @@ def _load_lines(loads: list[Load], lead_rank: int) -> list[str]:
     lines = []
     for i, load in enumerate(loads):
         offset = " + ".join([f"i{d} * in{i}_s{d}" for d in range(lead_rank)] or ["0"])
-        convert = ".to(tl.float32)"  # every value computes in float32 (bf16 math is wrong under the interpreter)
+        # floats compute in float32 (bf16 math is wrong under the interpreter); labels stay integers
+        convert = ".to(tl.float32)" if load.is_float else ""
         if load.domain == "vec":
             lines.append(f"    x{i} = tl.load(in{i} + {offset} + cols * in{i}_sn, mask=mask, other=0.0){convert}")
         else:
@@ -284,7 +306,12 @@ def _store(pointer: str, value: Var, vec: bool, lead_rank: int | None = None) ->
 
 
 def _header(name: str, args: list[str]) -> list[str]:
-    return ["@triton.jit", f"def {name}(", *[f"    {a}," for a in args], "    BLOCK: tl.constexpr,", "):"]
+    """One line per tensor (its pointer, then its strides), then the row space's sizes."""
+    groups: dict[str, list[str]] = {}
+    for arg in args:
+        groups.setdefault(arg.split("_")[0] if arg[0] in "iog" else "sizes", []).append(arg)
+    lines = [f"    {', '.join(group)}," for group in groups.values()]
+    return ["@triton.jit", f"def {name}(", *lines, "    BLOCK: tl.constexpr,", "):"]
 
 
 def _backward_lines(lines: list[_Line], outputs: list[tuple[Var, bool]], loads: list[Load]) -> list[str]:
@@ -324,6 +351,8 @@ def _backward_lines(lines: list[_Line], outputs: list[tuple[Var, bool]], loads: 
 
 def _rule_is_vec(rule: str, line: _Line) -> bool:
     """A gradient expression is a whole row when any value it reads is one."""
+    if PRIMS[line.prim].grad_vec is not None:
+        return PRIMS[line.prim].grad_vec
     read = [line.out] if "{g}" in rule or "{o}" in rule else []
     read += [arg for key, arg in zip("ab", line.args) if "{" + key + "}" in rule]
     return any(isinstance(v, Var) and v.vec for v in read)
@@ -337,7 +366,7 @@ def generate(region: Region, shape_of: ShapeFn, *, dtype_of: Callable[[fx.Node],
         builder.env[node] = LOWER[node.target](builder, node)
     lead_rank = len(region.space.lead)
     outputs = [(builder.env[o], region.space.domain(tuple(shape_of(o))) == "vec") for o in region.outputs]
-    loads = [Load(load.input, load.domain, load.grad and _needs_grad(region.inputs[load.input]))
+    loads = [Load(load.input, load.domain, load.grad and _needs_grad(region.inputs[load.input]), load.is_float)
              for load in builder.loads]
     dims = [f"D{d}" for d in range(lead_rank)] + ["N"]
     forward = [*_prologue(lead_rank), *_load_lines(loads, lead_rank),

@@ -274,13 +274,18 @@ class AllToAll(CollectiveNode):
     """Shard(from_dim) -> Shard(to_dim) on one axis (Ulysses: sequence shards for head shards).
 
     Each rank splits its piece along ``to_dim``, sends part j to rank j, and concatenates what it
-    receives along ``from_dim``. Backward is the reverse exchange."""
+    receives along ``from_dim``. Backward is the reverse exchange.
+
+    ``whole_elsewhere``: the received pieces are concatenated along ``from_dim`` as if this axis
+    alone split it, so no other mesh axis may split ``from_dim`` of the input (the compiler gathers
+    it first). Ulysses needs this for the sequence: with sp=on the sequence is split over tp as well,
+    and a cp exchange of tp-subdivided chunks would leave each rank a non-contiguous sequence."""
 
     kind = "all-to-all"
 
-    def __init__(self, axis: str, from_dim: int, to_dim: int):
+    def __init__(self, axis: str, from_dim: int, to_dim: int, *, whole_elsewhere: bool = False):
         super().__init__(axis)
-        self.from_dim, self.to_dim = from_dim, to_dim
+        self.from_dim, self.to_dim, self.whole_elsewhere = from_dim, to_dim, whole_elsewhere
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         comm = self.comm

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from .layout import gather_full, local_chunk, zigzag_permute
 from .moe import rank_stats
-from .pipeline import PipelineMixin
+from .pipeline import PipelineMixin, held_inputs
 from .reducer import GradReducer
 from .trace import Timeline
 from .checkpoint import CheckpointError
@@ -65,10 +65,12 @@ class RankExecutor:
         self.state: dict[str, torch.Tensor] = {}
         self.params: list[torch.nn.Parameter] = []
         for spec in program.state:
-            self.state[spec.placeholder] = self._local_state(spec, full_state[spec.name])
+            if self._holds(spec):
+                self.state[spec.placeholder] = self._local_state(spec, full_state[spec.name])
         # ZeRO-3 slices get their dp sum from the graph's reduce-scatter; other axes stay here
         entries = [(s.name, self.state[s.placeholder], tuple(a for a in s.grad_axes if not (s.zero3 and a == "dp")))
-                   for s in program.state if isinstance(self.state[s.placeholder], torch.nn.Parameter)]
+                   for s in program.state
+                   if s.placeholder in self.state and isinstance(self.state[s.placeholder], torch.nn.Parameter)]
         self.timeline: Timeline | None = None
         sharded = zero in (1, 2) and mesh.size("dp") > 1
         self.reducer = GradReducer(entries, mesh, bucket_bytes=bucket_bytes,
@@ -77,6 +79,17 @@ class RankExecutor:
         self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, self.params) if sharded \
             else factory(self.params)
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+    def _holds(self, spec) -> bool:
+        """Whether this rank keeps a state tensor (a pipeline rank keeps only its stages')."""
+        return True
+
+    def _held_or_zeros(self, spec) -> torch.Tensor:
+        """This rank's tensor of a state entry, or zeros of its local shape where another rank holds it."""
+        if spec.placeholder in self.state:
+            return self.state[spec.placeholder].detach()
+        local = spec.layout.local_shape(spec.global_shape, self.program.mesh)
+        return torch.zeros(local, dtype=spec.dtype, device=self.mesh.device)
 
     def _local_state(self, spec, full: torch.Tensor) -> torch.Tensor:
         local = local_chunk(full.detach(), spec.layout.placements, self.mesh.shape, self.mesh.coord).clone()
@@ -254,15 +267,16 @@ class RankExecutor:
 
     # ------------------------------------------------------------------ checkpoints (full tensors)
     def _named_params(self) -> dict[str, tuple]:
+        """The parameters this rank holds, by name."""
         return {spec.name: (spec, self.state[spec.placeholder]) for spec in self.program.state
-                if isinstance(self.state[spec.placeholder], torch.nn.Parameter)}
+                if isinstance(self.state.get(spec.placeholder), torch.nn.Parameter)}
 
     def _owned(self, spec, value: torch.Tensor) -> torch.Tensor:
         return value  # pipeline ranks take the owning stage's copy (PipelineMixin)
 
     def _dp_whole(self, spec, value: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's local tensor of a state entry (a ZeRO-3 slice gathered back over dp)."""
-        value = self._owned(spec, self.state[spec.placeholder].detach() if value is None else value)
+        value = self._owned(spec, self._held_or_zeros(spec) if value is None else value)
         if not spec.zero3:
             return value
         return unshard(value, spec.layout.local_shape(spec.global_shape, self.program.mesh), self.mesh.comm("dp"))
@@ -287,18 +301,21 @@ class RankExecutor:
                         offset += p.numel()
         return out
 
+    def _optimizer_entries(self) -> list[tuple]:
+        """(spec, key, this rank's tensor) of every optimizer state entry, in one order all ranks share."""
+        params = self._named_params()
+        return [(params[name][0], key, value) for name, state in sorted(self._local_optimizer_state().items())
+                for key, value in state.items()]
+
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Full tensors for a checkpoint: 'model/<name>' and 'optim/<name>/<key>' (a collective call)."""
         tensors = {}
         for spec in self.program.state:
             tensors[f"model/{spec.name}"] = gather_full(self._dp_whole(spec), spec.layout.placements, self.mesh)
-        params = self._named_params()
-        for name, state in sorted(self._local_optimizer_state().items()):
-            spec = params[name][0]
-            for key, value in state.items():
-                full = gather_full(self._dp_whole(spec, value), spec.layout.placements, self.mesh) \
-                    if value.dim() else value
-                tensors[f"optim/{name}/{key}"] = full
+        for spec, key, value in self._optimizer_entries():
+            full = gather_full(self._dp_whole(spec, value), spec.layout.placements, self.mesh) \
+                if value.dim() else value
+            tensors[f"optim/{spec.name}/{key}"] = full
         inner = self.optimizer.inner if isinstance(self.optimizer, ZeroOptimizer) else self.optimizer
         groups = [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str, type(None),
                                                                                   list, tuple))}
@@ -314,6 +331,8 @@ class RankExecutor:
             if tuple(full.shape) != spec.global_shape:
                 raise CheckpointError(f"'{spec.name}' is {list(full.shape)} in the checkpoint but "
                                       f"{list(spec.global_shape)} in the model")
+            if spec.placeholder not in self.state:
+                continue
             local = local_chunk(full, spec.layout.placements, self.mesh.shape, self.mesh.coord)
             if spec.zero3:
                 local = shard_of(local, self.mesh.comm("dp"))
@@ -324,6 +343,8 @@ class RankExecutor:
         for key, full in tensors.items():
             if key.startswith("optim/"):
                 name, field = key[len("optim/"):].rsplit("/", 1)
+                if name not in params:
+                    continue  # another pipeline rank holds it
                 spec = params[name][0]
                 local = local_chunk(full, spec.layout.placements, self.mesh.shape, self.mesh.coord) \
                     if full.dim() else full
@@ -394,7 +415,9 @@ class RankExecutor:
         return rank_stats(self.gm, self.mesh)
 
     def local_state(self) -> dict[str, torch.Tensor]:
-        return {spec.name: self.state[spec.placeholder].detach() for spec in self.program.state}
+        """The state tensors this rank holds (a pipeline rank: its stages')."""
+        return {spec.name: self.state[spec.placeholder].detach() for spec in self.program.state
+                if spec.placeholder in self.state}
 
 
 def _forget(seen: dict, key: int, token: object) -> None:
@@ -434,5 +457,6 @@ class PipelineExecutor(PipelineMixin, RankExecutor):
     """A pp rank: runs its stage of the program over microbatches in schedule order."""
 
     def __init__(self, program, mesh, full_state, *, schedule, **options) -> None:
+        self._held = held_inputs(program.gm, schedule.pp, mesh.coord_of("pp"))
         RankExecutor.__init__(self, program, mesh, full_state, **options)
         self._setup_pipeline(schedule)

@@ -36,6 +36,7 @@ class Load:
     input: int
     domain: str
     grad: bool
+    is_float: bool = True  # converted to the compute dtype (floats, bool masks); labels stay integers
 
 
 @dataclass(frozen=True)
@@ -213,8 +214,8 @@ class FusedRegion(torch.nn.Module):
         """Laid out like an input of the same shape, as eager pointwise ops do (a later ``view`` of
         the output then works exactly when it worked on the eager output)."""
         shape = self.out_shapes[k]
-        like = [t for t in inputs if isinstance(t, torch.Tensor) and tuple(t.shape) == shape
-                and _dense(t)]
+        like = [t for t in inputs if isinstance(t, torch.Tensor) and tuple(t.shape) == shape and _dense(t)
+                and self.kernel.stores[k].domain == "vec"]  # one value per row is written contiguously
         if like:
             return torch.empty_like(like[0], dtype=dtype)
         device = next(t.device for t in inputs if isinstance(t, torch.Tensor))

@@ -87,7 +87,9 @@ class Mesh:
         return coord_of_rank(self.rank, self.shape)
 
     def size(self, axis: str) -> int:
-        """Size of `axis` (1 if the mesh has no such axis)."""
+        """Size of `axis` (1 if the mesh has no such axis); of a joint axis 'a+b', the product."""
+        if axis in self.comms and self.comms[axis].size and "+" in axis:
+            return self.comms[axis].size
         return self.shape[self.axes.index(axis)] if axis in self.axes else 1
 
     def coord_of(self, axis: str) -> int:
@@ -128,7 +130,25 @@ class Mesh:
         device = _select_device()
         _init_default_group(device, rank, world, timeout)
         comms = {axis: _axis_comm(axes, shape, i, rank, timeout) for i, axis in enumerate(axes)}
+        for joint, (merged, index) in _joint_axes(axes, shape).items():
+            comms[joint] = _axis_comm(axes[:index] + (joint,) + axes[index + 2:], merged, index, rank, timeout)
         return cls(axes, shape, rank, device, comms, timeout)
+
+
+JOINT_AXES = (("dp", "ep"),)  # neighbouring axes that also get one group spanning both
+
+
+def _joint_axes(axes: tuple[str, ...], shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], int]]:
+    """'dp+ep' -> (the mesh shape with dp and ep merged, their index): expert parallelism carves ep
+    from the data-parallel ranks, and a gradient summed over all of them is one all-reduce over the
+    merged group (ranks in data-parallel order, d * ep + e) rather than two."""
+    out = {}
+    for outer, inner in JOINT_AXES:
+        if outer in axes and inner in axes and axes.index(inner) == axes.index(outer) + 1:
+            i = axes.index(outer)
+            if shape[i] > 1 and shape[i + 1] > 1:
+                out[f"{outer}+{inner}"] = (shape[:i] + (shape[i] * shape[i + 1],) + shape[i + 2:], i)
+    return out
 
 
 def _validate_axes(axes: tuple[str, ...], shape: tuple[int, ...]) -> None:
@@ -202,8 +222,9 @@ def simulated_meshes(axes: Sequence[str], shape: Sequence[int], *, timeout: floa
     _validate_axes(axes, shape)
     world = math.prod(shape)
     comms: list[dict[str, Comm]] = [{} for _ in range(world)]
-    for index, axis in enumerate(axes):
-        for ranks in axis_groups(shape, index):
+    joint = {name: (merged, index) for name, (merged, index) in _joint_axes(axes, shape).items()}
+    for axis, (groups_shape, index) in [(a, (shape, i)) for i, a in enumerate(axes)] + list(joint.items()):
+        for ranks in axis_groups(groups_shape, index):
             group = ThreadGroup(ranks)
             for group_rank, rank in enumerate(ranks):
                 comms[rank][axis] = ThreadComm(group, group_rank, axis=axis, timeout=timeout)

@@ -143,9 +143,9 @@ class ExpertParallelMoE(CollectiveNode):
         """(kept assignments sorted by (expert, token order), rows for [peer][its local expert])."""
         ep, local = self.comm.size, self.num_experts // self.comm.size
         if _is_fake(expert):
-            return torch.arange(expert.numel()), balanced_counts(expert.numel(), ep, local)
+            return torch.arange(expert.numel(), device=expert.device), balanced_counts(expert.numel(), ep, local)
         kept = self._kept(expert)
-        key = expert * expert.numel() + torch.arange(expert.numel())
+        key = expert * expert.numel() + torch.arange(expert.numel(), device=expert.device)
         if kept is not None:
             key = torch.where(kept, key, self.num_experts * expert.numel())  # dropped: last
         order = torch.argsort(key, stable=True)
@@ -158,7 +158,7 @@ class ExpertParallelMoE(CollectiveNode):
         ep, local = self.comm.size, self.num_experts // self.comm.size
         if ep == 1 or _is_fake(expert):
             return send if ep == 1 else balanced_counts(expert.numel(), ep, local)
-        counts = torch.tensor(send, dtype=torch.int64).reshape(-1)
+        counts = torch.tensor(send, dtype=torch.int64, device=expert.device).reshape(-1)
         got = self.comm.all_to_all_single(counts, [local] * ep, [local] * ep)
         return got.view(ep, local).tolist()
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from .pipeline_backward import WeightWork, input_grads, weight_grads
+
 
 @dataclass
 class StageSpec:
@@ -62,6 +64,14 @@ def stage_specs(top: fx.GraphModule, local_shape) -> list[StageSpec]:
             if source[0] == "stage":
                 specs[source[1]].consumers.setdefault(source[2], []).append(spec.index)
     return specs
+
+
+def held_inputs(top: fx.GraphModule, pp: int, rank: int) -> set[str]:
+    """Names of the program inputs (state and batch) that the stages of pp rank ``rank`` take: a
+    pipeline rank keeps only these parameters, their gradients and optimizer state."""
+    stages = [n for n in top.graph.nodes if n.op == "call_module"]
+    return {arg.name for k, node in enumerate(stages) if k % pp == rank
+            for arg in node.args if isinstance(arg, fx.Node) and arg.op == "placeholder"}
 
 
 def _outputs(stage: fx.GraphModule) -> list[fx.Node]:
@@ -158,7 +168,7 @@ class InFlight:
     received: dict[tuple[int, int], torch.Tensor]
     outputs: list[torch.Tensor]
     count: float = 1.0
-    roots: list = field(default_factory=list)  # (tensor, gradient) pairs backward starts from, once known
+    weight_work: WeightWork | None = None  # what W still owes after I
 
 
 class PipelineMixin:
@@ -186,8 +196,10 @@ class PipelineMixin:
                 if source[0] == "input":
                     users.setdefault(source[1], set()).add(spec.index)
         self.owner = {name: self._rank_of(min(stages)) for name, stages in users.items()}
+        self.state_specs = {s.placeholder: s for s in self.program.state}
+        trainable = {s.placeholder for s in self.program.state if s.kind == "param" and s.trainable}
         self.shared = sorted(name for name, stages in users.items()
-                             if len({self._rank_of(s) for s in stages}) > 1 and self._is_param(name))
+                             if len({self._rank_of(s) for s in stages}) > 1 and name in trainable)
         self.stage_params = {s: [self.state[x[1]] for x in self.specs[s].sources
                                  if x[0] == "input" and self._is_param(x[1]) and self.state[x[1]].requires_grad]
                              for s in self.modules}
@@ -196,6 +208,9 @@ class PipelineMixin:
                                 if dst == self.pp_rank} for train in (True, False)}
         self._inbox: dict[int, list] = {}  # peer -> messages still to take, in its posting order
         self._early: dict[Message, torch.Tensor] = {}  # taken before they were needed
+
+    def _holds(self, spec) -> bool:
+        return spec.placeholder in self._held
 
     def _is_param(self, name: str) -> bool:
         return name in self.state and isinstance(self.state[name], torch.nn.Parameter)
@@ -266,7 +281,8 @@ class PipelineMixin:
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
         for consumer in consumers_of(self.specs, stage):
             for index in messages_from(self.specs, stage, consumer):
-                self._put((stage, consumer, index), FORWARD, mb, outputs[index].detach().to(self._wire(outputs[index].dtype)))
+                out = outputs[index]
+                self._put((stage, consumer, index), FORWARD, mb, out.detach().to(self._wire(out.dtype)))
         count = float(outputs[1]) if stage == self._last_stage and len(outputs) > 1 else 1.0
         return InFlight(received, outputs, count)
 
@@ -306,26 +322,21 @@ class PipelineMixin:
 
     def _input_grad(self, stage: int, mb: int, flight: InFlight) -> None:
         """I: only the gradients of what the stage received (what the previous stage waits for);
-        the graph is kept for W."""
-        flight.roots = self._roots(stage, mb, flight)
+        the graph is kept for W (runtime/pipeline_backward.py)."""
+        roots = self._roots(stage, mb, flight)
         keys = [key for key, v in sorted(flight.received.items()) if v.requires_grad]
         grads = {}
-        if flight.roots and keys:
-            found = torch.autograd.grad([t for t, _ in flight.roots], [flight.received[k] for k in keys],
-                                        [g for _, g in flight.roots], retain_graph=True, allow_unused=True)
+        if roots:
+            found, flight.weight_work = input_grads([t for t, _ in roots], [g for _, g in roots],
+                                                    [flight.received[k] for k in keys], self.stage_params[stage])
             grads = dict(zip(keys, found))
         self._send_input_grads(stage, mb, flight, grads)
 
     def _weight_grad(self, stage: int, mb: int, flight: InFlight) -> None:
-        """W: the weight gradients, accumulated into .grad exactly as B would. Autograd walks the
-        kept graph again from the stage outputs, restricted to the weights (torch.autograd.backward's
-        ``inputs``), so the input-gradient chain inside the stage is recomputed; capturing the
-        gradients where the weights join that chain (torch.distributed.pipelining's
-        ``stage_backward_weight``) would avoid it."""
-        params = self.stage_params[stage]
-        if flight.roots and params:
-            torch.autograd.backward([t for t, _ in flight.roots], [g for _, g in flight.roots], inputs=params)
-        flight.roots = []
+        """W: the weight gradients, accumulated into .grad as B would have."""
+        if flight.weight_work is not None:
+            weight_grads(flight.weight_work)
+            flight.weight_work = None
 
     # ------------------------------------------------------------------------------------ a step
     def _run_schedule(self, batch: tuple, *, train: bool) -> tuple[torch.Tensor, float]:
@@ -381,13 +392,38 @@ class PipelineMixin:
         return self._global(total / count)
 
     def _sum_shared_grads(self) -> None:
-        """A weight used by stages on two ranks (tied embedding / lm head) gets both stages' gradients."""
+        """A weight used by stages on two ranks (tied embedding / lm head) gets both stages' gradients
+        (every pp rank joins the sum; one that does not hold the weight adds zeros)."""
         for name in self.shared:
-            param = self.state[name]
+            param = self.state.get(name)
+            if param is None:
+                self.pp.all_reduce(self._held_or_zeros(self.state_specs[name]))
+                continue
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             param.grad = self.pp.all_reduce(grad)
 
+    def _optimizer_entries(self) -> list[tuple]:
+        """Every trainable parameter's optimizer state, as its owning rank has it, on every pp rank,
+        in program order (each entry is one pp collective, so all ranks must list the same)."""
+        mine = self._local_optimizer_state()
+        examples = {key: value for state in mine.values() for key, value in state.items()}
+        agreed = self.pp.all_reduce(torch.tensor([float(len(examples))]), op="max")
+        if int(agreed) != len(examples):
+            raise RuntimeError("pipeline ranks hold different optimizer state keys; every stage needs a "
+                               "trainable parameter that has taken a step before a checkpoint")
+        entries = []
+        for spec in self.program.state:
+            if spec.kind != "param" or not spec.trainable:
+                continue
+            local = spec.layout.local_shape(spec.global_shape, self.program.mesh)
+            for key, example in sorted(examples.items()):
+                value = mine.get(spec.name, {}).get(key)
+                if self.owner.get(spec.placeholder, 0) != self.pp_rank or value is None:
+                    value = torch.zeros(local if example.dim() else (), dtype=example.dtype)
+                entries.append((spec, key, self.pp.all_reduce(value)))
+        return entries
+
     def _owned(self, spec, value: torch.Tensor) -> torch.Tensor:
-        """The owning stage's value of a state tensor, on every pp rank."""
+        """The owning stage's value of a state tensor, on every pp rank (a collective)."""
         mine = value if self.owner.get(spec.placeholder, 0) == self.pp_rank else torch.zeros_like(value)
         return self.pp.all_reduce(mine)

@@ -19,6 +19,9 @@ What the compiler guarantees (so the runtime needs no special cases):
   executor's saved-tensor hooks (dropped, re-gathered in backward) like any saved parameter;
 - collectives inside a region are re-issued when backward recomputes it (recompute=full), in the
   same program order on every rank; selective regions contain none that communicate in forward.
+  Non-reentrant checkpointing stops a recomputation once the tensors backward needs exist (early
+  stop); every rank runs the same program, so every rank stops at the same node and the re-issued
+  collectives still pair up.
 """
 
 from __future__ import annotations

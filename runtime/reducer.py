@@ -83,6 +83,16 @@ def _grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
     return param.grad if param.grad is not None else torch.zeros_like(param)
 
 
+def joint(axes: tuple[str, ...], comms) -> tuple[str, ...]:
+    """Two axes the mesh also offers as one group ('dp' and 'ep' -> 'dp+ep') are reduced at once."""
+    for name in comms:
+        if "+" in name and all(a in axes for a in name.split("+")):
+            first = min(axes.index(a) for a in name.split("+"))
+            rest = [a for a in axes if a not in name.split("+")]
+            axes = tuple(rest[:first]) + (name,) + tuple(rest[first:])
+    return axes
+
+
 def _build_buckets(
     params: Sequence[tuple[str, nn.Parameter, Sequence[str]]], mesh: Mesh, bucket_bytes: int
 ) -> list[_Bucket]:
@@ -94,7 +104,7 @@ def _build_buckets(
     open_by_key: dict[tuple, _Bucket] = {}
     seen: set[int] = set()
     for name, param, axes in reversed(list(params)):
-        reduce_axes = tuple(a for a in axes if mesh.size(a) > 1)
+        reduce_axes = joint(tuple(a for a in axes if mesh.size(a) > 1), mesh.comms)
         if id(param) in seen or not param.requires_grad or not reduce_axes:
             continue
         seen.add(id(param))

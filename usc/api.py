@@ -70,6 +70,10 @@ def _as_plan(plan: str | Plan) -> Plan:
     return parse_plan(plan)
 
 
+def as_batch(example_inputs) -> tuple:
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+
+
 def _full_state(model: nn.Module, traced) -> dict[str, torch.Tensor]:
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -77,36 +81,55 @@ def _full_state(model: nn.Module, traced) -> dict[str, torch.Tensor]:
     return state
 
 
+def stamped_activation_bytes(stamped: tuple, plan: Plan, options: dict) -> int:
+    """Activations of N identical layers from the 2- and 3-layer programs: the bytes a layer saves for
+    backward do not depend on its index, so a(N) = a(2) + (N - 2) * (a(3) - a(2))."""
+    two, three, layers = stamped
+    a2, a3 = (estimate_activation_bytes(parallelize(t, plan), **options) for t in (two, three))
+    return a2 + (layers - 2) * (a3 - a2)
+
+
 class _Compiled:
     """What compile and simulate share: the plan, the traced program and its report."""
 
     def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
-                 optimizer: OptimizerFactory | None = None) -> None:
+                 optimizer: OptimizerFactory | None = None, hardware=None, traced=None) -> None:
         self.plan = _as_plan(plan)
         self.model = _WithLoss(model, loss_fn) if loss_fn is not None else model
         if self.plan.auto:
-            self.plan = _resolve_auto(self.model, self.plan, example_inputs)
+            self.plan = _resolve_auto(self.model, self.plan, example_inputs, hardware)
         self._loss_source = _source_of(loss_fn) if loss_fn is not None else ""
         self._user_model = model
         self._optimizer = optimizer
         self._program = None
         self._report: Report | None = None
         if example_inputs is not None:
-            self._build(tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
+            self._build(as_batch(example_inputs), traced=traced)
+
+    def trace(self, batch: tuple, *, stamp: bool = False):
+        """The traced model for one global microbatch of ``batch`` (plans with the same mb share it).
+
+        stamp: trace repeated identical layers once and stamp them (compiler/stamp.py); falls back
+        to the full trace when the model does not repeat linearly (and for mixture-of-experts blocks)."""
+        microbatch, moe_blocks = self._microbatch(batch), self._moe_blocks()
+        if stamp and not moe_blocks:
+            from usc.compiler.stamp import trace_stamped
+
+            return trace_stamped(self.model, microbatch, wrapper_source=self._loss_source)
+        return trace(self.model, microbatch, wrapper_source=self._loss_source, moe_blocks=moe_blocks)
 
     def _attach_cost(self, batch: tuple, hardware) -> None:
         """The cost model's time breakdown for this plan (and the planner's reasons, if it chose)."""
         report = self.report
         report.plan_search = self.plan.search
-        if self.plan.search is not None and self.plan.search.best is not None and hardware is None:
-            report.cost = self.plan.search.best.estimate
-        elif hardware is not None or self.plan.search is not None:
-            report.cost = estimate_plan(self.model, self.plan, batch, hardware or "h100")
+        if self.plan.search is not None and self.plan.search.best is not None:
+            report.cost = self.plan.search.best.estimate  # planned with `hardware` when given
+        elif hardware is not None:
+            report.cost = estimate_plan(self.model, self.plan, batch, hardware)
 
-    def _build(self, batch: tuple) -> None:
+    def _build(self, batch: tuple, *, traced=None) -> None:
         start = time.perf_counter()
-        traced = trace(self.model, self._microbatch(batch), wrapper_source=self._loss_source,
-                       moe_blocks=self._moe_blocks())
+        traced = traced if traced is not None else self.trace(batch)
         check_rules_match(self.plan, list(traced.module_types))
         self._traced = traced
         self._program = parallelize(traced, self.plan)
@@ -118,8 +141,16 @@ class _Compiled:
         options.pop("microbatches")
         options.pop("reduce_dtype")
         if self.plan.size("pp") == 1:  # a pipeline rank holds one stage: not estimated yet
-            self._report.activation_estimate = lambda: estimate_activation_bytes(program, **options)
+            self._report.activation_estimate = (lambda: self._activations(traced, self.plan, options)) \
+                if traced.stamped else (lambda: estimate_activation_bytes(program, **options))
             self._report.activation_estimate_by_recompute = lambda: self._activation_by_recompute(traced, options)
+
+    @staticmethod
+    def _activations(traced, plan: Plan, options: dict) -> int:
+        """Activation bytes of ``plan``'s rank 0 (from the 2- and 3-layer programs when stamped)."""
+        if traced.stamped:
+            return stamped_activation_bytes(traced.stamped, plan, options)
+        return estimate_activation_bytes(parallelize(traced, plan), **options)
 
     def _activation_by_recompute(self, traced, options: dict) -> dict[str, int]:
         """The activation estimate of this plan under each recompute mode (rules kept)."""
@@ -128,8 +159,7 @@ class _Compiled:
             if mode == self.plan.get("recompute"):
                 out[mode] = self._report.activation_bytes
             else:
-                out[mode] = estimate_activation_bytes(parallelize(traced, self.plan.with_options(recompute=mode)),
-                                                      **options)
+                out[mode] = self._activations(traced, self.plan.with_options(recompute=mode), options)
         return out
 
     def _moe_blocks(self) -> list:
@@ -384,16 +414,23 @@ def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None
 
 
 def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, hardware=None) -> Report:
-    """Compile without running anything and return the report (what ``usc-lint`` prints).
+    """Compile without running anything and return the report (what ``usc-lint`` prints), with the
+    lint findings in ``report.findings`` (codes USC1xx errors, USC2xx warnings, USC3xx notes).
 
-    Works for meshes of any size and for models on the ``meta`` device (no weights allocated).
-    ``hardware`` ("h100", "a100", a profile file or a HardwareProfile) adds the cost model's time
-    breakdown (``report.cost``): compute, exposed communication and bubble per step, tokens/s, MFU.
+    Works for meshes of any size and for models on the ``meta`` device (no weights allocated). A plan
+    that does not compile raises its PlanError / CompileError. ``hardware`` ("h100", "a100", a profile
+    file or a HardwareProfile) adds the cost model's time breakdown (``report.cost``): compute, exposed
+    communication and bubble per step, tokens/s, MFU; memory is checked against it (default h100).
     """
-    compiled = _Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn)
-    batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    compiled._attach_cost(batch, hardware)
-    return compiled.report
+    from .linting import first_error, lint_plan
+
+    result = lint_plan(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, hardware=hardware or "h100")
+    if result.report is None:
+        if not result.exceptions:  # refused by a lint check before compiling: the compiler's own words
+            _Compiled(model, result.plan, example_inputs=example_inputs, loss_fn=loss_fn, traced=result.traced)
+        raise first_error(result)
+    result.compiled._attach_cost(as_batch(example_inputs), hardware)
+    return result.report
 
 
 def plan(model: nn.Module, spec: str | Plan, *, example_inputs, loss_fn=None, hardware=None, keep: int = 5) -> Plan:
@@ -419,7 +456,7 @@ def plan(model: nn.Module, spec: str | Plan, *, example_inputs, loss_fn=None, ha
     return choose(model, _as_plan(spec) if not isinstance(spec, str) else spec, batch, hardware=hardware, keep=keep)
 
 
-def _resolve_auto(model: nn.Module, written: Plan, example_inputs) -> Plan:
+def _resolve_auto(model: nn.Module, written: Plan, example_inputs, hardware=None) -> Plan:
     """``auto`` in compile/lint/simulate: the planner chooses, for the example batch as the global batch."""
     from usc.planning import choose
 
@@ -427,7 +464,7 @@ def _resolve_auto(model: nn.Module, written: Plan, example_inputs) -> Plan:
         raise written.error_at("auto", "auto needs example_inputs= to plan for (the global batch)",
                                hint="pass example_inputs=(tokens, labels) to compile")
     batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    return choose(model, written, batch)
+    return choose(model, written, batch, hardware=hardware)
 
 
 __all__ = ["compile", "simulate", "lint", "plan", "parse_plan", "Compiled", "Simulated", "Report", "PlanError",

@@ -17,7 +17,7 @@ from .profiling import batch_and_sequence, profile_model
 # Options only the planner reads; they describe the target, not the plan it returns.
 TARGET_OPTIONS = ("gpus", "seq", "global_batch", "hardware")
 # Options the planner chooses (the rest of what a user writes is carried into the returned plan).
-CHOSEN_OPTIONS = ("zero", "mb", "sp", "recompute", "schedule", "v", "cp_mode")
+CHOSEN_OPTIONS = ("zero", "mb", "sp", "recompute", "schedule", "v", "cp_mode", "fuse")
 
 
 def as_auto_plan(spec: "str | Plan") -> Plan:
@@ -43,7 +43,7 @@ def point_of(plan: Plan, *, global_batch: int, seq: int) -> PlanPoint:
     return PlanPoint(global_batch, seq, **sizes, zero=int(plan.get("zero")), mb=int(plan.get("mb")),
                      sp=bool(plan.get("sp")), recompute=plan.get("recompute"), schedule=plan.get("schedule"),
                      v=int(plan.get("v")), cp_mode=plan.get("cp_mode"), dtype=plan.get("dtype"),
-                     reduce_dtype=plan.get("reduce_dtype"), gpus_per_node=int(plan.get("gpus_per_node")),
+                     reduce_dtype=plan.get("reduce_dtype"), fuse=bool(plan.get("fuse")), gpus_per_node=int(plan.get("gpus_per_node")),
                      bucket_mb=float(plan.get("bucket_mb")), order=order)
 
 

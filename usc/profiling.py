@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from dataclasses import replace
 from functools import reduce
 
@@ -25,7 +26,7 @@ from torch.distributed.tensor import Shard
 from usc.compiler.cost_model import CollectiveCost, ModelProfile, ScaleKey, UnitCost
 from usc.compiler.errors import CompileError
 from usc.compiler.ir import META
-from usc.compiler.report import graph_collectives
+from usc.compiler.report import graph_collectives, loss_value_records
 from usc.compiler.trace import Traced, module_path, trace
 from usc.dsl import PlanError, parse_plan
 from usc.passes import parallelize
@@ -73,16 +74,21 @@ def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
     units = _unit_order(traced.gm)
     flops = _flops_by_unit(traced.gm, units)
     per_sp = {sp: _probe_costs(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
-    params = _param_bytes(probe_plain, units)
+    params = _param_bytes(probe_sp, units)  # with sp, replicated norm weights also get their tp sum
+    saved = _param_bytes(probe_sp, units, only=per_sp[False][3])
+    expert_bytes, experts = _experts(probe_plain, units)
     built = []
     for name in units:
         built.append(UnitCost(name, *flops.get(name, (0.0, 0.0, 0.0)), *params.get(name, (0, 0, 0)),
                               acts={sp: per_sp[sp][0].get(name, {}) for sp in per_sp},
                               input_bytes={sp: per_sp[sp][1].get(name, {}) for sp in per_sp},
-                              collectives={sp: tuple(per_sp[sp][2].get(name, ())) for sp in per_sp}))
+                              collectives={sp: tuple(per_sp[sp][2].get(name, ())) for sp in per_sp},
+                              params_expert=expert_bytes.get(name, 0), moe_layers=int(name in expert_bytes),
+                              params_saved=saved.get(name, (0, 0, 0))[:2]))
     layers = sum(1 for u in units if u.rsplit(".", 1)[-1].isdigit())
     return ModelProfile(traced.model_name, batch, seq, tuple(built), tp_divides=_tp_divides(probe_plain, batch, seq),
-                        cp_possible="cp" in probe_plain.mesh.axes, layers=layers)
+                        cp_possible="cp" in probe_plain.mesh.axes, layers=layers, experts=experts,
+                        loss_axes=tuple(r.axis for r in loss_value_records(probe_plain)))
 
 
 # ------------------------------------------------------------------------------- repeated blocks
@@ -190,8 +196,12 @@ def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> dict[str, tuple[floa
     return {u: tuple(v) for u, v in out.items()}
 
 
-def _key(node: fx.Node, mesh, *, kept: bool = True, is_float: bool = True) -> tuple[ScaleKey, int]:
-    """How the value of ``node`` scales, and the factor from its probe-local size to unsplit."""
+def _key(node: fx.Node, mesh, *, kept: bool = True, is_float: bool | None = None) -> tuple[ScaleKey, int]:
+    """How the value of ``node`` scales, and the factor from its probe-local size to unsplit.
+    ``is_float``: a float32 value, which dtype=bf16 computes in half the bytes (float64 stays)."""
+    if is_float is None:
+        value = node.meta.get("val")
+        is_float = isinstance(value, torch.Tensor) and value.dtype == torch.float32
     placements = node.meta[META].layout.placements if META in node.meta else ()
     split = {a for a, p in zip(mesh.axes, placements) if isinstance(p, Shard)}
     factor = math.prod(mesh.size(a) for a in split)
@@ -201,7 +211,7 @@ def _key(node: fx.Node, mesh, *, kept: bool = True, is_float: bool = True) -> tu
 def _probe_costs(program, units: list[str]):
     """Per unit: saved activations and unit inputs ({ScaleKey: bytes}) and collectives, unsplit."""
     where = _units_by_node(program.gm, units)
-    saved = _saved_tensors(program)
+    saved, saved_params = _saved_tensors(program)
     acts: dict[str, dict] = {}
     nodes = {n.name: n for n in program.gm.graph.nodes}
     for name, nbytes, is_float in saved:
@@ -210,7 +220,7 @@ def _probe_costs(program, units: list[str]):
                            is_float=is_float)
         bucket = acts.setdefault(where[name], {})
         bucket[key] = bucket.get(key, 0) + nbytes * factor
-    return acts, _unit_inputs(program, where), _collectives(program, where, nodes)
+    return acts, _unit_inputs(program, where), _collectives(program, where, nodes), saved_params
 
 
 def _unit_inputs(program, where: dict[str, str]) -> dict[str, dict]:
@@ -226,7 +236,7 @@ def _unit_inputs(program, where: dict[str, str]) -> dict[str, dict]:
             value = arg.meta["val"]
             if not isinstance(value, torch.Tensor):
                 continue
-            key, factor = _key(arg, program.mesh, is_float=value.dtype.is_floating_point)
+            key, factor = _key(arg, program.mesh, is_float=value.dtype == torch.float32)
             local = value.numel() * value.element_size() / factor
             seen = out.setdefault(where[node.name], {})
             seen.setdefault(("arg", arg.name), (key, local * factor))
@@ -244,7 +254,7 @@ def _collectives(program, where: dict[str, str], nodes: dict[str, fx.Node]) -> d
     out: dict[str, list[CollectiveCost]] = {}
     for record in graph_collectives(program.gm, program.mesh):
         node = nodes.get(record.node)
-        if node is None or record.axis not in ("tp", "cp"):
+        if node is None or record.axis not in ("tp", "cp", "dp"):
             continue
         payload = node if record.direction == "backward" else node.args[-1 if record.kind == "send/recv" else 0]
         key, factor = _key(payload, program.mesh)
@@ -254,15 +264,42 @@ def _collectives(program, where: dict[str, str], nodes: dict[str, fx.Node]) -> d
     return out
 
 
-def _param_bytes(program, units: list[str]) -> dict[str, tuple[int, int, int]]:
-    """(replicated, tp-split, tp-reduced) fp32 bytes of trainable parameters per unit, unsplit."""
+EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")  # MoE experts in a ModuleList named `experts`
+
+
+def _experts(program, units: list[str]) -> tuple[dict[str, int], int]:
+    """(expert parameter bytes per unit, experts per MoE layer) from the parameter names."""
+    nbytes: dict[str, int] = {}
+    indices: dict[str, set] = {}
+    for spec in program.state:
+        match = EXPERT.search(spec.name)
+        if spec.kind == "param" and spec.trainable and match:
+            unit = _param_unit(spec.name, units)
+            nbytes[unit] = nbytes.get(unit, 0) + math.prod(spec.global_shape) * _itemsize(spec.dtype)
+            indices.setdefault(unit, set()).add(match.group(2))
+    return nbytes, max((len(i) for i in indices.values()), default=0)
+
+
+def _param_unit(name: str, units: list[str]) -> str:
+    unit = layer_key(name.rsplit(".", 1)[0]) if "." in name else "<root>"
+    return unit if unit in units else units[-1 if unit == "<root>" else 0]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def _param_bytes(program, units: list[str], only: set[str] | None = None) -> dict[str, tuple[int, int, int]]:
+    """(replicated, tp-split, tp-reduced) fp32 bytes of trainable dense parameters per unit, unsplit
+    (``only``: of these parameters)."""
     out: dict[str, list[int]] = {}
     for spec in program.state:
-        if spec.kind != "param" or not spec.trainable:
+        if spec.kind != "param" or not spec.trainable or EXPERT.search(spec.name):
             continue
-        unit = layer_key(spec.name.rsplit(".", 1)[0]) if "." in spec.name else "<root>"
-        unit = unit if unit in units else units[-1 if unit == "<root>" else 0]
-        nbytes = math.prod(spec.global_shape) * torch.tensor([], dtype=spec.dtype).element_size()
+        if only is not None and spec.name not in only:
+            continue
+        unit = _param_unit(spec.name, units)
+        nbytes = math.prod(spec.global_shape) * _itemsize(spec.dtype)
         split = any(isinstance(p, Shard) for a, p in zip(program.mesh.axes, spec.layout.placements) if a == "tp")
         row = out.setdefault(unit, [0, 0, 0])
         row[1 if split else 0] += nbytes
@@ -289,9 +326,10 @@ def _tp_divides(program, batch: int, seq: int) -> int:
 
 # ------------------------------------------------------------------------------- fake execution
 
-def _saved_tensors(program) -> list[tuple[str, int, bool]]:
+def _saved_tensors(program) -> tuple[list[tuple[str, int, bool]], set[str]]:
     """(node, bytes, is_float) of every storage rank 0 saves for backward in one forward, on fake
-    tensors; a storage made inside a node (ring attention's blocks) belongs to that node."""
+    tensors (a storage made inside a node, e.g. ring attention's blocks, belongs to that node), and
+    the names of the parameters autograd saves."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from usc.runtime.comm import ShapeComm
@@ -309,18 +347,35 @@ def _saved_tensors(program) -> list[tuple[str, int, bool]]:
         rank = RankExecutor(program, mesh, state, microbatches=1)
         recorder = _Recorder(rank.gm)
         rank.gm = recorder
-        params = {p.untyped_storage()._cdata for p in rank.params}
+        params = {rank.state[s.placeholder].untyped_storage()._cdata: s.name for s in program.state
+                  if isinstance(rank.state[s.placeholder], torch.nn.Parameter)}
         seen: dict[int, tuple[str, int, bool]] = {}
+        saved_params: set[str] = set()
 
         def measure(t: torch.Tensor) -> None:
             storage = t.untyped_storage()
-            if storage._cdata not in params and storage._cdata not in seen:
-                owner = recorder.owner.get(storage._cdata, recorder.current)
-                seen[storage._cdata] = (owner, storage.nbytes(), t.dtype.is_floating_point)
+            if storage._cdata in params:  # ZeRO-3 gathers these again in backward
+                saved_params.add(params[storage._cdata])
+            elif storage._cdata not in seen:
+                owner = recorder.owner.get(storage._cdata)
+                if owner is None:  # made inside the running node: find the value it has the size of
+                    owner = _same_size(recorder.nodes[recorder.current], t.numel(), program.mesh)
+                seen[storage._cdata] = (owner, storage.nbytes(), t.dtype == torch.float32)
 
         rank._measure = measure
         rank._loss(rank._split(batch)[0])
-    return list(seen.values())
+    return list(seen.values()), saved_params
+
+
+def _same_size(node: fx.Node, numel: int, mesh) -> str:
+    """The node, or the input of it, whose per-rank value has ``numel`` elements (a tensor an op saves
+    from inside, e.g. softmax probabilities, scales like the value it has the size of)."""
+    for candidate in [node, *node.all_input_nodes]:
+        value = candidate.meta.get("val")
+        if META in candidate.meta and isinstance(value, torch.Tensor):
+            if math.prod(candidate.meta[META].layout.local_shape(tuple(value.shape), mesh)) == numel:
+                return candidate.name
+    return node.name
 
 
 class _Recorder(fx.Interpreter):
@@ -330,6 +385,8 @@ class _Recorder(fx.Interpreter):
         super().__init__(gm)
         self.owner: dict[int, str] = {}
         self.current = ""
+        self.nodes = {n.name: n for n in gm.graph.nodes}
+        self.alive: list[torch.Tensor] = []
 
     def __call__(self, *args):
         return self.run(*args)
@@ -340,6 +397,7 @@ class _Recorder(fx.Interpreter):
         for value in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(value, torch.Tensor):
                 self.owner.setdefault(value.untyped_storage()._cdata, n.name)
+                self.alive.append(value)  # fake tensors cost nothing; kept, no storage address is reused
         return out
 
 

@@ -56,9 +56,9 @@ def test_json_report_parses_and_matches_usc_lint(capsys, expected_report):
 
 def test_bad_plan_exits_1_with_a_caret(capsys):
     code, out, err = run_main(capsys, FACTORY, "--plan", "dp=2 tp=3")
-    assert code == 1 and out == ""
-    assert "PlanError" in err and "line 1, column 6" in err
-    lines = err.splitlines()
+    assert code == 1
+    assert "plan:1:6: USC102 [error] tp=3 does not divide the vocabulary" in out
+    lines = out.splitlines()
     shown = next(i for i, line in enumerate(lines) if line.strip() == "dp=2 tp=3")
     assert lines[shown + 1] == " " * (lines[shown].index("tp=3")) + "^^^^"
 
@@ -68,6 +68,13 @@ def test_bad_plan_as_json_gives_position(capsys):
     assert code == 1
     data = json.loads(out)
     assert (data["error"], data["line"], data["column"]) == ("PlanError", 1, 6)
+    assert data["findings"][0]["code"] == "USC102" and data["counts"]["error"] == 1
+
+
+def test_compiler_error_keeps_its_caret_on_stderr(capsys):
+    code, out, err = run_main(capsys, FACTORY, "--plan", "dp=2 zero=4")
+    assert code == 1 and out == ""
+    assert "USC100 PlanError" in err and "line 1, column 11" in err
 
 
 def test_plan_file(capsys, tmp_path):
@@ -127,6 +134,67 @@ def test_schedule_json_and_bad_schedule(capsys):
     assert usc.cli.main(["--schedule", "--plan", "pp=4 mb=6 v=2 schedule=interleaved"]) == 1
     assert "multiple of pp" in capsys.readouterr().err
 
+
+def test_findings_carry_codes_and_strict_fails_on_warnings(capsys):
+    code, out, _ = run_main(capsys, FACTORY, "--plan", "tp=4")  # 2 kv heads: USC204 warning
+    assert code == 0
+    assert "plan:1:1: USC204 [warning] tp=4 does not divide the 2 key/value heads of 'layers.*.self_attn'" in out
+    assert "memory per rank (predicted, zero=0):" in out and "found 0 error(s), 1 warning(s)" in out
+    assert run_main(capsys, FACTORY, "--plan", "tp=4", "--strict")[0] == 1
+
+
+def test_github_annotations_point_into_the_plan_file(capsys, tmp_path):
+    plan = tmp_path / "mesh.usc"
+    plan.write_text("dp=2\ntp=4 gpus_per_node=2\n")
+    code, out, _ = run_main(capsys, FACTORY, "--plan-file", str(plan), "--format", "github")
+    assert code == 0
+    lines = out.splitlines()
+    assert f"::warning file={plan},line=2,col=1,title=USC201 tp-crosses-node::each tp group spans 2 nodes: " \
+           "tp=4 > gpus_per_node=2 (hint: keep tp <= 2 and write it last in the plan)" in lines
+    assert all(line.startswith(("::error ", "::warning ", "::notice ")) for line in lines)
+
+
+def test_github_errors_exit_1(capsys):
+    code, out, _ = run_main(capsys, FACTORY, "--plan", "cp=3", "--format", "github")
+    assert code == 1
+    assert out.startswith("::error file=") and "title=USC105 sequence-not-divisible::" in out
+
+
+def test_explain(capsys):
+    assert usc.cli.main(["--explain", "usc202"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("USC202 (row-before-column) [warning]") and "column-parallel then row-parallel" in out
+    assert usc.cli.main(["--explain"]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert "USC106  error    out-of-memory" in listing and len(listing) >= 20
+    assert usc.cli.main(["--explain", "USC999"]) == 2
+    assert "no lint rule 'USC999'" in capsys.readouterr().err
+
+
+def test_diff_shows_what_changes_and_why(capsys):
+    # dp=2 and cp=2 both give each rank half the tokens: the tp traffic, the weights and the
+    # activations per rank are the same; the gradient sum moves from dp to cp, and cp adds the ring
+    code, out, _ = run_main(capsys, FACTORY, "--diff", "dp=2 tp=2", "tp=2 cp=2", "--json")
+    assert code == 0
+    rows = {r["name"]: r for r in json.loads(out)["rows"]}
+    assert not rows["tp bytes/step"]["changed"] and rows["tp calls/step"]["left"] == "13"
+    assert not rows["parameters"]["changed"] and not rows["activations"]["changed"]
+    assert rows["dp calls/step"]["right"] == "0" and rows["cp calls/step"]["left"] == "0"
+    assert int(rows["cp calls/step"]["right"]) > 0 and "cp 1 -> 2" in rows["cp bytes/step"]["why"]
+    code, out, _ = run_main(capsys, FACTORY, "--diff", "tp=2", "tp=2 cp=2")
+    lines = out.splitlines()
+    assert lines[:2] == ["A: tp=2", "B: tp=2 cp=2"]
+    activations = next(line for line in lines if "activations" in line)
+    assert activations.startswith("* activations") and activations.endswith("x0.50")
+    step = next(line[2:] for line in lines if line[2:].startswith("step time")).split()
+    assert all(float(step[i]) > 0 and step[i + 1] in ("s", "ms", "us") for i in (2, 4))  # the cost model's
+    assert [line[2:].split()[0] for line in lines[lines.index("time:") + 1:-1] if not line.startswith("      ")] \
+        == ["step", "compute", "exposed", "bubble"]
+
+
+def test_diff_names_a_plan_that_does_not_compile(capsys):
+    code, _, err = run_main(capsys, FACTORY, "--diff", "tp=2", "cp=3")
+    assert code == 1 and 'plan B "cp=3" does not compile' in err and "USC105" in err
 
 def test_schedule_boxes_follow_the_dry_run():
     from usc.passes.pipeline_schedule import ComputeOp, build_schedule

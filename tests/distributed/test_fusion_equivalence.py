@@ -2,6 +2,7 @@
 device in float32, and the kernels really ran (forward and backward) instead of the eager ops."""
 
 import pytest
+import torch
 
 import usc
 from usc.runtime.fused import FusedRegion
@@ -47,21 +48,41 @@ def test_fused_kernels_match_one_device(model, plan):
 
 
 def test_fused_regions_of_the_llama_block():
-    """Per layer: the two RMSNorms with the residual adds before them, RoPE for q and k, SwiGLU."""
+    """Per layer: the two RMSNorms with the residual adds before them, RoPE for q and k, SwiGLU;
+    then the cross-entropy, split into per-row losses (one kernel) and their mean."""
     sim = usc.simulate(TinyLlama(LLAMA), "fuse=on", example_inputs=token_batch(128, 2, 8))
     regions = [m for m in sim.program.gm.modules() if isinstance(m, FusedRegion)]
     ops = [tuple(str(n.target).split(".")[1] for n in m.eager.graph.nodes if n.op == "call_function")
            for m in regions]
     norm = ("pow", "mean", "add", "rsqrt", "mul", "mul")
     rope = ("mul", "mul", "add")
-    assert ops == [norm, rope, rope, ("add", *norm), ("silu", "mul"), ("add", *norm)]
+    assert ops == [norm, rope, rope, ("add", *norm), ("silu", "mul"), ("add", *norm), ("cross_entropy_loss",)]
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
-def test_fused_kernels_are_exact_in_float64(model):
+def test_fused_kernels_are_exact_in_float64():
     """float64 kernels (the source switches its compute dtype): the algorithm is exact, not only
-    within float32 rounding."""
-    factory, batch = MODELS[model]
+    within float32 rounding (the Llama block has every kind of region: norms, RoPE, SwiGLU, loss)."""
+    factory, batch = MODELS["llama"]
     result = assert_equivalent(lambda: factory().double(), "fuse=on", [batch(seed) for seed in range(3)],
                                runner=run_fused, rtol=1e-12, atol=1e-12, param_atol=1e-10)
     assert result.max_param_diff <= 1e-10
+
+
+def test_fused_regions_never_straddle_a_pipeline_cut():
+    """pp=2 cuts between layers; a region spanning two layers (residual add + the next norm) stays
+    on one stage with its outputs (float64, exact)."""
+    batches = [token_batch(128, 4, 8)]
+    result = assert_equivalent(lambda: TinyLlama(LlamaConfig(layers=2)).double(), "pp=2 mb=2 fuse=on", batches,
+                               rtol=1e-12, atol=1e-12, param_atol=1e-10)
+    assert result.max_param_diff <= 1e-10
+
+
+def test_bf16_compute_runs_the_kernels_within_bf16_rounding():
+    batch = token_batch(128, 2, 8)
+    torch.manual_seed(0)
+    reference = TinyLlama(LLAMA)
+    expected = float(reference(*batch))
+    sim = usc.simulate(reference, "dtype=bf16 fuse=on", example_inputs=batch)
+    loss = sim.step(*batch)
+    assert abs(loss - expected) <= 0.01 * expected
+    assert launches(sim)["forward"] == launches(sim)["nodes"] > 0

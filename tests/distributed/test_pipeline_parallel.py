@@ -1,6 +1,7 @@
 """Pipeline parallelism: stages cut from the traced graph, run by schedule, equal to one device."""
 
 import pytest
+import torch
 
 import usc
 from gloo_cases import MODELS
@@ -83,24 +84,43 @@ def test_unexecutable_schedules_are_refused_by_name():
     assert info.value.column == 6  # points at v=3
 
 
+class SkipNet(torch.nn.Module):
+    """Every block adds the embedding back (a long skip): stage 0 sends it to every later stage."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 16, layers: int = 6):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, ids, labels):
+        x0 = self.embed(ids)
+        x = x0
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) + x0
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
 def test_messages_follow_the_senders_order_when_tags_are_ignored(monkeypatch):
     """NCCL matches point-to-point messages by post order only. With every tag dropped, interleaved
-    v=2 (two stage pairs share each rank pair; stage 0 also feeds stage 3 directly) still matches
+    v=2 (two stage pairs share each rank pair, and stage 0 feeds stage 3 directly) still matches
     one device: receivers take each peer's messages in its posting order."""
     from usc.runtime.comm import ThreadComm
 
     send, recv = ThreadComm._send, ThreadComm._recv
     monkeypatch.setattr(ThreadComm, "_send", lambda self, t, peer, tag: send(self, t, peer, 0))
     monkeypatch.setattr(ThreadComm, "_recv", lambda self, like, peer, tag: recv(self, like, peer, 0))
-    factory, batch = DEEP["llama"]
-    result = assert_equivalent(factory, "pp=2 mb=4 schedule=interleaved v=2", [batch(s) for s in range(2)],
+    plan = "pp=2 mb=4 schedule=interleaved v=2 split=layers.1|layers.3|layers.5"
+    stages = usc.lint(SkipNet().double(), plan, example_inputs=token_batch(64, 8, 8)).stages
+    assert {t.to_stage for t in stages[0].sends} == {1, 2, 3}
+    result = assert_equivalent(lambda: SkipNet().double(), plan, [token_batch(64, 8, 8, seed=s) for s in range(2)],
                                rtol=1e-12, atol=1e-12, param_atol=1e-10)
     assert result.max_param_diff <= 1e-10
 
 
 def test_report_lists_each_stage():
     """8 layers on pp=4: stage FLOPs within 15% of each other, every layer in exactly one stage, in
-    order; parameter bytes add up; the hidden state crosses each cut with its gradient coming back."""
+    order; parameter bytes add up; only the hidden state crosses each cut, its gradient coming back."""
     model = TinyLlama(LlamaConfig(layers=8))
     report = usc.lint(model, "pp=4 mb=8", example_inputs=token_batch(128, 8, 64))
     stages = report.stages
@@ -110,9 +130,9 @@ def test_report_lists_each_stage():
     modules = [m for s in stages for m in s.modules]
     assert modules == ["embed_tokens", *[f"layers.{i}" for i in range(8)], "norm", "lm_head"]
     assert sum(s.param_bytes for s in stages) == sum(p.numel() * 4 for p in model.parameters())
-    for s in stages[:-1]:
-        hidden = [t for t in s.sends if t.to_stage == s.index + 1 and t.shape == (1, 64, 64)]
-        assert len(hidden) == 1 and hidden[0].grad and hidden[0].bytes == 64 * 64 * 4
+    for s in stages[:-1]:  # only the hidden state crosses: each stage computes its own RoPE tables
+        assert [(t.to_stage, t.shape, t.bytes, t.grad) for t in s.sends] == [(s.index + 1, (1, 64, 64), 64 * 64 * 4,
+                                                                               True)]
     assert not stages[-1].sends
     text = str(report)
     assert "stage 3 on pp rank 3:" in text and "layers.6, layers.7, norm, lm_head" in text
@@ -150,3 +170,34 @@ def test_bad_split_points_are_plan_errors(plan, message):
     with pytest.raises(usc.PlanError, match=message) as info:
         usc.lint(TinyLlama(LlamaConfig(layers=4)), plan, example_inputs=token_batch(128, 4, 16))
     assert info.value.column == plan.index("split") + 1
+
+
+def test_each_pipeline_rank_holds_only_its_stages_parameters():
+    """Untied Llama: the pp ranks' parameters, gradients and AdamW state partition the model's."""
+    model = TinyLlama(LlamaConfig(layers=4))
+    total = sum(p.numel() * 4 for p in model.parameters())
+    sim = usc.simulate(model, "pp=2 mb=2", example_inputs=token_batch(128, 4, 16))
+    sim.step(*token_batch(128, 4, 16))
+    held = [rank.peak_state_bytes for rank in sim.ranks]
+    assert sum(h["params"] for h in held) == total and all(h["params"] < 0.75 * total for h in held)
+    assert sum(h["grads"] for h in held) == total
+    assert sum(rank.memory_bytes()["optimizer"] for rank in sim.ranks) == 2 * total  # exp_avg, exp_avg_sq
+    predicted = sim.report.memory[0]  # the report predicts pp rank 0's bytes
+    assert (predicted["params"], predicted["grads"]) == (held[0]["params"], held[0]["grads"])
+    assert predicted["optimizer"] == sim.ranks[0].memory_bytes()["optimizer"]
+    names = [set(rank.local_state()) for rank in sim.ranks]
+    params = {name for name, _ in model.named_parameters()}
+    assert not names[0] & names[1] & params  # buffers (RoPE's inv_freq) live on every stage that uses them
+    assert "embed_tokens.weight" in names[0] and "lm_head.weight" in names[1]
+
+
+@pytest.mark.parametrize("plan", ["pp=2 mb=4 schedule=interleaved v=2", "pp=4 mb=8 schedule=zb"])
+def test_evaluation_runs_the_forwards_only(plan):
+    """Calling the compiled model runs every F action and no backward: messages are forward only."""
+    factory, batch = DEEP["llama"]
+    torch.manual_seed(0)
+    expected = usc.simulate(factory(), "dp=1", example_inputs=batch(0))(*batch(0))
+    torch.manual_seed(0)
+    sim = usc.simulate(factory(), plan, example_inputs=batch(0))
+    assert sim(*batch(0)) == pytest.approx(expected, rel=1e-12)
+    assert sim.step(*batch(0)) == pytest.approx(expected, rel=1e-12)  # nothing changed by evaluating

@@ -81,7 +81,9 @@ def test_memory_prediction_matches_measurement_at_dp4():
 
 
 CHECKPOINT_PLANS = [("dp=2 tp=2", "dp=4"), ("tp=2", "dp=1"), ("dp=2 zero=2", "dp=1"), ("dp=1", "dp=2 zero=1"),
-                    ("cp=2", "tp=2 sp=on"), ("dp=2 zero=3", "dp=2"), ("tp=2", "dp=2 zero=3")]
+                    ("cp=2", "tp=2 sp=on"), ("dp=2 zero=3", "dp=2"), ("tp=2", "dp=2 zero=3"),
+                    ("pp=2 mb=2", "dp=2"), ("dp=1", "pp=2 mb=2 schedule=zb"),
+                    ("dp=2 pp=2 zero=1 mb=2", "pp=2 v=2 mb=2 schedule=interleaved")]
 
 
 @pytest.mark.parametrize("plan_a, plan_b", CHECKPOINT_PLANS)

@@ -204,3 +204,12 @@ def test_exported_tables():
     assert AXES == ("dp", "tp", "pp", "cp", "ep")
     assert set(ACTIONS) == {"colwise", "rowwise", "vocab", "replicate", "expert", "recompute", "stage"}
     assert all(spec.doc and spec.name == name for name, spec in OPTIONS.items())
+
+
+def test_ep_is_carved_from_dp_just_inside_it():
+    """dp=4 ep=2 is 4 ranks: a dp=2 x ep=2 mesh (neighbouring data-parallel ranks share experts)."""
+    plan = parse_plan("tp=2 ep=2 dp=4")
+    assert (plan.mesh_axes, plan.mesh_shape, plan.world_size) == (("tp", "dp", "ep"), (2, 2, 2), 8)
+    assert plan.size("dp") == 4 and str(plan) == "tp=2 ep=2 dp=4"
+    assert parse_plan("dp=2 ep=2").mesh_shape == (1, 2)
+    assert parse_plan("dp=2 ep=4").mesh_axes == ("dp", "ep")  # not carvable: compile refuses it by name

@@ -5,30 +5,13 @@ import triton.language as tl
 
 
 @triton.jit
-def fused_c2fb4242c406_fwd(
-    in0,
-    in0_s0,
-    in0_s1,
-    in0_sn,
-    in1,
-    in1_s0,
-    in1_s1,
-    in1_sn,
-    in2,
-    in2_s0,
-    in2_s1,
-    in2_sn,
-    out0,
-    out0_s0,
-    out0_s1,
-    out0_sn,
-    out1,
-    out1_s0,
-    out1_s1,
-    out1_sn,
-    D0,
-    D1,
-    N,
+def fused_83625f0724b0_fwd(
+    in0, in0_s0, in0_s1, in0_sn,
+    in1, in1_s0, in1_s1, in1_sn,
+    in2, in2_s0, in2_s1, in2_sn,
+    out0, out0_s0, out0_s1, out0_sn,
+    out1, out1_s0, out1_s1, out1_sn,
+    D0, D1, N,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -53,27 +36,16 @@ def fused_c2fb4242c406_fwd(
 
 
 @triton.jit
-def fused_c2fb4242c406_bwd(
-    in0,
-    in0_s0,
-    in0_s1,
-    in0_sn,
-    in1,
-    in1_s0,
-    in1_s1,
-    in1_sn,
-    in2,
-    in2_s0,
-    in2_s1,
-    in2_sn,
+def fused_83625f0724b0_bwd(
+    in0, in0_s0, in0_s1, in0_sn,
+    in1, in1_s0, in1_s1, in1_sn,
+    in2, in2_s0, in2_s1, in2_sn,
     gout0,
     gout1,
     gin0,
     gin1,
     gin2,
-    D0,
-    D1,
-    N,
+    D0, D1, N,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)

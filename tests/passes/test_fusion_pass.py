@@ -35,16 +35,16 @@ def test_vocab_parallel_cross_entropy_fuses_around_its_all_reduces():
 def test_report_counts_kernels_and_bytes_for_the_llama_block():
     report = usc.lint(TinyLlama(), "fuse=on", example_inputs=token_batch(128, 4, 16))
     f = report.fusion
-    assert f["regions"] == 11  # per layer: 2 norms (+ residual add), RoPE q and k, SwiGLU; final norm
+    assert f["regions"] == 12  # per layer: 2 norms (+ residual add), RoPE q and k, SwiGLU; final norm, loss
     assert f["kernels_eager"] >= 3 * f["kernels_fused"]
     assert f["bytes_eager"] >= 2 * f["bytes_fused"]
-    assert "fused regions: 11" in str(report)
+    assert "fused regions: 12" in str(report)
     assert usc.lint(TinyLlama(), "dp=1", example_inputs=token_batch(128, 4, 16)).fusion == {}
 
 
 def test_gpt2_fuses_each_residual_add_with_its_layernorm():
     compiled = usc.compile(TinyGPT2(), "fuse=on", example_inputs=token_batch(128, 4, 16))
-    assert region_ops(compiled) == [("add", "layer_norm")] * 5
+    assert region_ops(compiled) == [("add", "layer_norm")] * 5 + [("cross_entropy_loss",)]
 
 
 def test_lint_kernels_prints_the_generated_source(capsys):

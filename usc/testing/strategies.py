@@ -14,26 +14,35 @@ SIZES = (1, 2, 4)
 
 
 @st.composite
-def plans(draw, *, max_ranks: int = 16, pipeline: bool = True) -> str:
-    """Plan text combining dp, tp (+sp), cp (+mode), pp (+schedule, mb), zero and dtype, with at
-    most ``max_ranks`` ranks. The text parses; whether it fits a given model is the compiler's say."""
+def plans(draw, *, max_ranks: int = 16, pipeline: bool = True, experts: bool = False) -> str:
+    """Plan text combining dp, tp (+sp), cp (+mode), pp (+schedule, mb), zero, recompute, fuse and dtype, with at
+    most ``max_ranks`` ranks; with ``experts``, also ep (carved from dp, so it adds no ranks) for
+    mixture-of-experts models. The text parses; whether it fits a given model is the compiler's say."""
     axes = {}
     for axis in ("dp", "cp", "tp") + (("pp",) if pipeline else ()):
         size = draw(st.sampled_from(SIZES))
         if size > 1 and _ranks(axes) * size <= max_ranks:
             axes[axis] = size
     items = [f"{a}={n}" for a, n in axes.items()]
+    ep = draw(st.sampled_from([1] + [n for n in (2, 4) if axes.get("dp", 1) % n == 0])) if experts else 1
+    if ep > 1:
+        items.insert(1, f"ep={ep}")
     if axes.get("tp", 1) > 1 and draw(st.booleans()):
         items.append("sp=on")
     if axes.get("cp", 1) > 1:
         items.append(f"cp_mode={draw(st.sampled_from(['ring', 'zigzag', 'ulysses']))}")
     if axes.get("pp", 1) > 1:
-        items.append(f"schedule={draw(st.sampled_from(['gpipe', '1f1b']))}")
+        items.append(f"schedule={draw(st.sampled_from(['gpipe', '1f1b', 'zb', 'interleaved v=2']))}")
         items.append(f"mb={axes['pp'] * draw(st.sampled_from([1, 2]))}")
-    if axes.get("dp", 1) > 1:
+    if axes.get("dp", 1) > 1 and ep == 1:  # ZeRO with ep is not implemented
         zero = draw(st.sampled_from([0, 1, 2] + ([] if axes.get("pp", 1) > 1 else [3])))
         if zero:
             items.append(f"zero={zero}")
+    recompute = draw(st.sampled_from(["none", "none", "selective", "full"]))
+    if recompute != "none":
+        items.append(f"recompute={recompute}")
+    if draw(st.booleans()):
+        items.append("fuse=on")
     return " ".join(items) or "dp=1"
 
 

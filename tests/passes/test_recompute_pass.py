@@ -1,5 +1,5 @@
 """The recompute pass: which nodes are kept, which recomputed, how regions are cut, and what the
-report says about them (graph-level; numerics are in tests/distributed/test_recompute.py)."""
+report says about them (graph-level; numerics are in tests/distributed/test_recompute_equivalence.py)."""
 
 import pytest
 import torch
@@ -9,7 +9,6 @@ from torch import nn
 import usc
 from usc.api import _Compiled
 from usc.compiler.ir import META
-from usc.compiler.recompute_report import region_bodies
 from usc.runtime.collectives import AllReduce, GradAllReduce
 from usc.runtime.recompute import Recompute
 from usc.testing.models import LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
@@ -160,3 +159,30 @@ def test_activation_prediction_by_mode_orders_none_selective_full():
 def test_recompute_plans_compile_and_print(plan):
     report = usc.lint(TinyLlama(LlamaConfig(layers=1)), plan, example_inputs=BATCH)
     assert report.recompute
+
+
+class InPlaceBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.a(x)
+        h.add_(0.1)  # an in-place op inside the block
+        return x + self.b(torch.relu(h))
+
+
+class InPlaceNet(DropoutNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(InPlaceBlock() for _ in range(2))
+
+
+def test_in_place_ops_run_once_outside_regions():
+    batch = (torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8)))
+    gm = program("recompute=full", InPlaceNet(), batch).gm
+    in_place = [n for n in gm.graph.nodes if n.target is aten.add_.Tensor]
+    assert len(in_place) == 2 and all(n.meta[META].extra["recompute"] == "boundary" for n in in_place)
+    assert regions(gm)
+    from usc.testing import assert_equivalent
+    assert_equivalent(InPlaceNet, "recompute=full", [batch], steps=2)

@@ -2,9 +2,12 @@
 dropout is not redrawn, and the activation bytes it saves are measured and predicted."""
 
 import io
+import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import usc
@@ -13,6 +16,7 @@ from harness import run_world
 from usc.testing import assert_equivalent
 from usc.testing.equivalence import compare_states, reference_run
 from usc.testing.models import LlamaConfig, TinyLlama, token_batch
+from usc.testing.strategies import plans
 
 STEPS = 3
 
@@ -33,10 +37,27 @@ def test_recompute_composes_with_every_dimension(plan):
     assert_equivalent(factory, plan, [batch(seed) for seed in range(2)])
 
 
-def _train(plan: str, batches) -> tuple[list[float], dict]:
+def _train(plan: str, batches, config: LlamaConfig = LlamaConfig()) -> tuple[list[float], dict]:
     torch.manual_seed(0)
-    sim = usc.simulate(TinyLlama(), plan, example_inputs=batches[0])
+    sim = usc.simulate(TinyLlama(config), plan, example_inputs=batches[0])
     return [sim.step(*b) for b in batches], sim.full_state_dict()
+
+
+@given(plan=plans(max_ranks=4), mode=st.sampled_from(["selective", "full"]))
+@settings(max_examples=4, deadline=None)
+def test_recompute_changes_no_number_of_any_plan(plan, mode):
+    """Recompute runs the same kernels on the same values: losses and parameters are bit-identical
+    to the same plan without it (a stronger check than float32 tolerances against one device)."""
+    base = re.sub(r" ?recompute=\w+", "", plan).strip() or "dp=1"
+    batches = [token_batch(128, 8, 16, seed=s) for s in range(2)]
+    config = LlamaConfig(layers=2)
+    try:
+        losses, state = _train(base, batches, config)
+    except usc.PlanError:
+        return  # the plan does not fit the model; test_plan_space covers the error
+    again, state_again = _train(f"{base} recompute={mode}", batches, config)
+    assert again == losses
+    assert all(torch.equal(state[k], state_again[k]) for k in state)
 
 
 def test_bf16_recompute_computes_exactly_what_bf16_computes():

@@ -1,0 +1,154 @@
+"""The planner and the cost model's schedule formulas, on the tiny Llama's measured profile."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import usc
+from usc.compiler.cost_model import PlanPoint, bubble_units, crosses_node, estimate, in_flight
+from usc.compiler.hardware import H100
+from usc.compiler.planner import PlanTarget, search
+from usc.passes.pipeline_schedule import build_schedule
+from usc.passes.pipeline_schedule_check import check_schedule
+from usc.passes.plan_checks import check_supported
+from usc.planning import refusal
+from usc.profiling import profile_model
+from usc.testing.models import LlamaConfig, TinyLlama, token_batch
+
+CONFIG = LlamaConfig(layers=4)
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return profile_model(TinyLlama(CONFIG), token_batch(CONFIG.vocab, 8, 32))
+
+
+@pytest.mark.parametrize("schedule, pp, mb", [("gpipe", 4, 8), ("1f1b", 4, 8), ("1f1b", 4, 2), ("zb", 4, 8),
+                                              ("1f1b", 2, 6)])
+def test_schedule_formulas_match_the_schedule_checker(schedule, pp, mb):
+    metrics = check_schedule(build_schedule(schedule, pp, 1, mb))
+    point = PlanPoint(64, 32, pp=pp, mb=mb, schedule=schedule)
+    assert in_flight(point) == metrics.peak_in_flight[0]
+    assert bubble_units(point) / mb == pytest.approx(metrics.bubble_ratio, rel=1e-9)
+
+
+def test_tp_inside_a_node_and_dp_across_nodes():
+    point = PlanPoint(64, 32, dp=4, tp=8, gpus_per_node=8)
+    assert not crosses_node(point, "tp") and crosses_node(point, "dp")
+    assert crosses_node(replace(point, dp=1, tp=16, gpus_per_node=8), "tp")
+
+
+def test_time_terms_add_up_and_give_tokens_per_second(profile):
+    est = estimate(profile, PlanPoint(8, 32, dp=2, tp=2, pp=2, mb=2, sp=True), H100)
+    parts = ("compute", "exposed_comm", "bubble", "optimizer")
+    assert est.time["step"] == pytest.approx(sum(est.time[k] for k in parts))
+    assert est.tokens_per_second == pytest.approx(8 * 32 / est.time["step"])
+    assert 0 < est.mfu < 1 and est.time["bubble"] > 0
+
+
+def test_planner_proposes_only_what_compile_runs(profile):
+    result = search(profile, PlanTarget(gpus=8, seq=32, global_batch=8, dtype="fp32"), H100, supported=refusal)
+    for candidate in [result.best] + result.alternatives:
+        check_supported(usc.parse_plan(candidate.plan.text()))  # raises if compile would refuse it
+    assert any(reason.startswith("not supported yet") for reason in result.rejected)
+    assert all(c.step >= result.best.step for c in result.alternatives)
+    assert all(result.why_lost(c).startswith("+") for c in result.alternatives)
+
+
+def test_divisibility_and_memory_drop_plans(profile):
+    tiny = replace(H100, name="tiny", hbm_bytes=2_000_000)  # about the whole model's AdamW state
+    result = search(profile, PlanTarget(gpus=8, seq=32, global_batch=8, dtype="fp32"), tiny, supported=refusal)
+    assert any("tp=4 does not divide" in r for r in result.rejected)  # kv_heads=2
+    assert result.rejected["does not fit in memory"] > 0
+    assert result.best.estimate.memory_total <= 0.9 * tiny.hbm_bytes
+    unsharded = estimate(profile, PlanPoint(8, 32, dp=8), tiny).memory_total
+    assert unsharded > 0.9 * tiny.hbm_bytes  # so the chosen plan had to shard something
+
+
+def test_written_axes_are_kept(profile):
+    result = search(profile, PlanTarget(gpus=4, seq=32, global_batch=8, fixed=(("tp", 2),)), H100,
+                    supported=refusal)
+    assert result.best.plan.tp == 2 and all(c.plan.tp == 2 for c in result.alternatives)
+
+
+def test_usc_plan_returns_a_plan_with_its_reasons():
+    plan = usc.plan(TinyLlama(CONFIG), "gpus=4 zero=1", example_inputs=token_batch(CONFIG.vocab, 8, 32))
+    assert isinstance(plan, usc.Plan) and plan.world_size == 4 and not plan.auto
+    assert plan.get("zero") == 1 and plan.size("dp") > 1
+    best = plan.search.best.plan.text()
+    assert usc.parse_plan(best).axes == plan.axes and f"chosen: {best}" in str(plan.search)
+
+
+def test_no_plan_fits_is_a_plan_error():
+    with pytest.raises(usc.PlanError, match="no plan for 2 GPUs fits"):
+        usc.plan(TinyLlama(CONFIG), "gpus=2", example_inputs=token_batch(CONFIG.vocab, 8, 32),
+                 hardware=replace(H100, name="none", hbm_bytes=1000))
+
+
+def test_auto_in_simulate_runs_the_chosen_plan():
+    batch = token_batch(CONFIG.vocab, 8, 32)
+    torch.manual_seed(0)
+    sim = usc.simulate(TinyLlama(CONFIG), "auto gpus=2 timeout=60", example_inputs=batch)
+    assert sim.plan.world_size == 2 and sim.plan.get("timeout") == 60 and not sim.plan.auto
+    torch.manual_seed(0)
+    one = usc.simulate(TinyLlama(CONFIG), "dp=1", example_inputs=batch)
+    assert sim.step(*batch) == pytest.approx(one.step(*batch), rel=1e-5)
+
+
+def test_planner_options_need_auto():
+    with pytest.raises(usc.PlanError, match="only read with auto"):
+        check_supported(usc.parse_plan("dp=2 gpus=2"))
+    assert str(usc.parse_plan("gpus=8 auto")) == "auto gpus=8"
+
+
+@pytest.mark.parametrize("plan", [PlanPoint(8, 32, dp=2), PlanPoint(8, 32, tp=2, zero=0, mb=2),
+                                  PlanPoint(16, 64, dp=2, cp=2, zero=2), PlanPoint(8, 32, dp=4, tp=2, zero=3)])
+def test_symbolic_formulas_equal_the_numeric_estimate(profile, plan):
+    from usc.compiler.cost_formulas import evaluate, formulas
+
+    est = estimate(profile, plan, H100)
+    values = dict(B=plan.global_batch, S=plan.seq, dp=plan.dp, tp=plan.tp, pp=1, cp=plan.cp, mb=plan.mb,
+                  zero=plan.zero)
+    exprs = formulas(profile)
+    for kind in ("params", "grads", "optimizer", "activations"):
+        assert evaluate(exprs[kind], **values) == pytest.approx(est.memory[kind], rel=1e-3), kind
+    assert evaluate(exprs["flops"], **values) == pytest.approx(est.flops_per_rank, rel=1e-3)
+
+
+def _moe_profile():
+    from usc.compiler.cost_model import ModelProfile, ScaleKey, UnitCost
+
+    hidden = ScaleKey(batch=True, seq=True, tp=False)
+    layer = UnitCost("layers.0", balance=1.0, flops_matmul=1e9, params_rep=4_000, params_expert=8 * 1_000_000,
+                     acts={False: {hidden: 2**20}}, input_bytes={False: {hidden: 2**16}}, moe_layers=1)
+    return ModelProfile("moe", batch=8, seq=32, units=(layer,), layers=1, experts=8)
+
+
+def test_expert_parallel_splits_experts_and_adds_all_to_alls():
+    profile = _moe_profile()
+    one = estimate(profile, PlanPoint(8, 32, dp=4), H100)
+    ep = estimate(profile, PlanPoint(8, 32, ep=4), H100)
+    assert ep.memory["params"] == pytest.approx(4_000 + 8 * 1_000_000 / 4)
+    assert one.memory["params"] == pytest.approx(4_000 + 8 * 1_000_000)
+    a2a = [c for c in ep.collectives if c.kind == "all-to-all"]
+    # per direction: dispatch + combine of top_k copies of this rank's hidden states (2**16 bytes / 4 ranks)
+    assert [c.direction for c in a2a] == ["forward", "backward"]
+    assert a2a[0].bytes_per_step == pytest.approx(2 * 2 * 2**16 / 4)
+    assert ep.memory["activations"] == pytest.approx(one.memory["activations"])  # ep splits the batch like dp
+
+
+def test_planner_tries_ep_only_for_moe_models_and_only_when_compile_runs_it(profile):
+    dense = search(profile, PlanTarget(gpus=4, seq=32, global_batch=8, dtype="fp32"), H100, supported=refusal)
+    assert not any("ep=" in r for r in dense.rejected) and dense.best.plan.ep == 1
+    moe = search(_moe_profile(), PlanTarget(gpus=4, seq=32, global_batch=8, dtype="fp32"), H100, supported=refusal)
+    assert any("'ep' is not implemented yet" in r for r in moe.rejected)
+    assert moe.best.plan.ep == 1
+
+
+@pytest.mark.parametrize("plan", [PlanPoint(8, 32, dp=2, cp=2, tp=2, sp=True, zero=3),
+                                  PlanPoint(8, 32, dp=2, pp=2, mb=2, zero=1)])
+def test_exposed_communication_is_the_sum_over_collectives(profile, plan):
+    est = estimate(profile, plan, H100)
+    assert est.time["exposed_comm"] == pytest.approx(sum(c.exposed_seconds for c in est.collectives))
+    assert all(c.exposed_seconds <= c.seconds + 1e-12 for c in est.collectives)

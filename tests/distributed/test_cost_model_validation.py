@@ -1,0 +1,120 @@
+"""The cost model against the simulator: predicted bytes per rank vs measured, collectives vs counted.
+
+One profile of a 4-layer tiny Llama (one trace, probe compiles) is rescaled to every plan; each plan
+then runs one step in the simulator, where the executor measures parameters, gradients (at their peak)
+and optimizer state per rank, autograd's saved tensors give the activations, and every Comm counts
+the payload bytes it was handed (``comm.stats``).
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+
+import usc
+from usc.compiler.cost_model import estimate
+from usc.compiler.hardware import H100
+from usc.planning import point_of
+from usc.profiling import profile_model
+from usc.testing.models import LlamaConfig, TinyLlama, token_batch
+
+CONFIG = LlamaConfig(layers=4)
+BATCH, SEQ = 8, 32
+PLANS = ["dp=2", "tp=2", "tp=2 sp=on", "cp=2", "cp=2 cp_mode=zigzag", "dp=2 zero=1", "dp=2 zero=2", "dp=2 zero=3",
+         "dp=2 tp=2 sp=on zero=1", "cp=2 tp=2 sp=on", "dp=2 mb=2", "dp=2 dtype=bf16", "pp=2 mb=2",
+         "dp=2 cp=2 tp=2 sp=on zero=2", "pp=2 mb=4 schedule=gpipe"]
+# The cost model assumes a pp rank holds and reduces only its stage's gradients. With dp>1 the pipeline
+# runtime today allocates gradient buckets for every parameter on every pp rank and sums all of them
+# over dp (twice the stage's bytes at pp=2): a runtime gap, kept visible by a strict xfail.
+PP_WITH_DP = pytest.param("dp=2 pp=2 mb=2 zero=1", marks=pytest.mark.xfail(
+    strict=True, reason="pp runtime keeps and dp-reduces every parameter's gradient on every pp rank"))
+# Payload bytes not predicted exactly (documented in docs/cost_model.md): the compile report lists
+# ZeRO-3's backward re-gathers for every parameter, but only those autograd saved are gathered again
+# (the cost model knows which: its probe run saw them saved); the pipeline executor sums its loss and
+# token count over pp and dp outside the graph, and pp send/recv is estimated from the stage's input.
+REPORT_NOT_EXACT = {"dp=2 zero=3": {"dp"}, "pp=2 mb=2": {"pp"}, "pp=2 mb=4 schedule=gpipe": {"pp"},
+                    "dp=2 pp=2 mb=2 zero=1": {"dp", "pp"}}
+MODEL_NOT_EXACT = {"pp=2 mb=2": {"pp"}, "pp=2 mb=4 schedule=gpipe": {"pp"}, "dp=2 pp=2 mb=2 zero=1": {"dp", "pp"}}
+
+
+@pytest.fixture(scope="module")
+def profile():
+    torch.manual_seed(0)
+    return profile_model(TinyLlama(CONFIG), token_batch(CONFIG.vocab, BATCH, SEQ))
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {}
+
+
+def run(plan: str, runs: dict):
+    """One simulated step: measured state bytes per rank, activation bytes, counted payload bytes."""
+    if plan not in runs:
+        torch.manual_seed(0)
+        batch = token_batch(CONFIG.vocab, BATCH, SEQ)
+        sim = usc.simulate(TinyLlama(CONFIG), plan, example_inputs=batch)
+        sim.step(*batch)  # counters start at zero: compiling moves nothing
+        counted = Counter()
+        for mesh in sim.meshes:
+            for axis in mesh.axes:
+                for kind, nbytes in mesh.comm(axis).stats.bytes.items():
+                    counted[(axis, kind)] += nbytes
+        state = [dict(rank.peak_state_bytes, optimizer=after["optimizer"])  # AdamW state exists after step 1
+                 for rank, after in zip(sim.ranks, sim.memory_bytes())]
+        acts = sim.activation_bytes(*batch) if sim.plan.size("pp") == 1 else None
+        runs[plan] = (sim, state, acts, counted)
+    return runs[plan]
+
+
+def predicted(profile, sim):
+    return estimate(profile, point_of(sim.plan, global_batch=BATCH, seq=SEQ), H100)
+
+
+@pytest.mark.parametrize("plan", PLANS + [PP_WITH_DP])
+def test_state_bytes_within_5_percent(profile, runs, plan):
+    sim, state, _, _ = run(plan, runs)
+    est = predicted(profile, sim)
+    # pp ranks today keep a copy of every parameter (README: only their stage's are trained), so the
+    # measured params are the whole model's; grads and optimizer state are the stage's, as predicted.
+    kinds = ("grads", "optimizer") if sim.plan.size("pp") > 1 else ("params", "grads", "optimizer")
+    for kind in kinds:
+        measured = max(s[kind] for s in state)
+        assert est.memory[kind] == pytest.approx(measured, rel=0.05), (kind, est.memory[kind], measured)
+
+
+@pytest.mark.parametrize("plan", [p for p in PLANS if "pp=" not in p])
+def test_activation_bytes_within_15_percent(profile, runs, plan):
+    sim, _, acts, _ = run(plan, runs)
+    est = predicted(profile, sim)
+    assert est.memory["activations"] == pytest.approx(max(acts), rel=0.15), (est.memory["activations"], acts)
+
+
+def _report_bytes(sim) -> Counter:
+    out = Counter()
+    for c in sim.report.collectives:
+        out[(c.axis, c.kind)] += c.bytes_per_step * sim.plan.world_size  # every rank issues the same
+    return out
+
+
+@pytest.mark.parametrize("plan", PLANS + ["dp=2 pp=2 mb=2 zero=1"])
+def test_report_collective_bytes_equal_counted_bytes(runs, plan):
+    sim, _, _, counted = run(plan, runs)
+    skip = REPORT_NOT_EXACT.get(plan, set())
+    report = _report_bytes(sim)
+    assert {k: v for k, v in report.items() if k[0] not in skip} == {
+        k: v for k, v in counted.items() if k[0] not in skip}
+
+
+@pytest.mark.parametrize("plan", PLANS + [PP_WITH_DP])
+def test_cost_model_collective_bytes_equal_counted_bytes(profile, runs, plan):
+    sim, _, _, counted = run(plan, runs)
+    skip = MODEL_NOT_EXACT.get(plan, set())
+    by_axis = Counter()
+    for (axis, _), nbytes in counted.items():
+        by_axis[axis] += nbytes
+    model = {a: v * sim.plan.world_size for a, v in predicted(profile, sim).bytes_by_axis().items()}
+    assert {a: round(v) for a, v in model.items() if a not in skip} == {
+        a: v for a, v in by_axis.items() if a not in skip}
+    for axis in skip:  # what cannot be exact is still close
+        assert model[axis] == pytest.approx(by_axis[axis], rel=0.15)
