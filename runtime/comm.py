@@ -9,7 +9,8 @@ backend failure into a CollectiveError that names the rank, collective, axis and
   process and the ranks of a group meet in a shared `ThreadGroup`. Each rank computes its result
   from all ranks' inputs in rank order, so all ranks get bitwise identical sums.
 
-All methods take local tensors and return new ones; inputs are never modified. `peer` and `rank`
+All methods take local tensors and return new ones; inputs are never modified (except by
+`all_reduce(..., inplace=True)`, which sums into a buffer the caller owns). `peer` and `rank`
 are indices inside the group; `group_ranks` maps them to global ranks.
 
 Example (a group of one, which is what a size-1 mesh axis gets)::
@@ -132,11 +133,19 @@ class Comm(ABC):
         return self.group_ranks[self.rank]
 
     # ----------------------------------------------------------------- public collectives
-    def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum", async_op: bool = False) -> Any:
-        """Elementwise sum (or max) over the group; every rank gets the same tensor."""
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp = "sum", async_op: bool = False, *,
+                   inplace: bool = False) -> Any:
+        """Elementwise sum (or max) over the group; every rank gets the same tensor.
+
+        inplace=True (the one exception to "inputs are never modified"): the caller hands over a
+        contiguous buffer it owns and gets the sum back in that same tensor, saving the copy of
+        the input (the gradient buckets reuse one buffer every step, as DDP's do)."""
         if op not in _TORCH_REDUCE_OPS:
             raise ValueError(f"all_reduce: op must be one of {sorted(_TORCH_REDUCE_OPS)}, got {op!r}")
-        return self._run("all-reduce", t, async_op, lambda: self._all_reduce(t, op, async_op))
+        if inplace and not t.is_contiguous():
+            raise ValueError("all_reduce(inplace=True) needs a contiguous tensor")
+        launch = self._all_reduce_into if inplace else self._all_reduce
+        return self._run("all-reduce", t, async_op, lambda: launch(t, op, async_op))
 
     def all_gather(self, t: torch.Tensor, dim: int, async_op: bool = False) -> Any:
         """Concatenate every rank's tensor along `dim`, in group-rank order."""
@@ -214,6 +223,16 @@ class Comm(ABC):
     # Each returns (result, Work); result is valid after Work.wait().
     @abstractmethod
     def _all_reduce(self, t: torch.Tensor, op: str, async_op: bool) -> tuple[torch.Tensor, Work]: ...
+
+    def _all_reduce_into(self, t: torch.Tensor, op: str, async_op: bool) -> tuple[torch.Tensor, Work]:
+        """The sum written into t itself; backends that can reduce in place override this."""
+        out, work = self._all_reduce(t, op, async_op)
+
+        def wait() -> None:
+            work.wait()
+            t.copy_(out)
+
+        return t, Work(wait, work.is_completed)
 
     @abstractmethod
     def _all_gather(self, t: torch.Tensor, dim: int, async_op: bool) -> tuple[torch.Tensor, Work]: ...
@@ -343,6 +362,12 @@ class ProcessGroupComm(Comm):
         def issue():
             out = t.clone(memory_format=torch.contiguous_format)
             return out, dist.all_reduce(out, op=_TORCH_REDUCE_OPS[op], group=self.group, async_op=True)
+
+        return self._launch([t], issue, async_op)
+
+    def _all_reduce_into(self, t, op, async_op):
+        def issue():
+            return t, dist.all_reduce(t, op=_TORCH_REDUCE_OPS[op], group=self.group, async_op=True)
 
         return self._launch([t], issue, async_op)
 

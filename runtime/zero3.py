@@ -120,11 +120,19 @@ class _GatherFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        """One reduce-scatter for the whole layer group, as FSDP2 does (a collective per parameter
+        costs a fixed latency each): every padded gradient is viewed [size, slice] and the views are
+        concatenated along dim 1, so rank r's chunk of the flat buffer is its slice of each gradient
+        in turn; the same elementwise sums as one reduce-scatter per parameter."""
         comm = ctx.node.comm
-        shard_grads = []
-        for grad, n in zip(grads, ctx.numels):
-            flat = pad_to_multiple(grad.reshape(-1), comm.size) if grad is not None else None
-            shard_grads.append(None if flat is None else comm.reduce_scatter(flat.contiguous(), 0))
+        present = [i for i, grad in enumerate(grads) if grad is not None]
+        if not present:
+            return (None, None, *grads)
+        rows = [pad_to_multiple(grads[i].reshape(-1), comm.size).view(comm.size, -1) for i in present]
+        mine = comm.reduce_scatter(torch.cat(rows, dim=1).reshape(-1), 0)
+        shard_grads: list[torch.Tensor | None] = [None] * len(grads)
+        for i, piece in zip(present, mine.split([r.shape[1] for r in rows])):
+            shard_grads[i] = piece
         return (None, None, *shard_grads)
 
 
