@@ -49,6 +49,14 @@ CHECKS = [
               lambda p: f"schedule=interleaved sends microbatches through the chunks in groups of pp, so mb must be "
                         f"a multiple of pp={p.size('pp')}, got mb={p.get('mb')}",
               "use mb=a multiple of pp"),
+    # ZB-H1 runs each backward as two passes (input gradients, then weight gradients): a selective
+    # region allows one backward, and a fully recomputed one would run, and communicate, twice
+    # (found by the all-dimension property suite: cp=2 pp=2 schedule=zb recompute=full was off).
+    PlanCheck(lambda p: "recompute", lambda p: p.size("pp") > 1 and p.get("schedule") == "zb"
+              and p.get("recompute") != "none",
+              lambda p: f"recompute={p.get('recompute')} with schedule=zb is not implemented yet (zb splits every "
+                        "backward into an input-gradient and a weight-gradient pass)",
+              "use schedule=1f1b or interleaved with recompute, or zb without it"),
     PlanCheck(lambda p: "zero", lambda p: p.size("pp") > 1 and int(p.get("zero")) == 3,
               lambda p: "zero=3 with pp>1 is not implemented yet", "use zero=1 or zero=2"),
     PlanCheck(lambda p: "schedule" if p.is_set("schedule") else "v",

@@ -248,6 +248,8 @@ def test_dp_that_does_not_divide_the_batch_names_dp_and_the_batch():
 
 @pytest.mark.parametrize("plan, position, name", [
     ("dp=2 pp=2 capacity_factor=1.5", (1, 11), "capacity_factor"),
+    ("pp=2 schedule=zb recompute=full", (1, 18), "recompute"),
+    ("pp=2 schedule=zb recompute=selective", (1, 18), "recompute"),
 ])
 def test_unimplemented_options_are_refused_by_name(plan, position, name):
     err = plan_error(TwoLinears(), plan, (torch.randn(4, 8),))
