@@ -30,7 +30,7 @@ from usc.compiler.report import graph_collectives, loss_value_records
 from usc.compiler.trace import Traced, module_path, trace
 from usc.dsl import PlanError, parse_plan
 from usc.passes import parallelize
-from usc.passes.pipeline_split import node_flops
+from usc.passes.pipeline_split import constant_nodes, node_flops
 from usc.passes.zero3 import layer_key
 
 aten = torch.ops.aten
@@ -234,9 +234,12 @@ def _boundaries(program, where: dict[str, str], units: list[str]) -> dict[str, t
     pipeline cut after the unit sends forward --, the same for those with a gradient, sent back)."""
     order = {u: i for i, u in enumerate(units)}
     out = {u: ({}, {}) for u in units}
+    # values computed from buffers alone (RoPE tables) are recomputed on each stage, never sent
+    recomputed = constant_nodes(program.gm, {s.placeholder for s in program.state if not s.trainable})
     for node in program.gm.graph.nodes:
         value = node.meta.get("val")
-        if node.op not in ("call_function", "call_module") or not isinstance(value, torch.Tensor):
+        if node.op not in ("call_function", "call_module") or not isinstance(value, torch.Tensor) \
+                or node in recomputed:
             continue
         last_use = max((order[where[u.name]] for u in node.users if u.op != "output"), default=-1)
         first = order[where[node.name]]

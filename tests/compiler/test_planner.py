@@ -77,7 +77,7 @@ def test_usc_plan_returns_a_plan_with_its_reasons():
     assert isinstance(plan, usc.Plan) and plan.world_size == 4 and not plan.auto
     assert plan.get("zero") == 1 and plan.size("dp") > 1
     best = plan.search.best.plan.text()
-    assert usc.parse_plan(best).axes == plan.axes and f"chosen: {best}" in str(plan.search)
+    assert usc.parse_plan(best).axes == plan.axes and f"chosen: {usc.parse_plan(best)}" in str(plan.search)
 
 
 def test_no_plan_fits_is_a_plan_error():

@@ -29,8 +29,11 @@ PLANS = ["dp=2", "tp=2", "tp=2 sp=on", "cp=2", "cp=2 cp_mode=zigzag", "dp=2 zero
 # count over pp and dp outside the graph (the cost model counts those sums).
 REPORT_NOT_EXACT = {"dp=2 zero=3": {"dp"}, "pp=2 mb=2": {"pp"}, "pp=2 mb=4 schedule=gpipe": {"pp"},
                     "dp=2 pp=2 mb=2 zero=1": {"dp", "pp"}}
-# with pp and dp, the pipeline executor's loss scalars over dp differ from the graph's by a few hundred bytes
-MODEL_NOT_EXACT = {"dp=2 pp=2 mb=2 zero=1": {"dp"}}
+# with pp and dp, the pipeline executor's loss scalars over dp differ from the graph's by a few hundred bytes;
+# the stage split recomputes values made from buffers alone (RoPE tables) on every stage instead of sending
+# them, and the cost model still counts the tables it profiled sharded (cp/sp probes) as crossing a cut
+# (6% over on these plans)
+MODEL_NOT_EXACT = {"dp=2 pp=2 mb=2 zero=1": {"dp", "pp"}, "pp=2 mb=2": {"pp"}, "pp=2 mb=4 schedule=gpipe": {"pp"}}
 
 
 @pytest.fixture(scope="module")
