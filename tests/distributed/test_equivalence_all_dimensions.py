@@ -48,8 +48,11 @@ def plan_and_model(draw, *, max_ranks: int):
     batch = dp * ep * (plan.get("mb") or 1) * draw(st.sampled_from([1, 2]))
     vocab = 8 * tp * draw(st.sampled_from([1, 2]))
     if ep > 1 or draw(st.integers(0, 3)) == 0:  # mixture of experts: 8 experts, top-2
-        # Mixtral's block returns flattened router logits, which sp=on refuses: DeepSeek's then
-        family = "deepseek" if plan.get("sp") else draw(st.sampled_from(["mixtral", "deepseek"]))
+        # Mixtral's block returns flattened router logits, which sp=on refuses, and its auxiliary
+        # loss is a product of batch means, which microbatches average (as Megatron does, so not
+        # the one-batch value; documented): DeepSeek's block then
+        single = not plan.get("sp") and int(plan.get("mb") or 1) == 1
+        family = draw(st.sampled_from(["mixtral", "deepseek"])) if single else "deepseek"
         kv_heads = draw(st.sampled_from([d for d in range(1, heads + 1)
                                          if heads % d == 0 and d % (head_unit if ulysses else 1) == 0]))
         unit = 4 * tp * draw(st.sampled_from([1, 2]))
@@ -71,7 +74,7 @@ FAMILIES = {"llama": (TinyLlama, token_batch), "gpt2": (TinyGPT2, shifted_batch)
 # The routers score in float32 (softmax(..., dtype=float), as Mixtral and DeepSeek do): the mesh
 # runs the same float32 ops on the same rows, but a sum over a different token split can round
 # differently, so MoE models get a little more room than dense ones.
-MOE_FLOAT64 = {"rtol": 1e-9, "atol": 1e-10, "param_atol": 1e-7}
+MOE_FLOAT64 = {"rtol": 1e-7, "atol": 1e-9, "param_atol": 1e-6}
 
 
 def _check(case, *, runner=None):
