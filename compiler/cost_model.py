@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from .hardware import HardwareProfile
+from .partition import balanced_cut
 
 # Sustained fraction of the tensor-core peak over a step's matmuls and attention kernels. Large
 # cuBLAS GEMMs reach 70-80% of peak, FlashAttention less; well-tuned dense runs report 40-55% MFU
@@ -292,29 +293,6 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
                     blocks=sum(u.blocks for u in units), largest_acts=largest,
                     params_expert=sum(u.params_expert for u in units), moe_layers=sum(u.moe_layers for u in units),
                     params_saved=(sum(u.params_saved[0] for u in units), sum(u.params_saved[1] for u in units)))
-
-
-def balanced_cut(costs: list[float], parts: int) -> list[int]:
-    """Stage of each unit: contiguous, minimising the largest part (exact DP over few units)."""
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    best = [[math.inf] * (parts + 1) for _ in range(n + 1)]
-    cut = [[0] * (parts + 1) for _ in range(n + 1)]
-    best[0][0] = 0.0
-    for i in range(1, n + 1):
-        for p in range(1, min(parts, i) + 1):
-            for j in range(p - 1, i):
-                value = max(best[j][p - 1], prefix[i] - prefix[j])
-                if value < best[i][p]:
-                    best[i][p], cut[i][p] = value, j
-    stages, i = [0] * n, n
-    for p in range(parts, 0, -1):
-        j = cut[i][p]
-        stages[j:i] = [p - 1] * (i - j)
-        i = j
-    return stages
 
 
 def in_flight(plan: PlanPoint) -> float:

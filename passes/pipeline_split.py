@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
+from usc.compiler.partition import balanced_cut
 from usc.compiler.trace import module_path
 
 from .graph_edit import shape_of
@@ -46,30 +47,6 @@ def node_flops(node: fx.Node) -> float:
         b, h, s, d = shape_of(node.args[0])
         return 4.0 * b * h * s * shape_of(node.args[1])[2] * d
     return float(math.prod(out))
-
-
-def balanced_cut(costs: list[float], parts: int) -> list[int]:
-    """Stage of each unit: contiguous, minimising the largest stage cost (exact DP; units are few)."""
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    best = [[math.inf] * (parts + 1) for _ in range(n + 1)]
-    cut = [[0] * (parts + 1) for _ in range(n + 1)]
-    best[0][0] = 0.0
-    for i in range(1, n + 1):
-        for p in range(1, min(parts, i) + 1):
-            for j in range(p - 1, i):
-                value = max(best[j][p - 1], prefix[i] - prefix[j])
-                if value < best[i][p]:
-                    best[i][p], cut[i][p] = value, j
-    stages, i = [0] * n, n
-    for p in range(parts, 0, -1):
-        j = cut[i][p]
-        for unit in range(j, i):
-            stages[unit] = p - 1
-        i = j
-    return stages
 
 
 class CutError(ValueError):

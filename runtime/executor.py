@@ -433,9 +433,10 @@ class _nothing:
         return False
 
 
-def estimate_activation_bytes(program, **options) -> int:
-    """Activation bytes rank 0 saves for backward in one forward, found by running its program on
-    fake tensors with peerless collectives (ShapeComm): no memory, no processes, any mesh size."""
+@contextlib.contextmanager
+def fake_rank_zero(program, **options):
+    """Rank 0 of ``program`` on fake tensors with peerless collectives (ShapeComm), and a batch of
+    its input shapes: no memory, no processes, any mesh size. Yields (executor, batch)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .comm import ShapeComm
@@ -449,7 +450,13 @@ def estimate_activation_bytes(program, **options) -> int:
             tensor = torch.zeros(spec.global_shape, dtype=spec.dtype)
             state[spec.name] = torch.nn.Parameter(tensor) if spec.kind == "param" and spec.trainable else tensor
         batch = tuple(torch.zeros(spec.global_shape, dtype=spec.dtype) for spec in program.inputs)
-        rank = RankExecutor(program, mesh, state, microbatches=1, **options)
+        yield RankExecutor(program, mesh, state, microbatches=1, **options), batch
+
+
+def estimate_activation_bytes(program, **options) -> int:
+    """Activation bytes rank 0 saves for backward in one forward, found by running its program on
+    fake tensors with peerless collectives (ShapeComm): no memory, no processes, any mesh size."""
+    with fake_rank_zero(program, **options) as (rank, batch):
         return rank.activation_bytes(batch)
 
 

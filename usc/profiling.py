@@ -360,21 +360,9 @@ def _saved_tensors(program) -> tuple[list[tuple[str, int, bool]], set[str]]:
     """(node, bytes, is_float) of every storage rank 0 saves for backward in one forward, on fake
     tensors (a storage made inside a node, e.g. ring attention's blocks, belongs to that node), and
     the names of the parameters autograd saves."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from usc.runtime.executor import fake_rank_zero
 
-    from usc.runtime.comm import ShapeComm
-    from usc.runtime.executor import RankExecutor
-    from usc.runtime.mesh import Mesh
-
-    mesh = Mesh(program.mesh.axes, program.mesh.shape, 0, torch.device("cpu"),
-                {a: ShapeComm(a, n) for a, n in zip(program.mesh.axes, program.mesh.shape)})
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        state = {}
-        for spec in program.state:
-            tensor = torch.zeros(spec.global_shape, dtype=spec.dtype)
-            state[spec.name] = torch.nn.Parameter(tensor) if spec.kind == "param" and spec.trainable else tensor
-        batch = tuple(torch.zeros(spec.global_shape, dtype=spec.dtype) for spec in program.inputs)
-        rank = RankExecutor(program, mesh, state, microbatches=1)
+    with fake_rank_zero(program) as (rank, batch):
         recorder = _Recorder(rank.gm)
         rank.gm = recorder
         params = {rank.state[s.placeholder].untyped_storage()._cdata: s.name for s in program.state
