@@ -15,7 +15,7 @@ from gloo_cases import MODELS, train_cases
 from harness import run_world
 from usc.testing import assert_equivalent
 from usc.testing.equivalence import compare_states, reference_run
-from usc.testing.models import LlamaConfig, TinyLlama, token_batch
+from usc.testing.models import DropoutNet, LlamaConfig, TinyLlama, token_batch
 from usc.testing.strategies import plans
 
 STEPS = 3
@@ -67,23 +67,6 @@ def test_bf16_recompute_computes_exactly_what_bf16_computes():
         again, state_again = _train(f"dp=2 dtype=bf16 recompute={mode}", batches)
         assert again == losses
         assert all(torch.equal(state[k], state_again[k]) for k in state)
-
-
-class DropoutNet(nn.Module):
-    """Dropout inside the blocks: a recompute that drew new random numbers would change the gradients."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(32, 16)
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.5), nn.Linear(32, 16))
-                                    for _ in range(2))
-        self.head = nn.Linear(16, 32)
-
-    def forward(self, tokens, labels):
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = x + layer(x)
-        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
 @pytest.mark.parametrize("plan", ["recompute=full", "recompute=selective"])

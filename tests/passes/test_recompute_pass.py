@@ -11,7 +11,7 @@ from usc.api import _Compiled
 from usc.compiler.ir import META
 from usc.runtime.collectives import AllReduce, GradAllReduce
 from usc.runtime.recompute import Recompute
-from usc.testing.models import LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
+from usc.testing.models import DropoutNet, LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
 
 aten = torch.ops.aten
 BATCH = token_batch(128, 4, 16)
@@ -108,24 +108,9 @@ def test_pipeline_stages_get_their_own_regions():
     assert all(regions(stage) for stage in stages)
 
 
-class DropoutNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(32, 16)
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.3), nn.Linear(32, 16))
-                                    for _ in range(2))
-        self.head = nn.Linear(16, 32)
-
-    def forward(self, tokens, labels):
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = x + layer(x)
-        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
-
-
 def test_random_ops_are_never_inside_a_region():
     batch = (torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8)))
-    gm = program("recompute=full", DropoutNet(), batch).gm
+    gm = program("recompute=full", DropoutNet(p=0.3), batch).gm
     found = regions(gm)
     assert found
     for region in found:
@@ -174,7 +159,7 @@ class InPlaceBlock(nn.Module):
 
 class InPlaceNet(DropoutNet):
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(p=0.3)
         self.layers = nn.ModuleList(InPlaceBlock() for _ in range(2))
 
 

@@ -350,6 +350,24 @@ class TinyDeepSeek(_MoEDecoder):
         super().__init__(cfg, DeepSeekMoE)
 
 
+class DropoutNet(nn.Module):
+    """Two residual MLP blocks with dropout inside: a recompute that drew new random numbers would
+    change the gradients. forward(tokens [B, S] < 32, labels) -> mean cross-entropy."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(p), nn.Linear(32, 16))
+                                    for _ in range(2))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
 def token_batch(vocab: int, batch: int, seq: int, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A deterministic (tokens, labels) batch of random ids; labels equal tokens (the model shifts)."""
     gen = torch.Generator().manual_seed(seed)
