@@ -2,16 +2,18 @@
 layer just before use, then dropped; autograd's saved copies are re-gathered in backward.
 
 Graph nodes (inserted by passes/zero3.py, bound to a rank like the collectives):
-- ``ZeroFetch(axis, group)``: launches async all-gathers of one layer's parameter slices and
-  returns the in-flight buffers. The pass places the fetch of layer i+1 before layer i's first
-  use, so the transfer overlaps layer i's compute (prefetch).
-- ``ZeroGather(axis, group, shapes)``: waits for a fetch and hands out the full parameters (views
-  of the gathered buffers). Backward: the full gradients are reduce-scattered into the slices.
+- ``ZeroFetch(axis, group)``: launches one async all-gather of a layer's parameter slices laid
+  end to end, and returns the in-flight buffer. The pass places the fetch of layer i+1 before
+  layer i's first use, so the transfer overlaps layer i's compute (prefetch).
+- ``ZeroGather(axis, group, shapes)``: waits for a fetch, copies the gathered rows into one buffer
+  where each parameter is contiguous, and hands out the full parameters as views of it. Backward:
+  the layer's gradients are reduce-scattered into the slices in one collective.
 
 Freeing: the executor runs forward under ``saved_tensors_hooks(registry.pack, registry.unpack)``;
-a tensor autograd saves that lives in a gathered buffer is replaced by a small token and gathered
-again when backward needs it. So between forward uses only the current and the prefetched
-layer are whole on a rank; ``registry.peak_live_groups`` records it.
+a tensor autograd saves that lives in a gathered buffer is replaced by a small token, and backward
+gathers the layer again once, on the first unpack. So between forward uses only the current and
+the prefetched layer are whole on a rank; ``registry.peak_live_groups`` records it. A step costs
+three collectives per layer (gather, re-gather, reduce-scatter), whatever its parameter count.
 """
 
 from __future__ import annotations
@@ -28,17 +30,26 @@ from .reducer import pad_to_multiple
 
 @dataclass
 class Zero3Registry:
-    """Per rank: which storages are gathered parameters, and how many layers are whole at once."""
+    """Per rank: which storages hold gathered parameters, and how many layers are whole at once.
+
+    A layer group's parameters are gathered into one buffer (``GroupBuffer``), so a tensor autograd
+    saves from it is packed as a small ``_Regather`` token, and backward gathers the whole group
+    again once, on the first unpack; later unpacks of the same group reuse that buffer until the
+    group's gradients have been reduce-scattered (``release``)."""
 
     live: dict[str, int] = field(default_factory=dict)  # group -> live gathered buffers
     peak_live_groups: int = 0
-    sources: dict[int, tuple] = field(default_factory=dict)  # storage ptr -> (comm, shard, group)
+    sources: dict[int, "GroupSource"] = field(default_factory=dict)  # storage ptr -> its group's slices
+    regathered: dict[str, torch.Tensor] = field(default_factory=dict)  # group -> buffer gathered for backward
 
-    def gathered(self, group: str, buf: torch.Tensor, comm, shard: torch.Tensor) -> None:
+    def track(self, group: str, buf: torch.Tensor, source: "GroupSource | None" = None) -> None:
+        """Count ``buf`` as a whole copy of ``group`` while it lives; with ``source``, tensors saved
+        from it are dropped after forward and gathered again in backward."""
         self.live[group] = self.live.get(group, 0) + 1
         self.peak_live_groups = max(self.peak_live_groups, sum(1 for n in self.live.values() if n))
         ptr = buf.untyped_storage()._cdata  # unique per storage, fake tensors included
-        self.sources[ptr] = (comm, shard, group)
+        if source is not None:
+            self.sources[ptr] = source
         weakref.finalize(buf.untyped_storage(), self._freed, group, ptr)
 
     def _freed(self, group: str, ptr: int) -> None:
@@ -49,35 +60,95 @@ class Zero3Registry:
         source = self.sources.get(t.untyped_storage()._cdata) if isinstance(t, torch.Tensor) else None
         if source is None:
             return t
-        return _Regather(source[0], source[1], tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        return _Regather(self, source, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
     @staticmethod
     def unpack(packed):
         return packed.load() if isinstance(packed, _Regather) else packed
 
+    def gather_again(self, source: "GroupSource") -> torch.Tensor:
+        """The group's gathered buffer for backward: one all-gather, shared by every saved tensor."""
+        buf = self.regathered.get(source.group)
+        if buf is None:
+            buf = source.gather()
+            self.regathered[source.group] = buf
+            self.track(source.group, buf)
+        return buf
+
+    def release(self, group: str) -> None:
+        """The group's backward is done: drop its re-gathered buffer."""
+        self.regathered.pop(group, None)
+
+
+@dataclass(frozen=True)
+class GroupSource:
+    """What gathering one layer group needs: the group, its communicator, its slices, its shapes."""
+
+    group: str
+    comm: object
+    shards: tuple
+    shapes: tuple
+
+    def gather(self) -> torch.Tensor:
+        gathered = self.comm.all_gather(flat_slices(self.shards), 0)
+        return copy_out(gathered, self.shards, self.shapes, self.comm.size)
+
+
+def flat_slices(shards) -> torch.Tensor:
+    """This rank's slices of one group, end to end: what one all-gather sends."""
+    dtypes = {s.dtype for s in shards}
+    if len(dtypes) != 1:
+        raise TypeError(f"ZeRO-3 gathers one layer's parameters in one buffer, but they have dtypes "
+                        f"{sorted(map(str, dtypes))}; give the layer's parameters one dtype")
+    return torch.cat([s.detach().reshape(-1) for s in shards])
+
+
+def copy_out(gathered: torch.Tensor, shards, shapes, n: int) -> torch.Tensor:
+    """Rearrange an all-gather of ``flat_slices`` into one buffer holding each full (padded)
+    parameter contiguously: the gathered rows are ranks, and parameter i is column block i of every
+    row, in rank order. Returns the buffer; parameter i starts at sum of the padded sizes before it."""
+    rows = gathered.view(n, -1)
+    sizes = [s.numel() for s in shards]
+    out = gathered.new_empty(n * sum(sizes))
+    start = column = 0
+    for size in sizes:
+        out[start: start + n * size].view(n, size).copy_(rows[:, column: column + size])
+        start, column = start + n * size, column + size
+    return out
+
+
+def views(buf: torch.Tensor, shards, shapes, n: int) -> list[torch.Tensor]:
+    """The full parameters as views of a ``copy_out`` buffer."""
+    outs, start = [], 0
+    for shard, shape in zip(shards, shapes):
+        outs.append(buf[start: start + math.prod(shape)].view(shape))
+        start += n * shard.numel()
+    return outs
+
 
 @dataclass
 class _Regather:
-    """A saved gathered parameter, dropped after forward; gathered again when backward unpacks it."""
+    """A saved gathered parameter, dropped after forward; its group is gathered again (once) when
+    backward unpacks it."""
 
-    comm: object
-    shard: torch.Tensor
+    registry: Zero3Registry
+    source: GroupSource
     size: tuple
     stride: tuple
     offset: int
 
     def load(self) -> torch.Tensor:
-        full = self.comm.all_gather(self.shard.detach(), 0)
-        return full.as_strided(self.size, self.stride, self.offset)
+        return self.registry.gather_again(self.source).as_strided(self.size, self.stride, self.offset)
 
 
 class _Fetch:
-    def __init__(self, pending: list[tuple[torch.Tensor, object]]) -> None:
-        self.pending = pending
+    def __init__(self, gathered: torch.Tensor, work, shards: tuple) -> None:
+        self.gathered, self.work, self.shards = gathered, work, shards
 
 
 class ZeroFetch(CollectiveNode):
-    """Start the all-gathers of one layer group's slices (async); ZeroGather waits for them."""
+    """Start the all-gather of one layer group's slices, as one flat buffer (async); ZeroGather
+    waits for it. One collective per layer, not per parameter: each costs a fixed latency."""
 
     kind = "all-gather"
 
@@ -88,11 +159,10 @@ class ZeroFetch(CollectiveNode):
     registry: Zero3Registry | None = None
 
     def forward(self, *shards: torch.Tensor) -> _Fetch:
-        pending = [self.comm.all_gather(s.detach(), 0, async_op=True) for s in shards]
-        if self.registry is not None:  # the buffers exist from now on, even while in flight
-            for (buf, _), shard in zip(pending, shards):
-                self.registry.gathered(self.group, buf, self.comm, shard)
-        return _Fetch(pending)
+        gathered, work = self.comm.all_gather(flat_slices(shards), 0, async_op=True)
+        if self.registry is not None:  # the buffer exists from now on, even while in flight
+            self.registry.track(self.group, gathered)
+        return _Fetch(gathered, work, shards)
 
     def global_fn(self, *shards):
         return None
@@ -111,12 +181,13 @@ class ZeroFetch(CollectiveNode):
 class _GatherFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fetch: _Fetch, node: "ZeroGather", *shards: torch.Tensor):
-        ctx.node, ctx.numels = node, [math.prod(s) for s in node.shapes]
-        outs = []
-        for (buf, work), shard, shape, n in zip(fetch.pending, shards, node.shapes, ctx.numels):
-            work.wait()
-            outs.append(buf[:n].view(shape))
-        return tuple(outs)
+        ctx.node = node
+        fetch.work.wait()
+        n = node.comm.size
+        buf = copy_out(fetch.gathered, shards, node.shapes, n)
+        if node.registry is not None:
+            node.registry.track(node.group, buf, GroupSource(node.group, node.comm, shards, node.shapes))
+        return tuple(views(buf, shards, node.shapes, n))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -124,7 +195,10 @@ class _GatherFn(torch.autograd.Function):
         costs a fixed latency each): every padded gradient is viewed [size, slice] and the views are
         concatenated along dim 1, so rank r's chunk of the flat buffer is its slice of each gradient
         in turn; the same elementwise sums as one reduce-scatter per parameter."""
-        comm = ctx.node.comm
+        node = ctx.node
+        comm = node.comm
+        if node.registry is not None:
+            node.registry.release(node.group)
         present = [i for i, grad in enumerate(grads) if grad is not None]
         if not present:
             return (None, None, *grads)

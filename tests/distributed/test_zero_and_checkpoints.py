@@ -148,6 +148,23 @@ def test_zero3_holds_at_most_two_layers_whole():
     gathers = [c for c in sim.report.collectives if c.kind == "all-gather" and c.direction == "forward"]
     assert [c.module for c in gathers] == ["embed_tokens", "layers.0", "layers.1", "layers.2", "layers.3",
                                            "norm", "lm_head"]
+
+
+def test_zero3_moves_each_layer_in_one_collective_per_direction():
+    """A collective per parameter costs a fixed latency each: a step gathers each layer once in
+    forward, at most once more in backward, and reduce-scatters its gradients once."""
+    batch = token_batch(128, 8, 16)
+    sim = usc.simulate(TinyLlama(LlamaConfig(layers=4)), "dp=4 zero=3", example_inputs=batch)
+    groups = [c.module for c in sim.report.collectives if c.kind == "all-gather" and c.direction == "forward"]
+    params = [s for s in sim.program.state if s.zero3]
+    assert len(params) > 4 * len(groups) // 2  # many parameters per group, so the count means something
+    comm = sim.ranks[0].mesh.comm("dp")
+    sim.step(*batch)
+    before = dict(comm.stats.calls)
+    sim.step(*batch)
+    calls = {kind: n - before.get(kind, 0) for kind, n in comm.stats.calls.items()}
+    assert calls["reduce-scatter"] == len(groups)
+    assert len(groups) < calls["all-gather"] <= 2 * len(groups)
     total = sum(p.numel() for p in TinyLlama(LlamaConfig(layers=4)).parameters())
     assert sum(p.numel() for p in sim.ranks[0].params) == pytest.approx(total / 4, rel=0.01)
 
