@@ -1,13 +1,29 @@
-"""Idle fraction per pipeline rank of each schedule on real gloo processes (p=4 or 2, m=8).
+"""Idle fraction per pipeline rank of each schedule, measured on real gloo processes (p=4, m=8).
 
-    python benchmarks/pipeline_bubble.py        # pp=4
-    python benchmarks/pipeline_bubble.py 2      # pp=2 (one process per core on a 2-core machine)
+    python benchmarks/pipeline_bubble.py                   # pp=4, mb=8, emulated device compute
+    python benchmarks/pipeline_bubble.py --pp 2 --real     # real CPU compute (one process per core)
 
-Local processes train an 8-layer Llama-style model with pp=P and 8 microbatches. Each rank
-records its forward/backward spans (Chrome trace); idle fraction = 1 - busy time / step time,
-where busy time counts the F/B spans minus the time blocked in receives inside them.
+Each rank runs usc's pipeline executor on its own process (gloo send/recv between stages) and
+records its spans (Chrome trace). Idle fraction of a rank = 1 - (time in forward/backward/weight
+spans - time blocked on receives inside them) / step time.
+
+Why emulated compute by default: on a machine with fewer cores than ranks, processes that compute
+at once share cores, so a rank's busy time stretches with how many others are busy and the idle
+fraction measures the operating system's scheduler, not the pipeline. With ``--emulate`` (the
+default) every layer is a linear whose forward, input-gradient and weight-gradient each also hold
+the rank for a fixed time without using a core (``time.sleep``, as an accelerator kernel would), so
+p ranks on fewer cores behave like p devices. The executor, the schedules, the stage split and the
+gloo transfers are the real ones; only the arithmetic is replaced by waiting. ``--real`` measures
+plain CPU compute instead (meaningful where each rank has a core of its own).
+
+The expected idle fraction of a step with unit-time actions is printed next to each measurement:
+(p-1)/(m+p-1) for gpipe and 1f1b (a bubble of (p-1)/m relative to the work), (p-1)/(v*m+p-1) for
+interleaved; zb fills part of the bubble with deferred weight-gradient steps.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 import os
 import sys
@@ -15,6 +31,7 @@ import tempfile
 import time
 
 import torch
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,15 +40,71 @@ from usc.runtime.launch import launch_local  # noqa: E402
 from usc.testing.models import LlamaConfig, TinyLlama, token_batch  # noqa: E402
 
 CFG = LlamaConfig(vocab=256, hidden=128, heads=4, kv_heads=2, mlp=384, layers=8, max_seq=128)
+SCHEDULES = ("gpipe", "1f1b", "interleaved v=2", "zb")
 
 
-def run(plan: str, trace_dir: str) -> dict:
+@torch.library.custom_op("uscbench::hold", mutates_args=())
+def hold(x: torch.Tensor, forward_ms: float, backward_ms: float) -> torch.Tensor:
+    """The identity that also holds the rank for ``forward_ms`` (emulated device time); its
+    gradient holds it for ``backward_ms``."""
+    time.sleep(forward_ms / 1e3)
+    return x.clone()
+
+
+@hold.register_fake
+def _(x, forward_ms, backward_ms):
+    return torch.empty_like(x)
+
+
+def _hold_setup(ctx, inputs, output):
+    ctx.backward_ms = inputs[2]
+
+
+def _hold_backward(ctx, grad):
+    return hold(grad, ctx.backward_ms, 0.0), None, None
+
+
+hold.register_autograd(_hold_backward, setup_context=_hold_setup)
+
+
+class TimedLayer(nn.Module):
+    """tanh(x W^T) where the forward, the input gradient and the weight gradient each hold the rank
+    for ``ms``: the waits sit on the input path and on the weight's own branch, so zb's split
+    backward pays each once, as with a real linear."""
+
+    def __init__(self, hidden: int, ms: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(hidden, hidden) / hidden ** 0.5)
+        self.ms = ms
+
+    def forward(self, x):
+        return torch.tanh(hold(x, self.ms, self.ms) @ hold(self.weight, 0.0, self.ms).t())
+
+
+class TimedNet(nn.Module):
+    """8 layers of emulated device time; a mean-square loss."""
+
+    def __init__(self, hidden: int = 64, layers: int = 8, ms: float = 5.0) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TimedLayer(hidden, ms) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+def run(plan: str, trace_dir: str, emulate_ms: float | None) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    batch = token_batch(CFG.vocab, 16, 64)
-    step = usc.compile(TinyLlama(CFG), plan, example_inputs=batch)
+    if emulate_ms is None:
+        model, batch = TinyLlama(CFG), token_batch(CFG.vocab, 16, 64)
+    else:
+        model, batch = TimedNet(ms=emulate_ms), (torch.randn(16, 32, 64),)
+    step = usc.compile(model, plan, example_inputs=batch)
     step.step(*batch)  # warm up
     rank = int(os.environ["RANK"])
+    step.step(*batch)
     start = time.perf_counter()
     step.step(*batch, trace=os.path.join(trace_dir, "t.json"))
     wall = time.perf_counter() - start
@@ -42,14 +115,33 @@ def run(plan: str, trace_dir: str) -> dict:
     return {"rank": rank, "wall": wall, "idle": 1 - (busy - waiting) / wall}
 
 
+def expected_idle(schedule: str, p: int, m: int) -> str:
+    if schedule in ("gpipe", "1f1b"):
+        return f"{(p - 1) / (m + p - 1):.0%}"
+    if schedule.startswith("interleaved"):
+        v = int(schedule.split("v=")[1])
+        return f"{(p - 1) / (v * m + p - 1):.0%}"
+    return "below 1f1b"
+
+
 def main() -> None:
-    pp = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--mb", type=int, default=8)
+    parser.add_argument("--emulate", type=float, default=5.0, metavar="MS",
+                        help="milliseconds of emulated device time per layer and per pass (default 5)")
+    parser.add_argument("--real", action="store_true", help="real CPU compute (TinyLlama, 8 layers) instead")
+    args = parser.parse_args()
+    emulate = None if args.real else args.emulate
+    what = "real CPU compute, 8-layer Llama-style model" if args.real else \
+        f"emulated device compute, {args.emulate:g} ms per layer per forward / input-grad / weight-grad"
+    print(f"pp={args.pp} mb={args.mb}, {what}; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as tmp:
-        for schedule in ("gpipe", "1f1b", "interleaved v=2", "zb"):
-            results = launch_local(run, pp, f"pp={pp} mb=8 schedule={schedule}", tmp)
+        for schedule in SCHEDULES:
+            results = launch_local(run, args.pp, f"pp={args.pp} mb={args.mb} schedule={schedule}", tmp, emulate)
             idle = ", ".join(f"{r['idle']:.0%}" for r in results)
             print(f"schedule={schedule:<15} step {max(r['wall'] for r in results) * 1e3:6.0f} ms; "
-                  f"idle per rank: {idle}")
+                  f"idle per rank: {idle}  (unit-time model: {expected_idle(schedule, args.pp, args.mb)})")
 
 
 if __name__ == "__main__":

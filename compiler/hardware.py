@@ -115,6 +115,16 @@ A100 = HardwareProfile(
 BUILTIN_PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H100, A100)}
 
 
+def with_plan_memory(hw: HardwareProfile, plan) -> HardwareProfile:
+    """``hw`` with the device memory the plan writes (``memory=40GB``: an A100-40GB, say)."""
+    if not plan.is_set("memory"):
+        return hw
+    from usc.dsl import OPTIONS
+
+    written = OPTIONS["memory"].kind.format(int(plan.get("memory")))
+    return replace(hw, name=f"{hw.name} with memory={written}", hbm_bytes=int(plan.get("memory")))
+
+
 def hardware_profile(spec: "str | Path | HardwareProfile") -> HardwareProfile:
     """A profile from a built-in name ("h100", "a100"), a .toml/.json file path, or a profile."""
     if isinstance(spec, HardwareProfile):

@@ -4,10 +4,21 @@ the traced graph with it, and the cost model predicts the same stages with it.""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+
+Fits = Callable[[int, int, int], bool]
+"""``fits(start, stop, part)``: whether units ``start..stop-1`` may form part ``part``."""
 
 
-def balanced_cut(costs: list[float], parts: int) -> list[int]:
-    """Stage of each unit: contiguous, minimising the largest stage cost (exact DP; units are few)."""
+class NoCutFits(ValueError):
+    """No contiguous partition satisfies the ``fits`` predicate."""
+
+
+def balanced_cut(costs: list[float], parts: int, fits: Fits | None = None) -> list[int]:
+    """Stage of each unit: contiguous, minimising the largest stage cost (exact DP; units are few).
+
+    With ``fits``, only partitions whose every part fits are considered (the pipeline split's
+    memory check); NoCutFits when there is none."""
     n = len(costs)
     prefix = [0.0]
     for c in costs:
@@ -18,9 +29,13 @@ def balanced_cut(costs: list[float], parts: int) -> list[int]:
     for i in range(1, n + 1):
         for p in range(1, min(parts, i) + 1):
             for j in range(p - 1, i):
+                if fits is not None and not fits(j, i, p - 1):
+                    continue
                 value = max(best[j][p - 1], prefix[i] - prefix[j])
                 if value < best[i][p]:
                     best[i][p], cut[i][p] = value, j
+    if math.isinf(best[n][parts]):
+        raise NoCutFits(f"no contiguous split of {n} units into {parts} parts fits")
     stages, i = [0] * n, n
     for p in range(parts, 0, -1):
         j = cut[i][p]

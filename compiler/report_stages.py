@@ -33,6 +33,18 @@ class StageRecord:
     flops: float  # per microbatch, from the global shapes (what the split balanced)
     param_bytes: int  # this rank's parameters used by the stage (before ZeRO sharding)
     sends: tuple[StageTransfer, ...]
+    # the split's memory estimate (automatic split): parameters with gradients and optimizer state
+    # after ZeRO, activations kept per microbatch, and the schedule's peak microbatches in flight
+    state_bytes: float | None = None
+    activation_bytes: float | None = None
+    in_flight: int | None = None
+
+    @property
+    def memory_bytes(self) -> float | None:
+        """The estimated peak a device holds for this stage (None for a manual split)."""
+        if self.state_bytes is None:
+            return None
+        return self.state_bytes + self.in_flight * self.activation_bytes
 
 
 def _bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -92,5 +104,6 @@ def stage_table(program: Program) -> list[StageRecord]:
         used = {a.name for a in node.args if isinstance(a, fx.Node) and a.op == "placeholder" and a.name in params}
         nbytes = sum(_bytes(params[p].layout.local_shape(params[p].global_shape, program.mesh), params[p].dtype)
                      for p in used)
-        records.append(StageRecord(i, i % pp, tuple(cost["modules"]), cost["flops"], nbytes, tuple(sends[i])))
+        records.append(StageRecord(i, i % pp, tuple(cost["modules"]), cost["flops"], nbytes, tuple(sends[i]),
+                                   cost.get("state_bytes"), cost.get("activation_bytes"), cost.get("in_flight")))
     return records

@@ -99,8 +99,11 @@ def stage_lines(report) -> list[str]:
     lines = [f"pipeline stages (FLOPs per microbatch estimated from the shapes; largest/smallest "
              f"{max(flops) / max(min(flops), 1):.2f}):"]
     for s in report.stages:
+        memory = "" if s.memory_bytes is None else (
+            f", memory ~{human_bytes(s.memory_bytes)} (state {human_bytes(s.state_bytes)} + {s.in_flight} "
+            f"microbatch{'es' if s.in_flight != 1 else ''} x {human_bytes(s.activation_bytes)})")
         lines.append(f"  stage {s.index} on pp rank {s.rank}: {s.flops / 1e6:,.2f} MFLOP, parameters "
-                     f"{human_bytes(s.param_bytes)}: {', '.join(s.modules) or '(no layer)'}")
+                     f"{human_bytes(s.param_bytes)}{memory}: {', '.join(s.modules) or '(no layer)'}")
         for t in s.sends:
             shape = "[" + ", ".join(str(d) for d in t.shape) + "]"
             back = " (gradient back)" if t.grad else ""

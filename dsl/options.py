@@ -105,6 +105,40 @@ class PositiveNumber(ValueKind):
         return "a number > 0"
 
 
+_BYTES = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)", re.ASCII)
+_BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+@dataclass(frozen=True)
+class ByteSize(ValueKind):
+    """A size in bytes written with its unit (``80GB``, ``40GiB``, ``512MiB``, ``1.5TB``); stored as an
+    int of bytes, written back in the largest binary or decimal unit that keeps it whole."""
+
+    def parse(self, name: str, text: str) -> int:
+        match = _BYTES.fullmatch(text)
+        if not match:
+            raise Problem(f"expected a size with a unit after '{name}=', got '{text}'",
+                          f"write e.g. {name}=80GB or {name}=40GiB (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+        return self.check(name, round(float(match.group(1)) * _BYTE_UNITS[match.group(2)]))
+
+    def check(self, name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise Problem(f"{name} must be a whole number of bytes, got {value!r}", f"write e.g. {name}=80GB")
+        if value < 1:
+            raise Problem(f"{name} must be at least 1B, got {value}")
+        return value
+
+    def format(self, value: int) -> str:
+        for unit in ("TiB", "TB", "GiB", "GB", "MiB", "MB", "KiB", "KB"):
+            if value % _BYTE_UNITS[unit] == 0:
+                return f"{value // _BYTE_UNITS[unit]}{unit}"
+        return f"{value}B"
+
+    def describe(self) -> str:
+        return "a size such as 80GB or 40GiB"
+
+
 @dataclass(frozen=True)
 class Choice(ValueKind):
     """One word out of a fixed list."""
@@ -214,6 +248,8 @@ OPTIONS = _table(
     OptionSpec("seq", WholeNumber(1), None, "auto: sequence length to plan for (default: the example's)"),
     OptionSpec("global_batch", WholeNumber(1), None, "auto: sequences per step (default: the example's)"),
     OptionSpec("hardware", Choice(("h100", "a100")), "h100", "auto: the GPU the cost model assumes"),
+    OptionSpec("memory", ByteSize(), None, "device memory per rank the automatic pipeline split must fit "
+                                           "(default: the written hardware's, or the CUDA device's)"),
 )
 """Every option: ``OPTIONS[name].kind`` reads/checks/writes the value, ``.default`` when not written."""
 

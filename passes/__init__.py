@@ -44,7 +44,7 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
         # collectives or gathers, so regions never cross one
         PassSpec("fusion", fusion_pass),
         # last: the stages are cuts of the finished per-rank program
-        PassSpec("pipeline_split", pipeline_split_pass, {"constants": constants}),
+        PassSpec("pipeline_split", pipeline_split_pass, {"constants": constants, "params": frozenset(params)}),
         # after the split: regions are cut from each stage's final program, and a region never
         # spans a stage boundary
         PassSpec("recompute", recompute_pass, {"params": params}),
@@ -95,6 +95,7 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
                             hint="choose a tp size that divides the heads and hidden sizes")
     program = build_program(gm, mesh, traced.state, traced.user_inputs, tp.choices, ctx.timings)
     program.warnings.extend(plan_warnings(mesh, plan))
+    program.warnings.extend(f"pp split: {note}" for note in gm.meta.get("usc_split_notes", ()))
     return program
 
 

@@ -19,15 +19,19 @@ from __future__ import annotations
 import difflib
 import math
 import operator
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from usc.compiler.partition import balanced_cut
+from usc.compiler.hardware import hardware_profile
+from usc.compiler.ir import META
+from usc.compiler.partition import NoCutFits, balanced_cut
 from usc.compiler.trace import module_path
 
 from .graph_edit import shape_of
+from .pipeline_schedule import Compute, ComputeOp, build_schedule
 from .zero3 import layer_key
 
 aten = torch.ops.aten
@@ -71,8 +75,13 @@ def manual_cut(units: list[str], cuts: tuple[str, ...]) -> list[int]:
     return [sum(1 for s in starts if s <= i) for i in range(len(units))]
 
 
-def assign_stages(gm: fx.GraphModule, pp: int, cuts: tuple[str, ...] | None = None) -> dict[fx.Node, int]:
-    """Stage of every computing node: layers balanced by FLOPs, or cut where ``cuts`` name."""
+def assign_stages(gm: fx.GraphModule, pp: int, cuts: tuple[str, ...] | None = None,
+                  budget: "MemoryBudget | None" = None, notes: list[str] | None = None) -> dict[fx.Node, int]:
+    """Stage of every computing node: layers balanced by FLOPs, or cut where ``cuts`` name.
+
+    With ``budget`` (automatic cuts only), a FLOP-balanced cut that puts more on some stage than
+    the device memory holds gives way to the most balanced cut that fits; what happened is
+    appended to ``notes``."""
     computing = [n for n in gm.graph.nodes if n.op in ("call_function", "call_module")]
     units: list[str] = []
     for node in computing:
@@ -87,7 +96,14 @@ def assign_stages(gm: fx.GraphModule, pp: int, cuts: tuple[str, ...] | None = No
         if module_path(node):
             cost[layer_key(module_path(node))] += node_flops(node)
     if cuts is None:
-        stage_of_unit = dict(zip(units, balanced_cut([cost[u] for u in units], pp)))
+        costs = [cost[u] for u in units]
+        cut = balanced_cut(costs, pp)
+        if budget is not None:
+            cut = budget.refit(gm, units, costs, cut, notes if notes is not None else [])
+        stage_of_unit = dict(zip(units, cut))
+        if budget is not None and notes is not None:
+            notes_memory = budget.stage_bytes(cut)
+            gm.meta["usc_stage_memory"] = notes_memory
     else:
         stage_of_unit = dict(zip(units, manual_cut(units, cuts)))
     stage: dict[fx.Node, int] = {}
@@ -122,6 +138,205 @@ def stage_costs(stage: dict[fx.Node, int], stages: int) -> list[dict]:
             out[s]["modules"].append(key)
         out[s]["flops"] += node_flops(node)
     return out
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The memory check of the automatic split: what one device holds for a stage, estimated from
+    the per-rank graph, against the device memory ``capacity``.
+
+    A stage holds its layers' parameters with their gradients and AdamW state (``state_factor``
+    bytes per parameter byte after ZeRO sharding over dp), plus each layer's activations -- the
+    values its ops keep for backward (``saved_values``, by op class); with ``recompute=full`` only
+    what enters the layer -- for the peak number of microbatches in flight on that stage under the
+    plan's schedule (``in_flight``). With v chunks per rank each chunk gets 1/v of the memory."""
+
+    capacity: int | None  # bytes per device; None: estimate only, never move a cut
+    in_flight: tuple[int, ...]  # per stage: peak microbatches whose activations it holds
+    state_factor: float
+    full_recompute: bool
+    act_itemsize: int | None  # bf16 compute: 2 bytes per float activation element
+    chunks: int
+    mesh: object
+    schedule: str = "1f1b"
+    estimates: dict = field(default_factory=dict, compare=False)  # per unit: "state" and "acts" bytes
+
+    def stage_bytes(self, stage_of_unit: list[int]) -> list[dict]:
+        """Per stage: estimated state bytes, activation bytes per microbatch, microbatches in flight."""
+        out = [{"state_bytes": 0.0, "activation_bytes": 0.0, "in_flight": n} for n in self.in_flight]
+        for k, state, acts in zip(stage_of_unit, self.estimates.get("state", ()), self.estimates.get("acts", ())):
+            out[k]["state_bytes"] += state
+            out[k]["activation_bytes"] += acts
+        return out
+
+    def refit(self, gm: fx.GraphModule, units: list[str], costs: list[float], cut: list[int],
+              notes: list[str]) -> list[int]:
+        state, acts = self._unit_bytes(gm, units)
+        self.estimates.clear()
+        self.estimates.update(state=state, acts=acts)
+        if self.capacity is None:
+            return cut
+        prefix_state, prefix_acts = _prefix(state), _prefix(acts)
+        limit = self.capacity / self.chunks
+
+        def need(start: int, stop: int, part: int) -> float:
+            return (prefix_state[stop] - prefix_state[start]
+                    + self.in_flight[part] * (prefix_acts[stop] - prefix_acts[start]))
+
+        def fits(start: int, stop: int, part: int) -> bool:
+            return need(start, stop, part) <= limit
+
+        def worst(stages: list[int]) -> tuple[int, float]:
+            bounds = [(stages.index(k), len(stages) - stages[::-1].index(k)) for k in range(len(self.in_flight))]
+            return max(((k, need(a, b, k)) for k, (a, b) in enumerate(bounds)), key=lambda kv: kv[1])
+
+        stage, bytes_needed = worst(cut)
+        if bytes_needed <= limit:
+            return cut
+        try:
+            refitted = balanced_cut(costs, len(self.in_flight), fits)
+        except NoCutFits:
+            gpipe = ", or schedule=1f1b (gpipe keeps every microbatch in flight)" if self.schedule == "gpipe" else ""
+            notes.append(f"no split of the {len(units)} layers into {len(self.in_flight)} stages fits "
+                         f"{_gib(limit)} per stage: the FLOP-balanced one puts {_gib(bytes_needed)} on stage "
+                         f"{stage}; use more pipeline stages, ZeRO over dp (zero=1), recompute=full{gpipe}")
+            return cut
+        ratio = _imbalance(costs, refitted)
+        notes.append(f"the FLOP-balanced split puts {_gib(bytes_needed)} on stage {stage}, over the "
+                     f"{_gib(limit)} a stage may hold; split for memory instead (stage FLOPs largest/smallest "
+                     f"{ratio:.2f})")
+        return refitted
+
+    def _unit_bytes(self, gm: fx.GraphModule, units: list[str]) -> tuple[list[float], list[float]]:
+        index = {u: i for i, u in enumerate(units)}
+
+        def unit_of(node: fx.Node) -> int | None:
+            return index.get(layer_key(module_path(node))) if module_path(node) else None
+
+        state, acts = [0.0] * len(units), [0.0] * len(units)
+        saved: set[tuple[fx.Node, int]] = set()
+        for node in gm.graph.nodes:
+            if node.op == "placeholder" and node.meta.get("usc_trainable"):
+                for i in {unit_of(u) for u in node.users} - {None}:
+                    state[i] += self._local_bytes(node) * self.state_factor
+            elif node.op in ("call_function", "call_module") and unit_of(node) is not None:
+                i = unit_of(node)
+                if self.full_recompute:  # the layer keeps only what enters it
+                    kept = [x for x in node.all_input_nodes if x.op != "placeholder" and unit_of(x) != i]
+                else:
+                    kept = saved_values(gm, node)
+                saved.update((_base(x), i) for x in kept if _base(x).op != "placeholder")
+        for value, i in saved:
+            acts[i] += self._local_bytes(value, activation=True)
+        return state, acts
+
+    def _local_bytes(self, node: fx.Node, *, activation: bool = False) -> float:
+        value = node.meta.get("val")
+        if isinstance(value, (tuple, list)):
+            return sum(self._tensor_bytes(node, v, activation) for v in value if isinstance(v, torch.Tensor))
+        return self._tensor_bytes(node, value, activation) if isinstance(value, torch.Tensor) else 0.0
+
+    def _tensor_bytes(self, node: fx.Node, value: torch.Tensor, activation: bool) -> float:
+        shape = tuple(value.shape)
+        ann = node.meta.get(META)
+        if ann is not None and getattr(ann, "layout", None) is not None and len(ann.layout.placements) == len(
+                self.mesh.axes):
+            try:
+                shape = ann.layout.local_shape(shape, self.mesh)
+            except (ValueError, IndexError, TypeError):
+                pass
+        itemsize = value.dtype.itemsize
+        if activation and self.act_itemsize is not None and value.dtype.is_floating_point:
+            itemsize = self.act_itemsize
+        return float(math.prod(shape) * itemsize)
+
+
+_VIEWS = {aten.reshape.default, aten.view.default, aten.permute.default, aten.transpose.int,
+          aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.chunk.default, aten.unbind.int,
+          aten.detach.default, aten.expand.default, aten.t.default, aten.split.Tensor, operator.getitem}
+# ops autograd saves nothing for (their backward needs no values)
+_SAVE_NOTHING = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.cat.default, aten.sum.default,
+                 aten.sum.dim_IntList, aten.mean.dim, aten.arange.default, aten.ne.Scalar, aten.eq.Scalar,
+                 aten.repeat_interleave.self_int, aten.clone.default, aten._to_copy.default, aten.zeros_like.default,
+                 aten.full.default, aten.ones_like.default} | _VIEWS
+# ops whose backward reads their output rather than their inputs
+_SAVE_OUTPUT = {aten.rsqrt.default, aten.exp.default, aten.tanh.default, aten.sigmoid.default,
+                aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
+
+
+def _base(node: fx.Node) -> fx.Node:
+    """The node whose storage a view chain reads."""
+    while node.op == "call_function" and node.target in _VIEWS and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def saved_values(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+    """What autograd keeps for ``node``'s backward, by op class: nothing for additions, views and
+    reductions to a sum; the output for exp, rsqrt, softmax and the like (and attention, which keeps
+    its inputs too); the inputs otherwise (matmuls, products, activations -- and, to stay an upper
+    bound, any op not listed). Collectives keep nothing."""
+    if node.op == "call_module":
+        from usc.runtime.collectives import CollectiveNode
+
+        return [] if isinstance(gm.get_submodule(node.target), CollectiveNode) else list(node.all_input_nodes)
+    if node.target in _SAVE_NOTHING:
+        return []
+    if node.target in _SAVE_OUTPUT:
+        return [node]
+    if node.target == aten.scaled_dot_product_attention.default:
+        return [*node.all_input_nodes, node]
+    return list(node.all_input_nodes)
+
+
+def memory_budget(ctx, params: set[str]) -> MemoryBudget:
+    """The split's memory estimate and check for this plan; the check needs a device memory
+    (``memory=``, or the ``hardware=`` written), else the estimate is only reported."""
+    plan = ctx.plan
+    capacity = None
+    if plan.is_set("memory"):
+        capacity = int(plan.get("memory"))
+    elif plan.is_set("hardware"):
+        capacity = hardware_profile(plan.get("hardware")).hbm_bytes
+    pp, v, mb = ctx.mesh.size("pp"), int(plan.get("v")), int(plan.get("mb"))
+    dp = ctx.mesh.size("dp")
+    zero = int(plan.get("zero")) if dp > 1 else 0
+    # parameter + gradient + AdamW's two moments, each 1/dp once ZeRO shards it
+    factor = {0: 4.0, 1: 2.0 + 2.0 / dp, 2: 1.0 + 3.0 / dp}.get(zero, 4.0 / dp)
+    return MemoryBudget(capacity, stage_in_flight(plan.get("schedule"), pp, v, mb), factor,
+                        plan.get("recompute") == "full", 2 if plan.get("dtype") == "bf16" else None, v, ctx.mesh,
+                        plan.get("schedule"))
+
+
+def stage_in_flight(schedule: str, pp: int, v: int, mb: int) -> tuple[int, ...]:
+    """Per stage: the most microbatches whose forward ran and whose backward (B or I) has not, in
+    the plan's schedule."""
+    live = [0] * (pp * v)
+    peak = [0] * (pp * v)
+    for acts in build_schedule(schedule, pp, v, mb).actions.values():
+        for act in acts:
+            if isinstance(act, Compute) and act.op is not ComputeOp.WEIGHT_GRAD:
+                live[act.stage] += 1 if act.op is ComputeOp.FORWARD else -1
+                peak[act.stage] = max(peak[act.stage], live[act.stage])
+    return tuple(peak)
+
+
+def _prefix(values: list[float]) -> list[float]:
+    out = [0.0]
+    for value in values:
+        out.append(out[-1] + value)
+    return out
+
+
+def _imbalance(costs: list[float], stages: list[int]) -> float:
+    totals = [0.0] * (max(stages) + 1)
+    for c, s in zip(costs, stages):
+        totals[s] += c
+    return max(totals) / max(min(totals), 1e-30)
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def constant_nodes(gm: fx.GraphModule, constants: set[str]) -> set[fx.Node]:
@@ -171,15 +386,20 @@ def _copy_with_inputs(gm, node, free, stage, s, before):
     return copy_of(node)
 
 
-def pipeline_split_pass(gm: fx.GraphModule, ctx, *, constants: frozenset[str] = frozenset()) -> fx.GraphModule:
+def pipeline_split_pass(gm: fx.GraphModule, ctx, *, constants: frozenset[str] = frozenset(),
+                        params: frozenset[str] = frozenset()) -> fx.GraphModule:
     """Cut the program into pp stage GraphModules (see the module docstring)."""
     pp = ctx.mesh.size("pp")
     if pp == 1:
         return gm
     v = int(ctx.plan.get("v"))
     cuts = ctx.plan.get("split")
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name in params:
+            node.meta["usc_trainable"] = True
+    notes: list[str] = []
     try:
-        stage = assign_stages(gm, pp * v, None if cuts == "auto" else tuple(cuts))
+        stage = assign_stages(gm, pp * v, None if cuts == "auto" else tuple(cuts), memory_budget(ctx, params), notes)
     except CutError as err:
         raise ctx.plan.error_at("split", str(err), hint="name the first module of each stage after the first, "
                                                         "e.g. split=layers.2|layers.4") from None
@@ -192,4 +412,7 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx, *, constants: frozenset[str] = 
     split = split_module(gm, None, lambda node: stage[node], keep_original_order=True)
     split.meta["usc_pipeline_stages"] = pp * v
     split.meta["usc_stage_costs"] = stage_costs(stage, pp * v)
+    for cost, memory in zip(split.meta["usc_stage_costs"], gm.meta.pop("usc_stage_memory", ())):
+        cost.update(memory)
+    split.meta["usc_split_notes"] = notes
     return split

@@ -16,7 +16,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from usc.compiler import lint_checks  # noqa: F401 - registers the rules
 from usc.compiler.errors import CompileError
-from usc.compiler.hardware import HardwareProfile, hardware_profile
+from usc.compiler.hardware import HardwareProfile, hardware_profile, with_plan_memory
 from usc.compiler.lint_facts import ModelFacts, model_facts
 from usc.compiler.lint_rules import Finding, LintInput, counts, run_rules
 from usc.compiler.pipeline import pipeline_stages
@@ -123,6 +123,8 @@ def lint_plan(model, plan, *, example_inputs, loss_fn=None, hardware: str | Hard
     except (PlanError, CompileError) as err:
         return LintResult(text, None, None, run_rules(LintInput(errors=(err,)), select=PLAN_ONLY), profile,
                           exceptions=[err])
+    if profile is not None:
+        profile = with_plan_memory(profile, plan)
     compiled = _Compiled(model, plan, loss_fn=loss_fn)
     batch = as_batch(example_inputs)
     try:

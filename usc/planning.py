@@ -7,7 +7,7 @@ import os
 from dataclasses import replace
 
 from usc.compiler.cost_model import Estimate, ModelProfile, PlanPoint, estimate
-from usc.compiler.hardware import HardwareProfile, hardware_profile
+from usc.compiler.hardware import HardwareProfile, hardware_profile, with_plan_memory
 from usc.compiler.planner import PlanSearch, PlanTarget, search
 from usc.dsl import OPTIONS, Plan, PlanError, parse_plan
 from usc.passes.plan_checks import check_supported
@@ -60,7 +60,7 @@ def choose(model, spec: "str | Plan", example_inputs: tuple, *, hardware=None, k
            profile: ModelProfile | None = None) -> Plan:
     """The body of ``usc.plan`` (see there)."""
     plan = as_auto_plan(spec)
-    hw = hardware_profile(hardware or plan.get("hardware"))
+    hw = with_plan_memory(hardware_profile(hardware or plan.get("hardware")), plan)
     target = plan_target(plan, example_inputs, hw)
     profile = profile or profile_model(model, tuple(example_inputs))
     result = search(profile, target, hw, supported=refusal, keep=keep)

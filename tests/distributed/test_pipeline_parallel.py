@@ -201,3 +201,56 @@ def test_evaluation_runs_the_forwards_only(plan):
     sim = usc.simulate(factory(), plan, example_inputs=batch(0))
     assert sim(*batch(0)) == pytest.approx(expected, rel=1e-12)
     assert sim.step(*batch(0)) == pytest.approx(expected, rel=1e-12)  # nothing changed by evaluating
+
+
+# ------------------------------------------------------------------ memory check of the automatic split
+EIGHT = LlamaConfig(layers=8)
+
+
+def _eight_layer_lint(plan: str):
+    return usc.lint(TinyLlama(EIGHT).double(), plan, example_inputs=token_batch(EIGHT.vocab, 8, 32))
+
+
+def test_split_memory_estimate_matches_what_the_ranks_hold():
+    """Per stage, the split's estimate of parameters + gradients + AdamW state equals what the pp
+    rank holds after a step (within 5%), and its activations per microbatch, summed over the stages,
+    are within 15% of what autograd saves for one microbatch on one device."""
+    batch = token_batch(EIGHT.vocab, 8, 32)
+    sim = usc.simulate(TinyLlama(EIGHT), "pp=4 mb=8", example_inputs=batch)
+    sim.step(*batch)
+    for stage, rank in zip(sim.report.stages, sim.ranks):
+        held = sum(rank.peak_state_bytes[k] for k in ("params", "grads")) + sim.memory_bytes()[stage.rank]["optimizer"]
+        assert stage.state_bytes == pytest.approx(held, rel=0.05)
+    assert [s.in_flight for s in sim.report.stages] == [4, 3, 2, 1]  # 1F1B: p - s microbatches in flight
+    one = token_batch(EIGHT.vocab, 1, 32)  # one microbatch
+    saved = usc.simulate(TinyLlama(EIGHT), "dp=1", example_inputs=one).activation_bytes(*one)[0]
+    assert sum(s.activation_bytes for s in sim.report.stages) == pytest.approx(saved, rel=0.15)
+
+
+def test_split_moves_layers_off_a_stage_over_device_memory():
+    """The FLOP-balanced cut puts the embedding and two layers, with 4 microbatches in flight, on
+    stage 0; under memory= it cannot hold, a layer moves off it, every stage fits, and the run
+    still equals one device."""
+    balanced = _eight_layer_lint("pp=4 mb=8")
+    limit = 0.95 * balanced.stages[0].memory_bytes
+    assert all(s.memory_bytes <= limit for s in balanced.stages[1:])
+    plan = f"pp=4 mb=8 memory={int(limit)}B"
+    tight = _eight_layer_lint(plan)
+    assert len(tight.stages[0].modules) < len(balanced.stages[0].modules)
+    assert all(s.memory_bytes <= limit for s in tight.stages)
+    assert any("split for memory" in w and "stage 0" in w for w in tight.warnings)
+    assert not any(w.startswith("pp split") for w in balanced.warnings)
+    batches = [token_batch(EIGHT.vocab, 8, 32, seed=s) for s in range(2)]
+    result = assert_equivalent(lambda: TinyLlama(EIGHT).double(), plan, batches, rtol=1e-12, atol=1e-12,
+                               param_atol=1e-10)
+    assert result.max_param_diff <= 1e-10
+
+
+def test_split_says_when_no_cut_fits_and_keeps_the_balanced_one():
+    balanced = _eight_layer_lint("pp=4 mb=8 schedule=gpipe")
+    smallest_stage = min(s.state_bytes for s in balanced.stages)
+    report = _eight_layer_lint(f"pp=4 mb=8 schedule=gpipe memory={int(smallest_stage)}B")
+    assert [s.modules for s in report.stages] == [s.modules for s in balanced.stages]
+    note = next(w for w in report.warnings if w.startswith("pp split"))
+    assert "no split of the 11 layers into 4 stages fits" in note and "schedule=1f1b" in note
+

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 from usc.dsl import ACTIONS, AXES, OPTIONS, Action, Plan, Rule
-from usc.dsl.options import Choice, PositiveNumber, SplitPoints, Switch, WholeNumber
+from usc.dsl.options import ByteSize, Choice, PositiveNumber, SplitPoints, Switch, WholeNumber
 
 _LOWER = "abcdefghijklmnopqrstuvwxyz_"
 identifiers = st.builds(str.__add__, st.sampled_from(_LOWER), st.text(_LOWER + "0123456789", max_size=7))
@@ -30,6 +30,7 @@ _BY_KIND = {
     ),
     Choice: lambda kind: st.sampled_from(kind.words),
     Switch: lambda kind: st.booleans(),
+    ByteSize: lambda kind: st.integers(1, 2**50),
     SplitPoints: lambda kind: st.one_of(
         st.just("auto"), st.lists(module_paths, min_size=1, max_size=4, unique=True).map(tuple)
     ),
