@@ -2,6 +2,8 @@
 
     python benchmarks/pipeline_bubble.py                   # pp=4, mb=8, emulated device compute
     python benchmarks/pipeline_bubble.py --pp 2 --real     # real CPU compute (one process per core)
+    python benchmarks/pipeline_bubble.py --dp 2 --pp 2 --hidden 1024 --seq 2 --schedules 1f1b --compare-overlap
+                                           # dp=2 x pp=2: the dp gradient reduction overlapped or not
 
 Each rank runs usc's pipeline executor on its own process (gloo send/recv between stages) and
 records its spans (Chrome trace). Idle fraction of a rank = 1 - (time in forward/backward/weight
@@ -36,6 +38,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import usc  # noqa: E402
+from usc.passes.sharding_rules import SHARDING_RULES, pointwise  # noqa: E402
 from usc.runtime.launch import launch_local  # noqa: E402
 from usc.testing.models import LlamaConfig, TinyLlama, token_batch  # noqa: E402
 
@@ -65,28 +68,35 @@ def _hold_backward(ctx, grad):
 
 
 hold.register_autograd(_hold_backward, setup_context=_hold_setup)
+SHARDING_RULES[torch.ops.uscbench.hold.default] = pointwise("unary")  # elementwise: any sharding passes through
 
 
 class TimedLayer(nn.Module):
     """tanh(x W^T) where the forward, the input gradient and the weight gradient each hold the rank
     for ``ms``: the waits sit on the input path and on the weight's own branch, so zb's split
-    backward pays each once, as with a real linear."""
+    backward pays each once, as with a real linear.
 
-    def __init__(self, hidden: int, ms: float) -> None:
+    ``weight_branch=False`` (runs with dp > 1): a parameter passed through an op of our own would
+    have its dp gradient sum inserted into the graph per microbatch rather than left to the
+    gradient reducer, so the weight feeds the matmul directly and the input path holds for both."""
+
+    def __init__(self, hidden: int, ms: float, weight_branch: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(hidden, hidden) / hidden ** 0.5)
-        self.ms = ms
+        self.ms, self.weight_branch = ms, weight_branch
 
     def forward(self, x):
+        if not self.weight_branch:
+            return torch.tanh(hold(x, self.ms, 2 * self.ms) @ self.weight.t())
         return torch.tanh(hold(x, self.ms, self.ms) @ hold(self.weight, 0.0, self.ms).t())
 
 
 class TimedNet(nn.Module):
     """8 layers of emulated device time; a mean-square loss."""
 
-    def __init__(self, hidden: int = 64, layers: int = 8, ms: float = 5.0) -> None:
+    def __init__(self, hidden: int = 64, layers: int = 8, ms: float = 5.0, weight_branch: bool = True) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(TimedLayer(hidden, ms) for _ in range(layers))
+        self.layers = nn.ModuleList(TimedLayer(hidden, ms, weight_branch) for _ in range(layers))
 
     def forward(self, x):
         for layer in self.layers:
@@ -94,14 +104,18 @@ class TimedNet(nn.Module):
         return x.pow(2).mean()
 
 
-def run(plan: str, trace_dir: str, emulate_ms: float | None) -> dict:
+def run(plan: str, trace_dir: str, emulate_ms: float | None, hidden: int = 64, overlap: bool = True,
+        seq: int = 32) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     if emulate_ms is None:
         model, batch = TinyLlama(CFG), token_batch(CFG.vocab, 16, 64)
     else:
-        model, batch = TimedNet(ms=emulate_ms), (torch.randn(16, 32, 64),)
+        model = TimedNet(hidden, ms=emulate_ms, weight_branch=usc.parse_plan(plan).size("dp") == 1)
+        batch = (torch.randn(16, seq, hidden),)
     step = usc.compile(model, plan, example_inputs=batch)
+    if not overlap:  # A/B: every backward action under no_sync, the whole reduction after the pipeline
+        step._rank()._final_backward = {}
     step.step(*batch)  # warm up
     rank = int(os.environ["RANK"])
     step.step(*batch)
@@ -131,17 +145,28 @@ def main() -> None:
     parser.add_argument("--emulate", type=float, default=5.0, metavar="MS",
                         help="milliseconds of emulated device time per layer and per pass (default 5)")
     parser.add_argument("--real", action="store_true", help="real CPU compute (TinyLlama, 8 layers) instead")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel size (ranks = dp * pp)")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size of the emulated layers")
+    parser.add_argument("--seq", type=int, default=32, help="tokens per sequence of the emulated model's batch (16 sequences)")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset")
+    parser.add_argument("--compare-overlap", action="store_true",
+                        help="also run with the dp reduction after the pipeline instead of overlapped")
     args = parser.parse_args()
     emulate = None if args.real else args.emulate
     what = "real CPU compute, 8-layer Llama-style model" if args.real else \
         f"emulated device compute, {args.emulate:g} ms per layer per forward / input-grad / weight-grad"
-    print(f"pp={args.pp} mb={args.mb}, {what}; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
+    dp = f"dp={args.dp} " if args.dp > 1 else ""
+    print(f"{dp}pp={args.pp} mb={args.mb}, {what}; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as tmp:
-        for schedule in SCHEDULES:
-            results = launch_local(run, args.pp, f"pp={args.pp} mb={args.mb} schedule={schedule}", tmp, emulate)
-            idle = ", ".join(f"{r['idle']:.0%}" for r in results)
-            print(f"schedule={schedule:<15} step {max(r['wall'] for r in results) * 1e3:6.0f} ms; "
-                  f"idle per rank: {idle}  (unit-time model: {expected_idle(schedule, args.pp, args.mb)})")
+        for schedule in args.schedules.split(","):
+            for overlap in (True, False) if args.compare_overlap else (True,):
+                plan = f"{dp}pp={args.pp} mb={args.mb} schedule={schedule}"
+                results = launch_local(run, args.dp * args.pp, plan, tmp, emulate, args.hidden, overlap, args.seq)
+                idle = ", ".join(f"{r['idle']:.0%}" for r in results)
+                label = schedule + ("" if not args.compare_overlap else
+                                    " (dp overlapped)" if overlap else " (dp after)")
+                print(f"schedule={label:<15} step {max(r['wall'] for r in results) * 1e3:6.0f} ms; "
+                      f"idle per rank: {idle}  (unit-time model: {expected_idle(schedule, args.pp, args.mb)})")
 
 
 if __name__ == "__main__":

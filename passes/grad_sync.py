@@ -7,7 +7,10 @@ Establishes: wherever a value replicated on an axis feeds a computation that is 
     per producer and axis, shared by all its consumers that need it — so q/k/v share one, and
     gate/up share one. For parameters whose every use is such an edge (data parallelism: all of
     them), no node is inserted: the parameter's ``partial_grad_axes`` tells the runtime's
-    bucketed reducer to sum its gradient over those axes during backward instead. An
+    bucketed reducer to sum its gradient over those axes during backward instead. The same holds
+    through ops that are linear in the gradient between the parameter and its uses (``w.t()``,
+    reshapes, casts, slices): a partial sum passes through them unchanged, so ``x @ w.t()`` also
+    leaves its dp sum to the reducer instead of an all-reduce per use and microbatch. An
     ``AllGather`` whose consumers all need it switches its backward to reduce-scatter.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch.fx as fx
+import torch
 from torch.distributed.tensor import Replicate
 
 from usc.compiler.ir import META, set_ann
@@ -26,16 +30,22 @@ from usc.runtime.vocab import ShardedGather, VocabParallelEmbedding
 from .graph_edit import GraphEditor, flat_inputs
 
 LOCAL_OPS = (VocabParallelEmbedding, ShardedGather, ExpertParallelMoE)
+aten = torch.ops.aten
+# one tensor in, its gradient a linear map of the output's: a partial sum in gives a partial sum out
+GRAD_LINEAR = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default, aten.reshape.default,
+               aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.expand.default,
+               aten._to_copy.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
+               aten.slice.Tensor, aten.select.int}
 
 
 def grad_sync_pass(gm: fx.GraphModule, ctx, *, params: set[str]) -> fx.GraphModule:
     """Insert f operators / mark parameter gradient reductions (see the module docstring)."""
     needs = _partial_grad_edges(gm)
     editor = GraphEditor(gm)
+    for param in [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in params]:
+        _defer_to_reducer(param, needs, ctx.mesh.axes)
     for producer, by_consumer in needs.items():
-        if producer.op == "placeholder" and producer.name in params:
-            by_consumer = _defer_to_reducer(producer, by_consumer, ctx.mesh.axes)
-        elif _is_module(gm, producer, AllGather):
+        if _is_module(gm, producer, AllGather):
             by_consumer = _fold_into_all_gather(gm, producer, by_consumer, ctx.mesh.axes)
         _insert_f(editor, producer, by_consumer, ctx.mesh.axes)
     gm.graph.lint()
@@ -71,14 +81,35 @@ def _partial_grad_edges(gm: fx.GraphModule) -> dict[fx.Node, dict[fx.Node, tuple
     return out
 
 
-def _defer_to_reducer(param: fx.Node, by_consumer, axis_names) -> dict:
-    """Axes on which *every* use of the parameter needs the reduction go to the bucketed reducer."""
-    users = set(param.users)
+def _linear_closure(param: fx.Node) -> list[fx.Node]:
+    """The parameter and every node reached from it through GRAD_LINEAR ops only."""
+    closure, i = [param], 0
+    while i < len(closure):
+        for user in closure[i].users:
+            if (user.op == "call_function" and user.target in GRAD_LINEAR and user not in closure
+                    and [x for x in user.all_input_nodes] == [closure[i]]):
+                closure.append(user)
+        i += 1
+    return closure
+
+
+def _defer_to_reducer(param: fx.Node, needs: dict, axis_names) -> None:
+    """Axes on which *every* use of the parameter -- directly or through GRAD_LINEAR ops -- needs
+    the reduction go to the bucketed reducer; those edges then need no f operator."""
+    closure = _linear_closure(param)
+    inside = set(closure)
+    exits = [(node, user) for node in closure for user in node.users if user not in inside]
+    if not exits:
+        return
     deferred = [i for i in range(len(axis_names))
-                if all(i in by_consumer.get(u, ()) for u in users)]
-    if deferred:
-        set_ann(param, partial_grad_axes=tuple(axis_names[i] for i in deferred))
-    return {c: tuple(i for i in axes if i not in deferred) for c, axes in by_consumer.items()}
+                if all(i in needs.get(node, {}).get(user, ()) for node, user in exits)
+                and all(isinstance(n.meta[META].layout.placements[i], Replicate) for n in closure)]
+    if not deferred:
+        return
+    set_ann(param, partial_grad_axes=tuple(axis_names[i] for i in deferred))
+    for node in closure:
+        if node in needs:
+            needs[node] = {c: tuple(i for i in axes if i not in deferred) for c, axes in needs[node].items()}
 
 
 def _fold_into_all_gather(gm, gather: fx.Node, by_consumer, axis_names) -> dict:

@@ -26,6 +26,8 @@ mean on one device (ALGORITHMS.md, "Gradients of a microbatch-split batch").
 
 from __future__ import annotations
 
+import contextlib
+
 import operator
 from dataclasses import dataclass, field
 
@@ -208,6 +210,21 @@ class PipelineMixin:
                                 if dst == self.pp_rank} for train in (True, False)}
         self._inbox: dict[int, list] = {}  # peer -> messages still to take, in its posting order
         self._early: dict[Message, torch.Tensor] = {}  # taken before they were needed
+        # The gradient reduction over dp overlaps the pipeline: a stage's last backward action runs
+        # with the reducer's hooks on, so each bucket is launched as soon as its gradients are final,
+        # while later layers (and the other stages) still compute. Not from hooks: weights that
+        # another rank's stage also uses (their pp sum comes first) or that two of this rank's stages
+        # use (their gradient is final only after both).
+        self._final_backward = {}
+        for index, action in enumerate(self.actions):
+            if action.op.value in ("B", "W"):
+                self._final_backward[action.stage] = index
+        uses = {}
+        for stage in self.modules:
+            for param in self.stage_params[stage]:
+                uses[id(param)] = uses.get(id(param), 0) + 1
+        self.reducer.defer([self.state[name] for name in self.shared if name in self.state]
+                           + [p for params in self.stage_params.values() for p in params if uses[id(p)] > 1])
 
     def _holds(self, spec) -> bool:
         return spec.placeholder in self._held
@@ -344,7 +361,7 @@ class PipelineMixin:
         self._inbox = {peer: list(order) for peer, order in self._orders[train].items()}
         flights: dict[tuple[int, int], InFlight] = {}
         total, count = torch.zeros((), dtype=torch.float64), 0.0
-        for action in self.actions:
+        for index, action in enumerate(self.actions):
             op, key = action.op.value, (action.stage, action.mb)
             if op == "F":
                 with self._span(f"F{action.mb}"), torch.set_grad_enabled(train):
@@ -354,7 +371,8 @@ class PipelineMixin:
                     total = total + flight.outputs[0].detach().double() * flight.count
                     count += flight.count
             elif train:
-                with self.reducer.no_sync(), self._span(f"{op}{action.mb}"):
+                final = self._final_backward.get(action.stage) == index
+                with contextlib.nullcontext() if final else self.reducer.no_sync(), self._span(f"{op}{action.mb}"):
                     self._BACKWARD_STEPS[op](self, action.stage, action.mb, flights[key])
                 if op in ("B", "W"):
                     del flights[key]
@@ -375,9 +393,11 @@ class PipelineMixin:
         total, count = self._run_schedule(batch, train=True)
         self._wait_sends()
         total, count = self._pipeline_global(total, count)
-        self._scale_grads(1.0 / count)
+        # sums commute with the scaling by 1/count, known only now: the buckets launched during
+        # the last backward carry unscaled sums, so every gradient is scaled once reduced
         self._sum_shared_grads()  # before the dp reduction: ZeRO-2 keeps only slices after it
-        self.reducer.finish()
+        self.overlapped_buckets = self.reducer.finish()  # launched while backward still ran
+        self._scale_reduced(1.0 / count)
         self.peak_state_bytes = self.memory_bytes()
         value = self._global(total / count)
         self._check_finite(value)
@@ -390,6 +410,13 @@ class PipelineMixin:
         self._wait_sends()
         total, count = self._pipeline_global(total, count)
         return self._global(total / count)
+
+    def _scale_reduced(self, factor: float) -> None:
+        """Scale every reduced gradient: the parameters' and ZeRO-2's slices."""
+        self._scale_grads(factor)
+        for bucket in self.reducer.buckets:
+            if bucket.shard is not None and bucket.shard_grad is not None:
+                bucket.shard_grad.mul_(factor)
 
     def _sum_shared_grads(self) -> None:
         """A weight used by stages on two ranks (tied embedding / lm head) gets both stages' gradients

@@ -60,6 +60,7 @@ class _Bucket:
     span: SpanToken | None = None
     shard: str | None = None  # ZeRO-2: this axis is reduce-scattered; the bucket keeps one slice
     shard_grad: torch.Tensor | None = None  # after finish(): this rank's slice of the summed gradient
+    deferred: bool = False  # launched by finish() only (see GradReducer.defer)
 
     @property
     def nbytes(self) -> int:
@@ -170,6 +171,14 @@ class GradReducer:
         finally:
             self._sync = True
 
+    def defer(self, params: Sequence[nn.Parameter]) -> None:
+        """The buckets holding these parameters are launched by ``finish`` only, never from a hook
+        (their gradients are not final when autograd accumulates them)."""
+        for param in params:
+            bucket = self._bucket_of.get(id(param))
+            if bucket is not None:
+                bucket.deferred = True
+
     def finish(self) -> int:
         """Launch what backward did not, wait for all, write sums into param.grad, reset.
 
@@ -201,7 +210,7 @@ class GradReducer:
                 f"reducer.no_sync()"
             )
         bucket.ready.add(id(param))
-        if len(bucket.ready) == len(bucket.params):
+        if len(bucket.ready) == len(bucket.params) and not bucket.deferred:
             self._launch(bucket)
             self.launched_during_backward += 1
 

@@ -185,7 +185,6 @@ class _GatherFn(torch.autograd.Function):
         fetch.work.wait()
         n = node.comm.size
         buf = copy_out(fetch.gathered, shards, node.shapes, n)
-        fetch.gathered = None  # the flat receive buffer is not needed past the copy
         if node.registry is not None:
             node.registry.track(node.group, buf, GroupSource(node.group, node.comm, shards, node.shapes))
         return tuple(views(buf, shards, node.shapes, n))

@@ -254,3 +254,23 @@ def test_split_says_when_no_cut_fits_and_keeps_the_balanced_one():
     note = next(w for w in report.warnings if w.startswith("pp split"))
     assert "no split of the 11 layers into 4 stages fits" in note and "schedule=1f1b" in note
 
+
+
+@pytest.mark.parametrize("plan", ["dp=2 pp=2 mb=4 schedule=1f1b", "dp=2 pp=2 mb=4 schedule=interleaved v=2",
+                                  "dp=2 pp=2 mb=4 zero=2"])
+def test_dp_reduction_overlaps_the_last_backward(plan):
+    """Each bucket whose gradients are final is launched from the last backward of its stage, not
+    after the pipeline; GPT-2's tied embedding / lm head (summed over pp first) waits for the end.
+    Float64: the overlapped reduction equals one device exactly."""
+    factory, batch = DEEP["gpt2"]
+    plan = f"{plan} bucket_mb=0.01"
+    sim = usc.simulate(factory(), plan, example_inputs=batch(0))
+    sim.step(*batch(0))
+    for rank in sim.ranks:
+        deferred = [b for b in rank.reducer.buckets if b.deferred]
+        assert rank.overlapped_buckets == len(rank.reducer.buckets) - len(deferred) > 2
+    tied = [b for rank in sim.ranks for b in rank.reducer.buckets if b.deferred]
+    assert tied and all(any("wte" in n or "lm_head" in n for n in b.names()) for b in tied)
+    result = assert_equivalent(factory, plan, [batch(s) for s in range(2)], rtol=1e-12, atol=1e-12,
+                               param_atol=1e-10)
+    assert result.max_param_diff <= 1e-10
