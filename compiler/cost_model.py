@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from functools import cached_property, partial
+from typing import Callable, NamedTuple
 
 from .hardware import HardwareProfile
 from .partition import balanced_cut
@@ -182,7 +183,8 @@ class CollectiveEstimate:
 
 @dataclass(frozen=True)
 class Estimate:
-    """Per-rank costs of one plan (the bottleneck pipeline stage)."""
+    """Per-rank costs of one plan (the bottleneck pipeline stage), and the step's payload bytes over
+    all ranks (with pp the stages differ, so one rank's times world size is not the total)."""
 
     plan: PlanPoint
     memory: dict  # params, grads, optimizer, activations, gathered -> bytes
@@ -193,6 +195,13 @@ class Estimate:
     tokens_per_second: float
     mfu: float
     hardware: str
+    traffic_estimate: Callable[[], dict] = field(default=dict, repr=False, compare=False)  # see traffic
+
+    @cached_property
+    def traffic(self) -> dict[str, float]:
+        """Payload bytes per axis of one step, every rank's summed (computed when first asked: the
+        planner never asks, and with pp it visits every stage)."""
+        return self.traffic_estimate()
 
     @property
     def memory_total(self) -> int:
@@ -206,6 +215,7 @@ class Estimate:
         return self.memory_total <= capacity
 
     def bytes_by_axis(self) -> dict[str, float]:
+        """Payload bytes per step of one rank of the bottleneck stage, per axis."""
         out: dict[str, float] = {}
         for c in self.collectives:
             out[c.axis] = out.get(c.axis, 0.0) + c.bytes_per_step
@@ -254,18 +264,17 @@ def stage_units(profile: ModelProfile, pp: int) -> list[list[UnitCost]]:
 
 
 def merged_stages(profile: ModelProfile, pp: int) -> list[UnitCost]:
-    """One summed UnitCost per stage (cached per pp): estimating a plan then costs a few dict sums."""
+    """One summed UnitCost per stage (cached per pp): estimating a plan then costs a few dict sums.
+    A stage's ``boundary`` is the cut after it (the last stage's crosses no cut)."""
     if pp not in profile._stages:
-        stages = stage_units(profile, pp)
-        merged = [merge_units(units) for units in stages]
-        # a stage's pipeline traffic: the cut after it (the last stage: the cut before it)
-        cuts = [stages[min(k, len(stages) - 2)][-1] for k in range(len(stages))] if pp > 1 else stages[0][-1:]
-        profile._stages[pp] = [replace(m, boundary=cut.boundary, boundary_grad=cut.boundary_grad)
-                               for m, cut in zip(merged, cuts)]
+        profile._stages[pp] = [merge_units(units) for units in stage_units(profile, pp)]
     return profile._stages[pp]
 
 
 def merge_units(units: list[UnitCost]) -> UnitCost:
+    if not units:  # more stages than units (pp*v > units: the planner estimates plans compile refuses)
+        return UnitCost("(no unit)")
+
     def add(dicts) -> dict:
         out: dict = {}
         for d in dicts:
@@ -292,7 +301,8 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
                     {sp: merge_comms(u.collectives.get(sp, ()) for u in units) for sp in sps},
                     blocks=sum(u.blocks for u in units), largest_acts=largest,
                     params_expert=sum(u.params_expert for u in units), moe_layers=sum(u.moe_layers for u in units),
-                    params_saved=(sum(u.params_saved[0] for u in units), sum(u.params_saved[1] for u in units)))
+                    params_saved=(sum(u.params_saved[0] for u in units), sum(u.params_saved[1] for u in units)),
+                    boundary=units[-1].boundary, boundary_grad=units[-1].boundary_grad)
 
 
 def in_flight(plan: PlanPoint) -> float:
@@ -465,18 +475,24 @@ def expert_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitC
             for d in ("forward", "backward")]
 
 
-def pipeline_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile
-                         ) -> list[CollectiveEstimate]:
-    """Activations sent to the next stage and their gradients back, per microbatch."""
-    if plan.pp == 1 or not units:
+def pipeline_collectives(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], k: int,
+                         hw: HardwareProfile) -> list[CollectiveEstimate]:
+    """Stage k's activations to and from its neighbours and their gradients, per microbatch. Bytes
+    are what its ranks hand to Comm, which counts a transfer at both ends: what it receives from the
+    cut before it and sends over the cut after it. Time is one transfer each way (the cut after it;
+    the last stage's, the cut before it): the other end of a transfer is its neighbour's time."""
+    if len(stages) == 1:
         return []
     sp = plan.sp and plan.tp > 1
+    cuts = [stages[i] for i in (k - 1, k) if 0 <= i < len(stages) - 1]  # stage i's boundary: the cut after it
+    timed = len(cuts) - 1 if k < len(stages) - 1 else 0  # which cut's transfer is on the time
     bw, lat = _link(hw, plan, "pp")
     out = []
-    for direction, crossing in (("forward", units[-1].boundary), ("backward", units[-1].boundary_grad)):
-        nbytes = _acts(crossing.get(sp, {}), profile, plan)  # values that cross the cut (hidden state, RoPE)
-        seconds = collective_seconds("send/recv", nbytes, 2, bw, lat)
-        out.append(CollectiveEstimate("pp", "send/recv", direction, plan.pp, nbytes, 1, seconds, seconds))
+    for direction, crossing in (("forward", lambda cut: cut.boundary), ("backward", lambda cut: cut.boundary_grad)):
+        nbytes = [_acts(crossing(cut).get(sp, {}), profile, plan) for cut in cuts]  # the hidden state
+        seconds = collective_seconds("send/recv", nbytes[timed], 2, bw, lat)
+        out.append(CollectiveEstimate("pp", "send/recv", direction, plan.pp, sum(nbytes), len(cuts),
+                                      seconds, seconds))
     return out
 
 
@@ -500,15 +516,31 @@ def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) -> Est
     """Per-rank memory, FLOPs, collectives and step time of ``plan``. Memory is the fullest stage's;
     time is the busiest stage's (the most FLOPs at the plan's sequence), which the others wait for."""
     stages = merged_stages(profile, plan.pp)
-    busiest = max(stages, key=lambda u: stage_flops(profile, plan, [u]))  # at the plan's S: attention grows as S^2
-    state, flops, time, comms = _stage_estimate(profile, plan, [busiest], hw)
+    # at the plan's S: attention grows as S^2
+    busiest = max(range(len(stages)), key=lambda k: stage_flops(profile, plan, [stages[k]]))
+    state, flops, time, comms = _stage_estimate(profile, plan, stages, busiest, hw)
     memory = peak_memory(profile, plan) if plan.pp > 1 else state
     model_flops = 3 * profile.forward_flops_per_token * plan.global_batch * plan.seq * (
         1 + _attention_growth(profile, plan))
     step = time["step"]
     peak = hw.peak_flops(plan.dtype) * plan.world
-    return Estimate(plan, memory, flops, model_flops, tuple(comms), time,
-                    plan.global_batch * plan.seq / step, model_flops / (step * peak), hw.name)
+    comms += loss_value_collectives(profile, plan)
+    return Estimate(plan, memory, flops, model_flops, tuple(comms), time, plan.global_batch * plan.seq / step,
+                    model_flops / (step * peak), hw.name, traffic_estimate=partial(step_traffic, profile, plan, hw))
+
+
+def step_traffic(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) -> dict[str, float]:
+    """Payload bytes per axis of one step summed over every rank, as their Comms count them: each
+    pipeline stage's world/pp ranks issue that stage's collectives (with v > 1 a rank runs v of the
+    pp*v stages), every rank the loss-value sums."""
+    stages = merged_stages(profile, plan.pp * plan.v)
+    out: dict[str, float] = {}
+    per_rank = [(c, plan.world // plan.pp) for k in range(len(stages))
+                for c in _per_step(_microbatch_collectives(profile, plan, stages, k, hw), plan.mb)
+                + gradient_collectives(plan, [stages[k]], hw, 0.0)]
+    for c, ranks in per_rank + [(c, plan.world) for c in loss_value_collectives(profile, plan)]:
+        out[c.axis] = out.get(c.axis, 0.0) + c.bytes_per_step * ranks
+    return out
 
 
 def peak_memory(profile: ModelProfile, plan: PlanPoint) -> dict[str, float]:
@@ -524,7 +556,9 @@ def _attention_growth(profile: ModelProfile, plan: PlanPoint) -> float:
     return attn / total * (plan.seq / profile.seq - 1) if total else 0.0
 
 
-def _stage_estimate(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile):
+def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], k: int,
+                    hw: HardwareProfile):
+    units = [stages[k]]
     fwd_flops = stage_flops(profile, plan, units)
     rate = hw.peak_flops(plan.dtype) * matmul_efficiency(profile, plan)
     extra = {"full": 1.0, "selective": 0.0}.get(plan.recompute, 0.0)  # selective: pointwise only
@@ -532,32 +566,47 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost
     pointwise = POINTWISE_TRAFFIC * acts / hw.hbm_bandwidth * (FUSED_POINTWISE if plan.fuse else 1.0)
     forward = fwd_flops / rate + pointwise / 3
     backward = (2 + extra) * fwd_flops / rate + 2 * pointwise / 3
-    layer_comms = (layer_collectives(profile, plan, units, hw) + pipeline_collectives(profile, plan, units, hw)
-                   + expert_collectives(profile, plan, units, hw))
-    layer_exposed = [_exposed_layer_comm(c, profile, plan, units, hw) for c in layer_comms]
-    per_mb_comm = sum(layer_exposed)
-    per_mb = forward + backward + per_mb_comm
-    grads = gradient_collectives(plan, units, hw, backward)
+    per_mb_comms = _microbatch_collectives(profile, plan, stages, k, hw)
+    per_mb = forward + backward + sum(c.exposed_seconds for c in per_mb_comms)
+    comms = _per_step(per_mb_comms, plan.mb) + gradient_collectives(plan, units, hw, backward)
     state = stage_memory(profile, plan, units)
     optimizer = OPTIMIZER_TRAFFIC * (state["params"] + state["grads"] + state["optimizer"]) / hw.hbm_bandwidth
     bubble = bubble_units(plan) * per_mb
-    zero3_exposed = _zero3_exposed(grads, plan.mb * (forward + backward))
-    grads = [replace(c, exposed_seconds=zero3_exposed) if c.direction == "forward+backward" else c for c in grads]
-    exposed = plan.mb * per_mb_comm + sum(c.exposed_seconds for c in grads)
+    zero3_exposed = _zero3_exposed(comms, plan.mb * (forward + backward))
+    comms = [replace(c, exposed_seconds=zero3_exposed) if c.direction == "forward+backward" else c for c in comms]
+    exposed = sum(c.exposed_seconds for c in comms)
     time = {"compute": plan.mb * (forward + backward), "exposed_comm": exposed, "bubble": bubble,
             "optimizer": optimizer}
     time["step"] = sum(time.values())
     flops = plan.mb * (3 + extra) * fwd_flops
-    m = plan.mb
-    sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
-    grads += [CollectiveEstimate(axis, "all-reduce", "forward", sizes[axis], 4, 1, 0.0, 0.0)
-              for axis in profile.loss_axes if sizes.get(axis, 1) > 1]  # the returned loss value
-    if plan.pp > 1:  # the last stage's loss sum and token count (two float64) reach every pp rank
-        grads.append(CollectiveEstimate("pp", "all-reduce", "forward", plan.pp, 16, 1, 0.0, 0.0))
-    comms = [CollectiveEstimate(c.axis, c.kind, c.direction, c.group_size, c.bytes_per_step * m,
-                                c.calls_per_step * m, c.seconds * m, exposed_mb * m)
-             for c, exposed_mb in zip(layer_comms, layer_exposed)] + grads
     return state, flops, time, comms
+
+
+def _microbatch_collectives(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], k: int,
+                            hw: HardwareProfile) -> list[CollectiveEstimate]:
+    """Stage k's collectives of one microbatch (tp/sp, cp, pipeline transfers, experts), each with the
+    seconds it adds to the critical path as its exposed time."""
+    units = [stages[k]]
+    comms = (layer_collectives(profile, plan, units, hw) + pipeline_collectives(profile, plan, stages, k, hw)
+             + expert_collectives(profile, plan, units, hw))
+    return [replace(c, exposed_seconds=_exposed_layer_comm(c, profile, plan, units, hw)) for c in comms]
+
+
+def _per_step(comms: list[CollectiveEstimate], m: int) -> list[CollectiveEstimate]:
+    return [replace(c, bytes_per_step=c.bytes_per_step * m, calls_per_step=c.calls_per_step * m,
+                    seconds=c.seconds * m, exposed_seconds=c.exposed_seconds * m) for c in comms]
+
+
+def loss_value_collectives(profile: ModelProfile, plan: PlanPoint) -> list[CollectiveEstimate]:
+    """What every rank issues once per step to return the loss (runtime/executor.py, pipeline.py):
+    with pp, the last stage's loss sum and token count (two float64) summed over pp; then the loss
+    value summed over the axes it is partial on -- a float32 scalar, float64 with pp (the pipeline
+    executor accumulates the loss in float64)."""
+    sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
+    pipeline = plan.pp > 1
+    out = [CollectiveEstimate("pp", "all-reduce", "forward", plan.pp, 16, 1, 0.0, 0.0)] if pipeline else []
+    return out + [CollectiveEstimate(axis, "all-reduce", "forward", sizes[axis], 8 if pipeline else 4, 1, 0.0, 0.0)
+                  for axis in profile.loss_axes if sizes.get(axis, 1) > 1]
 
 
 def _exposed_layer_comm(c: CollectiveEstimate, profile, plan, units, hw) -> float:

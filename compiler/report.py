@@ -74,6 +74,7 @@ class Report:
     recompute_mode: str = "none"
     activation_estimate_by_recompute: Callable[[], dict[str, int]] | None = field(default=None, repr=False)
     _activation_by_recompute: dict[str, int] | None = field(default=None, repr=False)
+    traffic: dict = field(default_factory=dict)  # (axis, kind) -> payload bytes per step, every rank's summed
 
     @property
     def activation_bytes(self) -> int | None:
@@ -284,13 +285,13 @@ def _joint(axes: tuple[str, ...]) -> tuple[str, ...]:
     return axes
 
 
-def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: bool = True
+def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: bool = True, pp_rank: int = 0
                   ) -> list[tuple[tuple[str, ...], list[str], int]]:
-    """(axes, parameter names, bytes) per gradient bucket, packed as the runtime packs them: in
-    reverse order of the parameters, one open bucket per set of axes, closed once it holds
+    """(axes, parameter names, bytes) per gradient bucket of a pp rank, packed as the runtime packs them:
+    in reverse order of the parameters, one open bucket per set of axes, closed once it holds
     bucket_bytes. ZeRO-3 parameters get their dp sum inside the graph, so dp is not theirs here."""
     done, open_buckets = [], {}
-    for spec in reversed(state_of_pp_rank(program)):
+    for spec in reversed(state_of_pp_rank(program, pp_rank)):
         in_graph = graph_reduces_zero3 and spec.zero3
         axes = _joint(tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1 and not (in_graph and a == "dp")))
         if not axes:
@@ -303,11 +304,12 @@ def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: b
     return done + [(axes, names, nbytes) for axes, (names, nbytes) in open_buckets.items()]
 
 
-def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0) -> list[CollectiveRecord]:
+def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0, *, pp_rank: int = 0
+                     ) -> list[CollectiveRecord]:
     """Gradient reductions per bucket (all-reduce; reduce-scatter over dp at zero=2), and with
-    zero=1/2 the all-gather of the updated slices after the optimizer step."""
+    zero=1/2 the all-gather of the updated slices after the optimizer step (of pp rank ``pp_rank``)."""
     records = []
-    for axes, names, nbytes in _pack_buckets(program, bucket_bytes):
+    for axes, names, nbytes in _pack_buckets(program, bucket_bytes, pp_rank=pp_rank):
         label = names[0] if len(names) == 1 else f"{names[-1]} .. {names[0]} ({len(names)} params)"
         payload = nbytes
         for axis in axes:  # reduced one axis after the other; after the dp reduce-scatter only a slice is left
@@ -354,10 +356,40 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
 
 
 def loss_value_records(program: Program) -> list[CollectiveRecord]:
-    """The runtime sums the partial loss over these axes once per step to return it (no gradient)."""
-    return [CollectiveRecord("all-reduce", axis, program.mesh.size(axis), "forward", (), "float32", 4, 1,
+    """The runtime sums the partial loss over these axes once per step to return it (no gradient); the
+    pipeline executor accumulates the loss in float64 (runtime/pipeline.py), the others return float32."""
+    dtype, nbytes = ("float64", 8) if program.mesh.size("pp") > 1 else ("float32", 4)
+    return [CollectiveRecord("all-reduce", axis, program.mesh.size(axis), "forward", (), dtype, nbytes, 1,
                              "<loss value>", "step()", "the returned loss is a partial sum on this axis", "executor")
             for axis in program.loss_partial_axes if program.mesh.size(axis) > 1]
+
+
+def pipeline_loss_records(program: Program) -> list[CollectiveRecord]:
+    """With pp, the last stage's loss sum and token count (two float64) reach every pp rank once per step."""
+    if program.mesh.size("pp") == 1:
+        return []
+    return [CollectiveRecord("all-reduce", "pp", program.mesh.size("pp"), "forward", (2,), "float64", 16, 1,
+                             "<loss value>", "step()", "the last stage's loss sum and token count",
+                             "executor")]
+
+
+def step_traffic(program: Program, *, bucket_bytes: int, zero_stage: int, microbatches: int
+                 ) -> dict[tuple[str, str], int]:
+    """Payload bytes per (axis, kind) of one step summed over every rank, as their Comms count them.
+    Without pp every rank issues the report's list; with pp a stage's collectives run on its world/pp
+    ranks, a transfer is counted at both ends and each pp rank sums the gradients of its own stages."""
+    mesh = program.mesh
+    per_stage = mesh.world_size // mesh.size("pp")
+    counted = [(r, per_stage * microbatches) for part in program_parts(program.gm)
+               for r in _graph_collectives(part, mesh)]
+    counted += [(r, 2 * per_stage * microbatches) for r in pipeline_transfers(program.gm, mesh)]
+    counted += [(r, per_stage) for rank in range(mesh.size("pp"))
+                for r in gradient_buckets(program, bucket_bytes, zero_stage, pp_rank=rank)]
+    counted += [(r, mesh.world_size) for r in pipeline_loss_records(program) + loss_value_records(program)]
+    out: dict[tuple[str, str], int] = defaultdict(int)
+    for record, ranks in counted:
+        out[(record.axis, record.kind)] += record.bytes_per_step * ranks
+    return dict(out)
 
 
 def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, compile_seconds: float,
@@ -365,7 +397,7 @@ def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, 
                  recompute_mode: str = "none") -> Report:
     collectives = graph_collectives(program.gm, program.mesh, microbatches) + gradient_buckets(
         program, bucket_bytes, zero_stage)
-    collectives += loss_value_records(program)
+    collectives += pipeline_loss_records(program) + loss_value_records(program)
     memory = memory_by_zero_stage(program, bucket_bytes)
     params = memory[zero_stage]["params"]
     warnings = list(warnings or []) + list(program.warnings) + [
@@ -376,4 +408,6 @@ def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, 
                   memory=memory, zero_stage=zero_stage, stages=stage_table(program),
                   recompute=recompute_records(program.gm, program.mesh), recompute_mode=recompute_mode,
                   fusion=fusion_summary(program.gm, program_parts(program.gm), program.mesh, microbatches),
-                  kernels=kernel_sources(program.gm, program_parts(program.gm)))
+                  kernels=kernel_sources(program.gm, program_parts(program.gm)),
+                  traffic=step_traffic(program, bucket_bytes=bucket_bytes, zero_stage=zero_stage,
+                                       microbatches=microbatches))

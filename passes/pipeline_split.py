@@ -8,8 +8,8 @@ Establishes: with pp>1 the returned GraphModule is an orchestrator whose ``submo
     estimated compute per stage (FLOPs from the global shapes) is balanced (``split=auto``), or so
     that stage k+1 starts at the k-th layer ``split=a|b|...`` names; nodes outside layers
     go with what they consume (or, with no computed input, with their first consumer). Values
-    computed from buffers and constants alone (RoPE tables) are recomputed on each stage that
-    uses them rather than sent. The
+    computed from buffers and constants alone (RoPE tables, and this rank's cp piece of them)
+    are recomputed on each stage that uses them rather than sent. The
     orchestrator's meta["usc_stage_costs"] lists, per stage, its layers and estimated FLOPs per
     microbatch (what the balance was computed from; the report prints it).
 """
@@ -29,6 +29,7 @@ from usc.compiler.hardware import hardware_profile
 from usc.compiler.ir import META
 from usc.compiler.partition import NoCutFits, balanced_cut
 from usc.compiler.trace import module_path
+from usc.runtime.collectives import CollectiveNode
 
 from .graph_edit import shape_of
 from .pipeline_schedule import Compute, ComputeOp, build_schedule
@@ -341,15 +342,27 @@ def _gib(nbytes: float) -> str:
 
 def constant_nodes(gm: fx.GraphModule, constants: set[str]) -> set[fx.Node]:
     """Nodes computed from buffers and constants alone (RoPE tables, masks): the same on every
-    microbatch and cheap, so each stage computes its own copy instead of receiving it."""
+    microbatch and cheap, so each stage computes its own copy instead of receiving it. A collective
+    node that moves nothing in forward (a LocalShard taking this rank's cp piece of a table)
+    is such a computation too; the cost model's profile (usc.profiling) counts the same nodes as
+    never crossing a cut."""
     free: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             if node.name in constants:
                 free.add(node)
-        elif node.op in ("call_function", "get_attr") and all(x in free for x in node.all_input_nodes):
+        elif _computes_locally(gm, node) and all(x in free for x in node.all_input_nodes):
             free.add(node)
     return {n for n in free if n.op != "placeholder"}
+
+
+def _computes_locally(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """An op, attribute or collective node whose forward needs no other rank (its value can be made
+    again on any stage; on constants it has no gradient, so its backward collective never runs)."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        return isinstance(module, CollectiveNode) and module.forward_collective() is None
+    return node.op in ("call_function", "get_attr")
 
 
 def copy_constants_per_stage(gm: fx.GraphModule, stage: dict[fx.Node, int], free: set[fx.Node]) -> None:

@@ -127,8 +127,9 @@ def _shallow_stacks(model: torch.nn.Module):
 
 def _stamp(profile: ModelProfile, stacks: dict[str, int]) -> ModelProfile:
     """Repeat a middle block of each stack for the blocks that were not traced. A middle block (not
-    the first, not the last) is what the untraced ones are: values made before the stack, such as
-    RoPE tables, still cross a pipeline cut after it; the last measured block stays the last."""
+    the first, not the last) is what the untraced ones are: values made before the stack and used by
+    every block (a mask made from the inputs) still cross a pipeline cut after it; the last measured
+    block stays the last."""
     units = list(profile.units)
     for path, length in stacks.items():
         names = [u.name for u in units]
@@ -234,7 +235,8 @@ def _boundaries(program, where: dict[str, str], units: list[str]) -> dict[str, t
     pipeline cut after the unit sends forward --, the same for those with a gradient, sent back)."""
     order = {u: i for i, u in enumerate(units)}
     out = {u: ({}, {}) for u in units}
-    # values computed from buffers alone (RoPE tables) are recomputed on each stage, never sent
+    # values computed from buffers alone (RoPE tables, and the probe's cp pieces of them: LocalShard
+    # nodes) are recomputed on each stage, never sent: the split's own rule
     recomputed = constant_nodes(program.gm, {s.placeholder for s in program.state if not s.trainable})
     for node in program.gm.graph.nodes:
         value = node.meta.get("val")

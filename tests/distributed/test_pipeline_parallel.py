@@ -60,7 +60,7 @@ def test_stages_are_balanced_and_contiguous():
 
 def test_lint_lists_the_stage_boundary_transfers():
     report = usc.lint(TinyLlama(), "pp=2 mb=4", example_inputs=token_batch(128, 4, 16))
-    transfers = [c for c in report.collectives if c.axis == "pp"]
+    transfers = [c for c in report.collectives if c.axis == "pp" and c.kind == "send/recv"]
     hidden = [c for c in transfers if c.shape == (1, 16, 64)]
     assert {c.direction for c in hidden} == {"forward", "backward"}
     assert all(c.calls_per_step == 4 and c.module == "stage 0 -> stage 1" for c in transfers)
@@ -137,6 +137,14 @@ def test_report_lists_each_stage():
     text = str(report)
     assert "stage 3 on pp rank 3:" in text and "layers.6, layers.7, norm, lm_head" in text
     assert len(report.to_dict()["pipeline_stages"]) == 4
+
+
+@pytest.mark.parametrize("plan", ["cp=2 pp=2 mb=2", "cp=2 cp_mode=zigzag pp=2 mb=2"])
+def test_sharded_rope_tables_are_recomputed_not_sent(plan):
+    """cp takes this rank's piece of the RoPE tables (a LocalShard: no communication in forward); each
+    stage makes its piece again, so only the hidden state crosses the cut."""
+    report = usc.lint(TinyLlama(), plan, example_inputs=token_batch(128, 4, 16))
+    assert [(t.to_stage, t.grad) for t in report.stages[0].sends] == [(1, True)]
 
 
 def test_interleaved_stages_loop_over_the_ranks():
