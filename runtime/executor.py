@@ -216,6 +216,7 @@ class RankExecutor:
         with self._span("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            self.reducer.attach_grad_views()
         return value
 
     steps_done = 0
@@ -225,14 +226,15 @@ class RankExecutor:
         self.steps_done += 1
         if not math.isfinite(value):
             self.optimizer.zero_grad(set_to_none=True)
+            self.reducer.attach_grad_views()
             raise NonFiniteLoss(self.steps_done, self.mesh.rank, value)
 
     def _scale_grads(self, factor: float) -> None:
         if factor == 1.0:
             return
-        for param in self.params:
-            if param.grad is not None:
-                param.grad.mul_(factor)
+        grads = [param.grad for param in self.params if param.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)  # one dispatch for every gradient
 
     def activation_bytes(self, batch: tuple) -> int:
         """Bytes of the activations autograd saves for backward in one forward (unique storages,

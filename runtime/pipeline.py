@@ -403,6 +403,7 @@ class PipelineMixin:
         self._check_finite(value)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.reducer.attach_grad_views()
         return value
 
     def evaluate(self, batch: tuple) -> float:

@@ -80,6 +80,12 @@ def pad_to_multiple(flat: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([flat, flat.new_zeros(extra)]) if extra else flat
 
 
+def _is_view_of(t: torch.Tensor, piece: torch.Tensor) -> bool:
+    """``t`` occupies exactly ``piece``'s elements (a gradient attached as a bucket view)."""
+    return (t.untyped_storage()._cdata == piece.untyped_storage()._cdata  # _cdata: fake tensors too
+            and t.storage_offset() == piece.storage_offset() and t.numel() == piece.numel() and t.is_contiguous())
+
+
 def _grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
     return param.grad if param.grad is not None else torch.zeros_like(param)
 
@@ -244,10 +250,25 @@ class GradReducer:
             piece = bucket.buffer[offset: offset + param.numel()]
             if param.grad is None:
                 piece.zero_()
-            else:
+            elif not _is_view_of(param.grad, piece):
                 piece.copy_(param.grad.reshape(-1))
             offset += param.numel()
         return bucket.buffer
+
+    def attach_grad_views(self) -> None:
+        """Zero each bucket's buffer and make the parameters' ``.grad`` views of it (DDP's
+        gradient_as_bucket_view): backward then accumulates straight into the bucket, so neither
+        the copy into the bucket before the all-reduce nor the copy back after it happens.
+        Call after the optimizer dropped the gradients (buckets whose sums travel in another
+        dtype, or that ZeRO-2 reduce-scatters, keep their own gradients)."""
+        for bucket in self.buckets:
+            if bucket.buffer is None or bucket.shard is not None or bucket.buffer.dtype != bucket.params[0][1].dtype:
+                continue
+            bucket.buffer.zero_()
+            offset = 0
+            for _, param in bucket.params:
+                param.grad = bucket.buffer[offset: offset + param.numel()].view_as(param)
+                offset += param.numel()
 
     def _launch_next_axis(self, bucket: _Bucket) -> None:
         axis = bucket.axes[bucket.stage]
@@ -287,7 +308,7 @@ class GradReducer:
             offset += param.numel()
             if param.grad is None:
                 param.grad = reduced.clone()
-            else:
+            elif not _is_view_of(param.grad, reduced):
                 param.grad.copy_(reduced)
         if bucket.span is not None and self.timeline is not None:
             self.timeline.end(bucket.span)
