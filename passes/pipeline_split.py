@@ -33,6 +33,7 @@ from usc.runtime.collectives import CollectiveNode
 
 from .graph_edit import shape_of
 from .pipeline_schedule import Compute, ComputeOp, build_schedule
+from .saved_values import base_of, saved_values
 from .zero3 import layer_key
 
 aten = torch.ops.aten
@@ -226,7 +227,7 @@ class MemoryBudget:
                     kept = [x for x in node.all_input_nodes if x.op != "placeholder" and unit_of(x) != i]
                 else:
                     kept = saved_values(gm, node)
-                saved.update((_base(x), i) for x in kept if _base(x).op != "placeholder")
+                saved.update((base_of(x), i) for x in kept if base_of(x).op != "placeholder")
         for value, i in saved:
             acts[i] += self._local_bytes(value, activation=True)
         return state, acts
@@ -250,44 +251,6 @@ class MemoryBudget:
         if activation and self.act_itemsize is not None and value.dtype.is_floating_point:
             itemsize = self.act_itemsize
         return float(math.prod(shape) * itemsize)
-
-
-_VIEWS = {aten.reshape.default, aten.view.default, aten.permute.default, aten.transpose.int,
-          aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.chunk.default, aten.unbind.int,
-          aten.detach.default, aten.expand.default, aten.t.default, aten.split.Tensor, operator.getitem}
-# ops autograd saves nothing for (their backward needs no values)
-_SAVE_NOTHING = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.cat.default, aten.sum.default,
-                 aten.sum.dim_IntList, aten.mean.dim, aten.arange.default, aten.ne.Scalar, aten.eq.Scalar,
-                 aten.repeat_interleave.self_int, aten.clone.default, aten._to_copy.default, aten.zeros_like.default,
-                 aten.full.default, aten.ones_like.default} | _VIEWS
-# ops whose backward reads their output rather than their inputs
-_SAVE_OUTPUT = {aten.rsqrt.default, aten.exp.default, aten.tanh.default, aten.sigmoid.default,
-                aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
-
-
-def _base(node: fx.Node) -> fx.Node:
-    """The node whose storage a view chain reads."""
-    while node.op == "call_function" and node.target in _VIEWS and node.args and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
-
-
-def saved_values(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
-    """What autograd keeps for ``node``'s backward, by op class: nothing for additions, views and
-    reductions to a sum; the output for exp, rsqrt, softmax and the like (and attention, which keeps
-    its inputs too); the inputs otherwise (matmuls, products, activations -- and, to stay an upper
-    bound, any op not listed). Collectives keep nothing."""
-    if node.op == "call_module":
-        from usc.runtime.collectives import CollectiveNode
-
-        return [] if isinstance(gm.get_submodule(node.target), CollectiveNode) else list(node.all_input_nodes)
-    if node.target in _SAVE_NOTHING:
-        return []
-    if node.target in _SAVE_OUTPUT:
-        return [node]
-    if node.target == aten.scaled_dot_product_attention.default:
-        return [*node.all_input_nodes, node]
-    return list(node.all_input_nodes)
 
 
 def memory_budget(ctx, params: set[str]) -> MemoryBudget:

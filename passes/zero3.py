@@ -11,7 +11,6 @@ Establishes: with zero=3 and dp>1, every such parameter placeholder holds this r
 
 from __future__ import annotations
 
-import math
 import operator
 import re
 
@@ -22,6 +21,7 @@ from usc.compiler.trace import module_path
 from usc.runtime.zero3 import ZeroFetch, ZeroGather
 
 from .graph_edit import GraphEditor
+from .saved_values import saves_for_backward
 
 
 def layer_key(path: str) -> str:
@@ -57,10 +57,10 @@ def _gather_group(editor: GraphEditor, key: str, members: list[fx.Node], *, fetc
     shapes = [m.meta[META].layout.local_shape(tuple(m.meta["val"].shape), editor.mesh) for m in members]
     users = {m: list(m.users) for m in members}
     ann = NodeAnn(mesh_layout, module=key, source="", reason="ZeRO-3: gather this layer's parameters")
-    numel = sum(math.prod(shape) for shape in shapes)
-    fetch = editor.call_module(fetch_at, ZeroFetch("dp", key, numel), tuple(members), ann=ann, stem="zero_fetch",
+    fetch = editor.call_module(fetch_at, ZeroFetch("dp", key, shapes), tuple(members), ann=ann, stem="zero_fetch",
                                same_value_as=members[0])
-    gather = editor.call_module(use_at, ZeroGather("dp", key, shapes), (fetch, *members),
+    regather = any(saves_for_backward(editor.gm, m) for m in members)
+    gather = editor.call_module(use_at, ZeroGather("dp", key, shapes, regather=regather), (fetch, *members),
                                 ann=NodeAnn(mesh_layout, needs_grad=True, module=key,
                                             reason="ZeRO-3: full parameters of this layer; gradients "
                                                    "reduce-scattered in backward"),

@@ -152,9 +152,9 @@ class ZeroFetch(CollectiveNode):
 
     kind = "all-gather"
 
-    def __init__(self, axis: str, group: str, numel: int = 0) -> None:
+    def __init__(self, axis: str, group: str, shapes: list[tuple[int, ...]] = ()) -> None:
         super().__init__(axis)
-        self.group, self.numel = group, numel
+        self.group, self.shapes = group, [tuple(s) for s in shapes]
 
     registry: Zero3Registry | None = None
 
@@ -171,8 +171,11 @@ class ZeroFetch(CollectiveNode):
         return "all-gather"
 
     def traffic(self, local_shape, dtype, n) -> list[tuple]:
-        """Filled in by the pass: the group's gathered bytes (the slices times n)."""
-        return [("forward", "all-gather", (self.numel,), self.numel * _itemsize(dtype), 1)] if n > 1 else []
+        """The payload one rank hands the all-gather: its slices of the layer's parameters."""
+        if n == 1:
+            return []
+        numel = slice_numel(self.shapes, n)
+        return [("forward", "all-gather", (numel,), numel * _itemsize(dtype), 1)]
 
     def extra_repr(self) -> str:
         return f"axis={self.axis!r}, group={self.group!r}"
@@ -215,9 +218,10 @@ class ZeroGather(CollectiveNode):
 
     kind = "reduce-scatter"
 
-    def __init__(self, axis: str, group: str, shapes: list[tuple[int, ...]]) -> None:
+    def __init__(self, axis: str, group: str, shapes: list[tuple[int, ...]], regather: bool = True) -> None:
         super().__init__(axis)
         self.group, self.shapes = group, [tuple(s) for s in shapes]
+        self.regather = regather  # some op saves one of these parameters: backward gathers the layer again
         self.registry: Zero3Registry | None = None
 
     def forward(self, fetch: _Fetch, *shards: torch.Tensor):
@@ -230,15 +234,21 @@ class ZeroGather(CollectiveNode):
         return "reduce-scatter"
 
     def traffic(self, local_shape, dtype, n) -> list[tuple]:
-        """Backward: the gradients reduce-scattered, and the saved parameters gathered again."""
-        numel = sum(math.prod(s) for s in self.shapes)
+        """Backward: the gradients reduce-scattered, and the parameters gathered again when some op
+        saved one (an embedding table is not: its gradient needs only the indices)."""
         if n == 1:
             return []
-        return [("backward", "reduce-scatter", (numel,), numel * _itemsize(dtype), 1),
-                ("backward", "all-gather", (numel,), numel * _itemsize(dtype), 1)]
+        padded, mine = slice_numel(self.shapes, n) * n, slice_numel(self.shapes, n)
+        scatter = [("backward", "reduce-scatter", (padded,), padded * _itemsize(dtype), 1)]
+        return scatter + ([("backward", "all-gather", (mine,), mine * _itemsize(dtype), 1)] if self.regather else [])
 
     def extra_repr(self) -> str:
         return f"axis={self.axis!r}, group={self.group!r}, params={len(self.shapes)}"
+
+
+def slice_numel(shapes, n: int) -> int:
+    """Elements of one rank's slices of these parameters (each padded to a multiple of n)."""
+    return sum(-(-math.prod(shape) // n) for shape in shapes)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
