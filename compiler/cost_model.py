@@ -74,6 +74,7 @@ class CollectiveCost:
     amount: float
     ring: bool = False  # cp ring send/recv: calls per step depend on cp
     count: int = 1  # calls merged into this entry (amount is their sum)
+    reissued: bool = False  # a forward collective that recompute=full issues again in backward
 
 
 @dataclass(frozen=True)
@@ -285,7 +286,7 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
     def merge_comms(lists) -> tuple:
         out: dict = {}
         for c in (c for cs in lists for c in cs):
-            k = (c.axis, c.kind, c.direction, c.key, c.ring)
+            k = (c.axis, c.kind, c.direction, c.key, c.ring, c.reissued)
             old = out.get(k)
             out[k] = c if old is None else replace(old, amount=old.amount + c.amount, count=old.count + c.count)
         return tuple(out.values())
@@ -396,7 +397,8 @@ def _link(hw: HardwareProfile, plan: PlanPoint, axis: str) -> tuple[float, float
 
 def layer_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile
                       ) -> list[CollectiveEstimate]:
-    """tp/sp and cp collectives of the stage for one microbatch (from the probes, rescaled)."""
+    """tp/sp and cp collectives of the stage for one microbatch (from the probes, rescaled); with
+    recompute=full the forward collectives recomputation re-issues count again, in backward."""
     sp = plan.sp and plan.tp > 1
     sizes = {"tp": plan.tp, "cp": plan.cp, "dp": plan.dp}
     out: dict[tuple, list[float]] = {}
@@ -408,11 +410,14 @@ def layer_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
                 continue
             per_call = scale(c.key, c.amount / c.count, profile, plan)
             calls = c.count * ((n - 1 if c.direction == "forward" else 2 * n - 1) if c.ring else 1)
-            acc = out.setdefault((c.axis, c.kind, c.direction, n), [0.0, 0.0, 0.0])
+            again = c.reissued and plan.recompute == "full"
+            issues = [(c.direction, calls)] + ([("backward", calls)] if again else [])
             bw, lat = _link(hw, plan, c.axis)
-            acc[0] += per_call * calls
-            acc[1] += calls
-            acc[2] += calls * collective_seconds(c.kind, per_call, n, bw, lat)
+            for direction, k in issues:
+                acc = out.setdefault((c.axis, c.kind, direction, n), [0.0, 0.0, 0.0])
+                acc[0] += per_call * k
+                acc[1] += k
+                acc[2] += k * collective_seconds(c.kind, per_call, n, bw, lat)
     return [CollectiveEstimate(axis, kind, direction, n, b, calls, s, s) for (axis, kind, direction, n), (b, calls, s)
             in out.items()]
 

@@ -211,7 +211,7 @@ def _graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRec
             continue
         module = gm.get_submodule(node.target)
         if isinstance(getattr(module, "body", None), fx.GraphModule):  # a recompute region
-            out += _recomputed_collectives(_graph_collectives(module.body, mesh))
+            out += _recomputed_collectives(module.body, _graph_collectives(module.body, mesh))
             continue
         fwd, bwd = getattr(module, "forward_collective", None), getattr(module, "backward_collective", None)
         if fwd is None:
@@ -234,12 +234,15 @@ def _graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRec
 part_collectives = _graph_collectives
 
 
-def _recomputed_collectives(records: list[CollectiveRecord]) -> list[CollectiveRecord]:
-    """A region's collectives run in forward and, when backward recomputes the region, again
-    (recompute=full re-issues them; selective regions hold none that communicate in forward)."""
-    again = [replace(c, direction="backward", reason=f"re-issued by recompute in backward; {c.reason}".rstrip("; "))
-             for c in records if c.direction == "forward"]
-    return records + again
+def _recomputed_collectives(body: fx.GraphModule, records: list[CollectiveRecord]) -> list[CollectiveRecord]:
+    """A region's collectives run in forward and, those the recompute pass marked as re-issued (all
+    but the ones after the region's last saving op, passes/recompute.py), again when backward
+    recomputes the region; selective regions hold none that communicate in forward."""
+    again = {n.name for n in body.graph.nodes
+             if META in n.meta and n.meta[META].extra.get("recompute_reissued")}
+    return records + [replace(c, direction="backward",
+                              reason=f"re-issued by recompute in backward; {c.reason}")
+                      for c in records if c.direction == "forward" and c.node in again]
 
 
 def _p2p_records(node: fx.Node, module, mesh: MeshSpec) -> list[CollectiveRecord]:

@@ -10,13 +10,16 @@ Establishes: with ``recompute=selective|full`` every computing node of a transfo
     ``extra["recompute_reason"]``. Each
     maximal convex run of kept/recomputed nodes of one block is replaced by one ``call_module`` to a
     ``usc.runtime.recompute.Recompute`` whose ``body`` holds the run; uses of the run's values read
-    ``getitem`` nodes of that call. Nothing else changes; with recompute=none and no rule the graph
-    is returned untouched.
+    ``getitem`` nodes of that call. A collective backward issues again when it recomputes its
+    region carries ``extra["recompute_reissued"] = True`` (the report counts it twice). Nothing
+    else changes; with recompute=none and no rule the graph is returned untouched.
 
 The decision is a table of rules (first match wins), after Korthikanti et al. 2022 ("Reducing
 Activation Recomputation in Large Transformer Models") and the Ultra-Scale Playbook:
 - full: the whole block is recomputed from its input; the block's collectives are re-issued in
-  backward (one more forward's worth of tp/cp traffic: Megatron's full recompute does the same).
+  backward (about one more forward's worth of tp/cp traffic, as in Megatron's full recompute) --
+  all but those after the region's last saving op, where checkpointing stops recomputing
+  (``reissued_in_backward``).
 - selective: matmul outputs are kept; norms, rotary embeddings, activations and the attention core
   are recomputed. A collective that communicates in forward is a boundary: its output is saved
   and it is never re-issued (cheaper than communicating again; ring attention already keeps only
@@ -42,6 +45,8 @@ from usc.compiler.pipeline import pipeline_stages
 from usc.compiler.trace import module_path
 from usc.runtime.recompute import Recompute
 from usc.runtime.zero3 import ZeroFetch, ZeroGather
+
+from .saved_values import saved_values
 
 aten = torch.ops.aten
 KEPT, RECOMPUTED, BOUNDARY = "kept", "recomputed", "boundary"
@@ -104,7 +109,12 @@ def _mutates(w: Where) -> bool:
 
 
 def _communicates_forward(w: Where) -> bool:
-    kind = getattr(w.module, "forward_collective", None)
+    return communicates_forward(w.module)
+
+
+def communicates_forward(module) -> bool:
+    """A collective node that moves data in forward (not Megatron's f, the identity forward)."""
+    kind = getattr(module, "forward_collective", None)
     return kind is not None and kind() not in (None, "none")
 
 
@@ -160,23 +170,60 @@ def recompute_pass(gm: fx.GraphModule, ctx, *, params: set[str] = frozenset()) -
 
 
 def _recompute_graph(gm: fx.GraphModule, mode: str, marked, params: set[str]) -> None:
+    regions, decisions, reasons = recompute_regions(gm, mode, marked)
+    for node, decision in decisions.items():
+        node.meta[META].extra.update(recompute=decision, recompute_reason=reasons[node])
+    for run in regions:
+        for node in reissued_in_backward(gm, run):
+            node.meta[META].extra["recompute_reissued"] = True
+    for index, run in enumerate(regions):
+        extract_region(gm, run, kept=tuple(n.name for n in run if decisions[n] == KEPT), index=index,
+                       params=params)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def recompute_regions(gm: fx.GraphModule, mode: str, marked: Callable[[str], bool]
+                      ) -> tuple[list[list[fx.Node]], dict, dict]:
+    """The runs of ``gm`` that become recompute regions, and every considered node's decision and
+    reason (a run that frees nothing is turned into boundaries). Reads the graph, changes nothing:
+    the cost model's profile asks it of a probe program."""
     decisions, reasons = {}, {}
     for node in gm.graph.nodes:
         rule = decide(node, gm, mode, marked)
         if rule.decision is not None:
             decisions[node], reasons[node] = rule.decision, rule.why
-    runs = convex_runs(gm, decisions)
-    for run in runs:
-        if not worth_recomputing(run, decisions):  # e.g. a lone residual add: nothing to free
+    regions = []
+    for run in convex_runs(gm, decisions):
+        if worth_recomputing(run, decisions):
+            regions.append(run)
+        else:  # e.g. a lone residual add: nothing to free
             decisions.update({n: BOUNDARY for n in run})
             reasons.update({n: "nothing in its run saves a tensor" for n in run})
-    for node, decision in decisions.items():
-        node.meta[META].extra.update(recompute=decision, recompute_reason=reasons[node])
-    for index, run in enumerate(r for r in runs if decisions[r[0]] != BOUNDARY):
-        extract_region(gm, run, kept=tuple(n.name for n in run if decisions[n] == KEPT), index=index,
-                       params=params)
-    gm.graph.lint()
-    gm.recompile()
+    return regions, decisions, reasons
+
+
+def reissued_in_backward(gm: fx.GraphModule, run: list[fx.Node]) -> list[fx.Node]:
+    """The collectives of a region (nodes in program order) that backward issues again when it
+    recomputes the region: those that run before the region's last op that saves a tensor.
+
+    Non-reentrant checkpointing stops a recomputation as soon as every tensor the forward saved
+    exists again (torch.utils.checkpoint's early stop), so a collective after the region's last
+    saving op runs once -- under recompute=full, tp's all-reduce (sp: reduce-scatter) that closes a
+    block before its residual add; the all-reduce after attention, the sp all-gathers and the cp ring
+    (which saves its own q, k, v) run again. Selective regions hold no collective that communicates
+    in forward (they are boundaries), so nothing is re-issued there."""
+    saving = [i for i, node in enumerate(run) if _saves_for_backward(gm, node)]
+    last = saving[-1] if saving else -1
+    return [node for node in run[:last + 1]
+            if node.op == "call_module" and communicates_forward(gm.get_submodule(node.target))]
+
+
+def _saves_for_backward(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether autograd records ``node`` with a saved tensor: it has a gradient and its op keeps
+    something (``saved_values``, by op class)."""
+    ann = node.meta.get(META)
+    return ann is not None and ann.needs_grad and bool(saved_values(gm, node))
 
 
 # ops whose backward needs no saved tensor: recomputing only these frees nothing

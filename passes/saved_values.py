@@ -1,5 +1,6 @@
 """What autograd keeps for backward, read from the graph by op class (no run): the pipeline
-split's memory estimate and ZeRO-3's choice of which layers backward gathers again use it."""
+split's memory estimate, ZeRO-3's choice of which layers backward gathers again and recompute's
+count of the collectives backward re-issues use it."""
 
 from __future__ import annotations
 
@@ -34,11 +35,16 @@ def saved_values(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     """What autograd keeps for ``node``'s backward, by op class: nothing for additions, views and
     reductions to a sum; the output for exp, rsqrt, softmax and the like (and attention, which keeps
     its inputs too); the inputs otherwise (matmuls, products, activations -- and, to stay an upper
-    bound, any op not listed). Collectives keep nothing."""
+    bound, any op not listed). Collectives keep nothing, but ring attention keeps what attention
+    keeps (q, k, v, its output and the LSE)."""
     if node.op == "call_module":
         from usc.runtime.collectives import CollectiveNode
+        from usc.runtime.ring_attention import RingAttention
 
-        return [] if isinstance(gm.get_submodule(node.target), CollectiveNode) else list(node.all_input_nodes)
+        module = gm.get_submodule(node.target)
+        if isinstance(module, RingAttention):
+            return [*node.all_input_nodes, node]
+        return [] if isinstance(module, CollectiveNode) else list(node.all_input_nodes)
     if node.target == aten.embedding.default:
         return [node.args[1]]  # the indices; the table's gradient is a scatter of the output's
     if node.target in _SAVE_NOTHING:

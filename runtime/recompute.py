@@ -21,7 +21,8 @@ What the compiler guarantees (so the runtime needs no special cases):
   same program order on every rank; selective regions contain none that communicate in forward.
   Non-reentrant checkpointing stops a recomputation once the tensors backward needs exist (early
   stop); every rank runs the same program, so every rank stops at the same node and the re-issued
-  collectives still pair up.
+  collectives still pair up. A collective after the region's last saving op is therefore not
+  re-issued (``passes.recompute.reissued_in_backward`` names those that are; the report counts them).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from usc.compiler.trace import Traced, module_path, trace
 from usc.dsl import PlanError, parse_plan
 from usc.passes import parallelize
 from usc.passes.pipeline_split import constant_nodes, node_flops
+from usc.passes.recompute import recompute_regions, reissued_in_backward
 from usc.passes.zero3 import layer_key
 
 aten = torch.ops.aten
@@ -284,6 +285,7 @@ def _sum_keys(pairs) -> dict:
 
 def _collectives(program, where: dict[str, str], nodes: dict[str, fx.Node]) -> dict[str, list[CollectiveCost]]:
     out: dict[str, list[CollectiveCost]] = {}
+    reissued = _reissued_by_full_recompute(program.gm)
     for record in graph_collectives(program.gm, program.mesh):
         node = nodes.get(record.node)
         if node is None or record.axis not in ("tp", "cp", "dp"):
@@ -291,9 +293,18 @@ def _collectives(program, where: dict[str, str], nodes: dict[str, fx.Node]) -> d
         payload = node if record.direction == "backward" else node.args[-1 if record.kind == "send/recv" else 0]
         key, factor = _key(payload, program.mesh)
         ring = record.kind == "send/recv" and record.axis == "cp"
+        again = record.direction == "forward" and record.node in reissued
         out.setdefault(where.get(record.node, next(iter(where.values()))), []).append(
-            CollectiveCost(record.axis, record.kind, record.direction, key, record.bytes_per_call * factor, ring))
+            CollectiveCost(record.axis, record.kind, record.direction, key, record.bytes_per_call * factor,
+                           ring, reissued=again))
     return out
+
+
+def _reissued_by_full_recompute(gm: fx.GraphModule) -> set[str]:
+    """Collectives of the probe that recompute=full would issue again in backward: the regions the
+    recompute pass would cut (it runs last, on the program the probe is), asked without cutting."""
+    regions, _, _ = recompute_regions(gm, "full", lambda path: False)
+    return {node.name for run in regions for node in reissued_in_backward(gm, run)}
 
 
 EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")  # MoE experts in a ModuleList named `experts`
