@@ -41,8 +41,7 @@ def _coefficients(buckets: dict, profile: ModelProfile) -> tuple[float, float, f
 def formulas(profile: ModelProfile, *, sp: bool = False) -> dict[str, sympy.Expr]:
     """Bytes of params/grads/optimizer/activations and FLOPs per rank per step, symbolically."""
     B, S, dp, tp, pp, cp, mb, zero = (SYMBOLS[n] for n in ("B", "S", "dp", "tp", "pp", "cp", "mb", "zero"))
-    p_rep = sum(u.params_rep for u in profile.units)
-    p_tp = sum(u.params_tp for u in profile.units)
+    p_rep, p_tp = profile.param_bytes
     params = (sympy.Integer(p_rep) + sympy.Integer(p_tp) / tp) / pp
     sharded = params / dp
     acts: dict = {}

@@ -98,6 +98,11 @@ class UnitCost:
     boundary: dict = field(default_factory=dict)  # sp -> {ScaleKey: bytes} crossing a pipeline cut after this unit
     boundary_grad: dict = field(default_factory=dict)  # sp -> ... of those values that have a gradient
     largest_acts: dict = field(default_factory=dict)  # sp -> acts of the largest merged unit
+    # (replicated, tp-split) bytes of parameters whose gradient the graph sums over dp, not a bucket
+    params_unreduced: tuple = (0, 0)
+    # (name, replicated, tp-split bytes) of parameters other units also use (tied embedding / lm
+    # head): in params_rep/params_tp of each user, once per merged stage
+    tied: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -116,8 +121,15 @@ class ModelProfile:
     _stages: dict = field(default_factory=dict, compare=False, repr=False)  # pp -> merged stages (cache)
 
     @property
+    def param_bytes(self) -> tuple[int, int]:
+        """(replicated, tp-split) fp32 bytes of the dense parameters, a tied weight once."""
+        _, extra_rep, extra_tp = _tied_once(self.units)
+        return (sum(u.params_rep for u in self.units) - extra_rep,
+                sum(u.params_tp for u in self.units) - extra_tp)
+
+    @property
     def param_count(self) -> int:
-        return sum(u.params_rep + u.params_tp for u in self.units) // BYTES_FP32
+        return sum(self.param_bytes) // BYTES_FP32
 
     @property
     def forward_flops_per_token(self) -> float:
@@ -252,6 +264,11 @@ def _params(u: UnitCost, plan: PlanPoint) -> float:
     return u.params_rep + u.params_tp / plan.tp + u.params_expert / plan.ep
 
 
+def _unreduced(u: UnitCost, plan: PlanPoint) -> float:
+    """fp32 bytes of those whose gradient the graph sums over dp (no bucket: ZeRO does not shard them)."""
+    return u.params_unreduced[0] + u.params_unreduced[1] / plan.tp
+
+
 # ----------------------------------------------------------------------------------- pipeline stages
 
 def stage_units(profile: ModelProfile, pp: int) -> list[list[UnitCost]]:
@@ -292,18 +309,32 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
         return tuple(out.values())
 
     sps = {sp for u in units for sp in u.acts}
+    tied, extra_rep, extra_tp = _tied_once(units)
     largest = {sp: max((u.acts.get(sp, {}) for u in units), key=lambda d: sum(d.values()), default={}) for sp in sps}
     return UnitCost(units[0].name if len(units) == 1 else f"{units[0].name}..{units[-1].name}",
                     sum(u.balance for u in units), sum(u.flops_matmul for u in units),
-                    sum(u.flops_attention for u in units), sum(u.params_rep for u in units),
-                    sum(u.params_tp for u in units), sum(u.params_tp_reduced for u in units),
+                    sum(u.flops_attention for u in units), sum(u.params_rep for u in units) - extra_rep,
+                    sum(u.params_tp for u in units) - extra_tp, sum(u.params_tp_reduced for u in units),
                     {sp: add(u.acts.get(sp, {}) for u in units) for sp in sps},
                     {sp: add(u.input_bytes.get(sp, {}) for u in units) for sp in sps},
                     {sp: merge_comms(u.collectives.get(sp, ()) for u in units) for sp in sps},
                     blocks=sum(u.blocks for u in units), largest_acts=largest,
                     params_expert=sum(u.params_expert for u in units), moe_layers=sum(u.moe_layers for u in units),
                     params_saved=(sum(u.params_saved[0] for u in units), sum(u.params_saved[1] for u in units)),
-                    boundary=units[-1].boundary, boundary_grad=units[-1].boundary_grad)
+                    boundary=units[-1].boundary, boundary_grad=units[-1].boundary_grad,
+                    params_unreduced=tuple(map(sum, zip(*(u.params_unreduced for u in units)))), tied=tied)
+
+
+def _tied_once(units: list[UnitCost]) -> tuple[tuple, int, int]:
+    """The tied weights of merged units, each once, and the (replicated, tp-split) bytes of the extra
+    copies the units' sums hold: a stage keeps one tensor however many of its units use it."""
+    seen: dict = {}
+    extra_rep = extra_tp = 0
+    for name, rep, split in (t for u in units for t in u.tied):
+        if name in seen:
+            extra_rep, extra_tp = extra_rep + rep, extra_tp + split
+        seen.setdefault(name, (name, rep, split))
+    return tuple(seen.values()), extra_rep, extra_tp
 
 
 def in_flight(plan: PlanPoint) -> float:
@@ -335,7 +366,8 @@ def bubble_units(plan: PlanPoint) -> float:
 def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> dict[str, float]:
     """Bytes one rank of this stage holds at the step's peak."""
     params = sum(_params(u, plan) for u in units)
-    sharded = params / plan.dp  # every trainable parameter is replicated over dp
+    unreduced = sum(_unreduced(u, plan) for u in units)
+    sharded = (params - unreduced) / plan.dp + unreduced  # ZeRO shards what the dp buckets reduce
     grads = sharded if plan.zero >= 2 else params
     optimizer = 2 * (sharded if plan.zero >= 1 else params)
     held = sharded if plan.zero >= 3 else params
@@ -424,14 +456,16 @@ def layer_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
 
 def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile, backward_seconds: float
                          ) -> list[CollectiveEstimate]:
-    """Gradient sums over dp (and cp), ZeRO gathers; overlapped with the last backward as buckets fill."""
-    params = sum(_params(u, plan) for u in units)
+    """Gradient sums over dp (and cp), ZeRO gathers; overlapped with the last backward as buckets fill.
+    Parameters whose gradient the graph sums itself are in no bucket (their sums are layer collectives)."""
+    params = sum(_params(u, plan) - _unreduced(u, plan) for u in units)
     grad_bytes = params / (2 if plan.reduce_dtype == "bf16" else 1)
     out = []
     # Buckets are reduced over one axis after the other (dp first): after ZeRO-2's dp reduce-scatter
     # the cp and tp sums move only this rank's slice.
     sliced = plan.dp if plan.zero >= 2 else 1
-    dense = sum(u.params_rep + u.params_tp / plan.tp for u in units) / (2 if plan.reduce_dtype == "bf16" else 1)
+    dense = sum(u.params_rep + u.params_tp / plan.tp - _unreduced(u, plan) for u in units) / (
+        2 if plan.reduce_dtype == "bf16" else 1)
     for axis, n in (("dp", plan.dp), ("cp", plan.cp), ("ep", plan.ep)):
         if n <= 1:
             continue
@@ -461,6 +495,30 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
         seconds = collective_seconds("all-gather", payload / (2 * layers), plan.dp, bw, lat) * 2 * layers
         out.append(CollectiveEstimate("dp", "all-gather", "forward+backward", plan.dp, payload * plan.mb,
                                       2 * layers * plan.mb, seconds * plan.mb, 0.0))
+    return out
+
+
+def shared_gradient_collectives(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile
+                                ) -> list[CollectiveEstimate]:
+    """With pp, the sum over pp of the gradient of each weight that stages on two pp ranks use (a tied
+    embedding / lm head), once per step before the dp reduction; every pp rank joins, one that holds
+    no copy with zeros (runtime/pipeline.py, ``_sum_shared_grads``). Gradients stay fp32."""
+    if plan.pp == 1 or not any(u.tied for u in profile.units):
+        return []
+    # (the planner also scores plans with more stages than units, which compile refuses)
+    chunks = plan.pp * plan.v if plan.pp * plan.v <= len(profile.units) else plan.pp
+    ranks: dict[tuple, set[int]] = {}
+    for k, stage in enumerate(merged_stages(profile, chunks)):
+        for weight in stage.tied:
+            ranks.setdefault(weight, set()).add(k % plan.pp)
+    bw, lat = _link(hw, plan, "pp")
+    out = []
+    for (_, rep, split), held in ranks.items():
+        if len(held) > 1:
+            nbytes = rep + split / plan.tp
+            seconds = collective_seconds("all-reduce", nbytes, plan.pp, bw, lat)
+            out.append(CollectiveEstimate("pp", "all-reduce", "backward", plan.pp, nbytes, 1, seconds,
+                                          seconds))
     return out
 
 
@@ -537,13 +595,14 @@ def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) -> Est
 def step_traffic(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) -> dict[str, float]:
     """Payload bytes per axis of one step summed over every rank, as their Comms count them: each
     pipeline stage's world/pp ranks issue that stage's collectives (with v > 1 a rank runs v of the
-    pp*v stages), every rank the loss-value sums."""
+    pp*v stages), every rank the loss-value sums and the pp sums of tied weights' gradients."""
     stages = merged_stages(profile, plan.pp * plan.v)
     out: dict[str, float] = {}
     per_rank = [(c, plan.world // plan.pp) for k in range(len(stages))
                 for c in _per_step(_microbatch_collectives(profile, plan, stages, k, hw), plan.mb)
                 + gradient_collectives(plan, [stages[k]], hw, 0.0)]
-    for c, ranks in per_rank + [(c, plan.world) for c in loss_value_collectives(profile, plan)]:
+    every_rank = loss_value_collectives(profile, plan) + shared_gradient_collectives(profile, plan, hw)
+    for c, ranks in per_rank + [(c, plan.world) for c in every_rank]:
         out[c.axis] = out.get(c.axis, 0.0) + c.bytes_per_step * ranks
     return out
 
@@ -573,7 +632,8 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     backward = (2 + extra) * fwd_flops / rate + 2 * pointwise / 3
     per_mb_comms = _microbatch_collectives(profile, plan, stages, k, hw)
     per_mb = forward + backward + sum(c.exposed_seconds for c in per_mb_comms)
-    comms = _per_step(per_mb_comms, plan.mb) + gradient_collectives(plan, units, hw, backward)
+    comms = (_per_step(per_mb_comms, plan.mb) + gradient_collectives(plan, units, hw, backward)
+             + shared_gradient_collectives(profile, plan, hw))
     state = stage_memory(profile, plan, units)
     optimizer = OPTIMIZER_TRAFFIC * (state["params"] + state["grads"] + state["optimizer"]) / hw.hbm_bandwidth
     bubble = bubble_units(plan) * per_mb
@@ -631,4 +691,5 @@ def _zero3_exposed(grads: list[CollectiveEstimate], compute: float) -> float:
 
 __all__ = ["ScaleKey", "CollectiveCost", "UnitCost", "ModelProfile", "PlanPoint", "Estimate",
            "CollectiveEstimate", "estimate", "scale", "stage_units", "in_flight", "bubble_units",
-           "crosses_node", "collective_seconds", "peak_memory", "MATMUL_EFFICIENCY", "COMM_EFFICIENCY"]
+           "crosses_node", "collective_seconds", "peak_memory", "shared_gradient_collectives",
+           "MATMUL_EFFICIENCY", "COMM_EFFICIENCY"]

@@ -19,7 +19,7 @@ from .ir import META, MeshSpec
 from .pipeline import pipeline_stages
 from .report_cost import cost_dict
 from .program import Program
-from .report_stages import StageRecord, stage_table, state_of_pp_rank
+from .report_stages import StageRecord, shared_weights, stage_table, state_of_pp_rank
 from .recompute_report import RecomputeRecord, recompute_records, recompute_summary, region_bodies
 
 KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send/recv")
@@ -376,11 +376,25 @@ def pipeline_loss_records(program: Program) -> list[CollectiveRecord]:
                              "executor")]
 
 
+def shared_gradient_records(program: Program) -> list[CollectiveRecord]:
+    """With pp, each weight that stages on two pp ranks use (tied embedding / lm head) gets both
+    stages' gradients: summed over pp once per step, by every pp rank (one holding no copy adds zeros)."""
+    records = []
+    for spec in shared_weights(program):
+        shape = spec.layout.local_shape(spec.global_shape, program.mesh)
+        records.append(CollectiveRecord("all-reduce", "pp", program.mesh.size("pp"), "backward", shape,
+                                        str(spec.dtype).replace("torch.", ""), _nbytes(shape, spec.dtype), 1,
+                                        spec.name, "step()", "a weight stages on two pp ranks use (tied): "
+                                        "their gradients summed", "executor"))
+    return records
+
+
 def step_traffic(program: Program, *, bucket_bytes: int, zero_stage: int, microbatches: int
                  ) -> dict[tuple[str, str], int]:
     """Payload bytes per (axis, kind) of one step summed over every rank, as their Comms count them.
     Without pp every rank issues the report's list; with pp a stage's collectives run on its world/pp
-    ranks, a transfer is counted at both ends and each pp rank sums the gradients of its own stages."""
+    ranks, a transfer is counted at both ends and each pp rank sums the gradients of its own stages;
+    every rank issues the loss-value sums and the pp sums of tied weights' gradients."""
     mesh = program.mesh
     per_stage = mesh.world_size // mesh.size("pp")
     counted = [(r, per_stage * microbatches) for part in program_parts(program.gm)
@@ -388,7 +402,9 @@ def step_traffic(program: Program, *, bucket_bytes: int, zero_stage: int, microb
     counted += [(r, 2 * per_stage * microbatches) for r in pipeline_transfers(program.gm, mesh)]
     counted += [(r, per_stage) for rank in range(mesh.size("pp"))
                 for r in gradient_buckets(program, bucket_bytes, zero_stage, pp_rank=rank)]
-    counted += [(r, mesh.world_size) for r in pipeline_loss_records(program) + loss_value_records(program)]
+    every_rank = pipeline_loss_records(program) + loss_value_records(program) + shared_gradient_records(
+        program)
+    counted += [(r, mesh.world_size) for r in every_rank]
     out: dict[tuple[str, str], int] = defaultdict(int)
     for record, ranks in counted:
         out[(record.axis, record.kind)] += record.bytes_per_step * ranks
@@ -401,6 +417,7 @@ def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, 
     collectives = graph_collectives(program.gm, program.mesh, microbatches) + gradient_buckets(
         program, bucket_bytes, zero_stage)
     collectives += pipeline_loss_records(program) + loss_value_records(program)
+    collectives += shared_gradient_records(program)
     memory = memory_by_zero_stage(program, bucket_bytes)
     params = memory[zero_stage]["params"]
     warnings = list(warnings or []) + list(program.warnings) + [

@@ -62,6 +62,21 @@ def state_of_pp_rank(program: Program, rank: int = 0) -> list:
     return [s for s in program.state if s.placeholder in taken]
 
 
+def shared_weights(program: Program) -> list:
+    """The trainable parameters that stages on two pp ranks use (a tied embedding / lm head): the
+    pipeline executor sums their gradients over pp (runtime/pipeline.py); [] without pp."""
+    if not program.gm.meta.get("usc_stage_costs"):
+        return []
+    pp = program.mesh.size("pp")
+    ranks: dict[str, set[int]] = {}
+    for k, node in enumerate(_stage_nodes(program.gm)):
+        for arg in node.args:
+            if isinstance(arg, fx.Node) and arg.op == "placeholder":
+                ranks.setdefault(arg.name, set()).add(k % pp)
+    return [s for s in program.state
+            if s.kind == "param" and s.trainable and len(ranks.get(s.placeholder, ())) > 1]
+
+
 def _stage_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes
             if n.op == "call_module" and isinstance(gm.get_submodule(n.target), fx.GraphModule)]

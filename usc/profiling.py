@@ -76,7 +76,8 @@ def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
     flops = _flops_by_unit(traced.gm, units)
     per_sp = {sp: _probe_costs(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
     params = _param_bytes(probe_sp, units)  # with sp, replicated norm weights also get their tp sum
-    saved = _param_bytes(probe_sp, units, only=per_sp[False][3])
+    saved = _regathered_params(probe_sp, units, per_sp[False][3])
+    unreduced, tied = _unreduced_params(probe_sp, units), _tied_params(probe_sp, units)
     expert_bytes, experts = _experts(probe_plain, units)
     built = []
     for name in units:
@@ -85,7 +86,8 @@ def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
                               input_bytes={sp: per_sp[sp][1].get(name, {}) for sp in per_sp},
                               collectives={sp: tuple(per_sp[sp][2].get(name, ())) for sp in per_sp},
                               params_expert=expert_bytes.get(name, 0), moe_layers=int(name in expert_bytes),
-                              params_saved=saved.get(name, (0, 0, 0))[:2],
+                              params_saved=saved.get(name, (0, 0)),
+                              params_unreduced=unreduced.get(name, (0, 0)), tied=tied.get(name, ()),
                               boundary={sp: per_sp[sp][4][name][0] for sp in per_sp},
                               boundary_grad={sp: per_sp[sp][4][name][1] for sp in per_sp}))
     layers = sum(1 for u in units if u.rsplit(".", 1)[-1].isdigit())
@@ -332,23 +334,81 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.tensor([], dtype=dtype).element_size()
 
 
-def _param_bytes(program, units: list[str], only: set[str] | None = None) -> dict[str, tuple[int, int, int]]:
-    """(replicated, tp-split, tp-reduced) fp32 bytes of trainable dense parameters per unit, unsplit
-    (``only``: of these parameters)."""
+def _param_bytes(program, units: list[str]) -> dict[str, tuple[int, int, int]]:
+    """(replicated, tp-split, tp-reduced) fp32 bytes of trainable dense parameters per unit, unsplit.
+    A weight several units use is in each (a stage holds a copy)."""
     out: dict[str, list[int]] = {}
+    for spec, held_by in _dense_params(program, units):
+        rep, split = _split_bytes(program, spec)
+        for unit in held_by:
+            row = out.setdefault(unit, [0, 0, 0])
+            row[0] += rep
+            row[1] += split
+            if rep and "tp" in spec.grad_axes:
+                row[2] += rep
+    return {u: tuple(v) for u, v in out.items()}
+
+
+def _regathered_params(program, units: list[str], saved: set[str]) -> dict[str, tuple[int, int]]:
+    """Per unit: (replicated, tp-split) bytes ZeRO-3 gathers again in backward. ZeRO-3 gathers the
+    parameters of a layer with the layer of their first use, and gathers them all again in backward
+    when autograd keeps one of them (passes/zero3.py); ``saved``: the parameters autograd keeps."""
+    where = _units_by_node(program.gm, units)
+    placeholders = {n.name: n for n in program.gm.graph.nodes if n.op == "placeholder"}
+    order = {n: i for i, n in enumerate(program.gm.graph.nodes)}
+    groups: dict[str, list] = {}
+    for spec, held_by in _dense_params(program, units):
+        if held_by:
+            first = min(placeholders[spec.placeholder].users, key=order.__getitem__)
+            groups.setdefault(where[first.name], []).append(spec)
+    return {unit: tuple(map(sum, zip(*(_split_bytes(program, s) for s in members))))
+            for unit, members in groups.items() if any(s.name in saved for s in members)}
+
+
+def _dense_params(program, units: list[str]) -> list[tuple]:
+    """(spec, units that hold it) of every trainable dense parameter: the unit its name says, or every
+    unit that reads it when several do (a tied embedding / lm head); none for one the graph never
+    reads (export passes the second name of a tied weight as an unused input)."""
+    where = _units_by_node(program.gm, units)
+    placeholders = {n.name: n for n in program.gm.graph.nodes if n.op == "placeholder"}
+    out = []
     for spec in program.state:
         if spec.kind != "param" or not spec.trainable or EXPERT.search(spec.name):
             continue
-        if only is not None and spec.name not in only:
-            continue
-        unit = _param_unit(spec.name, units)
-        nbytes = math.prod(spec.global_shape) * _itemsize(spec.dtype)
-        split = any(isinstance(p, Shard) for a, p in zip(program.mesh.axes, spec.layout.placements) if a == "tp")
-        row = out.setdefault(unit, [0, 0, 0])
-        row[1 if split else 0] += nbytes
-        if not split and "tp" in spec.grad_axes:
-            row[2] += nbytes
-    return {u: tuple(v) for u, v in out.items()}
+        users = placeholders[spec.placeholder].users
+        readers = list(dict.fromkeys(where[u.name] for u in users if u.name in where))
+        held_by = readers if len(readers) > 1 else [_param_unit(spec.name, units)] if readers else []
+        out.append((spec, held_by))
+    return out
+
+
+def _split_bytes(program, spec) -> tuple[int, int]:
+    """(replicated, tp-split) fp32 bytes of a parameter, unsplit: one of them is zero."""
+    nbytes = math.prod(spec.global_shape) * _itemsize(spec.dtype)
+    split = any(isinstance(p, Shard) for a, p in zip(program.mesh.axes, spec.layout.placements) if a == "tp")
+    return (0, nbytes) if split else (nbytes, 0)
+
+
+def _tied_params(program, units: list[str]) -> dict[str, tuple]:
+    """Per unit: (name, replicated, tp-split bytes) of the parameters it shares with other units."""
+    out: dict[str, tuple] = {}
+    for spec, held_by in _dense_params(program, units):
+        for unit in held_by if len(held_by) > 1 else ():
+            out[unit] = out.get(unit, ()) + ((spec.name, *_split_bytes(program, spec)),)
+    return out
+
+
+def _unreduced_params(program, units: list[str]) -> dict[str, tuple[int, int]]:
+    """Per unit: (replicated, tp-split) bytes of the parameters whose gradient no bucket sums over dp
+    (the graph sums it, e.g. a position table read at positions every dp rank shares)."""
+    out: dict[str, tuple[int, int]] = {}
+    if "dp" not in program.mesh.axes:  # the probe could not split the batch: nothing to tell
+        return out
+    for spec, held_by in _dense_params(program, units):
+        if "dp" not in spec.grad_axes:
+            for unit in held_by:
+                out[unit] = tuple(a + b for a, b in zip(out.get(unit, (0, 0)), _split_bytes(program, spec)))
+    return out
 
 
 def _tp_divides(program, batch: int, seq: int) -> int:
