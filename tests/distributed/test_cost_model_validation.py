@@ -3,7 +3,9 @@
 One profile of a 4-layer tiny Llama (one trace, probe compiles) is rescaled to every plan; each plan
 then runs one step in the simulator, where the executor measures parameters, gradients (at their peak)
 and optimizer state per rank, autograd's saved tensors give the activations, and every Comm counts
-the payload bytes it was handed (``comm.stats``).
+the payload bytes it was handed (``comm.stats``). A 4-layer tiny GPT-2 (lm head tied to the
+embedding, learned positions) checks the tied weight: held once per pipeline rank, its gradient
+summed over pp when two ranks hold it, and the position table's gradient summed in the graph.
 """
 
 from collections import Counter
@@ -16,23 +18,49 @@ from usc.compiler.cost_model import estimate
 from usc.compiler.hardware import H100
 from usc.planning import point_of
 from usc.profiling import profile_model
-from usc.testing.models import LlamaConfig, TinyLlama, token_batch
+from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, token_batch
 
-CONFIG = LlamaConfig(layers=4)
+MODELS = {"llama": (TinyLlama, LlamaConfig(layers=4)), "gpt2": (TinyGPT2, GPT2Config(layers=4))}
 BATCH, SEQ = 8, 32
 PLANS = ["dp=2", "tp=2", "tp=2 sp=on", "cp=2", "cp=2 cp_mode=zigzag", "dp=2 zero=1", "dp=2 zero=2", "dp=2 zero=3",
          "dp=2 tp=2 sp=on zero=1", "cp=2 tp=2 sp=on", "dp=2 mb=2", "dp=2 dtype=bf16", "pp=2 mb=2",
          "dp=2 cp=2 tp=2 sp=on zero=2", "pp=2 mb=4 schedule=gpipe", "dp=2 pp=2 mb=2 zero=1", "pp=4 mb=4",
          "tp=2 pp=2 mb=2", "cp=2 pp=2 mb=2", "dp=2 tp=2 sp=on pp=2 mb=2 zero=2",
-         "dp=2 pp=2 v=2 mb=4 schedule=interleaved"]
+         "dp=2 pp=2 v=2 mb=4 schedule=interleaved",
+         # full recompute re-issues a block's forward collectives in backward, all but the one after
+         # its last saving op (checkpointing stops there); selective regions hold none
+         "tp=2 recompute=full", "cp=2 recompute=full", "dp=2 tp=2 recompute=selective"]
+GPT2_PLANS = ["dp=2", "pp=2 mb=2", "dp=2 pp=2 mb=2", "dp=2 zero=3"]
+CASES = [("llama", plan) for plan in PLANS] + [("gpt2", plan) for plan in GPT2_PLANS]
 # The cost model sums every stage's collectives over that stage's ranks: exact on every plan.
-MODEL_NOT_EXACT: dict[str, set[str]] = {}
+MODEL_NOT_EXACT: dict[tuple[str, str], set[str]] = {}
+# The rank executor (no pp) also holds a copy of a tied weight under its second name, an input export
+# passes and the graph never reads (never trained, no gradient); the cost model counts the weight
+# once. gpt2 dp=2 zero=3: params 465664 bytes per rank measured, 432896 predicted (the 32768-byte
+# copy is not sharded); without ZeRO-3 the copy is under 5% of the parameters.
+STATE_NOT_WITHIN: dict[tuple[str, str], set[str]] = {("gpt2", "dp=2 zero=3"): {"params"}}
+# Activations under recompute (not yet modelled to 15%): the measurement is what forward saves. For
+# full recompute the model keeps each unit's input -- also for the units outside the blocks, which
+# are not recomputed -- and adds one block's activations, live while backward recomputes it (a peak
+# the measurement does not see): tp=2 411648 + 790528 = 1202176 predicted, 673032 measured; cp=2
+# 800768 vs 437896. For selective it keeps only the tensors matmuls, attention and embeddings make
+# (profiling.KEPT_BY_SELECTIVE), the runtime also every region's inputs: dp=2 tp=2 409224 vs 1127048.
+ACTIVATIONS_NOT_WITHIN = {("llama", "tp=2 recompute=full"), ("llama", "cp=2 recompute=full"),
+                          ("llama", "dp=2 tp=2 recompute=selective")}
 
 
 @pytest.fixture(scope="module")
-def profile():
-    torch.manual_seed(0)
-    return profile_model(TinyLlama(CONFIG), token_batch(CONFIG.vocab, BATCH, SEQ))
+def profiles():
+    """model -> its profile, made when a test first needs it."""
+    return {}
+
+
+def profile_of(model: str, profiles: dict):
+    if model not in profiles:
+        torch.manual_seed(0)
+        make, config = MODELS[model]
+        profiles[model] = profile_model(make(config), token_batch(config.vocab, BATCH, SEQ))
+    return profiles[model]
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +68,13 @@ def runs():
     return {}
 
 
-def run(plan: str, runs: dict):
+def run(model: str, plan: str, runs: dict):
     """One simulated step: measured state bytes per rank, activation bytes, counted payload bytes."""
-    if plan not in runs:
+    if (model, plan) not in runs:
         torch.manual_seed(0)
-        batch = token_batch(CONFIG.vocab, BATCH, SEQ)
-        sim = usc.simulate(TinyLlama(CONFIG), plan, example_inputs=batch)
+        make, config = MODELS[model]
+        batch = token_batch(config.vocab, BATCH, SEQ)
+        sim = usc.simulate(make(config), plan, example_inputs=batch)
         sim.step(*batch)  # counters start at zero: compiling moves nothing
         counted = Counter()
         for mesh in sim.meshes:
@@ -55,46 +84,47 @@ def run(plan: str, runs: dict):
         state = [dict(rank.peak_state_bytes, optimizer=after["optimizer"])  # AdamW state exists after step 1
                  for rank, after in zip(sim.ranks, sim.memory_bytes())]
         acts = sim.activation_bytes(*batch) if sim.plan.size("pp") == 1 else None
-        runs[plan] = (sim, state, acts, counted)
-    return runs[plan]
+        runs[(model, plan)] = (sim, state, acts, counted)
+    return runs[(model, plan)]
 
 
 def predicted(profile, sim):
     return estimate(profile, point_of(sim.plan, global_batch=BATCH, seq=SEQ), H100)
 
 
-@pytest.mark.parametrize("plan", PLANS)
-def test_state_bytes_within_5_percent(profile, runs, plan):
-    sim, state, _, _ = run(plan, runs)
-    est = predicted(profile, sim)
+@pytest.mark.parametrize("model, plan", CASES)
+def test_state_bytes_within_5_percent(profiles, runs, model, plan):
+    sim, state, _, _ = run(model, plan, runs)
+    est = predicted(profile_of(model, profiles), sim)
     kinds = ("params", "grads", "optimizer")
-    for kind in kinds:
+    for kind in set(kinds) - STATE_NOT_WITHIN.get((model, plan), set()):
         measured = max(s[kind] for s in state)
         assert est.memory[kind] == pytest.approx(measured, rel=0.05), (kind, est.memory[kind], measured)
 
 
-@pytest.mark.parametrize("plan", [p for p in PLANS if "pp=" not in p])
-def test_activation_bytes_within_15_percent(profile, runs, plan):
-    sim, _, acts, _ = run(plan, runs)
-    est = predicted(profile, sim)
+@pytest.mark.parametrize("model, plan",
+                         [c for c in CASES if "pp=" not in c[1] and c not in ACTIVATIONS_NOT_WITHIN])
+def test_activation_bytes_within_15_percent(profiles, runs, model, plan):
+    sim, _, acts, _ = run(model, plan, runs)
+    est = predicted(profile_of(model, profiles), sim)
     assert est.memory["activations"] == pytest.approx(max(acts), rel=0.15), (est.memory["activations"], acts)
 
 
-@pytest.mark.parametrize("plan", PLANS)
-def test_report_collective_bytes_equal_counted_bytes(runs, plan):
-    sim, _, _, counted = run(plan, runs)
+@pytest.mark.parametrize("model, plan", CASES)
+def test_report_collective_bytes_equal_counted_bytes(runs, model, plan):
+    sim, _, _, counted = run(model, plan, runs)
     assert dict(sim.report.traffic) == dict(counted)
 
 
-@pytest.mark.parametrize("plan", PLANS)
-def test_cost_model_collective_bytes_equal_counted_bytes(profile, runs, plan):
-    sim, _, _, counted = run(plan, runs)
-    skip = MODEL_NOT_EXACT.get(plan, set())
+@pytest.mark.parametrize("model, plan", CASES)
+def test_cost_model_collective_bytes_equal_counted_bytes(profiles, runs, model, plan):
+    sim, _, _, counted = run(model, plan, runs)
+    skip = MODEL_NOT_EXACT.get((model, plan), set())
     by_axis = Counter()
     for (axis, _), nbytes in counted.items():
         by_axis[axis] += nbytes
-    model = predicted(profile, sim).traffic
-    assert {a: round(v) for a, v in model.items() if a not in skip} == {
+    traffic = predicted(profile_of(model, profiles), sim).traffic
+    assert {a: round(v) for a, v in traffic.items() if a not in skip} == {
         a: v for a, v in by_axis.items() if a not in skip}
     for axis in skip:  # what cannot be exact is still close
-        assert model[axis] == pytest.approx(by_axis[axis], rel=0.15)
+        assert traffic[axis] == pytest.approx(by_axis[axis], rel=0.15)
