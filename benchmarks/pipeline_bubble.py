@@ -2,7 +2,8 @@
 
     python benchmarks/pipeline_bubble.py                   # pp=4, mb=8, emulated device compute
     python benchmarks/pipeline_bubble.py --pp 2 --real     # real CPU compute (one process per core)
-    python benchmarks/pipeline_bubble.py --dp 2 --pp 2 --hidden 1024 --seq 2 --schedules 1f1b --compare-overlap
+    python benchmarks/pipeline_bubble.py --dp 2 --pp 2 --hidden 1024 --seq 2 --bucket-mb 4 --schedules 1f1b \
+        --compare-overlap
                                            # dp=2 x pp=2: the dp gradient reduction overlapped or not
 
 Each rank runs usc's pipeline executor on its own process (gloo send/recv between stages) and
@@ -149,6 +150,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64, help="hidden size of the emulated layers")
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence of the emulated model's batch (16 sequences)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset")
+    parser.add_argument("--bucket-mb", type=float, default=None, help="gradient bucket size (plan's bucket_mb)")
     parser.add_argument("--compare-overlap", action="store_true",
                         help="also run with the dp reduction after the pipeline instead of overlapped")
     args = parser.parse_args()
@@ -161,6 +163,8 @@ def main() -> None:
         for schedule in args.schedules.split(","):
             for overlap in (True, False) if args.compare_overlap else (True,):
                 plan = f"{dp}pp={args.pp} mb={args.mb} schedule={schedule}"
+                if args.bucket_mb is not None:
+                    plan += f" bucket_mb={args.bucket_mb:g}"
                 results = launch_local(run, args.dp * args.pp, plan, tmp, emulate, args.hidden, overlap, args.seq)
                 idle = ", ".join(f"{r['idle']:.0%}" for r in results)
                 label = schedule + ("" if not args.compare_overlap else
