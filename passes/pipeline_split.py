@@ -331,10 +331,13 @@ def _computes_locally(gm: fx.GraphModule, node: fx.Node) -> bool:
 def copy_constants_per_stage(gm: fx.GraphModule, stage: dict[fx.Node, int], free: set[fx.Node]) -> None:
     """Give every stage that uses a constant-only value made on another stage its own copy of the
     nodes computing it (edits gm and ``stage``), so that value never crosses a cut."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in [n for n in gm.graph.nodes if n in free]:
         users = [u for u in node.users if u in stage and u not in free and stage[u] != stage[node]]
+        if any(u not in order for u in users):  # a copy made for an earlier value uses this one
+            order = {n: i for i, n in enumerate(gm.graph.nodes)}
         for s in sorted({stage[u] for u in users}):
-            first = next(u for u in gm.graph.nodes if u in users and stage[u] == s)
+            first = min((u for u in users if stage[u] == s), key=order.__getitem__)
             copy = _copy_with_inputs(gm, node, free, stage, s, first)
             for user in (u for u in users if stage[u] == s):
                 user.replace_input_with(node, copy)
