@@ -40,10 +40,13 @@ def saved_values(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     if node.op == "call_module":
         from usc.runtime.collectives import CollectiveNode
         from usc.runtime.ring_attention import RingAttention
+        from usc.runtime.vocab import VocabParallelEmbedding
 
         module = gm.get_submodule(node.target)
         if isinstance(module, RingAttention):
             return [*node.all_input_nodes, node]
+        if isinstance(module, VocabParallelEmbedding):  # like an embedding: the ids, not the table
+            return [node.args[1]]
         return [] if isinstance(module, CollectiveNode) else list(node.all_input_nodes)
     if node.target == aten.embedding.default:
         return [node.args[1]]  # the indices; the table's gradient is a scatter of the output's
