@@ -25,6 +25,8 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from usc.dsl import OPTIONS
+
 from .errors import CompileError
 
 
@@ -119,8 +121,6 @@ def with_plan_memory(hw: HardwareProfile, plan) -> HardwareProfile:
     """``hw`` with the device memory the plan writes (``memory=40GB``: an A100-40GB, say)."""
     if not plan.is_set("memory"):
         return hw
-    from usc.dsl import OPTIONS
-
     written = OPTIONS["memory"].kind.format(int(plan.get("memory")))
     return replace(hw, name=f"{hw.name} with memory={written}", hbm_bytes=int(plan.get("memory")))
 
