@@ -28,7 +28,7 @@ from functools import partial
 from .cost_types import (BYTES_FP32, CollectiveCost, CollectiveEstimate, Estimate, ModelProfile,  # noqa: F401
                          PlanPoint, ScaleKey, UnitCost, tied_once)
 from .hardware import HardwareProfile
-from .partition import balanced_cut
+from .partition import balanced_cut, manual_cut
 
 # Sustained fraction of the tensor-core peak over a step's matmuls and attention kernels. Large
 # cuBLAS GEMMs reach 70-80% of peak, FlashAttention less; well-tuned dense runs report 40-55% MFU
@@ -87,22 +87,24 @@ def _unreduced(u: UnitCost, plan: PlanPoint) -> float:
 
 # ----------------------------------------------------------------------------------- pipeline stages
 
-def stage_units(profile: ModelProfile, pp: int) -> list[list[UnitCost]]:
-    """Units per stage: contiguous, minimising the largest stage's estimated FLOPs -- the cut the
-    pipeline split pass makes (same costs, same exact dynamic programme)."""
+def stage_units(profile: ModelProfile, pp: int, cuts: tuple[str, ...] | None = None) -> list[list[UnitCost]]:
+    """Units per stage: contiguous, minimising the largest stage's estimated FLOPs, or cut where
+    ``cuts`` (split=a|b) name -- the cut the pipeline split pass makes (same costs, same functions)."""
     units = list(profile.units)
     if pp == 1:
         return [units]
-    stage = balanced_cut([u.balance for u in units], pp)
+    stage = manual_cut([u.name for u in units], cuts) if cuts else balanced_cut([u.balance for u in units], pp)
     return [[u for u, s in zip(units, stage) if s == k] for k in range(pp)]
 
 
-def merged_stages(profile: ModelProfile, pp: int) -> list[UnitCost]:
-    """One summed UnitCost per stage (cached per pp): estimating a plan then costs a few dict sums.
-    A stage's ``boundary`` is the cut after it (the last stage's crosses no cut)."""
-    if pp not in profile._stages:
-        profile._stages[pp] = [merge_units(units) for units in stage_units(profile, pp)]
-    return profile._stages[pp]
+def merged_stages(profile: ModelProfile, pp: int, cuts: tuple[str, ...] | None = None) -> list[UnitCost]:
+    """One summed UnitCost per stage (cached per pp and cuts): estimating a plan then costs a few
+    dict sums. A stage's ``boundary`` is the cut after it (the last stage's crosses no cut)."""
+    if cuts is not None and len(cuts) != pp - 1:
+        cuts = None  # split= names the pp*v cuts; a per-rank view of v>1 chunks keeps the balanced one
+    if (pp, cuts) not in profile._stages:
+        profile._stages[(pp, cuts)] = [merge_units(units) for units in stage_units(profile, pp, cuts)]
+    return profile._stages[(pp, cuts)]
 
 
 def merge_units(units: list[UnitCost]) -> UnitCost:
@@ -312,7 +314,7 @@ def shared_gradient_collectives(profile: ModelProfile, plan: PlanPoint, hw: Hard
     # (the planner also scores plans with more stages than units, which compile refuses)
     chunks = plan.pp * plan.v if plan.pp * plan.v <= len(profile.units) else plan.pp
     ranks: dict[tuple, set[int]] = {}
-    for k, stage in enumerate(merged_stages(profile, chunks)):
+    for k, stage in enumerate(merged_stages(profile, chunks, plan.split)):
         for weight in stage.tied:
             ranks.setdefault(weight, set()).add(k % plan.pp)
     bw, lat = _link(hw, plan, "pp")
@@ -382,7 +384,7 @@ def stage_flops(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -
 def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) -> Estimate:
     """Per-rank memory, FLOPs, collectives and step time of ``plan``. Memory is the fullest stage's;
     time is the busiest stage's (the most FLOPs at the plan's sequence), which the others wait for."""
-    stages = merged_stages(profile, plan.pp)
+    stages = merged_stages(profile, plan.pp, plan.split)
     # at the plan's S: attention grows as S^2
     busiest = max(range(len(stages)), key=lambda k: stage_flops(profile, plan, [stages[k]]))
     state, flops, time, comms = _stage_estimate(profile, plan, stages, busiest, hw)
@@ -400,7 +402,7 @@ def step_traffic(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) ->
     """Payload bytes per axis of one step summed over every rank, as their Comms count them: each
     pipeline stage's world/pp ranks issue that stage's collectives (with v > 1 a rank runs v of the
     pp*v stages), every rank the loss-value sums and the pp sums of tied weights' gradients."""
-    stages = merged_stages(profile, plan.pp * plan.v)
+    stages = merged_stages(profile, plan.pp * plan.v, plan.split)
     out: dict[str, float] = {}
     per_rank = [(c, plan.world // plan.pp) for k in range(len(stages))
                 for c in _per_step(_microbatch_collectives(profile, plan, stages, k, hw), plan.mb)
@@ -413,7 +415,7 @@ def step_traffic(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) ->
 
 def peak_memory(profile: ModelProfile, plan: PlanPoint) -> dict[str, float]:
     """Per-rank memory of the stage that holds the most (what estimate() reports, without the time)."""
-    return max((stage_memory(profile, plan, [unit]) for unit in merged_stages(profile, plan.pp)),
+    return max((stage_memory(profile, plan, [unit]) for unit in merged_stages(profile, plan.pp, plan.split)),
                key=lambda m: sum(m.values()))
 
 

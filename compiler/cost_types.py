@@ -78,7 +78,7 @@ class ModelProfile:
     layers: int = 0  # numbered layers (what pp cuts between)
     experts: int = 0  # experts per MoE layer (0: dense)
     loss_axes: tuple[str, ...] = ()  # axes the returned loss value is summed over (4 bytes each, per step)
-    _stages: dict = field(default_factory=dict, compare=False, repr=False)  # pp -> merged stages (cache)
+    _stages: dict = field(default_factory=dict, compare=False, repr=False)  # (pp, cuts) -> merged stages (cache)
 
     @property
     def param_bytes(self) -> tuple[int, int]:
@@ -121,6 +121,7 @@ class PlanPoint:
     gpus_per_node: int = 8
     bucket_mb: float = 25.0
     order: tuple[str, ...] = ("dp", "pp", "cp", "ep", "tp")  # mesh axes outermost first
+    split: tuple[str, ...] | None = None  # split=a|b cut points; None: the FLOP-balanced cut
 
     @property
     def world(self) -> int:
@@ -135,7 +136,8 @@ class PlanPoint:
                   ("fuse", "on" if self.fuse else "off", "off"),
                   ("reduce_dtype", self.reduce_dtype, "fp32")]
         if self.pp > 1:
-            extras += [("schedule", self.schedule, "1f1b"), ("v", self.v, 1)]
+            extras += [("schedule", self.schedule, "1f1b"), ("v", self.v, 1),
+                       ("split", "|".join(self.split) if self.split else "auto", "auto")]
         if self.cp > 1:
             extras += [("cp_mode", self.cp_mode, "ring")]
         items += [f"{k}={v}" for k, v, default in extras if v != default]

@@ -1,8 +1,10 @@
-"""Contiguous partition of a sequence of costs into balanced parts: the pipeline split pass cuts
-the traced graph with it, and the cost model predicts the same stages with it."""
+"""Contiguous partition of a sequence of units (layers) into pipeline stages, balanced by cost or cut
+where ``split=`` names: the pipeline split pass cuts the traced graph with it, and the cost model
+predicts the same stages with it."""
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable
 
@@ -43,3 +45,25 @@ def balanced_cut(costs: list[float], parts: int, fits: Fits | None = None) -> li
             stages[unit] = p - 1
         i = j
     return stages
+
+
+class CutError(ValueError):
+    """A split= path that names no layer, or cut points out of order."""
+
+
+def manual_cut(units: list[str], cuts: tuple[str, ...]) -> list[int]:
+    """Stage of each unit when stage k+1 starts at the layer ``cuts[k]`` names."""
+    starts = []
+    for path in cuts:
+        if path not in units:
+            inside = [u for u in units if path.startswith(u + ".")]
+            close = inside[:1] or difflib.get_close_matches(path, units, n=3)
+            why = (f"'{path}' is inside layer '{inside[0]}'; stages are cut between whole layers" if inside
+                   else f"'{path}' matches no layer of the model")
+            raise CutError(f"{why} (layers: {', '.join(units)})"
+                           + (f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""))
+        starts.append(units.index(path))
+    if starts != sorted(set(starts)) or starts[0] == 0:
+        raise CutError(f"cut points must name layers in model order after the first layer "
+                       f"('{units[0]}' already starts stage 0): got {'|'.join(cuts)}")
+    return [sum(1 for s in starts if s <= i) for i in range(len(units))]

@@ -16,7 +16,6 @@ Establishes: with pp>1 the returned GraphModule is an orchestrator whose ``submo
 
 from __future__ import annotations
 
-import difflib
 import math
 import operator
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from torch.fx.passes.split_module import split_module
 
 from usc.compiler.hardware import hardware_profile
 from usc.compiler.ir import META
-from usc.compiler.partition import NoCutFits, balanced_cut
+from usc.compiler.partition import CutError, NoCutFits, balanced_cut, manual_cut
 from usc.compiler.trace import module_path
 from usc.runtime.collectives import CollectiveNode
 
@@ -53,28 +52,6 @@ def node_flops(node: fx.Node) -> float:
         b, h, s, d = shape_of(node.args[0])
         return 4.0 * b * h * s * shape_of(node.args[1])[2] * d
     return float(math.prod(out))
-
-
-class CutError(ValueError):
-    """A split= path that names no layer, or cut points out of order."""
-
-
-def manual_cut(units: list[str], cuts: tuple[str, ...]) -> list[int]:
-    """Stage of each unit when stage k+1 starts at the layer ``cuts[k]`` names."""
-    starts = []
-    for path in cuts:
-        if path not in units:
-            inside = [u for u in units if path.startswith(u + ".")]
-            close = inside[:1] or difflib.get_close_matches(path, units, n=3)
-            why = (f"'{path}' is inside layer '{inside[0]}'; stages are cut between whole layers" if inside
-                   else f"'{path}' matches no layer of the model")
-            raise CutError(f"{why} (layers: {', '.join(units)})"
-                           + (f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""))
-        starts.append(units.index(path))
-    if starts != sorted(set(starts)) or starts[0] == 0:
-        raise CutError(f"cut points must name layers in model order after the first layer "
-                       f"('{units[0]}' already starts stage 0): got {'|'.join(cuts)}")
-    return [sum(1 for s in starts if s <= i) for i in range(len(units))]
 
 
 def assign_stages(gm: fx.GraphModule, pp: int, cuts: tuple[str, ...] | None = None,

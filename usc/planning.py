@@ -44,7 +44,8 @@ def point_of(plan: Plan, *, global_batch: int, seq: int) -> PlanPoint:
                      sp=bool(plan.get("sp")), recompute=plan.get("recompute"), schedule=plan.get("schedule"),
                      v=int(plan.get("v")), cp_mode=plan.get("cp_mode"), dtype=plan.get("dtype"),
                      reduce_dtype=plan.get("reduce_dtype"), fuse=bool(plan.get("fuse")), gpus_per_node=int(plan.get("gpus_per_node")),
-                     bucket_mb=float(plan.get("bucket_mb")), order=order)
+                     bucket_mb=float(plan.get("bucket_mb")), order=order,
+                     split=None if plan.get("split") == "auto" else tuple(plan.get("split")))
 
 
 def refusal(point: PlanPoint) -> str | None:
