@@ -28,14 +28,14 @@ from usc.runtime.moe import ExpertParallelMoE
 from usc.runtime.vocab import ShardedGather, VocabParallelEmbedding
 
 from .graph_edit import GraphEditor, flat_inputs
+from .saved_values import MULTI_OUTPUT_VIEWS, VIEWS
 
 LOCAL_OPS = (VocabParallelEmbedding, ShardedGather, ExpertParallelMoE)
 aten = torch.ops.aten
 # one tensor in, its gradient a linear map of the output's: a partial sum in gives a partial sum out
-GRAD_LINEAR = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default, aten.reshape.default,
-               aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.expand.default,
-               aten._to_copy.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
-               aten.slice.Tensor, aten.select.int}
+# (the single-output views, and copies and casts)
+GRAD_LINEAR = (VIEWS - MULTI_OUTPUT_VIEWS - {aten.detach.default}) | {
+    aten._to_copy.default, aten.clone.default, aten.contiguous.default}
 
 
 def grad_sync_pass(gm: fx.GraphModule, ctx, *, params: set[str]) -> fx.GraphModule:

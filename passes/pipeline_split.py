@@ -79,10 +79,8 @@ def assign_stages(gm: fx.GraphModule, pp: int, cuts: tuple[str, ...] | None = No
         cut = balanced_cut(costs, pp)
         if budget is not None:
             cut = budget.refit(gm, units, costs, cut, notes if notes is not None else [])
+            gm.meta["usc_stage_memory"] = budget.stage_bytes(cut)
         stage_of_unit = dict(zip(units, cut))
-        if budget is not None and notes is not None:
-            notes_memory = budget.stage_bytes(cut)
-            gm.meta["usc_stage_memory"] = notes_memory
     else:
         stage_of_unit = dict(zip(units, manual_cut(units, cuts)))
     stage: dict[fx.Node, int] = {}
@@ -218,12 +216,10 @@ class MemoryBudget:
     def _tensor_bytes(self, node: fx.Node, value: torch.Tensor, activation: bool) -> float:
         shape = tuple(value.shape)
         ann = node.meta.get(META)
-        if ann is not None and getattr(ann, "layout", None) is not None and len(ann.layout.placements) == len(
-                self.mesh.axes):
-            try:
-                shape = ann.layout.local_shape(shape, self.mesh)
-            except (ValueError, IndexError, TypeError):
-                pass
+        # a multi-output node's layout describes its first output; another output of lower rank
+        # is counted whole (an upper bound)
+        if ann is not None and all(dim < len(shape) for dim in ann.layout.sharded_dims()):
+            shape = ann.layout.local_shape(shape, self.mesh)
         itemsize = value.dtype.itemsize
         if activation and self.act_itemsize is not None and value.dtype.is_floating_point:
             itemsize = self.act_itemsize

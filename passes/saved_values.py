@@ -11,14 +11,16 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 
-_VIEWS = {aten.reshape.default, aten.view.default, aten.permute.default, aten.transpose.int,
-          aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.chunk.default, aten.unbind.int,
-          aten.detach.default, aten.expand.default, aten.t.default, aten.split.Tensor, operator.getitem}
+# ops whose output reads its input's storage (tuple-valued ones and getitem in MULTI_OUTPUT_VIEWS)
+MULTI_OUTPUT_VIEWS = {aten.chunk.default, aten.unbind.int, aten.split.Tensor, operator.getitem}
+VIEWS = {aten.reshape.default, aten.view.default, aten.permute.default, aten.transpose.int, aten.t.default,
+         aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.slice.Tensor, aten.select.int,
+         aten.expand.default, aten.alias.default, aten.detach.default} | MULTI_OUTPUT_VIEWS
 # ops autograd saves nothing for (their backward needs no values)
 _SAVE_NOTHING = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.cat.default, aten.sum.default,
                  aten.sum.dim_IntList, aten.mean.dim, aten.arange.default, aten.ne.Scalar, aten.eq.Scalar,
                  aten.repeat_interleave.self_int, aten.clone.default, aten._to_copy.default, aten.zeros_like.default,
-                 aten.full.default, aten.ones_like.default} | _VIEWS
+                 aten.full.default, aten.ones_like.default} | VIEWS
 # ops whose backward reads their output rather than their inputs
 _SAVE_OUTPUT = {aten.rsqrt.default, aten.exp.default, aten.tanh.default, aten.sigmoid.default,
                 aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
@@ -26,7 +28,7 @@ _SAVE_OUTPUT = {aten.rsqrt.default, aten.exp.default, aten.tanh.default, aten.si
 
 def base_of(node: fx.Node) -> fx.Node:
     """The node whose storage a view chain reads."""
-    while node.op == "call_function" and node.target in _VIEWS and node.args and isinstance(node.args[0], fx.Node):
+    while node.op == "call_function" and node.target in VIEWS and node.args and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 
@@ -68,7 +70,7 @@ def saves_for_backward(gm: fx.GraphModule, value: fx.Node) -> bool:
         for user in closure[i].users:
             if user in closure:
                 continue
-            if user.op == "call_function" and user.target in _VIEWS:
+            if user.op == "call_function" and user.target in VIEWS:
                 closure.append(user)
             elif user.op in ("call_function", "call_module") and any(
                     base_of(kept) in closure or kept in closure for kept in saved_values(gm, user)):
