@@ -15,7 +15,7 @@ import torch
 import usc
 from usc.compiler.planner import PlanTarget, search
 from usc.planning import refusal
-from usc.profiling import profile_model
+from usc.passes.cost_profile import profile_model
 from usc.testing.models import LLAMA3_8B, LlamaConfig, TinyLlama
 
 LLAMA3_70B = LlamaConfig(vocab=128256, hidden=8192, heads=64, kv_heads=8, mlp=28672, layers=80, max_seq=8192,

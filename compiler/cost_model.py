@@ -1,6 +1,6 @@
 """The cost model: bytes, FLOPs, collectives and step time per rank for any plan, from ONE trace.
 
-A :class:`ModelProfile` holds per-layer quantities measured once (``usc.profiling.profile_model``
+A :class:`ModelProfile` holds per-layer quantities measured once (``usc.passes.cost_profile.profile_model``
 traces the model and compiles two small probe plans); :func:`estimate` turns it into per-rank costs
 for a :class:`PlanPoint` analytically, in microseconds, so the planner can score thousands of plans
 without tracing again. Every measured quantity is a sum of :class:`Amount` buckets keyed by how it

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from .fusion_cost import fusion_summary, kernel_sources
 from .ir import META, MeshSpec
-from .pipeline import pipeline_stages
+from .pass_runner import pipeline_stages
 from .report_cost import cost_dict
 from .program import Program
 from .report_stages import StageRecord, shared_weights, stage_table, state_of_pp_rank

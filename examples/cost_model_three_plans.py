@@ -14,7 +14,7 @@ from usc.compiler.cost_model import estimate
 from usc.compiler.hardware import H100
 from usc.dsl import parse_plan
 from usc.planning import point_of
-from usc.profiling import profile_model
+from usc.passes.cost_profile import profile_model
 from usc.testing.models import LLAMA3_8B, TinyLlama
 
 PLANS = ["dp=64 zero=1 mb=4 dtype=bf16",

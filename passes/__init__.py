@@ -11,7 +11,7 @@ from torch.fx._lazy_graph_module import _make_graph_module
 
 from usc.compiler.errors import ShardingError
 from usc.compiler.ir import MeshSpec
-from usc.compiler.pipeline import CompileContext, PassSpec, run_pipeline
+from usc.compiler.pass_runner import CompileContext, PassSpec, run_pipeline
 from usc.compiler.program import Program, build_program
 from usc.compiler.trace import Traced
 

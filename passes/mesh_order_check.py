@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from usc.compiler.ir import META, MeshSpec
-from usc.compiler.pipeline import pipeline_stages
+from usc.compiler.pass_runner import pipeline_stages
 from usc.compiler.report import CollectiveRecord, gradient_buckets, loss_value_records, part_collectives
 from usc.runtime.mesh import axis_groups, coord_of_rank
 from usc.runtime.pipeline import messages_from, stage_specs

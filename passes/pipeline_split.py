@@ -280,7 +280,7 @@ def constant_nodes(gm: fx.GraphModule, constants: set[str]) -> set[fx.Node]:
     """Nodes computed from buffers and constants alone (RoPE tables, masks): the same on every
     microbatch and cheap, so each stage computes its own copy instead of receiving it. A collective
     node that moves nothing in forward (a LocalShard taking this rank's cp piece of a table)
-    is such a computation too; the cost model's profile (usc.profiling) counts the same nodes as
+    is such a computation too; the cost model's profile (usc.passes.cost_profile) counts the same nodes as
     never crossing a cut."""
     free: set[fx.Node] = set()
     for node in gm.graph.nodes:

@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 
 from usc.compiler.ir import META, NodeAnn
-from usc.compiler.pipeline import pipeline_stages
+from usc.compiler.pass_runner import pipeline_stages
 from usc.compiler.trace import module_path
 from usc.runtime.recompute import Recompute
 from usc.runtime.zero3 import ZeroFetch, ZeroGather

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CollectiveContext, CollectiveError, CollectiveTimeout
-from .trace import SpanToken, Timeline
+from .timeline import SpanToken, Timeline
 
 ReduceOp = Literal["sum", "max"]
 _TORCH_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}

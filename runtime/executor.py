@@ -21,7 +21,7 @@ from .layout import gather_full, local_chunk, zigzag_permute
 from .moe import rank_stats
 from .pipeline import PipelineMixin, held_inputs
 from .reducer import GradReducer
-from .trace import Timeline
+from .timeline import Timeline
 from .checkpoint import CheckpointError
 from .errors import NonFiniteLoss
 from .recompute import observe_kept

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .comm import Comm, ProcessGroupComm, ThreadComm, ThreadGroup, solo_comm
 from .errors import CollectiveContext, CollectiveTimeout, LaunchError
-from .trace import Timeline
+from .timeline import Timeline
 
 
 def coord_of_rank(rank: int, shape: Sequence[int]) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .comm import Work
-from .trace import SpanToken, Timeline
+from .timeline import SpanToken, Timeline
 
 if TYPE_CHECKING:
     from .mesh import Mesh

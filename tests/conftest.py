@@ -8,7 +8,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Fused kernels (fuse=on) run on CPU under Triton's interpreter; it must be chosen before triton
 # is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# Run the IR verifier after every compiler pass in tests (usc.compiler.pipeline.run_pipeline).
+# Run the IR verifier after every compiler pass in tests (usc.compiler.pass_runner.run_pipeline).
 os.environ.setdefault("USC_DEBUG", "1")
 
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -153,7 +153,7 @@ def print_diff(args) -> int:
 def _cost_model(model, example_inputs, hardware):
     """(report, plan) -> {step, compute, exposed_comm, bubble, ...} seconds: the cost model, profiled once."""
     from usc.planning import estimate_plan
-    from usc.profiling import profile_model
+    from usc.passes.cost_profile import profile_model
 
     batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     profile = profile_model(model, batch)

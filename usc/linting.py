@@ -19,7 +19,7 @@ from usc.compiler.errors import CompileError
 from usc.compiler.hardware import HardwareProfile, hardware_profile, with_plan_memory
 from usc.compiler.lint_facts import ModelFacts, model_facts
 from usc.compiler.lint_rules import Finding, LintInput, counts, run_rules
-from usc.compiler.pipeline import pipeline_stages
+from usc.compiler.pass_runner import pipeline_stages
 from usc.compiler.report import Report
 from usc.dsl import Plan, PlanError
 from usc.passes.mesh_order_check import check_mesh_order, rank_programs

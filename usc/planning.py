@@ -12,7 +12,7 @@ from usc.compiler.planner import PlanSearch, PlanTarget, search
 from usc.dsl import OPTIONS, Plan, PlanError, parse_plan
 from usc.passes.plan_checks import check_supported
 
-from .profiling import batch_and_sequence, profile_model
+from usc.passes.cost_profile import batch_and_sequence, profile_model
 
 # Options only the planner reads; they describe the target, not the plan it returns.
 TARGET_OPTIONS = ("gpus", "seq", "global_batch", "hardware")

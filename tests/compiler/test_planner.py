@@ -13,7 +13,7 @@ from usc.passes.pipeline_schedule import build_schedule
 from usc.passes.pipeline_schedule_check import check_schedule
 from usc.passes.plan_checks import check_supported
 from usc.planning import refusal
-from usc.profiling import profile_model
+from usc.passes.cost_profile import profile_model
 from usc.testing.models import LlamaConfig, TinyLlama, token_batch
 
 CONFIG = LlamaConfig(layers=4)

@@ -17,7 +17,7 @@ import usc
 from usc.compiler.cost_model import estimate
 from usc.compiler.hardware import H100
 from usc.planning import point_of
-from usc.profiling import profile_model
+from usc.passes.cost_profile import profile_model
 from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, token_batch
 
 MODELS = {"llama": (TinyLlama, LlamaConfig(layers=4)), "gpt2": (TinyGPT2, GPT2Config(layers=4))}
@@ -46,7 +46,7 @@ STATE_NOT_WITHIN: dict[tuple[str, str], set[str]] = {("gpt2", "dp=2 zero=3"): {"
 # are not recomputed -- and adds one block's activations, live while backward recomputes it (a peak
 # the measurement does not see): tp=2 411648 + 790528 = 1202176 predicted, 673032 measured; cp=2
 # 800768 vs 437896. For selective it keeps only the tensors matmuls, attention and embeddings make
-# (profiling.KEPT_BY_SELECTIVE), the runtime also every region's inputs: dp=2 tp=2 409224 vs 1127048.
+# (cost_profile.KEPT_BY_SELECTIVE), the runtime also every region's inputs: dp=2 tp=2 409224 vs 1127048.
 ACTIVATIONS_NOT_WITHIN = {("llama", "tp=2 recompute=full"), ("llama", "cp=2 recompute=full"),
                           ("llama", "dp=2 tp=2 recompute=selective")}
 

@@ -9,7 +9,7 @@ import torch
 from usc.api import _Compiled
 from usc.compiler import lint_checks  # noqa: F401 - registers the rules
 from usc.compiler.lint_rules import LintInput, run_rules
-from usc.compiler.pipeline import pipeline_stages
+from usc.compiler.pass_runner import pipeline_stages
 from usc.dsl import parse_plan
 from usc.passes import copy_graph_module
 from usc.passes.mesh_order_check import RankProgram, check_mesh_order, rank_programs, step_calls

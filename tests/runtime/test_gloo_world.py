@@ -16,7 +16,7 @@ from usc.runtime.launch import launch_local
 from usc.runtime.layout import gather_full, local_chunk
 from usc.runtime.mesh import Mesh
 from usc.runtime.reducer import GradReducer
-from usc.runtime.trace import Timeline
+from usc.runtime.timeline import Timeline
 
 pytestmark = pytest.mark.distributed
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from usc.runtime.mesh import run_in_threads, simulated_meshes
 from usc.runtime.reducer import GradReducer
-from usc.runtime.trace import Timeline
+from usc.runtime.timeline import Timeline
 
 
 def _model() -> nn.Module:

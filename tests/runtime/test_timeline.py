@@ -6,7 +6,7 @@ import pytest
 
 import torch
 from usc.runtime.mesh import run_in_threads, simulated_meshes
-from usc.runtime.trace import Span, Timeline
+from usc.runtime.timeline import Span, Timeline
 
 
 def _timeline(spans):
