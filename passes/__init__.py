@@ -15,6 +15,7 @@ from usc.compiler.pass_runner import CompileContext, PassSpec, run_pipeline
 from usc.compiler.program import Program, build_program
 from usc.compiler.trace import Traced
 
+from . import functional_rules  # noqa: F401 - registers the rules of functionalized writes
 from .fusion import fusion_pass
 from .expert_parallel import expert_layouts
 from .grad_sync import grad_sync_pass

@@ -26,6 +26,7 @@ from .checkpoint import CheckpointError
 from .errors import NonFiniteLoss
 from .recompute import observe_kept
 from .reducer import pad_to_multiple
+from .state_write import StateWrite, apply_writes
 from .zero import ZeroOptimizer
 from .zero3 import ZeroFetch, ZeroGather, Zero3Registry, shard_of, unshard
 
@@ -34,6 +35,13 @@ OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimize
 
 def default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params)
+
+
+def build_optimizer(factory: OptimizerFactory, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The user's optimizer over ``params``. A rank with nothing to train (a pipeline stage of frozen
+    layers, fine-tuning) still gets one, over an empty placeholder that never has a gradient:
+    its step does nothing, and its param_groups keep the user's hyperparameters for checkpoints."""
+    return factory(params if params else [torch.nn.Parameter(torch.zeros(0))])
 
 
 def bind_graph(gm: fx.GraphModule, mesh) -> fx.GraphModule:
@@ -57,6 +65,10 @@ class RankExecutor:
                  reduce_dtype: torch.dtype | None = None) -> None:
         self.program, self.mesh = program, mesh
         self.gm = bind_graph(program.gm, mesh)
+        self.pending_writes: dict[str, torch.Tensor] = {}  # buffers the forward wrote (StateWrite)
+        for module in self.gm.modules():
+            if isinstance(module, StateWrite):
+                module.pending = self.pending_writes
         self.microbatches, self.compute_dtype = microbatches, compute_dtype
         self.zero3 = Zero3Registry() if any(s.zero3 for s in program.state) else None
         for module in self.gm.modules():
@@ -76,8 +88,8 @@ class RankExecutor:
         self.reducer = GradReducer(entries, mesh, bucket_bytes=bucket_bytes,
                                    scatter_axis="dp" if sharded and zero >= 2 else None, wire_dtype=reduce_dtype)
         factory = optimizer or default_optimizer
-        self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, self.params) if sharded \
-            else factory(self.params)
+        self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, self.params, build_optimizer) \
+            if sharded else build_optimizer(factory, self.params)
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
 
     def _holds(self, spec) -> bool:
@@ -217,7 +229,12 @@ class RankExecutor:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.reducer.attach_grad_views()
+        self._write_buffers()
         return value
+
+    def _write_buffers(self) -> None:
+        """Buffers take what the step's forward wrote to them (after every microbatch has read them)."""
+        apply_writes(self.pending_writes, self.state)
 
     steps_done = 0
 
@@ -264,6 +281,7 @@ class RankExecutor:
     @torch.no_grad()
     def evaluate(self, batch: tuple) -> float:
         pieces = [self._loss(piece) for piece in self._split(batch)]
+        self.pending_writes.clear()  # evaluation updates nothing
         count = sum(float(n) for _, n in pieces)
         return self._global(sum(loss * float(n) for loss, n in pieces) / count)
 
