@@ -26,6 +26,7 @@ from .checkpoint import CheckpointError
 from .errors import NonFiniteLoss
 from .recompute import observe_kept
 from .reducer import pad_to_multiple
+from .replica_guard import ReplicaGuard
 from .state_write import StateWrite, apply_writes
 from .zero import ZeroOptimizer
 from .zero3 import ZeroFetch, ZeroGather, Zero3Registry, shard_of, unshard
@@ -62,7 +63,7 @@ class RankExecutor:
     def __init__(self, program, mesh, full_state: Mapping[str, torch.Tensor], *,
                  optimizer: OptimizerFactory | None = None, bucket_bytes: int = 25 * 2**20,
                  zero: int = 0, microbatches: int = 1, compute_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, replica_check: int = 0) -> None:
         self.program, self.mesh = program, mesh
         self.gm = bind_graph(program.gm, mesh)
         self.pending_writes: dict[str, torch.Tensor] = {}  # buffers the forward wrote (StateWrite)
@@ -91,6 +92,7 @@ class RankExecutor:
         self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, self.params, build_optimizer) \
             if sharded else build_optimizer(factory, self.params)
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+        self.guard = ReplicaGuard(program, mesh, self.state, replica_check) if replica_check else None
 
     def _holds(self, spec) -> bool:
         """Whether this rank keeps a state tensor (a pipeline rank keeps only its stages')."""
@@ -233,8 +235,11 @@ class RankExecutor:
         return value
 
     def _write_buffers(self) -> None:
-        """Buffers take what the step's forward wrote to them (after every microbatch has read them)."""
+        """Buffers take what the step's forward wrote to them (after every microbatch has read them);
+        then the replica guard (plan option replica_check=N) compares replicated state with peers."""
         apply_writes(self.pending_writes, self.state)
+        if self.guard is not None:
+            self.guard.after_step(self.steps_done)
 
     steps_done = 0
 

@@ -1,7 +1,9 @@
 """``assert_equivalent``: N optimizer steps on a mesh equal the same steps on one device.
 
 The reference is the plain model trained with the same optimizer; the mesh run is
-``usc.simulate`` (every rank in this process) unless a runner is given.
+``usc.simulate`` (every rank in this process) unless a runner is given. The simulated run checks
+after every step that peers holding copies of a tensor hold the same numbers (the plan option
+``replica_check=1``, unless the plan writes its own): a divergence is named where it starts.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def compare_states(full: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], 
 def assert_equivalent(model_factory: Callable[[], nn.Module], plan: str, batches: Sequence[tuple], *,
                       steps: int | None = None, optimizer: OptimizerFactory = _adamw, rtol: float = 1e-5,
                       atol: float = 1e-6, param_atol: float = 1e-5,
-                      runner: Callable | None = None) -> EquivalenceResult:
+                      runner: Callable | None = None, replica_check: int = 1) -> EquivalenceResult:
     """Train a fresh model from ``model_factory`` for ``steps`` steps on one device and on the mesh
     of ``plan``; assert per-step losses (rtol/atol) and final parameters (param_atol) agree.
 
@@ -101,7 +103,7 @@ def assert_equivalent(model_factory: Callable[[], nn.Module], plan: str, batches
     mesh_model.load_state_dict(reference.state_dict())
     ref_losses, grad_max = reference_run(reference, batches, optimizer)
     if runner is None:
-        sim = usc.simulate(mesh_model, plan, example_inputs=batches[0], optimizer=optimizer)
+        sim = usc.simulate(mesh_model, _checked(plan, replica_check), example_inputs=batches[0], optimizer=optimizer)
         losses = [sim.step(*b) for b in batches]
         full = sim.full_state_dict()
     else:
@@ -115,3 +117,13 @@ def assert_equivalent(model_factory: Callable[[], nn.Module], plan: str, batches
     worst, name = compare_states(full, reference.state_dict(), atol=param_atol, grad_max=grad_max,
                                  zero_grad_atol=steps * lr)
     return EquivalenceResult(ref_losses, losses, worst, name, tuple(sorted(zero)))
+
+
+def _checked(plan, every: int):
+    """``plan`` with the replica guard every ``every`` steps, unless it sets replica_check itself."""
+    import usc
+
+    if isinstance(plan, str) and plan.endswith(".usc"):
+        return plan  # a plan file: as written
+    parsed = plan if isinstance(plan, usc.Plan) else usc.parse_plan(plan)
+    return parsed if parsed.is_set("replica_check") or parsed.auto else parsed.with_options(replica_check=every)
