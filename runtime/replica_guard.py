@@ -36,6 +36,14 @@ class Watched:
     index: int  # in program.state
 
 
+@dataclass(frozen=True)
+class Finding:
+    index: int  # in program.state
+    axis: int  # mesh axis index
+    ranks: tuple[int, ...]  # the first peer, then those that differ from it
+    text: str
+
+
 def replicated_axes(spec, mesh_axes: tuple[str, ...], sizes: dict[str, int]) -> tuple[str, ...]:
     """The axes over which every peer holds the same local tensor of a state entry. Not pp (each
     pipeline rank holds its own stages), not dp for a ZeRO-3 slice (each dp rank holds its own)."""
@@ -70,20 +78,28 @@ class ReplicaGuard:
         """Every rank of the mesh calls it (collectives over every axis); all raise, or none."""
         findings = [self._check_axis(axis) for axis in self.mesh.axes if self.mesh.size(axis) > 1]
         found = next((f for f in findings if f is not None), None)
-        # which tensor (program order, the same on every rank), so that ranks of other pipeline
-        # stages and groups stop too, and say what diverged
-        flag = torch.tensor([float(found[0] + 1) if found else 0.0], dtype=torch.float64)
+        # what diverged and where, on every rank: ranks of other pipeline stages and groups stop too
+        index = self._everywhere(torch.tensor([found.index + 1.0 if found else 0.0], dtype=torch.float64))
+        if not int(index):
+            return
+        mine = found is not None and found.index + 1 == int(index)
+        where = self._everywhere(torch.tensor([float(found.axis), *found.ranks[:2]], dtype=torch.float64)
+                                 if mine else torch.zeros(3, dtype=torch.float64))
+        if found:
+            raise ReplicaDiverged(f"after step {step}: {found.text}\n  fix: {_FIX}")
+        axis, first, other = (int(v) for v in where)
+        raise ReplicaDiverged(f"after step {step}: '{self.names[int(index) - 1]}' differs between its copies on mesh "
+                              f"axis '{self.mesh.axes[axis]}': rank {first} holds another value than rank {other} "
+                              f"(rank {self.mesh.rank} stops with them)\n  fix: {_FIX}")
+
+    def _everywhere(self, t: torch.Tensor) -> torch.Tensor:
+        """The elementwise max of ``t`` over the whole mesh."""
         for axis in self.mesh.axes:
             if self.mesh.size(axis) > 1:
-                flag = self.mesh.comm(axis).all_reduce(flag, "max")
-        if found:
-            raise ReplicaDiverged(f"after step {step}: {found[1]}\n  fix: {_FIX}")
-        if float(flag) > 0:
-            name = self.names[int(flag) - 1]
-            raise ReplicaDiverged(f"after step {step}: '{name}' differs between its copies on other ranks "
-                                  f"(rank {self.mesh.rank} stops with them; theirs name the ranks)\n  fix: {_FIX}")
+                t = self.mesh.comm(axis).all_reduce(t, "max")
+        return t
 
-    def _check_axis(self, axis: str) -> tuple[int, str] | None:
+    def _check_axis(self, axis: str) -> Finding | None:
         mine = [w for w in self.watched if axis in w.axes]
         if not mine:  # peers on one axis hold the same stages and layouts: they all skip
             return None
@@ -94,7 +110,8 @@ class ReplicaGuard:
             differs = [p for p in range(column.shape[0]) if not torch.equal(column[p], column[0])]
             if differs:
                 ranks = [self._peer_rank(axis, p) for p in [0, *differs]]
-                return watched.index, _message(watched.name, axis, ranks, column[0], column[differs[0]])
+                return Finding(watched.index, list(self.mesh.axes).index(axis), tuple(ranks),
+                               _message(watched.name, axis, ranks, column[0], column[differs[0]]))
         return None
 
     def _peer_rank(self, axis: str, index: int) -> int:
