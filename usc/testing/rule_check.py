@@ -213,6 +213,8 @@ def _differ(got, expected: torch.Tensor) -> str | None:
 def _compare_grad(want: torch.Tensor, local: list, placement, output, order: str, size: int) -> str | None:
     if any(g is None for g in local):
         return "no local gradient"
+    local = [g.to_dense() if g.is_sparse else g for g in local]
+    want = want.to_dense() if want.is_sparse else want
     if isinstance(placement, Shard):
         whole = torch.cat(local, placement.dim)
         if order == "zigzag":

@@ -245,6 +245,8 @@ def verify_op(op, source: RuleSource, index: dict[str, list], *, sizes=(2,), ord
                     except Skip:
                         result.skipped += 1
                         continue
+                    except Exception as exc:  # noqa: BLE001 - the checker's own trouble, reported per op
+                        problem = f"check raised {type(exc).__name__}: {exc}"[:200]
                     result.decisions += 1
                     if problem is None:
                         result.passed += 1
