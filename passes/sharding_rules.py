@@ -582,7 +582,7 @@ def index_decision(px: Placement, pi: Placement, dim: int, x_shape, index_shape)
     d = pi.dim if is_shard(pi) else px.dim if is_shard(px) else None
     if d == dim:
         return Decision((R, pi), pi)
-    if d is not None and x_shape[d] == index_shape[d]:
+    if d is not None and d < min(len(x_shape), len(index_shape)) and x_shape[d] == index_shape[d]:
         return Decision((Shard(d), Shard(d)), Shard(d))
     return Decision((R, R), R)
 

@@ -184,7 +184,7 @@ class AllReduce(CollectiveNode):
     def __init__(self, axis: str, op: str = "sum"):
         super().__init__(axis)
         if op not in REDUCE_BACKWARD:
-            raise ValueError(f"AllReduce op must be one of {tuple(REDUCE_BACKWARD)}, got {op!r}")
+            raise ValueError(f"AllReduce op must be 'sum' or 'max', got {op!r}")
         self.op = op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

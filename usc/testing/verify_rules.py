@@ -210,6 +210,9 @@ def decisions(source: RuleSource, call: Call, size: int, axis: str, order: str, 
         except CompileError:
             result.refused += 1
             continue
+        except Exception as exc:  # noqa: BLE001 - a rule that crashes is a finding
+            result.failures.append(f"{_fmt(placements)}: the rule raised {type(exc).__name__}: {exc}")
+            continue
         if decision is None:
             return set()
         if len(decision.inputs) != len(call.inputs):
