@@ -136,12 +136,19 @@ def _decide(state: Propagation, node: fx.Node, inputs, layouts) -> tuple[list[La
     out = []
     for i, (axis, size) in enumerate(zip(state.mesh.axes, state.mesh.shape)):
         view = OpView(node, tuple(lay.placements[i] for lay in layouts), shapes, shape_of(node), axis, size,
-                      sequence_parallel=state.sequence_parallel and axis == "tp")
+                      sequence_parallel=state.sequence_parallel and axis == "tp", order=state.mesh.order(axis),
+                      out_dtype=_out_dtype(node))
         decision = _rule_decision(state, node, rule, view)
         for j, p in enumerate(decision.inputs):
             required[j][i] = p
         out.append(decision.output)
     return [Layout(tuple(r)) for r in required], Layout(tuple(out))
+
+
+def _out_dtype(node: fx.Node) -> torch.dtype | None:
+    value = node.meta.get("val")
+    value = value[0] if isinstance(value, (tuple, list)) and value else value
+    return value.dtype if isinstance(value, torch.Tensor) else None
 
 
 def _rule_decision(state: Propagation, node: fx.Node, rule, view: OpView) -> Decision:
