@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _make_graph_module
 
-from usc.compiler.errors import ShardingError
+from usc.compiler.errors import ShardingError, UnsupportedOpError
 from usc.compiler.ir import MeshSpec
 from usc.compiler.pass_runner import CompileContext, PassSpec, run_pipeline
 from usc.compiler.program import Program, build_program
@@ -124,6 +124,8 @@ def _cols_at_fault(err: ShardingError, group, replicated_cols) -> list[str]:
 
 
 def _as_plan_error(plan, err: ShardingError):
+    if isinstance(err, UnsupportedOpError):
+        return err  # the graph's problem, not the plan text's: no caret into the plan
     axis = getattr(err, "axis", None) or "tp"
     return plan.error_at(axis, str(err), hint=err.hint or None)
 
