@@ -26,12 +26,15 @@ found by shapes, not names); it must still verify.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from usc.runtime.moe import ACTIVATIONS, ExpertForm
 
 ROUTER_NAMES = ("gate", "router")
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
@@ -43,25 +46,27 @@ SCORINGS = ("softmax", "sigmoid")
 
 # ================================================================= the opaque op traced in the graph
 @torch.library.custom_op("usc::moe", mutates_args=())
-def moe(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, gate: list[torch.Tensor],
-        up: list[torch.Tensor], down: list[torch.Tensor], stacked: bool) -> torch.Tensor:
-    """Dropless routed SwiGLU experts: out[t] = sum_j weights[t, j] * expert_{indices[t, j]}(x[t]).
+def moe(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: list[torch.Tensor],
+        stacked: bool, form: str) -> torch.Tensor:
+    """Dropless routed experts: out[t] = sum_j weights[t, j] * expert_{indices[t, j]}(x[t]).
 
-    ``gate``/``up``/``down``: one weight per expert as ``nn.Linear`` stores it ([out, in]), or with
-    ``stacked`` one tensor each of shape [E, in, out]. Token dims are all dims but the last."""
-    hidden = x.shape[-1]
+    ``experts``: with ``stacked`` one [E, ...] tensor per weight of the expert ``form``
+    (``runtime.moe.ExpertForm``: SwiGLU gate, up, down [E, in, out]; or transformers-5 gate_up, down
+    and biases); otherwise E gate, E up, E down weights as ``nn.Linear`` stores them ([out, in]).
+    Token dims are all dims but the last."""
+    hidden, expert = x.shape[-1], ExpertForm.parse(form)
     flat, w, idx = x.reshape(-1, hidden), weights.reshape(idx_rows(indices), -1), indices.reshape(-1, indices.shape[-1])
     out = torch.zeros_like(flat)
-    for e in range(num_experts(gate, stacked)):
+    for e in range(num_experts(experts, stacked)):
         token, slot = torch.where(idx == e)
         if token.numel():
-            y = swiglu(flat[token], *expert_weights(gate, up, down, stacked, e)) * w[token, slot, None]
+            y = expert(flat[token], *expert_weights(experts, stacked, e)) * w[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
     return out.view_as(x)
 
 
 @moe.register_fake
-def _moe_fake(x, weights, indices, gate, up, down, stacked):
+def _moe_fake(x, weights, indices, experts, stacked, form):
     return torch.empty_like(x)
 
 
@@ -69,15 +74,16 @@ def idx_rows(indices: torch.Tensor) -> int:
     return indices.numel() // indices.shape[-1]
 
 
-def num_experts(gate: list[torch.Tensor], stacked: bool) -> int:
-    return gate[0].shape[0] if stacked else len(gate)
+def num_experts(experts: list[torch.Tensor], stacked: bool) -> int:
+    return experts[0].shape[0] if stacked else len(experts) // 3
 
 
-def expert_weights(gate, up, down, stacked: bool, e: int) -> tuple[torch.Tensor, ...]:
-    """Expert e's (gate, up, down) as [in, out] matrices (x @ w)."""
+def expert_weights(experts: list[torch.Tensor], stacked: bool, e: int) -> tuple[torch.Tensor, ...]:
+    """Expert e's weights as its form takes them (``nn.Linear`` experts: (gate, up, down) as [in, out])."""
     if stacked:
-        return gate[0][e], up[0][e], down[0][e]
-    return gate[e].t(), up[e].t(), down[e].t()
+        return tuple(t[e] for t in experts)
+    n = len(experts) // 3
+    return experts[e].t(), experts[n + e].t(), experts[2 * n + e].t()
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -215,11 +221,12 @@ def _any_experts(module: nn.Module) -> tuple[str, tuple[str, ...], int]:
     return "", (), 0
 
 
-def expert_tensors(module: nn.Module, block: MoEBlock) -> tuple[list, list, list]:
+def expert_tensors(module: nn.Module, block: MoEBlock) -> list[torch.Tensor]:
+    """The usc::moe op's flat expert list: stacked gate, up, down; or every expert's gate, up, down."""
     if block.stacked:
-        return tuple([getattr(module, n)] for n in block.names)
+        return [getattr(module, n) for n in block.names]
     experts = getattr(module, block.experts)
-    return tuple([getattr(e, n).weight for e in experts] for n in block.names)
+    return [getattr(e, n).weight for n in block.names for e in experts]
 
 
 def block_forward(module: nn.Module, block: MoEBlock):
@@ -227,7 +234,8 @@ def block_forward(module: nn.Module, block: MoEBlock):
     def forward(x: torch.Tensor, *args, **kwargs):
         logits = getattr(module, block.router)(x)
         weights, indices = block.routing(logits, block.top_k)
-        out = torch.ops.usc.moe(x, weights.to(x.dtype), indices, *expert_tensors(module, block), block.stacked)
+        out = torch.ops.usc.moe(x, weights.to(x.dtype), indices, expert_tensors(module, block), block.stacked,
+                                str(ExpertForm()))
         if block.shared:
             out = out + getattr(module, block.shared)(x)
         if not block.returns_logits:
@@ -295,11 +303,117 @@ def verify(module: nn.Module, blocks: list[MoEBlock]) -> MoEBlock:
                                       "renormalised; SwiGLU experts) reproduces its forward")
 
 
+# ====================================================== transformers-5 experts modules (router kept)
+@dataclass(frozen=True)
+class ExpertsModule:
+    """Experts called as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])`` with
+    stacked ``gate_up_proj`` / ``down_proj`` weights (and biases): the layout of every MoE family of
+    transformers 5 (Mixtral, Qwen2/3-MoE, DeepSeek-V3, GPT-OSS, ...). Only this module becomes the
+    usc::moe node; the router, shared experts and their gates stay the model's own traced code, so
+    every routing rule (softmax or sigmoid, renormalised, group-limited with a correction bias,
+    routed_scaling_factor) is computed exactly as the model writes it."""
+
+    path: str
+    names: tuple[str, ...]  # gate_up, down[, gate_up bias, down bias]
+    num_experts: int
+    form: ExpertForm
+    verified: bool = False
+
+
+EXPERTS_WEIGHTS = ("gate_up_proj", "down_proj")
+EXPERTS_BIASES = ("gate_up_proj_bias", "down_proj_bias")
+
+
+def _stacked_param(module: nn.Module, name: str, dims: int) -> torch.Tensor | None:
+    value = getattr(module, name, None)
+    return value if isinstance(value, nn.Parameter) and value.dim() == dims else None
+
+
+def describe_experts(module: nn.Module, path: str) -> list[ExpertsModule] | str:
+    """The candidate forms of a transformers-5 experts module, or why it is not one."""
+    gate_up, down = (_stacked_param(module, n, 3) for n in EXPERTS_WEIGHTS)
+    if gate_up is None or down is None or gate_up.shape[0] != down.shape[0]:
+        return f"no experts: expected stacked 3-D parameters {' and '.join(EXPERTS_WEIGHTS)}"
+    if len(inspect.signature(module.forward).parameters) < 3:
+        return "no experts: expected forward(hidden, top_k_index, top_k_weights)"
+    biases = tuple(n for n in EXPERTS_BIASES if _stacked_param(module, n, 2) is not None)
+    if biases not in ((), EXPERTS_BIASES):
+        return f"only one of the biases {' and '.join(EXPERTS_BIASES)}"
+    layouts = [t for t in (False, True) if _chains(gate_up.shape, down.shape, t)]
+    if not layouts:
+        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not chain"
+    glus = [{"limit": float(module.limit), "alpha": float(module.alpha)}] if _clamped(module) \
+        else [{"act": a} for a in ACTIVATIONS]
+    return [ExpertsModule(path, EXPERTS_WEIGHTS + biases, gate_up.shape[0],
+                          ExpertForm("fused", interleaved=i, transposed=t, bias=bool(biases), **glu))
+            for t in layouts for i in (False, True) for glu in glus]
+
+
+def _chains(gate_up: torch.Size, down: torch.Size, transposed: bool) -> bool:
+    """[E, 2F, H] with [E, H, F]; transposed [E, H, 2F] with [E, F, H]."""
+    (_, a, b), (_, c, d) = gate_up, down
+    return (b == c and a == 2 * d) if not transposed else (a == d and b == 2 * c)
+
+
+def _clamped(module: nn.Module) -> bool:
+    """GPT-OSS's experts carry the clamp ``limit`` and the sigmoid's ``alpha``."""
+    return all(isinstance(vars(module).get(n), (int, float)) for n in ("limit", "alpha"))
+
+
+def _hidden_size(block: ExpertsModule, module: nn.Module) -> int:
+    down = getattr(module, block.names[1])
+    return down.shape[2] if block.form.transposed else down.shape[1]
+
+
+def experts_forward(module: nn.Module, block: ExpertsModule):
+    """The forward usc traces in place of the experts module's own: one usc::moe node."""
+    def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        tensors = [getattr(module, n) for n in block.names]
+        return torch.ops.usc.moe(hidden, top_k_weights.to(hidden.dtype), top_k_index, tensors, True,
+                                 str(block.form))
+    return forward
+
+
+@torch.no_grad()
+def verify_experts(module: nn.Module, blocks: list[ExpertsModule]) -> ExpertsModule:
+    """The form whose expert computation reproduces the module's own forward on random routing."""
+    if next(module.parameters()).device.type == "meta":  # nothing to run: the first layout that chains
+        return blocks[0]
+    scored = []
+    for candidate in blocks:
+        x, index, weights = _experts_probe(module, candidate)
+        try:
+            expected = module(x, index, weights)
+        except Exception:  # noqa: BLE001 - a hidden size this layout guessed wrong
+            continue
+        got = experts_forward(module, candidate)(x, index, weights)
+        scored.append((_error(got, expected), len(scored), candidate))
+    if scored and min(scored)[0] <= _tolerance(next(module.parameters()).dtype):
+        return ExpertsModule(**{**min(scored)[2].__dict__, "verified": True})
+    raise MoEPatternError(blocks[0].path, "no expert form usc knows (gate_up / down, concatenated or interleaved "
+                                          "halves, an activation of " + ", ".join(ACTIVATIONS)
+                                          + " or GPT-OSS's clamped gate) reproduces its forward")
+
+
+def _experts_probe(module: nn.Module, block: ExpertsModule) -> tuple[torch.Tensor, ...]:
+    """7 random tokens, each routed to min(2, E) distinct experts with random weights."""
+    param = next(module.parameters())
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(7, _hidden_size(block, module), generator=gen)
+    index = torch.rand(7, block.num_experts, generator=gen).argsort(-1)[:, :min(2, block.num_experts)]
+    weights = torch.rand(index.shape, generator=gen)
+    return x.to(param.device, param.dtype), index.to(param.device), weights.to(param.device, param.dtype)
+
+
 def find_blocks(model: nn.Module, marked: frozenset[str] = frozenset()) -> list[MoEBlock]:
     """Every MoE block of ``model`` (outermost first), verified; ``marked`` paths must be blocks."""
     found: list[MoEBlock] = []
     for path, module in model.named_modules():
         if any(path.startswith(b.path + ".") for b in found):
+            continue
+        experts = describe_experts(module, path)
+        if not isinstance(experts, str):
+            found.append(verify_experts(module, experts))
             continue
         shape = describe_marked(module, path) if path in marked else describe(module, path)
         if isinstance(shape, str):
@@ -310,12 +424,16 @@ def find_blocks(model: nn.Module, marked: frozenset[str] = frozenset()) -> list[
     return found
 
 
+# what each recognised kind traces in place of the module's own forward
+FORWARDS = {MoEBlock: block_forward, ExpertsModule: experts_forward}
+
+
 @contextlib.contextmanager
 def patched(model: nn.Module, blocks: list[MoEBlock]):
     """Each block's forward swapped for its usc::moe form while tracing."""
     modules = dict(model.named_modules())
     for block in blocks:
-        modules[block.path].forward = block_forward(modules[block.path], block)
+        modules[block.path].forward = FORWARDS[type(block)](modules[block.path], block)
     try:
         yield
     finally:
@@ -323,4 +441,4 @@ def patched(model: nn.Module, blocks: list[MoEBlock]):
             del modules[block.path].forward
 
 
-__all__ = ["MoEBlock", "MoEPatternError", "Routing", "find_blocks", "patched", "moe", "swiglu", "expert_weights"]
+__all__ = ["MoEBlock", "ExpertsModule", "MoEPatternError", "Routing", "find_blocks", "patched", "moe", "swiglu", "expert_weights", "expert_tensors"]
