@@ -405,6 +405,132 @@ def _experts_probe(module: nn.Module, block: ExpertsModule) -> tuple[torch.Tenso
     return x.to(param.device, param.dtype), index.to(param.device), weights.to(param.device, param.dtype)
 
 
+# ========================================================== transformers-5 router modules
+@dataclass(frozen=True)
+class RouterRule:
+    """How a router module turns hidden states into (logits, top-k weights, top-k indices).
+
+    scoring: ``softmax`` / ``sigmoid`` of all logits, then top-k (of the scores plus the module's
+    correction bias, within the best ``groups`` limited to ``topk_group``: DeepSeek-V3); or
+    ``topk_softmax``: top-k of the logits, softmax over the k (GPT-OSS). Then optionally
+    renormalised, and multiplied by ``scale`` (routed_scaling_factor)."""
+
+    scoring: str
+    normalize: bool
+    float_logits: bool  # logits computed in float32 whatever the model's dtype (DeepSeek-V3)
+    groups: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class RouterModule:
+    """A router module with a ``weight`` [E, H] (and optional bias) returning (logits, weights,
+    indices), replaced by ``rule`` written in ops every plan shards (its own forward writes in
+    place and scatters). Verified against the module's own forward like every block."""
+
+    path: str
+    num_experts: int
+    top_k: int
+    rule: RouterRule
+    correction: str = ""  # the buffer added to the scores before choosing (DeepSeek-V3)
+    verified: bool = False
+
+
+ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+CORRECTION_NAMES = ("e_score_correction_bias",)
+GROUP_NAMES = (("num_group", "topk_group"), ("n_group", "topk_group"))
+SCALE_NAMES = ("routed_scaling_factor",)
+
+
+def describe_router(module: nn.Module, path: str) -> list[RouterModule] | str:
+    """The candidate rules of a router module, or why it is not one."""
+    weight, k = _stacked_param(module, "weight", 2), _top_k(module)
+    if isinstance(module, nn.Linear) or weight is None or k is None:
+        return "no router: expected a module (not nn.Linear) with a weight [E, H] and a top-k attribute"
+    if len(inspect.signature(module.forward).parameters) != 1:
+        return "no router: expected forward(hidden_states)"
+    correction = _child(module, CORRECTION_NAMES, torch.Tensor)
+    groups = next(((vars(module)[g], vars(module)[t]) for g, t in GROUP_NAMES
+                   if isinstance(vars(module).get(g), int) and isinstance(vars(module).get(t), int)), (1, 1))
+    scales = {1.0} | {float(vars(module)[n]) for n in SCALE_NAMES if isinstance(vars(module).get(n), (int, float))}
+    return [RouterModule(path, weight.shape[0], k, RouterRule(s, n, f, *g, scale), correction)
+            for s, n, f, g, scale in itertools.product(ROUTER_SCORINGS, (False, True), (False, True),
+                                                       dict.fromkeys((groups, (1, 1))), sorted(scales))]
+
+
+def route(module: nn.Module, block: RouterModule, hidden: torch.Tensor):
+    """(logits, weights, indices) by ``block.rule``, in ops with sharding rules (no in-place, no scatter)."""
+    rule, weight = block.rule, module.weight
+    flat = hidden.reshape(-1, weight.shape[1])
+    bias = getattr(module, "bias", None)
+    logits = F.linear(flat.float(), weight.float(), None if bias is None else bias.float()) if rule.float_logits \
+        else F.linear(flat, weight, bias)
+    if rule.scoring == "topk_softmax":
+        top, indices = torch.topk(logits, block.top_k, dim=-1)
+        weights = F.softmax(top, dim=-1, dtype=top.dtype)
+    else:
+        scores = F.softmax(logits, dim=-1, dtype=torch.float) if rule.scoring == "softmax" else logits.float().sigmoid()
+        choice = scores + getattr(module, block.correction) if block.correction else scores
+        indices = torch.topk(_group_limited(choice, rule), block.top_k, dim=-1)[1]
+        weights = scores.gather(-1, indices)
+    if rule.normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # DeepSeek-V3's epsilon
+    return logits, weights * rule.scale if rule.scale != 1.0 else weights, indices
+
+
+def _group_limited(choice: torch.Tensor, rule: RouterRule) -> torch.Tensor:
+    """Scores outside the ``topk_group`` best groups (a group scores its two best experts) set to
+    -inf (DeepSeek-V3's node-limited routing), with a comparison where the model scatters."""
+    if rule.groups == 1:
+        return choice
+    grouped = choice.view(*choice.shape[:-1], rule.groups, -1)
+    best = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+    chosen = best.topk(rule.topk_group, dim=-1)[1]
+    keep = (chosen.unsqueeze(-1) == torch.arange(rule.groups, device=choice.device)).sum(dim=-2) > 0
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).reshape(choice.shape)
+
+
+def router_forward(module: nn.Module, block: RouterModule):
+    def forward(hidden_states: torch.Tensor):
+        return route(module, block, hidden_states)
+    return forward
+
+
+@torch.no_grad()
+def verify_router(module: nn.Module, blocks: list[RouterModule]) -> RouterModule | None:
+    """The rule that reproduces the router's own (logits, weights, indices); None when the module
+    is no router of this kind (its forward returns something else)."""
+    if module.weight.device.type == "meta":
+        return None
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(9, module.weight.shape[1], generator=gen).to(module.weight.device, module.weight.dtype)
+    try:
+        expected = module(x)
+    except Exception:  # noqa: BLE001 - not a router we can call alone
+        return None
+    if not (isinstance(expected, tuple) and len(expected) == 3 and not expected[2].is_floating_point()):
+        return None
+    scored = [(_router_error(route(module, b, x), expected), i, b) for i, b in enumerate(blocks)]
+    best = min(scored, key=lambda item: item[:2])
+    if best[0] <= _tolerance(module.weight.dtype):
+        return RouterModule(**{**best[2].__dict__, "verified": True})
+    raise MoEPatternError(blocks[0].path, "no routing usc knows (softmax, sigmoid or top-k-then-softmax, "
+                                          "optionally group-limited, renormalised and scaled) reproduces its forward")
+
+
+def _router_error(got, expected) -> float:
+    """Logits compared as they are; the k (index, weight) pairs of each token compared as a set
+    (the order of the k slots does not change the block's output)."""
+    if got[2].shape != expected[2].shape or got[1].shape != expected[1].shape:
+        return float("inf")
+    order_got, order_exp = got[2].argsort(-1), expected[2].argsort(-1)
+    if not torch.equal(got[2].gather(-1, order_got), expected[2].gather(-1, order_exp)):
+        return float("inf")
+    return max(_error(got[0], expected[0]),
+               _error(got[1].gather(-1, order_got), expected[1].gather(-1, order_exp)))
+
+
 def find_blocks(model: nn.Module, marked: frozenset[str] = frozenset()) -> list[MoEBlock]:
     """Every MoE block of ``model`` (outermost first), verified; ``marked`` paths must be blocks."""
     found: list[MoEBlock] = []
@@ -414,6 +540,11 @@ def find_blocks(model: nn.Module, marked: frozenset[str] = frozenset()) -> list[
         experts = describe_experts(module, path)
         if not isinstance(experts, str):
             found.append(verify_experts(module, experts))
+            continue
+        routers = describe_router(module, path)
+        router = verify_router(module, routers) if not isinstance(routers, str) else None
+        if router is not None:
+            found.append(router)
             continue
         shape = describe_marked(module, path) if path in marked else describe(module, path)
         if isinstance(shape, str):
@@ -425,7 +556,7 @@ def find_blocks(model: nn.Module, marked: frozenset[str] = frozenset()) -> list[
 
 
 # what each recognised kind traces in place of the module's own forward
-FORWARDS = {MoEBlock: block_forward, ExpertsModule: experts_forward}
+FORWARDS = {MoEBlock: block_forward, ExpertsModule: experts_forward, RouterModule: router_forward}
 
 
 @contextlib.contextmanager
@@ -441,4 +572,4 @@ def patched(model: nn.Module, blocks: list[MoEBlock]):
             del modules[block.path].forward
 
 
-__all__ = ["MoEBlock", "ExpertsModule", "MoEPatternError", "Routing", "find_blocks", "patched", "moe", "swiglu", "expert_weights", "expert_tensors"]
+__all__ = ["MoEBlock", "ExpertsModule", "RouterModule", "MoEPatternError", "Routing", "find_blocks", "patched", "moe", "swiglu", "expert_weights", "expert_tensors"]
