@@ -88,7 +88,7 @@ def _virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.Gra
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     copy = fx.GraphModule(gm, graph)
-    mesh = MeshSpec((VIRTUAL,), (2,))
+    mesh = MeshSpec((VIRTUAL,), (_virtual_size(_batch_size(gm, user_inputs)),))
     layouts = {name: Layout((Shard(0),)) for name in user_inputs if _rank(gm, name) > 0}
     plan = ctx.plan.with_options(mb=1, sp=None, cp_mode=None)
     try:
@@ -98,6 +98,12 @@ def _virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.Gra
         raise ctx.plan.error_at("mb", f"mb={ctx.plan.get('mb')} runs the batch in microbatches, and usc cannot show "
                                       f"that the program treats samples independently: {err}",
                                 hint=f"{OPTIONS}{'; ' + hint if hint else ''}") from None
+
+
+def _virtual_size(batch: int) -> int:
+    """The smallest prime factor of the microbatch's batch size: every reshape that keeps the batch
+    outermost divides by it (2 for a batch of one sample, whose reshapes may then be refused)."""
+    return next((p for p in range(2, batch + 1) if batch % p == 0), 2)
 
 
 def _rank(gm: fx.GraphModule, name: str) -> int:

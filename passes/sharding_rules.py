@@ -277,7 +277,7 @@ def _resolve_shape(shape, numel: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints)
 def view_rule(view: OpView) -> Decision:
     p = view.placements[0]
     if not is_shard(p):
