@@ -13,7 +13,7 @@ What functionalization turns into extra graph outputs is made explicit instead:
 - a write to a buffer becomes a ``StateWrite`` node (``runtime/state_write.py``) at the end of the
   graph: the executor's buffer takes the new value after each forward, as on one device;
 - a write to a user input is visible to every later read in the graph; the caller's own tensor is
-  not updated (a rank holds a slice of it), which ``Traced`` records in ``gm.meta`` for the report.
+  not updated (a rank holds a slice of it), which ``gm.meta`` records for the report's warnings.
 
 Two more guarantees:
 - ``distinct_inputs``: the same tensor passed twice (``example_inputs=(ids, ids)``) would be traced
@@ -142,6 +142,13 @@ def explicit_writes(exported) -> fx.GraphModule:
     return gm
 
 
+def input_write_warnings(gm: fx.GraphModule) -> list[str]:
+    """What the report says about writes to user inputs."""
+    return [f"forward writes its input '{name}': every later read in the forward sees the write, but the "
+            "caller's tensor is not changed (each rank holds a piece of it); write to a copy to say so"
+            for name in gm.meta.get(INPUT_WRITES, ())]
+
+
 def verify_functional(gm: fx.GraphModule) -> None:
     """Raise HiddenEffectError at the first mutating op (stages of a pipeline included)."""
     from .trace import module_path, user_source
@@ -162,5 +169,5 @@ def _describe(node: fx.Node, module: str, source: str) -> str:
             "writes when it traces; a pass that inserts an in-place op must use its functional form")
 
 
-__all__ = ["distinct_inputs", "functionalize", "explicit_writes", "verify_functional", "user_output_specs",
+__all__ = ["distinct_inputs", "input_write_warnings", "functionalize", "explicit_writes", "verify_functional", "user_output_specs",
            "is_mutating", "is_state_write", "HiddenEffectError", "STATE_WRITE", "INPUT_WRITES", "WRITE_KINDS"]

@@ -10,6 +10,7 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _make_graph_module
 
 from usc.compiler.errors import ShardingError, UnsupportedOpError
+from usc.compiler.functional import input_write_warnings
 from usc.compiler.ir import MeshSpec
 from usc.compiler.pass_runner import CompileContext, PassSpec, run_pipeline
 from usc.compiler.program import Program, build_program
@@ -105,6 +106,7 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
     program = build_program(gm, mesh, traced.state, traced.user_inputs, tp.choices, ctx.timings)
     program.warnings.extend(plan_warnings(mesh, plan))
     program.warnings.extend(f"pp split: {note}" for note in gm.meta.get("usc_split_notes", ()))
+    program.warnings.extend(input_write_warnings(traced.gm))
     return program
 
 

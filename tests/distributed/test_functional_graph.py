@@ -132,6 +132,7 @@ def test_buffer_and_input_writes_persist_as_on_one_device(plan):
     assert got == pytest.approx(expected, rel=1e-10)
     full = sim.full_state_dict()
     assert float(full["count"]) == 3.0
+    assert any("forward writes its input 'x'" in w for w in sim.report.warnings)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(full[name], value, rtol=1e-10, atol=1e-12)
 
@@ -194,3 +195,18 @@ def test_traced_program_has_no_in_place_ops_and_keeps_linear():
     assert torch.ops.aten.linear.default in targets
     assert torch.ops.aten.select_scatter.default in targets
     verify_functional(traced.gm)
+
+
+def train_scan_net_on_gloo(rank: int, world_size: int, plan: str) -> list[float]:
+    torch.set_num_threads(1)
+    batches = _batches()
+    step = usc.compile(_scan_net(True), f"{plan} timeout=60", example_inputs=batches[0], optimizer=_sgd)
+    return [step.step(*b) for b in batches]
+
+
+def test_writes_through_views_on_gloo_processes():
+    from harness import run_world
+
+    expected = _run_reference(_scan_net(True), _batches(), 3)
+    for losses in run_world(train_scan_net_on_gloo, 4, "dp=2 tp=2", timeout=180):
+        assert losses == pytest.approx(expected, rel=1e-10)
