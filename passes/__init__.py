@@ -29,6 +29,7 @@ from .plan_checks import check_supported
 from .propagate import propagate_pass
 from .random_ops import random_ops_pass
 from .recompute import recompute_pass
+from .state_writes import state_writes_pass
 from .zero3 import zero3_pass
 
 def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
@@ -42,6 +43,8 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
     zero3 edit the finished per-rank program; pipeline_split cuts it last."""
     return [
         PassSpec("random_ops", random_ops_pass, annotated=False),
+        # before batch_coupling: a buffer written from the batch is named as such
+        PassSpec("state_writes", state_writes_pass, {"user_inputs": tuple(user_inputs)}, annotated=False),
         PassSpec("batch_coupling", batch_coupling_pass, {"user_inputs": tuple(user_inputs),
                                                          "params": frozenset(params)}, annotated=False),
         PassSpec("propagate", propagate_pass, {"input_layouts": input_layouts, "grad_inputs": grad_inputs}),
