@@ -82,6 +82,13 @@ def test_writes_through_views_train_as_on_one_device(plan):
     assert_equivalent(_scan_net, plan, _batches(), optimizer=_sgd, rtol=1e-10, atol=1e-12, param_atol=1e-10)
 
 
+def test_tensor_parallel_splits_the_layers_that_write_through_views():
+    """The tp plans above split up/down (the writes are carried through), not replicate them."""
+    report = usc.lint(_scan_net(True), "dp=2 tp=2", example_inputs=_batches(1)[0])
+    styles = {c.module: c.style for c in report.tp_choices}
+    assert styles["layers.0.up"] == "colwise" and styles["layers.0.down"] == "rowwise"
+
+
 class Counter(nn.Module):
     """A buffer the forward writes (a step counter) that the loss reads, and an input it writes."""
 
