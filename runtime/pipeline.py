@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from .pipeline_backward import WeightWork, input_grads, weight_grads
+from .zero import optimizer_state_examples
 
 
 @dataclass
@@ -439,9 +440,11 @@ class PipelineMixin:
         mine = self._local_optimizer_state()
         examples = {key: value for state in mine.values() for key, value in state.items()}
         agreed = self.pp.all_reduce(torch.tensor([float(len(examples))]), op="max")
+        if not examples and int(agreed) and not any(p.numel() for p in self.params):
+            examples = optimizer_state_examples(self.optimizer, self.program.state)  # a frozen stage
         if int(agreed) != len(examples):
-            raise RuntimeError("pipeline ranks hold different optimizer state keys; every stage needs a "
-                               "trainable parameter that has taken a step before a checkpoint")
+            raise RuntimeError("pipeline ranks hold different optimizer state keys; every stage with a "
+                               "trainable parameter needs a step before a checkpoint")
         entries = []
         for spec in self.program.state:
             if spec.kind != "param" or not spec.trainable:
