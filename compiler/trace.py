@@ -223,12 +223,13 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
     error = None
     with _quiet_torch_logs(), _held_output() as held, patched(model, list(moe_blocks)):
         try:
-            exported = functionalize(torch.export.export(model, example_inputs, strict=False))
+            exported = torch.export.export(model, example_inputs, strict=False)
         except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
             error = _trace_error(exc, model)  # formatting torch's error can print too: keep it held
     if error is not None:
         raise error from error.__cause__
     held.replay()
+    exported = functionalize(exported)  # writes become dataflow (compiler/functional.py)
     user = [s.arg.name for s in exported.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     outputs = user_output_specs(exported)
     if len(outputs) != 1 or str(outputs[0].kind) not in ("OutputKind.USER_OUTPUT", "USER_OUTPUT"):
