@@ -28,6 +28,7 @@ from .recompute import observe_kept
 from .reducer import pad_to_multiple
 from .zero import ZeroOptimizer
 from .zero3 import ZeroFetch, ZeroGather, Zero3Registry, shard_of, unshard
+from .training import GradPiece, GroupedOptimizer, NamedParameters, clip_, counted_once, global_norm, slice_pieces
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -64,6 +65,7 @@ class RankExecutor:
                 module.registry = self.zero3
         self.state: dict[str, torch.Tensor] = {}
         self.params: list[torch.nn.Parameter] = []
+        self._param_names: dict[int, str] = {}
         for spec in program.state:
             if self._holds(spec):
                 self.state[spec.placeholder] = self._local_state(spec, full_state[spec.name])
@@ -73,11 +75,12 @@ class RankExecutor:
                    if s.placeholder in self.state and isinstance(self.state[s.placeholder], torch.nn.Parameter)]
         self.timeline: Timeline | None = None
         sharded = zero in (1, 2) and mesh.size("dp") > 1
-        self.reducer = GradReducer(entries, mesh, bucket_bytes=bucket_bytes,
-                                   scatter_axis="dp" if sharded and zero >= 2 else None, wire_dtype=reduce_dtype)
         factory = optimizer or default_optimizer
-        self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, self.params) if sharded \
-            else factory(self.params)
+        self.reducer = GradReducer(entries, mesh, bucket_bytes=bucket_bytes,
+                                   scatter_axis="dp" if sharded and zero >= 2 else None, wire_dtype=reduce_dtype,
+                                   group_of=factory.group_of if isinstance(factory, GroupedOptimizer) else None)
+        named = NamedParameters(self.params, [(self._param_names[id(p)],) for p in self.params])
+        self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, named) if sharded else factory(named)
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
 
     def _holds(self, spec) -> bool:
@@ -98,6 +101,7 @@ class RankExecutor:
         if spec.kind == "param" and full.requires_grad:
             param = torch.nn.Parameter(local)
             self.params.append(param)
+            self._param_names[id(param)] = spec.name
             return param
         return local
 
@@ -213,6 +217,7 @@ class RankExecutor:
         self.peak_state_bytes = self.memory_bytes()  # gradients are at their peak here
         value = self._global(sum(weighted) / count)
         self._check_finite(value)
+        self._clip_if_asked()
         with self._span("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -220,6 +225,48 @@ class RankExecutor:
         return value
 
     steps_done = 0
+    max_grad_norm: float | None = None  # set before a step to clip (float('inf'): measure only)
+    grad_norm: float | None = None  # the last step's global gradient norm (before clipping)
+
+    # ------------------------------------------------------------------ clipping (runtime/training.py)
+    def _clip_if_asked(self) -> None:
+        self.grad_norm = None
+        if self.max_grad_norm is not None:
+            with self._span("clip"):
+                self.grad_norm = self.clip_grad_norm(self.max_grad_norm)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """clip_grad_norm_ over the whole model's reduced gradient (a collective on every axis);
+        returns the norm before clipping."""
+        pieces = self.grad_pieces()
+        reduce = [self.mesh.comm(axis).all_reduce for axis in self.mesh.axes if self.mesh.size(axis) > 1]
+        norm = global_norm(pieces, reduce, self.mesh.device)
+        clip_(pieces, norm, max_norm)
+        return norm
+
+    def grad_pieces(self) -> list[GradPiece]:
+        """Every reduced gradient this rank holds, each marked whether this rank counts it."""
+        specs = {s.placeholder: s for s in self.program.state}
+        pieces = [GradPiece(value.grad, self._counts(specs[name], ("dp",) if specs[name].zero3 else ()))
+                  for name, value in self.state.items()
+                  if isinstance(value, torch.nn.Parameter) and value.grad is not None]
+        by_name = {s.name: s for s in self.program.state}
+        for bucket in self.reducer.buckets:  # ZeRO-2: this rank's slice of each bucket's sum
+            if bucket.shard is None or bucket.shard_grad is None:
+                continue
+            comm = self.mesh.comm(bucket.shard)
+            for index, piece in slice_pieces(bucket.shard_grad, [p.numel() for _, p in bucket.params],
+                                             comm.rank, comm.size):
+                pieces.append(GradPiece(piece, self._counts(by_name[bucket.params[index][0]], (bucket.shard,))))
+        return pieces
+
+    @property
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer that really steps (ZeRO-1/2: the one over this rank's slices)."""
+        return self.optimizer.inner if isinstance(self.optimizer, ZeroOptimizer) else self.optimizer
+
+    def _counts(self, spec, sharded: tuple[str, ...]) -> bool:
+        return counted_once(spec.layout.placements, self.mesh.axes, self.mesh.coord, sharded=sharded)
 
     def _check_finite(self, value: float) -> None:
         """Every rank sees the same global loss, so all of them stop together (no hang)."""

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from .training import counted_once
 from .pipeline_backward import WeightWork, input_grads, weight_grads
 
 
@@ -401,6 +402,7 @@ class PipelineMixin:
         self.peak_state_bytes = self.memory_bytes()
         value = self._global(total / count)
         self._check_finite(value)
+        self._clip_if_asked()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.reducer.attach_grad_views()
@@ -450,6 +452,12 @@ class PipelineMixin:
                     value = torch.zeros(local if example.dim() else (), dtype=example.dtype)
                 entries.append((spec, key, self.pp.all_reduce(value)))
         return entries
+
+    def _counts(self, spec, sharded: tuple[str, ...]) -> bool:
+        """A pipeline rank counts the weights it owns (a tied weight: the first stage using it)."""
+        owner = self.owner.get(spec.placeholder, self.pp_rank)
+        return owner == self.pp_rank and counted_once(spec.layout.placements, self.mesh.axes, self.mesh.coord,
+                                                      sharded=sharded, skip=("pp",))
 
     def _owned(self, spec, value: torch.Tensor) -> torch.Tensor:
         """The owning stage's value of a state tensor, on every pp rank (a collective)."""

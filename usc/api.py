@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import time
@@ -24,9 +25,12 @@ from usc.runtime.executor import PipelineExecutor, RankExecutor, estimate_activa
 from usc.runtime.mesh import Mesh, run_in_threads, simulated_meshes
 from usc.runtime.moe import summarize
 from usc.runtime.timeline import Timeline
+from usc.runtime.training import EvalMode
+from usc.training import StepMetrics
 from usc.planning import estimate_plan
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], "torch.optim.lr_scheduler.LRScheduler"]
 
 
 class _WithLoss(nn.Module):
@@ -93,8 +97,12 @@ class _Compiled:
     """What compile and simulate share: the plan, the traced program and its report."""
 
     def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
-                 optimizer: OptimizerFactory | None = None, hardware=None, traced=None) -> None:
+                 optimizer: OptimizerFactory | None = None, hardware=None, traced=None,
+                 lr_scheduler: SchedulerFactory | None = None) -> None:
         self.plan = _as_plan(plan)
+        self.training = model.training  # torch's default: a module starts in training mode
+        self._scheduler_factory = lr_scheduler
+        self.metrics: StepMetrics | None = None  # the last step's measurements
         self.model = _WithLoss(model, loss_fn) if loss_fn is not None else model
         if self.plan.auto:
             self.plan = _resolve_auto(self.model, self.plan, example_inputs, hardware)
@@ -220,6 +228,44 @@ class _Compiled:
     def program(self):
         return self._program
 
+    # ------------------------------------------------------------------ the training loop's face
+    def train(self, mode: bool = True):
+        """As ``nn.Module.train``: steps and calls run with dropout as traced. Returns self."""
+        self.training = bool(mode)
+        return self
+
+    def eval(self):
+        """As ``nn.Module.eval``: dropout off in ``step(...)`` calls and evaluation. Returns self."""
+        return self.train(False)
+
+    def _mode(self, *, evaluating: bool = False):
+        return EvalMode() if evaluating or not self.training else contextlib.nullcontext()
+
+    def _schedulers_for(self, ranks: list) -> list:
+        if self._scheduler_factory is None:
+            return []
+        return [self._scheduler_factory(rank.torch_optimizer) for rank in ranks]
+
+    def _measure(self, ranks: list, schedulers: list, run: Callable[[], float], batch: tuple) -> float:
+        """Run one step, step the schedulers after it (torch's order: optimizer, then scheduler) and
+        record ``self.metrics``."""
+        lr = float(ranks[0].torch_optimizer.param_groups[0]["lr"])
+        cuda = ranks[0].mesh.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(ranks[0].mesh.device)
+        start = time.perf_counter()
+        value = run()
+        for scheduler in schedulers:
+            scheduler.step()
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated(ranks[0].mesh.device) if cuda else \
+            max(sum(rank.peak_state_bytes.values()) for rank in ranks)
+        labels = batch[-1] if batch and isinstance(batch[-1], torch.Tensor) else None
+        self.metrics = StepMetrics(step=ranks[0].steps_done, loss=value, grad_norm=ranks[0].grad_norm, lr=lr,
+                                   tokens=labels.numel() if labels is not None else 0, seconds=seconds,
+                                   peak_bytes=int(peak))
+        return value
+
     def _ensure_built(self, batch: tuple) -> None:
         if self._program is None:
             self._build(batch)
@@ -241,7 +287,19 @@ class Compiled(_Compiled):
         if self._executor is None:
             mesh = self._mesh()
             self._executor = self._make_executor(mesh, _full_state(self.model, self._traced), self._optimizer)
+            self._schedulers = self._schedulers_for([self._executor])
         return self._executor
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """This rank's torch optimizer, the one that steps (ZeRO-1/2: over this rank's slices)."""
+        return self._rank().torch_optimizer
+
+    @property
+    def lr_scheduler(self):
+        """The scheduler ``lr_scheduler=`` built (None without one); stepped after every step."""
+        self._rank()
+        return self._schedulers[0] if self._schedulers else None
 
     def _mesh(self) -> Mesh:
         axes, shape, world = tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), self.plan.world_size
@@ -255,14 +313,20 @@ class Compiled(_Compiled):
             return simulated_meshes(axes, shape, timeout=self.timeout)[0]
         return Mesh.from_environment(axes, shape, timeout=self.timeout)
 
-    def step(self, *batch, trace: str | None = None) -> float:
-        """One optimizer step on the global batch; returns the global mean loss."""
+    def step(self, *batch, max_grad_norm: float | None = None, trace: str | None = None) -> float:
+        """One optimizer step on the global batch; returns the global mean loss.
+
+        max_grad_norm: clip the gradient to this global L2 norm first (``clip_grad_norm_`` over the
+        whole model, exact on every plan; ``float('inf')`` measures the norm without clipping).
+        ``self.metrics`` then holds the step's loss, grad_norm, lr, tokens, time and peak bytes."""
         self._ensure_built(batch)
         rank = self._rank()
         timeline = Timeline(rank.mesh.rank) if trace else None
         rank.set_timeline(timeline)
+        rank.max_grad_norm = max_grad_norm
         try:
-            return rank.step(batch)
+            with self._mode():
+                return self._measure([rank], self._schedulers, lambda: rank.step(batch), batch)
         finally:
             rank.set_timeline(None)
             if timeline is not None:
@@ -271,9 +335,18 @@ class Compiled(_Compiled):
                 timeline.to_chrome_trace(path)
 
     def __call__(self, *batch) -> float:
-        """The global mean loss on ``batch`` without updating anything."""
+        """The global mean loss on ``batch`` without updating anything (no gradients), in the
+        current mode: after ``eval()`` dropout is off, as in ``model.eval(); model(x)``."""
         self._ensure_built(batch)
-        return self._rank().evaluate(batch)
+        with self._mode():
+            return self._rank().evaluate(batch)
+
+    def eval_step(self, *batch) -> float:
+        """The global mean loss on ``batch`` in evaluation mode (dropout off, no gradients), whatever
+        the current mode."""
+        self._ensure_built(batch)
+        with self._mode(evaluating=True):
+            return self._rank().evaluate(batch)
 
     def activation_bytes(self, *batch) -> int:
         """Measured bytes of activations this rank saves for backward in one forward."""
@@ -323,24 +396,34 @@ class Simulated(_Compiled):
     """Every rank of the mesh in this process (one thread per rank, in-memory collectives)."""
 
     def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None,
-                 optimizer: OptimizerFactory | None = None) -> None:
+                 optimizer: OptimizerFactory | None = None, lr_scheduler: SchedulerFactory | None = None) -> None:
         if example_inputs is None:
             raise TypeError("usc.simulate needs example_inputs=(...) (the global batch)")
-        super().__init__(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+        super().__init__(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                         lr_scheduler=lr_scheduler)
         self._ensure_built(())
         self.meshes = simulated_meshes(tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), timeout=self.timeout)
         state = _full_state(self.model, self._traced)
         self.ranks = [self._make_executor(mesh, state, optimizer) for mesh in self.meshes]
+        self.lr_schedulers = self._schedulers_for(self.ranks)  # one per rank, stepped together
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every rank's torch optimizer (change a setting on all of them, or use lr_scheduler=)."""
+        return [rank.torch_optimizer for rank in self.ranks]
 
     def _run(self, fn) -> list:
         return run_in_threads(self.meshes, lambda mesh: fn(self.ranks[mesh.rank]), timeout=self.timeout)
 
-    def step(self, *batch, trace: str | None = None) -> float:
+    def step(self, *batch, max_grad_norm: float | None = None, trace: str | None = None) -> float:
+        """As ``Compiled.step``, every rank in this process."""
         timeline = Timeline(0) if trace else None
         for rank in self.ranks:
             rank.set_timeline(timeline)
+            rank.max_grad_norm = max_grad_norm
         try:
-            return self._run(lambda rank: rank.step(batch))[0]
+            run = lambda: self._run(lambda rank: self._in_mode(rank.step, batch))[0]  # noqa: E731
+            return self._measure(self.ranks, self.lr_schedulers, run, batch)
         finally:
             for rank in self.ranks:
                 rank.set_timeline(None)
@@ -349,8 +432,15 @@ class Simulated(_Compiled):
                     timeline.exposed_comm_seconds(rank=r) for r in range(len(self.ranks)))
                 timeline.to_chrome_trace(trace)
 
+    def _in_mode(self, fn, batch: tuple, *, evaluating: bool = False):
+        with self._mode(evaluating=evaluating):  # mode stacks are per thread: each rank enters its own
+            return fn(batch)
+
     def __call__(self, *batch) -> float:
-        return self._run(lambda rank: rank.evaluate(batch))[0]
+        return self._run(lambda rank: self._in_mode(rank.evaluate, batch))[0]
+
+    def eval_step(self, *batch) -> float:
+        return self._run(lambda rank: self._in_mode(rank.evaluate, batch, evaluating=True))[0]
 
     def memory_bytes(self) -> list[dict[str, int]]:
         """Measured bytes held per rank in parameters, gradients and optimizer state."""
@@ -386,7 +476,7 @@ class Simulated(_Compiled):
 
 
 def compile(model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
-            optimizer: OptimizerFactory | None = None) -> Compiled:
+            optimizer: OptimizerFactory | None = None, lr_scheduler: SchedulerFactory | None = None) -> Compiled:
     """Compile ``model`` for the mesh in ``plan`` and return this torchrun process's program.
 
     >>> import usc, torch
@@ -396,11 +486,12 @@ def compile(model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=
     >>> isinstance(step.step(*batch), float)
     True
     """
-    return Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+    return Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                    lr_scheduler=lr_scheduler)
 
 
 def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None,
-             optimizer: OptimizerFactory | None = None) -> Simulated:
+             optimizer: OptimizerFactory | None = None, lr_scheduler: SchedulerFactory | None = None) -> Simulated:
     """Compile ``model`` and run every rank of the mesh in this process.
 
     >>> import usc
@@ -410,7 +501,8 @@ def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None
     >>> isinstance(sim.step(*batch), float)
     True
     """
-    return Simulated(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+    return Simulated(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                     lr_scheduler=lr_scheduler)
 
 
 def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, hardware=None) -> Report:
