@@ -78,10 +78,17 @@ class RankExecutor:
         factory = optimizer or default_optimizer
         self.reducer = GradReducer(entries, mesh, bucket_bytes=bucket_bytes,
                                    scatter_axis="dp" if sharded and zero >= 2 else None, wire_dtype=reduce_dtype,
-                                   group_of=factory.group_of if isinstance(factory, GroupedOptimizer) else None)
+                                   group_of=self._group_of(factory))
         named = NamedParameters(self.params, [(self._param_names[id(p)],) for p in self.params])
         self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, named) if sharded else factory(named)
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+    def _group_of(self, factory) -> Callable[[str], int] | None:
+        """A grouping factory's group of each state entry, by the name named_parameters() gives it."""
+        if not isinstance(factory, GroupedOptimizer):
+            return None
+        canonical = {s.name: s.aliases[0] if s.aliases else s.name for s in self.program.state}
+        return lambda name: factory.group_of(canonical[name])
 
     def _holds(self, spec) -> bool:
         """Whether this rank keeps a state tensor (a pipeline rank keeps only its stages')."""
@@ -101,7 +108,7 @@ class RankExecutor:
         if spec.kind == "param" and full.requires_grad:
             param = torch.nn.Parameter(local)
             self.params.append(param)
-            self._param_names[id(param)] = spec.name
+            self._param_names[id(param)] = spec.aliases[0] if spec.aliases else spec.name  # named_parameters' name
             return param
         return local
 

@@ -42,7 +42,7 @@ class ZeroOptimizer:
         rest = [p for p in other_params if id(p) not in sharded]
         named = dict(zip(map(id, other_params), other_params.names)) if isinstance(other_params, NamedParameters) \
             else {}
-        names = [tuple(n for n, _ in b.params) for b in self.buckets] + [named.get(id(p), ()) for p in rest]
+        names = [tuple(named.get(id(p), (n,))[0] for n, p in b.params) for b in self.buckets] + [named.get(id(p), ()) for p in rest]
         self.inner = factory(NamedParameters(self.masters + rest, names))
 
     def _partition(self, bucket) -> tuple[torch.Tensor, nn.Parameter]:
