@@ -22,10 +22,9 @@ from .moe import rank_stats
 from .pipeline import PipelineMixin, held_inputs
 from .reducer import GradReducer
 from .timeline import Timeline
-from .checkpoint import CheckpointError
+from .checkpoint_state import ShardedCheckpoint
 from .errors import NonFiniteLoss
 from .recompute import observe_kept
-from .reducer import pad_to_multiple
 from .zero import ZeroOptimizer
 from .zero3 import ZeroFetch, ZeroGather, Zero3Registry, shard_of, unshard
 from .training import GradPiece, GroupedOptimizer, NamedParameters, clip_, counted_once, global_norm, slice_pieces
@@ -49,7 +48,7 @@ def bind_graph(gm: fx.GraphModule, mesh) -> fx.GraphModule:
     return fx.GraphModule(modules, gm.graph, class_name="RankProgram")
 
 
-class RankExecutor:
+class RankExecutor(ShardedCheckpoint):
     """One rank: local shards of the state, the bound program, the optimizer and the grad reducer."""
 
     def __init__(self, program, mesh, full_state: Mapping[str, torch.Tensor], *,
@@ -262,7 +261,7 @@ class RankExecutor:
             if bucket.shard is None or bucket.shard_grad is None:
                 continue
             comm = self.mesh.comm(bucket.shard)
-            for index, piece in slice_pieces(bucket.shard_grad, [p.numel() for _, p in bucket.params],
+            for index, _, piece in slice_pieces(bucket.shard_grad, [p.numel() for _, p in bucket.params],
                                              comm.rank, comm.size):
                 pieces.append(GradPiece(piece, self._counts(by_name[bucket.params[index][0]], (bucket.shard,))))
         return pieces
@@ -321,7 +320,7 @@ class RankExecutor:
         count = sum(float(n) for _, n in pieces)
         return self._global(sum(loss * float(n) for loss, n in pieces) / count)
 
-    # ------------------------------------------------------------------ checkpoints (full tensors)
+    # ------------------------------------------------------------------ full tensors (full_state_dict)
     def _named_params(self) -> dict[str, tuple]:
         """The parameters this rank holds, by name."""
         return {spec.name: (spec, self.state[spec.placeholder]) for spec in self.program.state
@@ -336,108 +335,6 @@ class RankExecutor:
         if not spec.zero3:
             return value
         return unshard(value, spec.layout.local_shape(spec.global_shape, self.program.mesh), self.mesh.comm("dp"))
-
-    def _local_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Optimizer state per parameter name, shaped like this rank's parameter (ZeRO slices
-        are gathered over dp and cut back into parameters)."""
-        by_param = {id(p): name for name, (_, p) in self._named_params().items()}
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        inner = self.optimizer.inner if isinstance(self.optimizer, ZeroOptimizer) else self.optimizer
-        for param, state in inner.state.items():
-            if id(param) in by_param:
-                out[by_param[id(param)]] = dict(state)
-        if isinstance(self.optimizer, ZeroOptimizer):
-            for bucket, master in zip(self.optimizer.buckets, self.optimizer.masters):
-                for key, value in inner.state.get(master, {}).items():
-                    full = self.optimizer.comm.all_gather(value, 0) if value.dim() else value
-                    offset = 0
-                    for name, p in bucket.params:
-                        piece = full[offset: offset + p.numel()].view_as(p) if value.dim() else value
-                        out.setdefault(name, {})[key] = piece
-                        offset += p.numel()
-        return out
-
-    def _optimizer_entries(self) -> list[tuple]:
-        """(spec, key, this rank's tensor) of every optimizer state entry, in one order all ranks share."""
-        params = self._named_params()
-        return [(params[name][0], key, value) for name, state in sorted(self._local_optimizer_state().items())
-                for key, value in state.items()]
-
-    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Full tensors for a checkpoint: 'model/<name>' and 'optim/<name>/<key>' (a collective call)."""
-        tensors = {}
-        for spec in self.program.state:
-            tensors[f"model/{spec.name}"] = gather_full(self._dp_whole(spec), spec.layout.placements, self.mesh)
-        for spec, key, value in self._optimizer_entries():
-            full = gather_full(self._dp_whole(spec, value), spec.layout.placements, self.mesh) \
-                if value.dim() else value
-            tensors[f"optim/{spec.name}/{key}"] = full
-        inner = self.optimizer.inner if isinstance(self.optimizer, ZeroOptimizer) else self.optimizer
-        groups = [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str, type(None),
-                                                                                  list, tuple))}
-                  for g in inner.param_groups]
-        return tensors, {"param_groups": groups}
-
-    def load_checkpoint_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        """Take this rank's shards of a full checkpoint (any plan wrote it)."""
-        for spec in self.program.state:
-            full = tensors.get(f"model/{spec.name}")
-            if full is None:
-                raise CheckpointError(f"the checkpoint has no tensor for '{spec.name}'")
-            if tuple(full.shape) != spec.global_shape:
-                raise CheckpointError(f"'{spec.name}' is {list(full.shape)} in the checkpoint but "
-                                      f"{list(spec.global_shape)} in the model")
-            if spec.placeholder not in self.state:
-                continue
-            local = local_chunk(full, spec.layout.placements, self.mesh.shape, self.mesh.coord)
-            if spec.zero3:
-                local = shard_of(local, self.mesh.comm("dp"))
-            with torch.no_grad():
-                self.state[spec.placeholder].copy_(local)
-        local_state: dict[str, dict[str, torch.Tensor]] = {}
-        params = self._named_params()
-        for key, full in tensors.items():
-            if key.startswith("optim/"):
-                name, field = key[len("optim/"):].rsplit("/", 1)
-                if name not in params:
-                    continue  # another pipeline rank holds it
-                spec = params[name][0]
-                local = local_chunk(full, spec.layout.placements, self.mesh.shape, self.mesh.coord) \
-                    if full.dim() else full
-                if spec.zero3 and full.dim():
-                    local = shard_of(local, self.mesh.comm("dp"))
-                local_state.setdefault(name, {})[field] = local.clone()
-        self._set_optimizer_state(local_state)
-        inner = self.optimizer.inner if isinstance(self.optimizer, ZeroOptimizer) else self.optimizer
-        for group, saved in zip(inner.param_groups, meta.get("param_groups", [])):
-            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
-
-    def _set_optimizer_state(self, local_state: dict[str, dict[str, torch.Tensor]]) -> None:
-        params = self._named_params()
-        if not isinstance(self.optimizer, ZeroOptimizer):
-            for name, state in local_state.items():
-                self.optimizer.state[params[name][1]] = state
-            return
-        inner, zero = self.optimizer.inner, self.optimizer
-        in_bucket = set()
-        for bucket, master in zip(zero.buckets, zero.masters):
-            names = [n for n, _ in bucket.params]
-            in_bucket.update(names)
-            keys = set().union(*(local_state.get(n, {}).keys() for n in names))
-            state = {}
-            for key in keys:
-                values = [local_state[n][key] for n in names]
-                if values[0].dim() == 0:
-                    state[key] = values[0]
-                    continue
-                flat = pad_to_multiple(torch.cat([v.reshape(-1) for v in values]), zero.comm.size)
-                size = flat.numel() // zero.comm.size
-                state[key] = flat[zero.comm.rank * size: (zero.comm.rank + 1) * size].clone()
-            if state:
-                inner.state[master] = state
-        for name, state in local_state.items():
-            if name not in in_bucket:
-                inner.state[params[name][1]] = state
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now in parameters, gradients and optimizer state (unique storages)."""

@@ -432,27 +432,6 @@ class PipelineMixin:
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             param.grad = self.pp.all_reduce(grad)
 
-    def _optimizer_entries(self) -> list[tuple]:
-        """Every trainable parameter's optimizer state, as its owning rank has it, on every pp rank,
-        in program order (each entry is one pp collective, so all ranks must list the same)."""
-        mine = self._local_optimizer_state()
-        examples = {key: value for state in mine.values() for key, value in state.items()}
-        agreed = self.pp.all_reduce(torch.tensor([float(len(examples))]), op="max")
-        if int(agreed) != len(examples):
-            raise RuntimeError("pipeline ranks hold different optimizer state keys; every stage needs a "
-                               "trainable parameter that has taken a step before a checkpoint")
-        entries = []
-        for spec in self.program.state:
-            if spec.kind != "param" or not spec.trainable:
-                continue
-            local = spec.layout.local_shape(spec.global_shape, self.program.mesh)
-            for key, example in sorted(examples.items()):
-                value = mine.get(spec.name, {}).get(key)
-                if self.owner.get(spec.placeholder, 0) != self.pp_rank or value is None:
-                    value = torch.zeros(local if example.dim() else (), dtype=example.dtype)
-                entries.append((spec, key, self.pp.all_reduce(value)))
-        return entries
-
     def _counts(self, spec, sharded: tuple[str, ...]) -> bool:
         """A pipeline rank counts the weights it owns (a tied weight: the first stage using it)."""
         owner = self.owner.get(spec.placeholder, self.pp_rank)

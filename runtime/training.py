@@ -75,15 +75,16 @@ def counted_once(placements, axes: Sequence[str], coord: Sequence[int], *, shard
     return all(isinstance(p, Shard) or c == 0 for axis, p, c in zip(axes, placements, coord) if axis not in free)
 
 
-def slice_pieces(flat: torch.Tensor, sizes: Sequence[int], rank: int, n: int) -> list[tuple[int, torch.Tensor]]:
-    """(index, piece) of each tensor in a flat buffer (sizes in order, padded to n slices) that
-    this rank's slice ``flat`` (slice ``rank`` of n) holds a part of."""
+def slice_pieces(flat: torch.Tensor, sizes: Sequence[int], rank: int, n: int) -> list[tuple[int, int, torch.Tensor]]:
+    """(index, start, piece) of each tensor in a flat buffer (sizes in order, padded to n slices)
+    that this rank's slice ``flat`` (slice ``rank`` of n) holds a part of: the piece holds that
+    tensor's flattened elements [start, start + piece.numel())."""
     lo = rank * flat.numel()
     hi, offset, out = lo + flat.numel(), 0, []
     for index, size in enumerate(sizes):
         start, end = max(offset, lo), min(offset + size, hi)
         if start < end:
-            out.append((index, flat[start - lo: end - lo]))
+            out.append((index, start - offset, flat[start - lo: end - lo]))
         offset += size
     return out
 

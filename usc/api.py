@@ -18,7 +18,8 @@ from usc.compiler.report import Report, build_report
 from usc.compiler.trace import is_meta_model, trace
 from usc.dsl import Plan, PlanError, check_rules_match, parse_plan
 from usc.passes import parallelize
-from usc.runtime import checkpoint
+from usc.runtime import checkpoint, checkpoint_state
+from usc.runtime.checkpoint_state import LoadResult
 from usc.passes.pipeline_schedule import build_schedule
 from usc.passes.pipeline_schedule_check import check_schedule
 from usc.runtime.executor import PipelineExecutor, RankExecutor, estimate_activation_bytes
@@ -266,6 +267,19 @@ class _Compiled:
                                    peak_bytes=int(peak))
         return value
 
+    def _checkpoint_meta(self, rank, schedulers: list) -> dict:
+        meta = {**rank.checkpoint_meta(), "plan": str(self.plan)}
+        if schedulers:
+            meta["lr_scheduler"] = schedulers[0].state_dict()
+        return meta
+
+    @staticmethod
+    def _load_schedulers(reader, schedulers: list) -> None:
+        saved = reader.meta.get("lr_scheduler")
+        if saved is not None:
+            for scheduler in schedulers:
+                scheduler.load_state_dict(saved)
+
     def _ensure_built(self, batch: tuple) -> None:
         if self._program is None:
             self._build(batch)
@@ -354,20 +368,21 @@ class Compiled(_Compiled):
         return self._rank().activation_bytes(batch)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write model and optimizer state with torch.distributed.checkpoint (every rank calls it;
-        rank 0 writes). The checkpoint is plan-independent: load it under any plan."""
+        """Write model, optimizer and scheduler state as a sharded checkpoint (every rank calls it):
+        each rank writes only the pieces it holds; rank 0 commits once all have written. Loads under
+        any plan (runtime/checkpoint.py has the format and its guarantees)."""
         rank = self._rank()
-        tensors, meta = rank.checkpoint_state()
-        if rank.mesh.rank == 0:
-            checkpoint.write(path, tensors, {**meta, "plan": str(self.plan)})
-        _barrier()
+        checkpoint_state.save(rank, path, self._checkpoint_meta(rank, self._schedulers))
 
-    def load(self, path: str | os.PathLike) -> None:
-        """Read a checkpoint saved under any plan; this rank takes its shards."""
+    def load(self, path: str | os.PathLike, *, strict: bool = True) -> LoadResult:
+        """Read a checkpoint saved under any plan; this rank reads only the pieces overlapping its
+        own. strict=False loads what matches and returns what did not (missing / unexpected)."""
         if self._program is None:
             raise RuntimeError("compile with example_inputs= (or call step() once) before load()")
-        tensors, meta = checkpoint.read_all(path)
-        self._rank().load_checkpoint_state(tensors, meta)
+        reader = checkpoint.Reader(path)
+        result = self._rank().load_from(reader, strict=strict)
+        self._load_schedulers(reader, self._schedulers)
+        return result
 
     def moe_stats(self) -> dict:
         """This rank's view of each MoE layer over the last step (loads of its own experts, the
@@ -378,13 +393,6 @@ class Compiled(_Compiled):
         """Full (unsharded) tensors under the model's own state_dict names (a collective call)."""
         full = self._rank().full_state_dict()
         return {k: full[k] for k in self._user_model.state_dict() if k in full}
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def _rank_path(path: str, rank: int) -> str:
@@ -451,15 +459,16 @@ class Simulated(_Compiled):
         return self._run(lambda rank: rank.activation_bytes(batch))
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write model and optimizer state with torch.distributed.checkpoint; loads under any plan."""
-        tensors, meta = self._run(lambda rank: rank.checkpoint_state())[0]
-        checkpoint.write(path, tensors, {**meta, "plan": str(self.plan)})
+        """As ``Compiled.save``: every rank writes its own pieces."""
+        meta = self._checkpoint_meta(self.ranks[0], self.lr_schedulers)
+        self._run(lambda rank: checkpoint_state.save(rank, path, meta))
 
-    def load(self, path: str | os.PathLike) -> None:
-        """Read a checkpoint saved under any plan; every rank takes its shards."""
-        tensors, meta = checkpoint.read_all(path)
-        for rank in self.ranks:
-            rank.load_checkpoint_state(tensors, meta)
+    def load(self, path: str | os.PathLike, *, strict: bool = True) -> LoadResult:
+        """As ``Compiled.load``: every rank reads the pieces overlapping its own."""
+        reader = checkpoint.Reader(path)
+        results = [rank.load_from(reader, strict=strict) for rank in self.ranks]
+        self._load_schedulers(reader, self.lr_schedulers)
+        return results[0]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         full = self._run(lambda rank: rank.full_state_dict())[0]
