@@ -19,6 +19,7 @@ from usc.compiler.trace import is_meta_model, trace
 from usc.dsl import Plan, PlanError, check_rules_match, parse_plan
 from usc.passes import parallelize
 from usc.runtime import checkpoint, checkpoint_state
+from usc.runtime.checkpoint import CheckpointError
 from usc.runtime.checkpoint_state import LoadResult
 from usc.passes.pipeline_schedule import build_schedule
 from usc.passes.pipeline_schedule_check import check_schedule
@@ -395,6 +396,14 @@ class Compiled(_Compiled):
         return {k: full[k] for k in self._user_model.state_dict() if k in full}
 
 
+def _save_rank(rank, path, meta: dict) -> CheckpointError | None:
+    try:
+        checkpoint_state.save(rank, path, meta)
+    except CheckpointError as err:
+        return err
+    return None
+
+
 def _rank_path(path: str, rank: int) -> str:
     root, ext = os.path.splitext(path)
     return f"{root}.rank{rank}{ext or '.json'}"
@@ -461,7 +470,9 @@ class Simulated(_Compiled):
     def save(self, path: str | os.PathLike) -> None:
         """As ``Compiled.save``: every rank writes its own pieces."""
         meta = self._checkpoint_meta(self.ranks[0], self.lr_schedulers)
-        self._run(lambda rank: checkpoint_state.save(rank, path, meta))
+        failures = [e for e in self._run(lambda rank: _save_rank(rank, path, meta)) if e is not None]
+        if failures:  # every rank agreed on it; raised here so no rank's groups are torn down
+            raise failures[0]
 
     def load(self, path: str | os.PathLike, *, strict: bool = True) -> LoadResult:
         """As ``Compiled.load``: every rank reads the pieces overlapping its own."""
