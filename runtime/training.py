@@ -27,6 +27,10 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch.distributed.tensor import Shard
 
+from .random import draw as _registers_the_draw_op  # noqa: F401 - torch.ops.usc.draw exists from here on
+
+DRAW = torch.ops.usc.draw.default
+
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing
 CLIP_EPSILON = 1e-6
 
@@ -114,14 +118,15 @@ def clip_(pieces: Sequence[GradPiece], norm: float, max_norm: float) -> float:
     return coef
 
 
-# Ops whose behaviour depends on the module mode, and their evaluation form (torch's nn.Dropout
-# passes train=self.training; the traced graph holds the flag of the mode it was traced in).
-_EVAL_FORMS = {
-    torch.ops.aten.dropout.default: lambda func, x, p, *train: func(x, p, False),
-    torch.ops.aten.native_dropout.default: lambda func, x, p, *train: func(x, p, False),
-    torch.ops.aten.feature_dropout.default: lambda func, x, p, *train: func(x, p, False),
-    torch.ops.aten.alpha_dropout.default: lambda func, x, p, *train: func(x, p, False),
-}
+def _eval_draw(func, key, shape, op, batch_dim, microbatches, dtype, distribution, a, b):
+    """Dropout is ``x * keep`` (passes/random_ops.py): in evaluation every element is kept, unscaled."""
+    if distribution == "keep":
+        return torch.ones(tuple(shape), dtype=dtype, device=key.device)
+    return func(key, shape, op, batch_dim, microbatches, dtype, distribution, a, b)
+
+
+# Ops whose behaviour depends on the module mode, and their evaluation form.
+_EVAL_FORMS = {DRAW: _eval_draw}
 
 
 class EvalMode(torch.overrides.TorchFunctionMode):
