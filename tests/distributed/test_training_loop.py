@@ -250,3 +250,19 @@ def test_a_step_in_eval_mode_trains_without_dropout():
     full = sim.full_state_dict()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(full[name], value, rtol=1e-6, atol=1e-7)  # float32 loss gradient
+
+
+def test_lint_lists_the_clipping_collectives():
+    batch = token_batch(128, 4, 16)
+    report = usc.lint(TinyLlama(), "dp=2 tp=2 pp=2 mb=2", example_inputs=batch)
+    assert [(c.kind, c.axis, c.dtype, c.calls_per_step) for c in report.clipping] == [
+        ("all-reduce", "dp", "float64", 1), ("all-reduce", "tp", "float64", 1), ("all-reduce", "pp", "float64", 1)]
+    assert "max_grad_norm" in str(report) and report.to_dict()["clipping_collectives"]
+    sim = usc.simulate(TinyLlama(), "dp=2 tp=2", example_inputs=batch)
+    comm = sim.ranks[0].mesh.comm("tp")
+    sim.step(*batch)
+    before = comm.stats.calls.get("all-reduce", 0)
+    sim.step(*batch)
+    plain = comm.stats.calls["all-reduce"] - before
+    sim.step(*batch, max_grad_norm=1.0)
+    assert comm.stats.calls["all-reduce"] - before - plain == plain + 1  # exactly one more, as listed
