@@ -28,7 +28,7 @@ from .errors import NonFiniteLoss
 from .recompute import observe_kept
 from .zero import ZeroOptimizer
 from .zero3 import ZeroFetch, ZeroGather, Zero3Registry, shard_of, unshard
-from .training import GradPiece, GroupedOptimizer, NamedParameters, clip_, counted_once, global_norm, slice_pieces
+from .training import data_local, GradPiece, GroupedOptimizer, NamedParameters, clip_, counted_once, global_norm, slice_pieces
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -136,17 +136,21 @@ class RankExecutor(ShardedCheckpoint):
                   for v in batch]
         return [tuple(p[m] for p in pieces) for m in range(self.microbatches)]
 
+    local_batch = False  # set per call: the batch is this rank's data shard (usc.data), not the global batch
+
     def _local_input(self, spec, value) -> torch.Tensor:
         if not isinstance(value, torch.Tensor):
             return value
-        if tuple(value.shape) != spec.global_shape:
-            raise ValueError(f"input '{spec.placeholder}' has shape {list(value.shape)} but the model was compiled "
-                             f"for {list(spec.global_shape)}; pass the same global batch shape on every step "
-                             "(compile again for another shape)")
-        for axis, placement in zip(self.program.mesh.axes, spec.layout.placements):
+        placements, shape = data_local(spec, self.program.mesh) if self.local_batch else \
+            (spec.layout.placements, spec.global_shape)
+        if tuple(value.shape) != shape:
+            what = "this rank's data shard" if self.local_batch else "the global batch"
+            raise ValueError(f"input '{spec.placeholder}' has shape {list(value.shape)} but {what} was compiled "
+                             f"as {list(shape)}; pass the same shape on every step (compile again for another)")
+        for axis, placement in zip(self.program.mesh.axes, placements):
             if axis in self.program.mesh.zigzag and hasattr(placement, "dim"):
                 value = zigzag_permute(value, placement.dim, self.mesh.size(axis))
-        return local_chunk(value, spec.layout.placements, self.mesh.shape, self.mesh.coord)
+        return local_chunk(value, placements, self.mesh.shape, self.mesh.coord)
 
     def _loss(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor | float]:
         """(loss, count): count is the global number of tokens the loss averaged over when the

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from .random import draw as _registers_the_draw_op  # noqa: F401 - torch.ops.usc.draw exists from here on
 
@@ -138,3 +138,29 @@ class EvalMode(torch.overrides.TorchFunctionMode):
         if form is not None and not kwargs:
             return form(func, *args)
         return func(*args, **(kwargs or {}))
+
+
+# The axes that split the batch: a DistributedSampler spans their ranks (ep is carved from dp).
+DATA_AXES = ("dp", "ep")
+
+
+def data_local(spec, mesh) -> tuple[tuple, tuple[int, ...]]:
+    """(placements, shape) of an input a rank receives as its own data shard: the data axes'
+    split of the batch dim already done (Replicate there), every other axis still to apply."""
+    placements, rows = [], 1
+    for axis, size, p in zip(mesh.axes, mesh.shape, spec.layout.placements):
+        sharded = axis in DATA_AXES and isinstance(p, Shard) and p.dim == 0
+        rows *= size if sharded else 1
+        placements.append(Replicate() if sharded else p)
+    shape = tuple(spec.global_shape)
+    return tuple(placements), (shape[0] // rows,) + shape[1:] if shape else shape
+
+
+def data_shard(spec, mesh, coord) -> tuple[int, int]:
+    """(index, count) of the rank at ``coord`` among the data shards of an input's batch dim: the
+    order in which the global batch's rows are dealt to ranks (outer axis first)."""
+    index, count = 0, 1
+    for axis, size, c, p in zip(mesh.axes, mesh.shape, coord, spec.layout.placements):
+        if axis in DATA_AXES and isinstance(p, Shard) and p.dim == 0:
+            index, count = index * size + c, count * size
+    return index, count

@@ -48,7 +48,8 @@ class _TrainingLoop:
             return []
         return [self._scheduler_factory(rank.torch_optimizer) for rank in ranks]
 
-    def _measure(self, ranks: list, schedulers: list, run: Callable[[], float], batch: tuple) -> float:
+    def _measure(self, ranks: list, schedulers: list, run: Callable[[], float], batch: tuple,
+                 shards: int = 1) -> float:
         """Run one step, step the schedulers after it (torch's order: optimizer, then scheduler) and
         record ``self.metrics``."""
         lr = float(ranks[0].torch_optimizer.param_groups[0]["lr"])
@@ -64,7 +65,7 @@ class _TrainingLoop:
             max(sum(rank.peak_state_bytes.values()) for rank in ranks)
         labels = batch[-1] if batch and isinstance(batch[-1], torch.Tensor) else None
         self.metrics = StepMetrics(step=ranks[0].steps_done, loss=value, grad_norm=ranks[0].grad_norm, lr=lr,
-                                   tokens=labels.numel() if labels is not None else 0, seconds=seconds,
+                                   tokens=labels.numel() * shards if labels is not None else 0, seconds=seconds,
                                    peak_bytes=int(peak))
         return value
 
@@ -111,6 +112,11 @@ class Compiled(_TrainingLoop, _Compiled):
         self._rank()
         return self._schedulers[0] if self._schedulers else None
 
+    def _data_shards(self) -> int:
+        from usc.runtime.training import data_shard
+
+        return data_shard(self.program.inputs[0], self.program.mesh, self._rank().mesh.coord)[1]
+
     def _mesh(self) -> Mesh:
         axes, shape, world = tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), self.plan.world_size
         launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -123,20 +129,26 @@ class Compiled(_TrainingLoop, _Compiled):
             return simulated_meshes(axes, shape, timeout=self.timeout)[0]
         return Mesh.from_environment(axes, shape, timeout=self.timeout)
 
-    def step(self, *batch, max_grad_norm: float | None = None, trace: str | None = None) -> float:
+    def step(self, *batch, max_grad_norm: float | None = None, local: bool = False, trace: str | None = None) -> float:
         """One optimizer step on the global batch; returns the global mean loss.
+
+        local=True: ``batch`` is this rank's data shard only (``usc.data``: a DistributedSampler over
+        the dp x ep ranks); the loss is still the global token mean over every shard.
 
         max_grad_norm: clip the gradient to this global L2 norm first (``clip_grad_norm_`` over the
         whole model, exact on every plan; ``float('inf')`` measures the norm without clipping).
         ``self.metrics`` then holds the step's loss, grad_norm, lr, tokens, time and peak bytes."""
+        if local and self._program is None:
+            raise RuntimeError("step(..., local=True) needs example_inputs= at compile: the global batch's shape")
         self._ensure_built(batch)
         rank = self._rank()
         timeline = Timeline(rank.mesh.rank) if trace else None
         rank.set_timeline(timeline)
-        rank.max_grad_norm = max_grad_norm
+        rank.max_grad_norm, rank.local_batch = max_grad_norm, local
+        shards = self._data_shards() if local else 1
         try:
             with self._mode():
-                return self._measure([rank], self._schedulers, lambda: rank.step(batch), batch)
+                return self._measure([rank], self._schedulers, lambda: rank.step(batch), batch, shards)
         finally:
             rank.set_timeline(None)
             if timeline is not None:
