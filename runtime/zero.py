@@ -28,7 +28,7 @@ class ZeroOptimizer:
     """Wraps the user's optimizer so it only holds state for this rank's slices."""
 
     def __init__(self, reducer: GradReducer, axis: str, stage: int, factory: Callable[[Iterable], torch.optim.Optimizer],
-                 other_params: list[nn.Parameter]) -> None:
+                 other_params: list[nn.Parameter], build: Callable | None = None) -> None:
         self.reducer, self.axis, self.stage = reducer, axis, stage
         self.comm = reducer.mesh.comm(axis)
         self.buckets = [b for b in reducer.buckets if axis in b.axes]
@@ -42,8 +42,10 @@ class ZeroOptimizer:
         rest = [p for p in other_params if id(p) not in sharded]
         named = dict(zip(map(id, other_params), other_params.names)) if isinstance(other_params, NamedParameters) \
             else {}
-        names = [tuple(named.get(id(p), (n,))[0] for n, p in b.params) for b in self.buckets] + [named.get(id(p), ()) for p in rest]
-        self.inner = factory(NamedParameters(self.masters + rest, names))
+        names = [tuple(named.get(id(p), (n,))[0] for n, p in b.params) for b in self.buckets] + \
+            [named.get(id(p), ()) for p in rest]
+        # build: the executor's (a rank with nothing to train still gets an optimizer)
+        self.inner = (build or (lambda f, p: f(p)))(factory, NamedParameters(self.masters + rest, names))
 
     def _partition(self, bucket) -> tuple[torch.Tensor, nn.Parameter]:
         """One flat buffer per bucket; parameters become views into it; the master is my slice."""
