@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,22 +217,61 @@ def _world_reduce(mesh, value: torch.Tensor, op: str = "sum", timeout: float | N
     return value
 
 
-def save(rank, path, meta: dict) -> None:
-    """Every rank of the mesh calls this: each writes its pieces, rank 0 commits once all did."""
+@dataclass
+class PendingSave:
+    """A save whose pieces are being written (by a thread when started in the background); ``finish``
+    (a collective, on every rank at the same point) agrees that all wrote and commits."""
+
+    rank: object
+    target: Path
+    staged: Path
+    token: int
+    timeout: float
+    meta: dict
+    writer: threading.Thread | None = None
+    failure: Exception | None = None
+
+    def write(self, pieces: list) -> None:
+        self.failure = _attempt(lambda: (self.staged.mkdir(parents=True, exist_ok=True),
+                                         fmt.write_pieces(self.staged, self.rank.mesh.rank, pieces)))
+
+    def finish(self) -> None:
+        mesh = self.rank.mesh
+        if self.writer is not None:
+            self.writer.join()
+        _agree(mesh, self.failure, self.timeout, f"rank {mesh.rank} could not write its pieces of '{self.target}'",
+               self.staged)
+        failure = _attempt(lambda: (fmt.write_metadata(self.staged, mesh.world_size, self.meta),
+                                    fmt.commit(self.target, self.staged, self.token))) if mesh.rank == 0 else None
+        _agree(mesh, failure, self.timeout, f"rank 0 could not commit '{self.target}'", self.staged)
+
+
+def start_save(rank, path, meta: dict, *, background: bool = False) -> PendingSave:
+    """Every rank of the mesh calls this: agree on the staging directory and the write's timeout, then
+    write this rank's pieces — now, or in a thread from a copy of them (this rank's share only) while
+    training goes on."""
     mesh, target = rank.mesh, Path(path)
     pieces = rank.checkpoint_pieces()
+    if background:  # the next step updates the state in place: write what it is now
+        pieces = [(piece, value.detach().clone()) for piece, value in pieces]
     planned = sum(t.numel() * t.element_size() for _, t in pieces)
     token = torch.tensor([secrets.randbits(62) if mesh.rank == 0 else 0, planned], dtype=torch.int64)
     token[0] = _world_reduce(mesh, token[:1].clone())[0]  # rank 0's draw names the staging directory
     most = int(_world_reduce(mesh, token[1:].clone(), "max")[0])
-    timeout = write_timeout(most, mesh.timeout)
-    staged = staging_dir(target, int(token[0]))
-    failure = _attempt(lambda: (staged.mkdir(parents=True, exist_ok=True), fmt.write_pieces(staged, mesh.rank, pieces)))
-    _agree(mesh, failure, timeout, f"rank {mesh.rank} could not write its pieces of '{target}'", staged)
-    failure = _attempt(lambda: (fmt.write_metadata(staged, mesh.world_size, meta),
-                                fmt.commit(target, staged, int(token[0])))) \
-        if mesh.rank == 0 else None
-    _agree(mesh, failure, timeout, f"rank 0 could not commit '{target}'", staged)
+    pending = PendingSave(rank, target, staging_dir(target, int(token[0])), int(token[0]),
+                          write_timeout(most, mesh.timeout), meta)
+    if background:
+        pending.writer = threading.Thread(target=pending.write, args=(pieces,), name="usc-checkpoint-writer",
+                                          daemon=True)
+        pending.writer.start()
+    else:
+        pending.write(pieces)
+    return pending
+
+
+def save(rank, path, meta: dict) -> None:
+    """Every rank of the mesh calls this: each writes its pieces, rank 0 commits once all did."""
+    start_save(rank, path, meta).finish()
 
 
 def _attempt(fn) -> Exception | None:

@@ -148,7 +148,9 @@ class Compiled(_TrainingLoop, _Compiled):
         shards = self._data_shards() if local else 1
         try:
             with self._mode():
-                return self._measure([rank], self._schedulers, lambda: rank.step(batch), batch, shards)
+                value = self._measure([rank], self._schedulers, lambda: rank.step(batch), batch, shards)
+            self.wait_checkpoint()  # a background save written while this step computed
+            return value
         finally:
             rank.set_timeline(None)
             if timeline is not None:
@@ -175,18 +177,35 @@ class Compiled(_TrainingLoop, _Compiled):
         self._ensure_built(batch)
         return self._rank().activation_bytes(batch)
 
-    def save(self, path: str | os.PathLike) -> None:
+    _pending_save = None
+
+    def save(self, path: str | os.PathLike, *, background: bool = False) -> None:
         """Write model, optimizer and scheduler state as a sharded checkpoint (every rank calls it):
         each rank writes only the pieces it holds; rank 0 commits once all have written. Loads under
-        any plan (runtime/checkpoint.py has the format and its guarantees)."""
+        any plan (runtime/checkpoint.py has the format and its guarantees).
+
+        background=True: this rank's pieces are copied and written by a thread while training goes
+        on; the commit happens at the end of the next step (or ``wait_checkpoint``, ``save``, ``load``)."""
+        self.wait_checkpoint()
         rank = self._rank()
-        checkpoint_state.save(rank, path, self._checkpoint_meta(rank, self._schedulers))
+        meta = self._checkpoint_meta(rank, self._schedulers)
+        if not background:
+            checkpoint_state.save(rank, path, meta)
+            return
+        self._pending_save = checkpoint_state.start_save(rank, path, meta, background=True)
+
+    def wait_checkpoint(self) -> None:
+        """Commit a background save (a collective: every rank calls it at the same point)."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.finish()
 
     def load(self, path: str | os.PathLike, *, strict: bool = True) -> LoadResult:
         """Read a checkpoint saved under any plan; this rank reads only the pieces overlapping its
         own. strict=False loads what matches and returns what did not (missing / unexpected)."""
         if self._program is None:
             raise RuntimeError("compile with example_inputs= (or call step() once) before load()")
+        self.wait_checkpoint()
         reader = checkpoint.Reader(path)
         result = self._rank().load_from(reader, strict=strict)
         self._load_schedulers(reader, self._schedulers)
@@ -204,11 +223,23 @@ class Compiled(_TrainingLoop, _Compiled):
 
 
 def _save_rank(rank, path, meta: dict) -> CheckpointError | None:
+    return _finish(None, lambda: checkpoint_state.save(rank, path, meta))
+
+
+def _finish(pending, save=None) -> CheckpointError | None:
+    """A simulated rank's save outcome, returned: every rank agreed on it, and raising it inside
+    the rank threads would tear the simulated groups down."""
     try:
-        checkpoint_state.save(rank, path, meta)
+        (save or pending.finish)()
     except CheckpointError as err:
         return err
     return None
+
+
+def _raise_first(failures: list) -> None:
+    first = next((e for e in failures if e is not None), None)
+    if first is not None:
+        raise first
 
 
 def _rank_path(path: str, rank: int) -> str:
@@ -247,7 +278,9 @@ class Simulated(_TrainingLoop, _Compiled):
             rank.max_grad_norm = max_grad_norm
         try:
             run = lambda: self._run(lambda rank: self._in_mode(rank.step, batch))[0]  # noqa: E731
-            return self._measure(self.ranks, self.lr_schedulers, run, batch)
+            value = self._measure(self.ranks, self.lr_schedulers, run, batch)
+            self.wait_checkpoint()
+            return value
         finally:
             for rank in self.ranks:
                 rank.set_timeline(None)
@@ -274,15 +307,25 @@ class Simulated(_TrainingLoop, _Compiled):
         """Measured bytes of activations saved for backward by one forward, per rank."""
         return self._run(lambda rank: rank.activation_bytes(batch))
 
-    def save(self, path: str | os.PathLike) -> None:
+    _pending_saves = None
+
+    def save(self, path: str | os.PathLike, *, background: bool = False) -> None:
         """As ``Compiled.save``: every rank writes its own pieces."""
+        self.wait_checkpoint()
         meta = self._checkpoint_meta(self.ranks[0], self.lr_schedulers)
-        failures = [e for e in self._run(lambda rank: _save_rank(rank, path, meta)) if e is not None]
-        if failures:  # every rank agreed on it; raised here so no rank's groups are torn down
-            raise failures[0]
+        if not background:
+            _raise_first(self._run(lambda rank: _save_rank(rank, path, meta)))
+            return
+        self._pending_saves = self._run(lambda rank: checkpoint_state.start_save(rank, path, meta, background=True))
+
+    def wait_checkpoint(self) -> None:
+        pending, self._pending_saves = self._pending_saves, None
+        if pending is not None:
+            _raise_first(self._run(lambda rank: _finish(pending[rank.mesh.rank])))
 
     def load(self, path: str | os.PathLike, *, strict: bool = True) -> LoadResult:
         """As ``Compiled.load``: every rank reads the pieces overlapping its own."""
+        self.wait_checkpoint()
         reader = checkpoint.Reader(path)
         results = [rank.load_from(reader, strict=strict) for rank in self.ranks]
         self._load_schedulers(reader, self.lr_schedulers)

@@ -297,3 +297,22 @@ def test_gloo_sharded_save_loads_under_pipeline_plan(tmp_path):
     run_world(_save_on_gloo, 4, "dp=2 tp=2 zero=3", path, timeout=240)
     assert sorted(f for f in os.listdir(path) if f.endswith(".pt")) == [f"rank{r:05d}.pt" for r in range(4)]
     _continue_equals_one_device(path, "pp=2 tp=2")
+
+
+def test_a_background_save_writes_the_state_of_its_step_while_training_goes_on(tmp_path, monkeypatch):
+    sim = _trained("dp=2 tp=2 zero=2", steps=2)
+    at_save = _state(sim)
+    original, seen = checkpoint.write_pieces, []
+
+    def slow(*args):
+        time.sleep(0.5)  # still writing when the next step starts
+        seen.append(sim.ranks[0].steps_done)
+        return original(*args)
+
+    monkeypatch.setattr(checkpoint, "write_pieces", slow)
+    sim.save(tmp_path / "ckpt", background=True)
+    assert not (tmp_path / "ckpt").exists()  # not committed yet
+    sim.step(*BATCHES[2])  # the pieces were copied: this step's update is not in the checkpoint
+    assert (tmp_path / "ckpt" / ".metadata").exists() and len(seen) == 4  # every rank wrote
+    _assert_loads(tmp_path / "ckpt", at_save)
+    _continue_equals_one_device(tmp_path / "ckpt", "pp=2 mb=2")
