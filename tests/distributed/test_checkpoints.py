@@ -316,3 +316,24 @@ def test_a_background_save_writes_the_state_of_its_step_while_training_goes_on(t
     assert (tmp_path / "ckpt" / ".metadata").exists() and len(seen) == 4  # every rank wrote
     _assert_loads(tmp_path / "ckpt", at_save)
     _continue_equals_one_device(tmp_path / "ckpt", "pp=2 mb=2")
+
+
+@pytest.mark.parametrize("plan_a, plan_b", [("dp=2 ep=2", "dp=1"), ("dp=4 ep=2 tp=2", "dp=2 ep=2 pp=2")])
+def test_expert_parallel_checkpoints_move_between_plans(tmp_path, plan_a, plan_b):
+    from usc.testing.models import TinyDeepSeek
+
+    batches = [token_batch(128, 4, 16, seed=s) for s in range(4)]
+    torch.manual_seed(0)
+    reference, first = TinyDeepSeek().double(), TinyDeepSeek().double()
+    first.load_state_dict(reference.state_dict())
+    expected = reference_run(reference, batches, lambda p: torch.optim.AdamW(p))
+    run_a = usc.simulate(first, plan_a, example_inputs=batches[0])
+    losses = [run_a.step(*b) for b in batches[:2]]
+    run_a.save(tmp_path / "ckpt")
+    torch.manual_seed(1)
+    run_b = usc.simulate(TinyDeepSeek().double(), plan_b, example_inputs=batches[0])
+    run_b.load(tmp_path / "ckpt")
+    losses += [run_b.step(*b) for b in batches[2:]]
+    assert losses == pytest.approx(expected, rel=1e-10)
+    worst, _ = compare_states(run_b.full_state_dict(), reference.state_dict(), atol=1e-9)
+    assert worst <= 1e-9
