@@ -266,3 +266,43 @@ class RepeatFlatSum(nn.Module):
 
 def test_repeat_interleave_without_dim_trains_under_cp():
     train_like_one_device(RepeatFlatSum, "cp=2", torch.randn(2, 6, 5, generator=gen(10), dtype=F64))
+
+
+class Lookup(nn.Module):
+    def __init__(self, **options):
+        super().__init__()
+        self.emb = nn.Embedding(14, 6, **options)
+        self.head = nn.Linear(6, 14)
+
+    def forward(self, ids, y):
+        return F.cross_entropy(self.head(self.emb(ids)).flatten(0, 1), y.flatten())
+
+
+def _ids(seed):
+    ids = torch.randint(0, 14, (4, 6), generator=gen(seed))
+    ids[:, 0] = 0  # padding ids on either half of the table, and repeats for the frequency scaling
+    ids[:, 1] = 9
+    return ids
+
+
+@pytest.mark.parametrize("padding_idx", [0, 9])
+@pytest.mark.parametrize("plan", ["dp=2", "tp=2", "cp=2", "dp=2 mb=2", "tp=2 dp=2"])
+def test_embedding_padding_idx_is_exact(plan, padding_idx):
+    train_like_one_device(lambda: Lookup(padding_idx=padding_idx), plan, _ids(12), _ids(13))
+
+
+def test_embedding_scale_grad_by_freq_is_exact_whole_and_refused_split():
+    train_like_one_device(lambda: Lookup(scale_grad_by_freq=True), "dp=1", _ids(14), _ids(15))
+    for plan in ("dp=2", "cp=2", "dp=1 mb=2", "tp=2"):
+        with pytest.raises(usc.CompileError, match="scale_grad_by_freq"):
+            usc.lint(Lookup(scale_grad_by_freq=True), plan, example_inputs=(_ids(14), _ids(15)))
+
+
+def test_embedding_max_norm_is_refused_even_on_one_device():
+    with pytest.raises(usc.CompileError, match="max_norm"):
+        usc.lint(Lookup(max_norm=1.0), "dp=1", example_inputs=(_ids(16), _ids(17)))
+
+
+def test_embedding_sparse_gradient_is_refused_on_a_mesh():
+    with pytest.raises(usc.CompileError, match="sparse"):
+        usc.lint(Lookup(sparse=True), "dp=2", example_inputs=(_ids(18), _ids(19)))
