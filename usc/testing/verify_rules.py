@@ -72,7 +72,17 @@ OPINFO_NAMES: dict[str, tuple[str, ...]] = {
     "detach": ("detach",),
 }
 QUICK_SIZES, QUICK_SAMPLES = (2, 5), 1  # OpInfo's sizes are 5, 10 and 20: 2 alone leaves many dims whole
-RANDOM_OUTPUT = {"dropout", "empty_like"}  # values not reproducible: nothing to compare
+RANDOM_OUTPUT = {"empty_like"}  # values not reproducible: nothing to compare
+
+
+def is_random(call: Call) -> bool:
+    """A call whose values differ run to run: dropout in training, attention with dropout."""
+    name, args = _packet_name(call.node.target), call.node.args
+    if name == "dropout":
+        return args[1] > 0 and args[2]
+    if name == "scaled_dot_product_attention":
+        return bool(args[4] if len(args) > 4 else call.node.kwargs.get("dropout_p", 0.0))
+    return name in RANDOM_OUTPUT
 
 
 @dataclass
@@ -230,13 +240,13 @@ def verify_op(op, source: RuleSource, index: dict[str, list], *, sizes=(2,), ord
     infos = opinfos_for(op, index)
     if not infos:
         result.note = "no OpInfo: usc samples only"
-    backward = name not in RANDOM_OUTPUT
     sources = [(info.name, calls_of(op, info, samples_per_info)) for info in infos]
     sources.append(("usc", extra_calls(op)))
     for label, calls in sources:
         for call in calls:
             result.samples += 1
-            if name in RANDOM_OUTPUT:
+            if is_random(call):
+                result.note = "random (dropout) samples not compared"
                 continue
             for size, order in itertools.product(sizes, orders):
                 for inputs, output in decisions(source, call, size, axis, order, result):
@@ -244,7 +254,7 @@ def verify_op(op, source: RuleSource, index: dict[str, list], *, sizes=(2,), ord
                         continue  # everything whole: every rank runs the one-device op
                     try:
                         problem = run_decision(call, inputs, output, size=size, order=order, axis=axis,
-                                               backward=backward)
+                                               backward=True)
                     except Skip:
                         result.skipped += 1
                         continue
@@ -257,15 +267,14 @@ def verify_op(op, source: RuleSource, index: dict[str, list], *, sizes=(2,), ord
                         shapes = [tuple(x.shape) for x in call.inputs]
                         result.failures.append(f"{label} {shapes} {_args_text(call.node)} size={size} "
                                                f"{order}: {_fmt(inputs)} -> {output}: {problem}")
-    if name in RANDOM_OUTPUT:
-        result.note = "random output: samples traced, values not compared"
     return result
 
 
 def _args_text(node: fx.Node) -> str:
     consts = [a for a in node.args if not isinstance(a, (fx.Node, list, tuple)) or
               (isinstance(a, (list, tuple)) and not any(isinstance(b, fx.Node) for b in a))]
-    return f"args={consts}" if consts else ""
+    kwargs = {k: v for k, v in node.kwargs.items() if not isinstance(v, fx.Node)}
+    return (f"args={consts}" if consts else "") + (f" kwargs={kwargs}" if kwargs else "")
 
 
 def _fmt(placements) -> str:
