@@ -306,3 +306,36 @@ def test_embedding_max_norm_is_refused_even_on_one_device():
 def test_embedding_sparse_gradient_is_refused_on_a_mesh():
     with pytest.raises(usc.CompileError, match="sparse"):
         usc.lint(Lookup(sparse=True), "dp=2", example_inputs=(_ids(18), _ids(19)))
+
+
+class Unused(nn.Module):
+    """A parameter and a buffer forward never reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.spare = nn.Parameter(torch.randn(3, generator=gen(20)))
+        self.register_buffer("stat", torch.arange(4.0))
+
+    def forward(self, x):
+        return self.b(self.a(x).tanh()).pow(2).mean()
+
+
+@pytest.mark.parametrize("plan", ["pp=2 mb=2", "dp=2", "tp=2", "dp=2 pp=2 mb=2"])
+def test_state_nobody_reads_survives_the_plan(plan, tmp_path):
+    x = torch.randn(4, 6, generator=gen(21), dtype=F64)
+    train_like_one_device(Unused, plan, x)
+    model = Unused().double()
+    sim = usc.simulate(model, plan, example_inputs=(x,), optimizer=sgd)
+    sim.step(x)
+    full = sim.full_state_dict()
+    assert torch.equal(full["spare"], model.spare.detach()) and torch.equal(full["stat"], model.stat)
+    sim.save(tmp_path / "ckpt")
+    other = Unused().double()
+    with torch.no_grad():
+        other.spare.mul_(-3)
+        other.stat.add_(7)
+    restored = usc.simulate(other, plan, example_inputs=(x,), optimizer=sgd)
+    restored.load(tmp_path / "ckpt")
+    again = restored.full_state_dict()
+    assert torch.equal(again["spare"], full["spare"]) and torch.equal(again["stat"], full["stat"])
