@@ -7,7 +7,7 @@ import torch.fx as fx
 from torch import nn
 
 import usc
-from usc.api import _Compiled
+from usc.build import _Compiled
 from usc.compiler.ir import META
 from usc.runtime.collectives import AllReduce, GradAllReduce
 from usc.runtime.recompute import Recompute
