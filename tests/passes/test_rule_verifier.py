@@ -339,3 +339,66 @@ def test_state_nobody_reads_survives_the_plan(plan, tmp_path):
     restored.load(tmp_path / "ckpt")
     again = restored.full_state_dict()
     assert torch.equal(again["spare"], full["spare"]) and torch.equal(again["stat"], full["stat"])
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 10), nn.Linear(10, 6)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x))).pow(2).mean()
+
+
+def adafactor(params):
+    return torch.optim.Adafactor(params, lr=0.05)
+
+
+def muon(params):
+    params = list(params)
+    return torch.optim.Muon([p for p in params if p.dim() == 2], lr=0.05)
+
+
+@pytest.mark.parametrize("factory, name, plan", [(adafactor, "Adafactor", "tp=2"), (muon, "Muon", "tp=2"),
+                                                 (adafactor, "Adafactor", "dp=2 zero=1"),
+                                                 (adafactor, "Adafactor", "dp=2 zero=3")])
+def test_an_optimizer_that_is_not_element_wise_is_refused_on_slices(factory, name, plan):
+    x = torch.randn(4, 3, 6, generator=gen(22), dtype=F64)
+    with pytest.raises(usc.CompileError) as info:
+        usc.simulate(TwoLayers().double(), plan, example_inputs=(x,), optimizer=factory).step(x)
+    message = str(info.value)
+    assert name in message and plan.split()[-1].split("=")[0] in message and "fc1.weight" in message
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "pp=2 mb=2"])
+def test_an_optimizer_that_is_not_element_wise_trains_on_whole_parameters(plan):
+    x = torch.randn(4, 3, 6, generator=gen(23), dtype=F64)
+    assert_equivalent(lambda: TwoLayers().double(), plan, [(x,)], steps=3, optimizer=adafactor,
+                      rtol=1e-9, atol=1e-10, param_atol=1e-9)
+
+
+class ScaledSGD(torch.optim.SGD):
+    usc_element_wise = False  # pretends to read across elements: refused like Adafactor
+
+
+class Elementwise(torch.optim.Optimizer):
+    usc_element_wise = True
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(group["lr"] * torch.sign(p.grad) * p.grad.abs().sqrt())
+
+
+def test_a_declared_element_wise_optimizer_steps_on_tp_slices():
+    x = torch.randn(4, 3, 6, generator=gen(24), dtype=F64)
+    assert_equivalent(lambda: TwoLayers().double(), "tp=2", [(x,)], steps=3, optimizer=Elementwise,
+                      rtol=1e-9, atol=1e-10, param_atol=1e-9)
+    with pytest.raises(usc.CompileError, match="ScaledSGD"):
+        usc.simulate(TwoLayers().double(), "tp=2", example_inputs=(x,),
+                     optimizer=lambda p: ScaledSGD(p, lr=0.1)).step(x)

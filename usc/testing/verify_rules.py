@@ -11,6 +11,7 @@ the hand table and any derived table are checked the same way::
     python -m usc.testing.verify_rules            # the full sweep, a table per op
     python -m usc.testing.verify_rules --quick    # the CI subset
     python -m usc.testing.verify_rules --ops sum,gather --sizes 2,3
+    python -m usc.testing.verify_rules --source derived --quick   # the DTensor-derived fallback
 """
 
 from __future__ import annotations
@@ -102,6 +103,59 @@ def hand_rules(op, view: OpView) -> Decision | None:
     return None if rule is None else rule(view)
 
 
+def derived_rules(op, view: OpView) -> Decision | None:
+    """The fallback chain after the hand rules (``passes/derived_rules``), as a rule source."""
+    from usc.passes.derived_rules import derived_rule
+
+    rule = derived_rule(op)
+    return None if rule is None else rule(view)
+
+
+def derived_ops(index: dict[str, list], limit: int | None = 1) -> dict:
+    """The aten ops OpInfo samples reach that have no hand rule but a derived one, with the OpInfos
+    whose samples reach them."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    from usc.passes.derived_rules import derived_link, NONE
+
+    found: dict = {}
+    for info in op_db:
+        dtype = _dtype_for(info)
+        if dtype is None:
+            continue
+        try:
+            samples = list(itertools.islice(info.sample_inputs("cpu", dtype, requires_grad=False), limit))
+        except Exception:  # noqa: BLE001 - an OpInfo that cannot make samples here
+            continue
+        for sample in samples:
+            for op in _ops_of(info, sample):
+                if op not in SHARDING_RULES and derived_link(op) != NONE:
+                    found.setdefault(op, []).append(info)
+    return {op: list({id(i): i for i in infos}.values()) for op, infos in found.items()}
+
+
+def _ops_of(info, sample) -> set:
+    leaves, spec = tree_flatten(((sample.input, *sample.args), sample.kwargs))
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    if not positions:
+        return set()
+    try:
+        gm = make_fx(_sample_fn(info, leaves, spec, positions), pre_dispatch=True)(*[leaves[i] for i in positions])
+    except Exception:  # noqa: BLE001 - a sample the tracer cannot take
+        return set()
+    return {n.target for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
+
+
+def _sample_fn(info, leaves, spec, positions):
+    def fn(*tensors):
+        filled = list(leaves)
+        for i, t in zip(positions, tensors):
+            filled[i] = t
+        args, kwargs = tree_unflatten(filled, spec)
+        return info.op(*args, **kwargs)
+    return fn
+
+
 def rule_ops(source_ops: Iterable) -> list[torch._ops.OpOverload]:
     """The aten ops of a table (usc's own modules and operator.getitem have their own tests)."""
     return sorted((op for op in source_ops if isinstance(op, torch._ops.OpOverload)), key=str)
@@ -153,14 +207,7 @@ def calls_of(op, info, limit: int | None) -> Iterable[Call]:
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         if not positions:
             continue
-
-        def fn(*tensors, leaves=leaves, spec=spec, positions=positions):
-            filled = list(leaves)
-            for i, t in zip(positions, tensors):
-                filled[i] = t
-            args, kwargs = tree_unflatten(filled, spec)
-            return info.op(*args, **kwargs)
-
+        fn = _sample_fn(info, leaves, spec, positions)
         for call in traced_calls(op, fn, [leaves[i] for i in positions]):
             yield call
             found += 1
@@ -234,10 +281,9 @@ def decisions(source: RuleSource, call: Call, size: int, axis: str, order: str, 
 
 
 def verify_op(op, source: RuleSource, index: dict[str, list], *, sizes=(2,), orders=("contiguous",),
-              axis: str = "dp", samples_per_info: int | None = None) -> OpResult:
+              axis: str = "dp", samples_per_info: int | None = None, infos=None) -> OpResult:
     result = OpResult(str(op))
-    name = _packet_name(op)
-    infos = opinfos_for(op, index)
+    infos = opinfos_for(op, index) if infos is None else infos
     if not infos:
         result.note = "no OpInfo: usc samples only"
     sources = [(info.name, calls_of(op, info, samples_per_info)) for info in infos]
@@ -282,7 +328,12 @@ def _fmt(placements) -> str:
 
 
 def verify(source: RuleSource = hand_rules, ops=None, **kwargs) -> list[OpResult]:
+    """Verify ``source`` on ``ops`` (default: the hand table's; for the derived rules, the ops
+    OpInfo samples reach that the hand table lacks)."""
     index = _opinfos_by_name()
+    if source is derived_rules and ops is None:
+        reached = derived_ops(index)
+        return [verify_op(op, source, index, infos=reached[op], **kwargs) for op in sorted(reached, key=str)]
     ops = rule_ops(SHARDING_RULES) if ops is None else ops
     return [verify_op(op, source, index, **kwargs) for op in ops]
 
@@ -314,7 +365,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="2,3,5", help="mesh axis sizes to simulate")
     parser.add_argument("--zigzag", action="store_true", help="also check the zig-zag chunk order")
     parser.add_argument("--quick", action="store_true", help="one sample per OpInfo, sizes 2 and 5 (the CI subset)")
-    parser.add_argument("--source", default="hand", help="'hand' or 'module:function' of another rule source")
+    parser.add_argument("--source", default="hand", help="'hand', 'derived' or 'module:function' of another rule source")
     parser.add_argument("--failures", type=int, default=5, help="failures printed per op")
     args = parser.parse_args(argv)
     source = _load_source(args.source)
@@ -332,11 +383,13 @@ def main(argv=None) -> int:
 
 
 def _load_source(spec: str) -> RuleSource:
-    if spec == "hand":
-        return hand_rules
+    if spec in SOURCES:
+        return SOURCES[spec]
     module, _, name = spec.partition(":")
     return getattr(__import__(module, fromlist=[name]), name)
 
+
+SOURCES = {"hand": hand_rules, "derived": derived_rules}
 
 if __name__ == "__main__":
     sys.exit(main())
