@@ -18,6 +18,7 @@ from usc.compiler.trace import Traced
 from .fusion import fusion_pass
 from .expert_parallel import expert_layouts
 from .batch_coupling import batch_coupling_pass
+from .compute_dtype import compute_dtype_pass
 from .grad_sync import grad_sync_pass
 from .layouts import batch_layouts, merge_layouts, tp_layouts
 from .localize import localize_pass
@@ -42,6 +43,7 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
         PassSpec("random_ops", random_ops_pass, annotated=False),
         PassSpec("batch_coupling", batch_coupling_pass, {"user_inputs": tuple(user_inputs),
                                                          "params": frozenset(params)}, annotated=False),
+        PassSpec("compute_dtype", compute_dtype_pass, annotated=False),
         PassSpec("propagate", propagate_pass, {"input_layouts": input_layouts, "grad_inputs": grad_inputs}),
         PassSpec("grad_sync", grad_sync_pass, {"params": params}),
         PassSpec("localize", localize_pass),

@@ -402,3 +402,64 @@ def test_a_declared_element_wise_optimizer_steps_on_tp_slices():
     with pytest.raises(usc.CompileError, match="ScaledSGD"):
         usc.simulate(TwoLayers().double(), "tp=2", example_inputs=(x,),
                      optimizer=lambda p: ScaledSGD(p, lr=0.1)).step(x)
+
+
+class InPlaceBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h.mul_(0.5)  # in place on a matmul output that selective recompute would keep
+        out = self.fc2(F.gelu(h))
+        out += x
+        return out
+
+
+class InPlaceNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([InPlaceBlock() for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("plan", ["recompute=selective", "dp=2 recompute=selective", "tp=2 recompute=selective"])
+def test_selective_recompute_over_in_place_ops(plan):
+    train_like_one_device(InPlaceNet, plan, torch.randn(4, 6, 8, generator=gen(25), dtype=F64))
+
+
+class UpcastNorm(nn.Module):
+    """An RMSNorm that computes its statistics in float32 and casts back to the input's dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        v = h.float().pow(2).mean(-1, keepdim=True)
+        h = (h.float() * torch.rsqrt(v + 1e-6)).to(x.dtype)
+        return self.fc2(h).pow(2).mean()
+
+
+@pytest.mark.parametrize("plan", ["dtype=bf16", "dp=2 dtype=bf16", "tp=2 dtype=bf16"])
+def test_bf16_with_a_float32_upcast_and_a_cast_back(plan):
+    torch.manual_seed(0)
+    model = UpcastNorm()
+    reference = UpcastNorm()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(4, 6, 8, generator=gen(26))
+    sim = usc.simulate(model, plan, example_inputs=(x,), optimizer=sgd)
+    losses = [sim.step(x) for _ in range(3)]
+    opt = sgd(reference.parameters())
+    for got in losses:  # bf16 computes to about 3 significant digits of the float32 run
+        loss = reference(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert got == pytest.approx(loss.item(), rel=3e-2)
