@@ -463,3 +463,26 @@ def test_bf16_with_a_float32_upcast_and_a_cast_back(plan):
         opt.step()
         opt.zero_grad()
         assert got == pytest.approx(loss.item(), rel=3e-2)
+
+
+# ---------------------------------------------------------------- collectives keep their stated backward
+
+from usc.testing.verify_collectives import Contract, check, contracts  # noqa: E402
+
+
+@pytest.mark.parametrize("contract", contracts(), ids=str)
+@pytest.mark.parametrize("size", [2, 3])
+def test_every_collective_node_keeps_its_forward_and_backward(contract, size):
+    assert check(contract, size) is None
+
+
+def test_collective_check_fails_a_max_whose_gradient_is_split_evenly():
+    from usc.runtime.collectives import AllReduce, _AllReduceSumFn
+
+    class EvenMax(AllReduce):  # forward max, backward to every rank: the check must see it
+        def forward(self, x):
+            return _AllReduceSumFn.apply(x, self.comm) * 0 + self.comm.all_reduce(x.detach(), "max") + \
+                (x - x.detach()) / self.comm.size
+
+    problem = check(Contract(EvenMax("x", "max"), Partial("max"), "owner", R, "whole"), 2)
+    assert problem is not None and "backward" in problem
