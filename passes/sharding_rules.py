@@ -591,6 +591,34 @@ def index_decision(px: Placement, pi: Placement, dim: int, x_shape, index_shape)
     return Decision((R, R), R)
 
 
+@register(aten.take_along_dim.default)
+def take_along_dim_rule(view: OpView) -> Decision:
+    """gather with broadcasting; without a dim both operands are flattened (kept whole)."""
+    dim = view.arg(2)
+    if dim is None or len(view.shapes[0]) != len(view.shapes[1]):
+        return all_replicated(view)
+    px, pi = view.placements[:2]
+    dim = norm_dim(dim, len(view.shapes[0]))
+    if is_shard(px, dim) or isinstance(pi, Partial):
+        return all_replicated(view)
+    return index_decision(px, pi, dim, view.shapes[0], view.shapes[1])
+
+
+@register(aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.scatter.reduce,
+          aten.scatter.value_reduce, aten.scatter_reduce.two)
+def scatter_rule(view: OpView) -> Decision:
+    """out = x with src written at index along ``dim``: split along another dim, all of x, index
+    and src split alike (same size there) keep the split; ids split along ``dim`` write rows of a
+    whole x that another rank writes too, so everything is kept whole."""
+    dim = norm_dim(view.arg(1), len(view.shapes[0]))
+    d = next((p.dim for p in view.placements if is_shard(p) and p.dim != dim), None)
+    rank = len(view.shapes[0])
+    same = d is not None and all(len(s) == rank and s[d] == view.shapes[0][d] for s in view.shapes)
+    if same and not any(isinstance(p, Partial) for p in view.placements):
+        return Decision((Shard(d),) * len(view.placements), Shard(d))
+    return all_replicated(view)
+
+
 @register(aten.index_select.default)
 def index_select_rule(view: OpView) -> Decision:
     """index_select(x, dim, ids): ids split -> rows of the output split, from the whole source;

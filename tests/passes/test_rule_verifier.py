@@ -486,3 +486,28 @@ def test_collective_check_fails_a_max_whose_gradient_is_split_evenly():
 
     problem = check(Contract(EvenMax("x", "max"), Partial("max"), "owner", R, "whole"), 2)
     assert problem is not None and "backward" in problem
+
+
+class TakeAlong(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(6, 13, generator=gen(27)))
+
+    def forward(self, idx):  # per-sample positions into the sample's own row
+        return torch.take_along_dim(self.table, idx, dim=1).sin().pow(2).mean()
+
+
+class ScatterRows(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.w, self.dim = nn.Parameter(torch.randn(6, 4, generator=gen(28))), dim
+
+    def forward(self, idx):
+        shape = (6, 13) if self.dim == 1 else (13, 4)
+        out = torch.zeros(shape, dtype=self.w.dtype).scatter_add(self.dim, idx, self.w)
+        return out.cos().pow(2).mean()
+
+
+@pytest.mark.parametrize("factory, high", [(TakeAlong, 13), (lambda: ScatterRows(1), 13), (lambda: ScatterRows(0), 13)])
+def test_take_along_dim_and_scatter_with_a_batch_of_ids(factory, high):
+    train_like_one_device(factory, "dp=2", torch.randint(0, high, (6, 4), generator=gen(29)))
