@@ -511,3 +511,16 @@ class ScatterRows(nn.Module):
 @pytest.mark.parametrize("factory, high", [(TakeAlong, 13), (lambda: ScatterRows(1), 13), (lambda: ScatterRows(0), 13)])
 def test_take_along_dim_and_scatter_with_a_batch_of_ids(factory, high):
     train_like_one_device(factory, "dp=2", torch.randint(0, high, (6, 4), generator=gen(29)))
+
+
+def test_derived_rules_verified_on_a_subset():
+    """The fallback chain (DTensor strategies, decompositions) checked like the hand rules: a norm's
+    partial (DTensor's _NormPartial, a p-norm reduction) is not taken for a partial sum, and a
+    data-dependent op falls back to whole tensors instead of raising."""
+    from usc.testing.verify_rules import derived_rules
+
+    ops = [aten.linalg_vector_norm.default, aten.argwhere.default, aten.cumsum.default, aten.view_as_complex.default]
+    results = verify(derived_rules, ops, sizes=(2, 5), samples_per_info=2)
+    failures = [f"{r.op}: {f}" for r in results for f in r.failures]
+    assert failures == [], "\n".join(failures[:10])
+    assert sum(r.passed for r in results) > 5

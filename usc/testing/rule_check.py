@@ -80,7 +80,7 @@ def _combine(out, placement, mesh, axis, order):
     if isinstance(placement, Shard):
         return AllGather(axis, placement.dim, order=order).bind(mesh)(out)
     if isinstance(placement, Partial):
-        if not out.is_floating_point() and placement.reduce_op == "sum":
+        if not (out.is_floating_point() or out.is_complex()) and placement.reduce_op == "sum":
             return AllReduce(axis, "sum").bind(mesh)(out.double()).to(out.dtype)
         return AllReduce(axis, placement.reduce_op).bind(mesh)(out)
     raise Skip(f"output placement {placement}")

@@ -177,7 +177,8 @@ def _packet_name(op) -> str:
 
 def opinfos_for(op, index: dict[str, list]) -> list:
     name = _packet_name(op)
-    names = OPINFO_NAMES.get(name, (name, name.lstrip("_")))
+    dotted = [key for key in index if key.replace(".", "_") == name]  # linalg_vector_norm: linalg.vector_norm
+    names = OPINFO_NAMES.get(name, (name, name.lstrip("_"), *dotted))
     seen, out = set(), []
     for n in names:
         for info in index.get(n, []):
@@ -352,10 +353,15 @@ def table(results: list[OpResult]) -> str:
     return "\n".join(lines)
 
 
-def _select(names: str | None) -> list | None:
+def _select(names: str | None, source) -> list | None:
+    """The ops named (aten packet names or full overload names) among the source's."""
     if not names:
         return None
     wanted = set(names.split(","))
+    if source is derived_rules:
+        ops = [getattr(getattr(torch.ops.aten, n.split(".")[0]), o) for n in wanted
+               for o in (getattr(torch.ops.aten, n.split(".")[0]).overloads())]
+        return [op for op in ops if _packet_name(op) in wanted or str(op) in wanted]
     return [op for op in rule_ops(SHARDING_RULES) if _packet_name(op) in wanted or str(op) in wanted]
 
 
@@ -372,7 +378,7 @@ def main(argv=None) -> int:
     sizes = QUICK_SIZES if args.quick else tuple(int(s) for s in args.sizes.split(","))
     orders = ("contiguous", "zigzag") if args.zigzag else ("contiguous",)
     start = time.time()
-    results = verify(source, _select(args.ops), sizes=sizes, orders=orders,
+    results = verify(source, _select(args.ops, source), sizes=sizes, orders=orders,
                      samples_per_info=QUICK_SAMPLES if args.quick else None)
     print(table(results))
     for r in results:
