@@ -156,8 +156,19 @@ def is_random(node: fx.Node) -> bool:
     target = node.target
     if target in RANDOM_RULES:
         return True
+    if target in _RANDOM_ONLY_WITH_DROPOUT:  # attention draws only when its dropout_p is non-zero
+        return _dropout_p(node) != 0.0
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags \
         and target is not DRAW
+
+
+# Attention ops tagged as seeded because of their optional dropout: argument 4 is dropout_p (after q, k, v, attn_mask).
+_RANDOM_ONLY_WITH_DROPOUT = {aten.scaled_dot_product_attention.default}
+
+
+def _dropout_p(node: fx.Node) -> float:
+    value = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    return value if isinstance(value, (int, float)) else float("nan")
 
 
 def random_ops_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
