@@ -20,6 +20,7 @@ from . import functional_rules  # noqa: F401 - registers the rules of functional
 from .fusion import fusion_pass
 from .expert_parallel import expert_layouts
 from .batch_coupling import batch_coupling_pass
+from .compute_dtype import compute_dtype_pass
 from .grad_sync import grad_sync_pass
 from .layouts import batch_layouts, merge_layouts, tp_layouts
 from .localize import localize_pass
@@ -47,6 +48,7 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
         PassSpec("state_writes", state_writes_pass, {"user_inputs": tuple(user_inputs)}, annotated=False),
         PassSpec("batch_coupling", batch_coupling_pass, {"user_inputs": tuple(user_inputs),
                                                          "params": frozenset(params)}, annotated=False),
+        PassSpec("compute_dtype", compute_dtype_pass, annotated=False),
         PassSpec("propagate", propagate_pass, {"input_layouts": input_layouts, "grad_inputs": grad_inputs}),
         PassSpec("grad_sync", grad_sync_pass, {"params": params}),
         PassSpec("localize", localize_pass),

@@ -16,9 +16,11 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Shard
 
 from .layout import gather_full, local_chunk, zigzag_permute
 from .moe import rank_stats
+from .optimizer_contract import check_optimizer
 from .pipeline import PipelineMixin, held_inputs
 from .random import set_random_keys
 from .reducer import GradReducer
@@ -92,8 +94,24 @@ class RankExecutor:
         factory = optimizer or default_optimizer
         self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, self.params, build_optimizer) \
             if sharded else build_optimizer(factory, self.params)
+        check_optimizer(self.optimizer.inner if sharded else self.optimizer, self._split_params(sharded, zero))
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
         self.guard = ReplicaGuard(program, mesh, self.state, replica_check) if replica_check else None
+
+    def _split_params(self, sharded: bool, zero: int) -> dict[str, str]:
+        """Trainable parameters this rank's optimizer sees only a slice of, and the plan axes why."""
+        mesh = self.program.mesh
+        out = {}
+        for spec in self.program.state:
+            if spec.kind != "param" or not spec.trainable:
+                continue
+            axes = [f"{a}={mesh.size(a)}" for a, p in zip(mesh.axes, spec.layout.placements)
+                    if isinstance(p, Shard)]
+            if spec.zero3 or sharded:
+                axes.append(f"zero={zero} dp={mesh.size('dp')}")
+            if axes:
+                out[spec.name] = " ".join(axes)
+        return out
 
     def _holds(self, spec) -> bool:
         """Whether this rank keeps a state tensor (a pipeline rank keeps only its stages')."""

@@ -72,8 +72,11 @@ def held_inputs(top: fx.GraphModule, pp: int, rank: int) -> set[str]:
     """Names of the program inputs (state and batch) that the stages of pp rank ``rank`` take: a
     pipeline rank keeps only these parameters, their gradients and optimizer state."""
     stages = [n for n in top.graph.nodes if n.op == "call_module"]
-    return {arg.name for k, node in enumerate(stages) if k % pp == rank
+    held = {arg.name for k, node in enumerate(stages) if k % pp == rank
             for arg in node.args if isinstance(arg, fx.Node) and arg.op == "placeholder"}
+    if rank == 0:  # state no stage reads (an unused parameter or buffer) is kept by the first rank
+        held |= {n.name for n in top.graph.nodes if n.op == "placeholder" and not n.users}
+    return held
 
 
 def _outputs(stage: fx.GraphModule) -> list[fx.Node]:
