@@ -224,7 +224,8 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
         try:
             exported = torch.export.export(model, example_inputs, strict=False)
         except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
-            error = _trace_error(exc, model)  # formatting torch's error can print too: keep it held
+            # usc's own errors raised while tracing (no loss in the output, say) already say what to fix
+            error = exc if isinstance(exc, TraceError) else _trace_error(exc, model)  # formatting can print: held
     if error is not None:
         raise error from error.__cause__
     held.replay()
