@@ -25,6 +25,7 @@ from torch import nn
 from torch.export.graph_signature import InputKind
 
 from .errors import TraceError
+from .inline_regions import inline_regions
 from .moe import MoEBlock, patched
 
 TORCH_DIR = os.path.dirname(torch.__file__)
@@ -235,7 +236,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
         kinds = ", ".join(str(o.kind) for o in outputs)
         raise TraceError(f"{type(model).__name__}.forward must return one scalar loss (got outputs: {kinds}); "
                          "pass loss_fn= to compile, or return the loss from forward")
-    gm = exported.graph_module
+    gm = inline_regions(exported.graph_module)
     _refuse_data_dependent_shapes(gm, model)
     if wrapper_source:
         _attribute_wrapper_frames(gm, wrapper_source)

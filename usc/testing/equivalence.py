@@ -6,6 +6,7 @@ The reference is the plain model trained with the same optimizer; the mesh run i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -28,12 +29,22 @@ def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params)
 
 
-def reference_run(model: nn.Module, batches: Sequence[tuple], optimizer: OptimizerFactory):
+def reference_loss(model: nn.Module, batch) -> torch.Tensor:
+    """The loss as a user reads it on one device: ``model(**batch)`` for a dict batch, ``model(*batch)``
+    otherwise; the output itself, its ``.loss`` (Hugging Face), or the scalar of a tuple (nanoGPT).
+    Written independently of usc's own loss finding, which it checks."""
+    out = model(**batch) if isinstance(batch, Mapping) else model(*batch)
+    if isinstance(out, tuple):
+        (out,) = [v for v in out if isinstance(v, torch.Tensor) and v.dim() == 0]
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def reference_run(model: nn.Module, batches: Sequence, optimizer: OptimizerFactory):
     """Losses and per-parameter max |grad| over the steps, on one device."""
     opt = optimizer(model.parameters())
     losses, grad_max = [], {}
     for batch in batches:
-        loss = model(*batch)
+        loss = reference_loss(model, batch)
         loss.backward()
         for name, p in model.named_parameters():
             if p.grad is not None:
@@ -102,7 +113,7 @@ def assert_equivalent(model_factory: Callable[[], nn.Module], plan: str, batches
     ref_losses, grad_max = reference_run(reference, batches, optimizer)
     if runner is None:
         sim = usc.simulate(mesh_model, plan, example_inputs=batches[0], optimizer=optimizer)
-        losses = [sim.step(*b) for b in batches]
+        losses = [sim.step(b) for b in batches]
         full = sim.full_state_dict()
     else:
         losses, full = runner(mesh_model, plan, batches, optimizer)
