@@ -20,6 +20,7 @@ import torch.fx as fx
 from .layout import gather_full, local_chunk, zigzag_permute
 from .moe import rank_stats
 from .pipeline import PipelineMixin, held_inputs
+from .random import set_random_keys
 from .reducer import GradReducer
 from .timeline import Timeline
 from .checkpoint import CheckpointError
@@ -200,6 +201,7 @@ class RankExecutor:
         count, weighted = 0.0, []
         for m, piece in enumerate(micro):
             last = m == len(micro) - 1
+            self._key_random(self.gm, m)
             with self._span("forward"):
                 loss, n = self._loss(piece)
             count += float(n)
@@ -220,6 +222,10 @@ class RankExecutor:
         return value
 
     steps_done = 0
+
+    def _key_random(self, module: torch.nn.Module, microbatch: int) -> None:
+        """Random draws are keyed by (seed, step, microbatch): see runtime/random.py."""
+        set_random_keys(module, step=self.steps_done, microbatch=microbatch)
 
     def _check_finite(self, value: float) -> None:
         """Every rank sees the same global loss, so all of them stop together (no hang)."""
@@ -263,7 +269,10 @@ class RankExecutor:
 
     @torch.no_grad()
     def evaluate(self, batch: tuple) -> float:
-        pieces = [self._loss(piece) for piece in self._split(batch)]
+        pieces = []
+        for m, piece in enumerate(self._split(batch)):
+            self._key_random(self.gm, m)
+            pieces.append(self._loss(piece))
         count = sum(float(n) for _, n in pieces)
         return self._global(sum(loss * float(n) for loss, n in pieces) / count)
 

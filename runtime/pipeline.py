@@ -293,6 +293,7 @@ class PipelineMixin:
                 received[(producer, index)] = value.requires_grad_(carries_gradient(self.specs,
                                                                                      (producer, stage, index)))
         args = [values[s[1]] if s[0] == "input" else received[(s[1], s[2])] for s in spec.sources]
+        self._key_random(self.modules[stage], mb)
         with self._saved_tensor_hooks():
             out = self.modules[stage](*args)
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
