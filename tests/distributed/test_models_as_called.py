@@ -229,3 +229,21 @@ def test_hf_gradient_checkpointing_equals_one_device(plan):
 
     result = assert_equivalent(make, plan, [collated(s) for s in range(2)], optimizer=sgd)
     assert result.max_param_diff <= 1e-6
+
+
+def test_torchtitan_style_llama_with_loss_fn():
+    """torchtitan's Llama returns logits and its trainer applies loss_fn: compiled as it is, with
+    ``loss_fn=``. The one-device reference applies the same loss_fn around the same model."""
+    from users_models import TitanTrain, loss_fn
+
+    def run(model, plan, batches, optimizer):
+        sim = usc.simulate(model.model, plan, example_inputs=batches[0], loss_fn=loss_fn, optimizer=optimizer)
+        return [sim.step(b) for b in batches], {f"model.{k}": v for k, v in sim.full_state_dict().items()}
+
+    def batch(seed):
+        ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(seed))
+        return ids, torch.roll(ids, -1, 1)
+
+    for plan in ("dp=2", "tp=2"):
+        result = assert_equivalent(TitanTrain, plan, [batch(s) for s in range(2)], optimizer=sgd, runner=run)
+        assert result.max_param_diff <= 1e-6, plan
