@@ -24,7 +24,7 @@ from usc.passes.pipeline_schedule_check import check_schedule
 from usc.runtime.executor import PipelineExecutor, RankExecutor, estimate_activation_bytes
 from usc.planning import estimate_plan
 
-from .model_call import BatchLayout, trainable
+from .model_call import BatchLayout, trainable, with_checkpointed_layers
 
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -79,7 +79,7 @@ class _Compiled:
 
     def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
                  optimizer: OptimizerFactory | None = None, hardware=None, traced=None) -> None:
-        self.plan = _as_plan(plan)
+        self.plan = with_checkpointed_layers(_as_plan(plan), model)
         self.model = trainable(model, loss_fn)
         if example_inputs is not None:
             example_inputs = self.model.flatten(example_inputs)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -206,6 +206,28 @@ def _training_kwargs(model: nn.Module) -> dict:
     return {k: v for k, v in TRAINING_KWARGS.items() if k in params}
 
 
+def checkpointed_modules(model: nn.Module) -> list[str]:
+    """Paths of the layers Hugging Face's ``gradient_checkpointing_enable()`` checkpoints: its
+    ``GradientCheckpointingLayer`` blocks with the flag set (the flag acts only while training; the
+    model class carries one too, for its own bookkeeping)."""
+    if not model.training:
+        return []
+    return [path for path, m in model.named_modules() if vars(m).get("gradient_checkpointing") is True
+            and any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
+
+
+def with_checkpointed_layers(plan, model: nn.Module):
+    """``plan`` with a ``recompute`` rule for each checkpointed layer, so the layers the model
+    checkpoints are recomputed in backward on the mesh too. Put before the written rules: a written
+    rule on the same module wins."""
+    from usc.dsl.plan import Action, Rule
+
+    paths = checkpointed_modules(model)
+    if not paths:
+        return plan
+    return replace(plan, rules=tuple(Rule(p, (Action("recompute"),)) for p in paths) + tuple(plan.rules))
+
+
 def trainable(model: nn.Module, loss_fn: Callable | None = None) -> Trainable:
     """``model`` wrapped for tracing; the wrapper's class carries the model's class name, so every
     message and report names the user's model."""
@@ -214,4 +236,4 @@ def trainable(model: nn.Module, loss_fn: Callable | None = None) -> Trainable:
     return cls(model, loss_fn)
 
 
-__all__ = ["BatchLayout", "BatchError", "Trainable", "trainable", "loss_of", "describe", "LOSS_RULES"]
+__all__ = ["BatchLayout", "BatchError", "Trainable", "trainable", "with_checkpointed_layers", "loss_of", "describe", "LOSS_RULES"]

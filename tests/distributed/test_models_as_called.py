@@ -247,3 +247,15 @@ def test_torchtitan_style_llama_with_loss_fn():
     for plan in ("dp=2", "tp=2"):
         result = assert_equivalent(TitanTrain, plan, [batch(s) for s in range(2)], optimizer=sgd, runner=run)
         assert result.max_param_diff <= 1e-6, plan
+
+
+def test_hf_gradient_checkpointing_becomes_recompute_of_those_layers():
+    model = FAMILIES["llama"]()
+    model.gradient_checkpointing_enable()
+    model.train()
+    sim = usc.simulate(model, "dp=2", example_inputs=collated(0))
+    assert [str(r) for r in sim.plan.rules] == ["model.layers.0: recompute", "model.layers.1: recompute"]
+    plain = usc.simulate(FAMILIES["llama"](), "dp=2", example_inputs=collated(0))
+    assert sim.activation_bytes(collated(0))[0] < plain.activation_bytes(collated(0))[0]
+    model.eval()  # Hugging Face checkpoints only while training
+    assert not usc.simulate(model, "dp=2", example_inputs=collated(0)).plan.rules
