@@ -22,8 +22,8 @@ the forward values are the same; recomputation is usc's own ``recompute`` (see R
 ...         with torch.no_grad():
 ...             y = x * 2
 ...         return (x * y).sum()
->>> gm = torch.export.export(M(), (torch.ones(3),), strict=False).graph_module
->>> inline_regions(gm) is gm and not region_nodes(gm)
+>>> exported = torch.export.export(M(), (torch.ones(3),), strict=False)
+>>> inline_regions(exported) is exported and not region_nodes(exported.graph_module)
 True
 """
 
@@ -41,17 +41,23 @@ def region_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in REGIONS]
 
 
-def inline_regions(gm: fx.GraphModule) -> fx.GraphModule:
-    """Inline every region node (outer first; an inlined region's inner regions in later rounds).
+def inline_regions(exported):
+    """Inline every region node of an ExportedProgram's graph, in place (outer first; an inlined
+    region's inner regions in later rounds); the same program.
 
-    Requires: an exported graph. Establishes: no wrap_with_set_grad_enabled / wrap_with_autocast
+    Requires: an exported program. Establishes: no wrap_with_set_grad_enabled / wrap_with_autocast
     node; each region's ops in its place, with the region's meaning kept (see the module docstring)."""
+    gm = exported.graph_module
+    if not region_nodes(gm):
+        return exported
     while nodes := region_nodes(gm):
         for node in nodes:
             REGIONS[node.target](gm, node)
+    for node in [n for n in gm.graph.nodes if n.op == "get_attr" and not n.users]:
+        gm.graph.erase_node(node)  # the regions' subgraphs, no longer called
     gm.graph.lint()
     gm.recompile()
-    return gm
+    return exported
 
 
 # ------------------------------------------------------------------------------ the regions

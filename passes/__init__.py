@@ -10,11 +10,13 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _make_graph_module
 
 from usc.compiler.errors import ShardingError, UnsupportedOpError
+from usc.compiler.functional import input_write_warnings
 from usc.compiler.ir import MeshSpec
 from usc.compiler.pass_runner import CompileContext, PassSpec, run_pipeline
 from usc.compiler.program import Program, build_program
 from usc.compiler.trace import Traced
 
+from . import functional_rules  # noqa: F401 - registers the rules of functionalized writes
 from .fusion import fusion_pass
 from .expert_parallel import expert_layouts
 from .batch_coupling import batch_coupling_pass
@@ -104,6 +106,7 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
     program = build_program(gm, mesh, traced.state, traced.user_inputs, tp.choices, ctx.timings)
     program.warnings.extend(plan_warnings(mesh, plan))
     program.warnings.extend(f"pp split: {note}" for note in gm.meta.get("usc_split_notes", ()))
+    program.warnings.extend(input_write_warnings(traced.gm))
     return program
 
 

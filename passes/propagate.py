@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from usc.compiler.errors import ShardingError, UnsupportedOpError
+from usc.compiler.functional import is_state_write
 from usc.compiler.ir import META, Layout, MeshSpec, NodeAnn
 from usc.compiler.trace import module_path, user_source
 from usc.runtime.collectives import AllGather, AllReduce, AllToAll, LocalShard, ReduceScatter
@@ -57,7 +58,7 @@ def propagate_pass(gm: fx.GraphModule, ctx, *, input_layouts: dict[str, Layout],
                         cp_mode=ctx.plan.get("cp_mode"), microbatches=int(ctx.plan.get("mb")),
                         capacity_factor=ctx.plan.get("capacity_factor"))
     for node in list(gm.graph.nodes):
-        if node.graph is gm.graph and (node.users or node.op in ("output", "placeholder")):
+        if node.graph is gm.graph and (node.users or node.op in ("output", "placeholder") or is_state_write(node)):
             place(state, node)
     _remove_dead(gm)
     gm.graph.lint()
@@ -69,7 +70,7 @@ def _remove_dead(gm: fx.GraphModule) -> None:
     """Drop nodes an expansion made unused (e.g. a gather and flatten the loss looked through).
     Nothing here has side effects: collectives without users are dead too."""
     for node in reversed(list(gm.graph.nodes)):
-        if node.op not in ("placeholder", "output") and not node.users:
+        if node.op not in ("placeholder", "output") and not node.users and not is_state_write(node):
             gm.graph.erase_node(node)
 
 

@@ -259,3 +259,27 @@ def test_hf_gradient_checkpointing_becomes_recompute_of_those_layers():
     assert sim.activation_bytes(collated(0))[0] < plain.activation_bytes(collated(0))[0]
     model.eval()  # Hugging Face checkpoints only while training
     assert not usc.simulate(model, "dp=2", example_inputs=collated(0)).plan.rules
+
+
+class NoGradWithWrites(nn.Module):
+    """A no_grad statistic and an in-place write in one forward (the write makes the tracer
+    functionalize the program, which must keep the no_grad region's meaning)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(7, 9), nn.Linear(9, 7)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            scale = h.abs().mean(-1, keepdim=True) + 1.0
+        h = h / scale
+        h[:, 0] *= 2.0
+        return (self.b(torch.tanh(h)) ** 2).mean()
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "tp=2"])
+def test_no_grad_region_with_in_place_writes_equals_one_device(plan):
+    batches = [(torch.randn(6, 7, generator=torch.Generator().manual_seed(s)),) for s in range(2)]
+    result = assert_equivalent(NoGradWithWrites, plan, batches, optimizer=sgd)
+    assert result.max_param_diff <= 1e-6

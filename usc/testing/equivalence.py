@@ -1,7 +1,9 @@
 """``assert_equivalent``: N optimizer steps on a mesh equal the same steps on one device.
 
 The reference is the plain model trained with the same optimizer; the mesh run is
-``usc.simulate`` (every rank in this process) unless a runner is given.
+``usc.simulate`` (every rank in this process) unless a runner is given. The simulated run checks
+after every step that peers holding copies of a tensor hold the same numbers (the plan option
+``replica_check=1``, unless the plan writes its own): a divergence is named where it starts.
 
 Every element is held to the float32 bound. Where float32 misses, the miss is either a bug or
 float32 rounding that AdamW amplified (an element whose true gradient is zero -- GPT-2's key bias,
@@ -146,7 +148,7 @@ def simulate_run(plan: str, optimizer: OptimizerFactory = _adamw) -> MeshRun:
 def assert_equivalent(model_factory: Callable[[], nn.Module], plan: str, batches: Sequence[tuple], *,
                       steps: int | None = None, optimizer: OptimizerFactory = _adamw, rtol: float = 1e-5,
                       atol: float = 1e-6, param_atol: float = 1e-5,
-                      runner: Callable | None = None) -> EquivalenceResult:
+                      runner: Callable | None = None, replica_check: int = 1) -> EquivalenceResult:
     """Train a fresh model from ``model_factory`` for ``steps`` steps on one device and on the mesh
     of ``plan``; assert per-step losses (rtol/atol) and final parameters (param_atol) agree, or,
     where float32 misses, that a float64 run of the same plan agrees to FLOAT64_TOL.
@@ -159,7 +161,7 @@ def assert_equivalent(model_factory: Callable[[], nn.Module], plan: str, batches
     steps = steps or len(batches)
     batches = [batches[i % len(batches)] for i in range(steps)]
     if runner is None:
-        run = simulate_run(plan, optimizer)
+        run = simulate_run(_checked(plan, replica_check), optimizer)
     else:
         run = lambda model, b: runner(model, plan, b, optimizer)  # noqa: E731
     torch.manual_seed(0)
@@ -223,3 +225,13 @@ def _worst_update_error(full: dict, ref: dict, initial: dict, *, limit: float, p
         if error > worst:
             worst, worst_name = error, name
     return worst, worst_name
+
+
+def _checked(plan, every: int):
+    """``plan`` with the replica guard every ``every`` steps, unless it sets replica_check itself."""
+    import usc
+
+    if isinstance(plan, str) and plan.endswith(".usc"):
+        return plan  # a plan file: as written
+    parsed = plan if isinstance(plan, usc.Plan) else usc.parse_plan(plan)
+    return parsed if parsed.is_set("replica_check") or parsed.auto else parsed.with_options(replica_check=every)
