@@ -26,6 +26,7 @@ from torch.export.graph_signature import InputKind
 
 from .errors import TraceError
 from .functional import distinct_inputs, explicit_writes, functionalize, user_output_specs
+from .inline_regions import inline_regions
 from .moe import MoEBlock, patched
 
 TORCH_DIR = os.path.dirname(torch.__file__)
@@ -223,9 +224,11 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
     error = None
     with _quiet_torch_logs(), _held_output() as held, patched(model, list(moe_blocks)):
         try:
-            exported = functionalize(torch.export.export(model, example_inputs, strict=False))
+            # regions first: functionalizing retraces the program, which would drop a no_grad region's meaning
+            exported = functionalize(inline_regions(torch.export.export(model, example_inputs, strict=False)))
         except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
-            error = _trace_error(exc, model)  # formatting torch's error can print too: keep it held
+            # usc's own errors raised while tracing (no loss in the output, say) already say what to fix
+            error = exc if isinstance(exc, TraceError) else _trace_error(exc, model)  # formatting can print: held
     if error is not None:
         raise error from error.__cause__
     held.replay()

@@ -17,7 +17,8 @@ from usc.runtime.mesh import Mesh, run_in_threads, simulated_meshes
 from usc.runtime.moe import summarize
 from usc.runtime.timeline import Timeline
 
-from .build import OptimizerFactory, _as_plan, _Compiled, _full_state, _WithLoss, as_batch
+from .build import OptimizerFactory, _as_plan, _Compiled, _full_state
+from .model_call import trainable
 
 
 class Compiled(_Compiled):
@@ -48,7 +49,9 @@ class Compiled(_Compiled):
         return Mesh.from_environment(axes, shape, timeout=self.timeout)
 
     def step(self, *batch, trace: str | None = None) -> float:
-        """One optimizer step on the global batch; returns the global mean loss."""
+        """One optimizer step on the global batch (a tuple, a dict of keyword arguments or a tensor);
+        returns the global mean loss."""
+        batch = self.flat_batch(batch)
         self._ensure_built(batch)
         rank = self._rank()
         timeline = Timeline(rank.mesh.rank) if trace else None
@@ -64,11 +67,13 @@ class Compiled(_Compiled):
 
     def __call__(self, *batch) -> float:
         """The global mean loss on ``batch`` without updating anything."""
+        batch = self.flat_batch(batch)
         self._ensure_built(batch)
         return self._rank().evaluate(batch)
 
     def activation_bytes(self, *batch) -> int:
         """Measured bytes of activations this rank saves for backward in one forward."""
+        batch = self.flat_batch(batch)
         self._ensure_built(batch)
         return self._rank().activation_bytes(batch)
 
@@ -132,6 +137,7 @@ class Simulated(_Compiled):
         for rank in self.ranks:
             rank.set_timeline(timeline)
         try:
+            batch = self.flat_batch(batch)
             return self._run(lambda rank: rank.step(batch))[0]
         finally:
             for rank in self.ranks:
@@ -142,6 +148,7 @@ class Simulated(_Compiled):
                 timeline.to_chrome_trace(trace)
 
     def __call__(self, *batch) -> float:
+        batch = self.flat_batch(batch)
         return self._run(lambda rank: rank.evaluate(batch))[0]
 
     def memory_bytes(self) -> list[dict[str, int]]:
@@ -150,6 +157,7 @@ class Simulated(_Compiled):
 
     def activation_bytes(self, *batch) -> list[int]:
         """Measured bytes of activations saved for backward by one forward, per rank."""
+        batch = self.flat_batch(batch)
         return self._run(lambda rank: rank.activation_bytes(batch))
 
     def save(self, path: str | os.PathLike) -> None:
@@ -221,7 +229,7 @@ def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, ha
         if not result.exceptions:  # refused by a lint check before compiling: the compiler's own words
             _Compiled(model, result.plan, example_inputs=example_inputs, loss_fn=loss_fn, traced=result.traced)
         raise first_error(result)
-    result.compiled._attach_cost(as_batch(example_inputs), hardware)
+    result.compiled._attach_cost(result.compiled.flat_batch((example_inputs,)), hardware)
     return result.report
 
 
@@ -243,8 +251,8 @@ def plan(model: nn.Module, spec: str | Plan, *, example_inputs, loss_fn=None, ha
     """
     from usc.planning import choose
 
-    model = _WithLoss(model, loss_fn) if loss_fn is not None else model
-    batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    model = trainable(model, loss_fn)
+    batch = model.flatten(example_inputs)
     return choose(model, _as_plan(spec) if not isinstance(spec, str) else spec, batch, hardware=hardware, keep=keep)
 
 

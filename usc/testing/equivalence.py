@@ -14,6 +14,7 @@ so the mesh must then equal one device to ``FLOAT64_TOL``; a bug does not shrink
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -39,12 +40,22 @@ def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params)
 
 
-def reference_run(model: nn.Module, batches: Sequence[tuple], optimizer: OptimizerFactory) -> list[float]:
+def reference_loss(model: nn.Module, batch) -> torch.Tensor:
+    """The loss as a user reads it on one device: ``model(**batch)`` for a dict batch, ``model(*batch)``
+    otherwise; the output itself, its ``.loss`` (Hugging Face), or the scalar of a tuple (nanoGPT).
+    Written independently of usc's own loss finding, which it checks."""
+    out = model(**batch) if isinstance(batch, Mapping) else model(*batch)
+    if isinstance(out, tuple):
+        (out,) = [v for v in out if isinstance(v, torch.Tensor) and v.dim() == 0]
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def reference_run(model: nn.Module, batches: Sequence, optimizer: OptimizerFactory) -> list[float]:
     """Per-step losses on one device (``model`` is trained in place)."""
     opt = optimizer(model.parameters())
     losses = []
     for batch in batches:
-        loss = model(*batch)
+        loss = reference_loss(model, batch)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -80,8 +91,10 @@ def compare_losses(losses: Sequence[float], expected: Sequence[float], *, rtol: 
             raise AssertionError(f"step {i} loss {a!r} != single-device {b!r} (diff {abs(a - b):.3g})")
 
 
-def as_float64(batch: tuple) -> tuple:
+def as_float64(batch):
     """The batch with its floating-point tensors in float64 (token ids stay integers)."""
+    if isinstance(batch, Mapping):
+        return {k: as_float64((v,))[0] for k, v in batch.items()}
     return tuple(v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in batch)
 
 
@@ -127,7 +140,7 @@ def simulate_run(plan: str, optimizer: OptimizerFactory = _adamw) -> MeshRun:
 
     def run(model: nn.Module, batches: list):
         sim = usc.simulate(model, plan, example_inputs=batches[0], optimizer=optimizer)
-        return [sim.step(*b) for b in batches], sim.full_state_dict()
+        return [sim.step(b) for b in batches], sim.full_state_dict()
 
     return run
 
