@@ -91,8 +91,15 @@ class RankExecutor:
         local = spec.layout.local_shape(spec.global_shape, self.program.mesh)
         return torch.zeros(local, dtype=spec.dtype, device=self.mesh.device)
 
+    @property
+    def device(self) -> torch.device:
+        """The program's device (the mesh's): state, batches and every tensor the runtime makes."""
+        return self.mesh.device
+
     def _local_state(self, spec, full: torch.Tensor) -> torch.Tensor:
-        local = local_chunk(full.detach(), spec.layout.placements, self.mesh.shape, self.mesh.coord).clone()
+        # cut first, then move: only this rank's slice ever reaches the device
+        local = _to_device(local_chunk(full.detach(), spec.layout.placements, self.mesh.shape, self.mesh.coord),
+                           self.device)
         if spec.zero3:
             local = shard_of(local, self.mesh.comm("dp"))
         if spec.kind == "param" and full.requires_grad:
@@ -135,7 +142,7 @@ class RankExecutor:
         for axis, placement in zip(self.program.mesh.axes, spec.layout.placements):
             if axis in self.program.mesh.zigzag and hasattr(placement, "dim"):
                 value = zigzag_permute(value, placement.dim, self.mesh.size(axis))
-        return local_chunk(value, spec.layout.placements, self.mesh.shape, self.mesh.coord)
+        return local_chunk(value, spec.layout.placements, self.mesh.shape, self.mesh.coord).to(self.device)
 
     def _loss(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor | float]:
         """(loss, count): count is the global number of tokens the loss averaged over when the
@@ -197,18 +204,22 @@ class RankExecutor:
         for module in self.gm.modules():
             if hasattr(module, "reset_stats"):  # per-step statistics (MoE loads)
                 module.reset_stats()
-        count, weighted = 0.0, []
+        # token counts stay on the device (no host sync per microbatch): the step's one sync is
+        # the global loss below
+        count, weighted, several = 0.0, [], len(micro) > 1
         for m, piece in enumerate(micro):
             last = m == len(micro) - 1
             with self._span("forward"):
                 loss, n = self._loss(piece)
-            count += float(n)
-            if last:
-                self._scale_grads(1.0 / count if len(micro) > 1 else 1.0)
-            scale = float(n) / count if last else float(n)
-            weighted.append(loss.detach() * float(n))
+            count = count + n
+            if last and several:
+                self._scale_grads(1.0 / count)
+            weighted.append(loss.detach() * n)
             with self._span("backward"), (contextlib.nullcontext() if last else self.reducer.no_sync()):
-                (loss * scale).backward() if scale != 1.0 else loss.backward()
+                if not several:
+                    loss.backward()
+                else:
+                    (loss * (n / count if last else n)).backward()
         self.reducer.finish()
         self.peak_state_bytes = self.memory_bytes()  # gradients are at their peak here
         value = self._global(sum(weighted) / count)
@@ -229,8 +240,9 @@ class RankExecutor:
             self.reducer.attach_grad_views()
             raise NonFiniteLoss(self.steps_done, self.mesh.rank, value)
 
-    def _scale_grads(self, factor: float) -> None:
-        if factor == 1.0:
+    def _scale_grads(self, factor) -> None:
+        """Multiply every gradient by factor (a float, or a 0-dim tensor on the device)."""
+        if isinstance(factor, float) and factor == 1.0:
             return
         grads = [param.grad for param in self.params if param.grad is not None]
         if grads:
@@ -264,8 +276,8 @@ class RankExecutor:
     @torch.no_grad()
     def evaluate(self, batch: tuple) -> float:
         pieces = [self._loss(piece) for piece in self._split(batch)]
-        count = sum(float(n) for _, n in pieces)
-        return self._global(sum(loss * float(n) for loss, n in pieces) / count)
+        count = sum(n for _, n in pieces)
+        return self._global(sum(loss * n for loss, n in pieces) / count)
 
     # ------------------------------------------------------------------ checkpoints (full tensors)
     def _named_params(self) -> dict[str, tuple]:
@@ -352,7 +364,9 @@ class RankExecutor:
                     if full.dim() else full
                 if spec.zero3 and full.dim():
                     local = shard_of(local, self.mesh.comm("dp"))
-                local_state.setdefault(name, {})[field] = local.clone()
+                # Adam's 0-dim 'step' stays where torch keeps it (the CPU unless capturable/fused)
+                local_state.setdefault(name, {})[field] = _to_device(local, self.device) if full.dim() \
+                    else local.clone()
         self._set_optimizer_state(local_state)
         inner = self.optimizer.inner if isinstance(self.optimizer, ZeroOptimizer) else self.optimizer
         for group, saved in zip(inner.param_groups, meta.get("param_groups", [])):
@@ -420,6 +434,11 @@ class RankExecutor:
         """The state tensors this rank holds (a pipeline rank: its stages')."""
         return {spec.name: self.state[spec.placeholder].detach() for spec in self.program.state
                 if spec.placeholder in self.state}
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A private copy of t on `device` (one copy, whether or not it moves)."""
+    return t.to(device, copy=True)
 
 
 def _forget(seen: dict, key: int, token: object) -> None:

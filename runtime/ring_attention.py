@@ -110,8 +110,9 @@ def _position(chunks: Sequence[Chunk], index: int) -> int:
     raise IndexError(f"local index {index} is outside the chunks {chunks}")
 
 
-def _positions(chunks: Sequence[Chunk]) -> torch.Tensor:
-    return torch.cat([torch.arange(c.position, c.position + c.length) for c in chunks])
+def _positions(chunks: Sequence[Chunk], device: torch.device) -> torch.Tensor:
+    """Global positions of a rank's rows, on the device of the scores they mask."""
+    return torch.cat([torch.arange(c.position, c.position + c.length, device=device) for c in chunks])
 
 
 def _check_layout(layout: str, s_local: int) -> None:
@@ -185,14 +186,15 @@ class _Ring:
     scale: float
 
     @classmethod
-    def build(cls, comm: Comm, s_local: int, d: int, causal: bool, scale: float | None, layout: Layout):
+    def build(cls, comm: Comm, s_local: int, d: int, causal: bool, scale: float | None, layout: Layout,
+              device: torch.device):
         n, r = comm.size, comm.rank
         chunks = [layout_chunks(layout, b, n, s_local) for b in range(n)]
         return cls(
             comm,
             ring_schedule(layout, r, n, s_local, causal=causal),
-            _positions(chunks[r]),
-            [_positions(chunks[(r - s) % n]) for s in range(n)],
+            _positions(chunks[r], device),
+            [_positions(chunks[(r - s) % n], device) for s in range(n)],
             1.0 / math.sqrt(d) if scale is None else float(scale),
         )
 
@@ -252,7 +254,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 class _RingAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm: Comm, causal: bool, scale: float | None, layout: Layout):
-        ring = _Ring.build(comm, q.shape[-2], q.shape[-1], causal, scale, layout)
+        ring = _Ring.build(comm, q.shape[-2], q.shape[-1], causal, scale, layout, q.device)
         qc = q.to(_compute_dtype(q.dtype))
         out, lse = _ring_forward(ring, qc, k, v)
         ctx.ring = ring
