@@ -710,12 +710,28 @@ def solo_comm(axis: str, global_rank: int, timeout: float) -> ThreadComm:
 
 
 class ShapeComm(Comm):
-    """Collectives that give results of the right shape and dtype without any peer: rank 0 of a
-    group of `size` that is alone. With fake tensors, this lets one rank's program run for its
+    """Collectives that give results of the right shape, dtype and device without any peer: rank
+    `rank` of a group of `size` that is alone. With fake tensors, this lets one rank's program run for its
     shapes and memory alone (usc.lint's activation estimate) on a mesh of any size."""
 
-    def __init__(self, axis: str, size: int, timeout: float = 1.0):
-        super().__init__(axis=axis, rank=0, group_ranks=tuple(range(size)), timeout=timeout)
+    def __init__(self, axis: str, size: int, timeout: float = 1.0, rank: int = 0,
+                 device: torch.device | None = None):
+        super().__init__(axis=axis, rank=rank, group_ranks=tuple(range(size)), timeout=timeout)
+        self.device = device  # set: refuse tensors elsewhere, as NCCL refuses host tensors
+
+    def _run(self, kind, t, async_op, launch, **options):
+        self._check_device(kind, t)
+        return super()._run(kind, t, async_op, launch, **options)
+
+    def batch_p2p(self, sends, recvs):
+        for t, _ in [*sends, *recvs]:
+            self._check_device("send/recv", t)
+        return super().batch_p2p(sends, recvs)
+
+    def _check_device(self, kind: str, t: torch.Tensor | None) -> None:
+        if self.device is not None and isinstance(t, torch.Tensor) and t.device != self.device:
+            raise CollectiveError(self.context(kind), f"a {t.device} tensor {list(t.shape)} handed to a "
+                                  f"collective of a program on {self.device}")
 
     def _all_reduce(self, t, op, async_op):
         return t.clone(), Work()

@@ -37,15 +37,36 @@ def default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optim
 
 
 def bind_graph(gm: fx.GraphModule, mesh) -> fx.GraphModule:
-    """A rank's copy of the program: its own collective modules bound to its mesh, graph shared."""
+    """A rank's copy of the program: its own collective modules bound to its mesh, graph shared
+    (copied when its factory calls must move to the mesh's device)."""
     modules = {}
     for name, module in gm.named_children():
         mine = copy.deepcopy(module)
         for part in mine.modules():  # pipeline stages nest their collectives one level down
             if hasattr(part, "bind") and not isinstance(part, fx.GraphModule):
                 part.bind(mesh)
+            elif isinstance(part, fx.GraphModule) and _move_factories(part.graph, mesh.device):
+                part.recompile()
         modules[name] = mine
-    return fx.GraphModule(modules, gm.graph, class_name="RankProgram")
+    graph = gm.graph
+    if _factory_devices(graph, mesh.device):
+        graph = copy.deepcopy(graph)
+        _move_factories(graph, mesh.device)
+    return fx.GraphModule(modules, graph, class_name="RankProgram")
+
+
+def _factory_devices(graph: fx.Graph, device: torch.device) -> list[fx.Node]:
+    """Nodes that create a tensor on another device than `device`: torch.export bakes the tracing
+    device into factory calls (arange, zeros, full, ...), and the program runs on the mesh's."""
+    return [n for n in graph.nodes if n.op == "call_function"
+            and isinstance(n.kwargs.get("device"), torch.device) and n.kwargs["device"] != device]
+
+
+def _move_factories(graph: fx.Graph, device: torch.device) -> bool:
+    nodes = _factory_devices(graph, device)
+    for node in nodes:
+        node.kwargs = {**node.kwargs, "device": device}
+    return bool(nodes)
 
 
 class RankExecutor:
@@ -139,10 +160,11 @@ class RankExecutor:
             raise ValueError(f"input '{spec.placeholder}' has shape {list(value.shape)} but the model was compiled "
                              f"for {list(spec.global_shape)}; pass the same global batch shape on every step "
                              "(compile again for another shape)")
+        value = value.to(self.device)  # the batch is small: cut and permute it where it is used
         for axis, placement in zip(self.program.mesh.axes, spec.layout.placements):
             if axis in self.program.mesh.zigzag and hasattr(placement, "dim"):
                 value = zigzag_permute(value, placement.dim, self.mesh.size(axis))
-        return local_chunk(value, spec.layout.placements, self.mesh.shape, self.mesh.coord).to(self.device)
+        return local_chunk(value, spec.layout.placements, self.mesh.shape, self.mesh.coord)
 
     def _loss(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor | float]:
         """(loss, count): count is the global number of tokens the loss averaged over when the
@@ -182,6 +204,11 @@ class RankExecutor:
             value = value.float()
         for axis in self.program.loss_partial_axes:
             value = self.mesh.comm(axis).all_reduce(value)
+        return self._to_host(value)
+
+    def _to_host(self, value: torch.Tensor, assumed: float = 1.0) -> float:
+        """A host sync: the step's one, and the rare checks. `assumed` is what a fake rank, whose
+        tensors hold no data (usc/testing/fake_device.py replaces this method), takes it to be."""
         return float(value)
 
     def set_timeline(self, timeline: Timeline | None) -> None:
@@ -351,7 +378,7 @@ class RankExecutor:
             if spec.zero3:
                 local = shard_of(local, self.mesh.comm("dp"))
             with torch.no_grad():
-                self.state[spec.placeholder].copy_(local)
+                self.state[spec.placeholder].copy_(local.to(self.device))
         local_state: dict[str, dict[str, torch.Tensor]] = {}
         params = self._named_params()
         for key, full in tensors.items():
@@ -405,7 +432,7 @@ class RankExecutor:
             seen = {}
             for t in tensors:
                 if isinstance(t, torch.Tensor) and t.dim() > 0:
-                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                    seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()  # also unique for fake tensors
             return sum(seen.values())
 
         grads = [p.grad for p in self.params] + [b.shard_grad for b in self.reducer.buckets]
@@ -460,11 +487,9 @@ def fake_rank_zero(program, **options):
     its input shapes: no memory, no processes, any mesh size. Yields (executor, batch)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .comm import ShapeComm
-    from .mesh import Mesh
+    from .mesh import shape_mesh
 
-    mesh = Mesh(program.mesh.axes, program.mesh.shape, 0, torch.device("cpu"),
-                {a: ShapeComm(a, n) for a, n in zip(program.mesh.axes, program.mesh.shape)})
+    mesh = shape_mesh(program.mesh.axes, program.mesh.shape, 0)
     with FakeTensorMode(allow_non_fake_inputs=True):
         state = {}
         for spec in program.state:

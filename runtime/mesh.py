@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import Comm, ProcessGroupComm, ThreadComm, ThreadGroup, solo_comm
+from .comm import Comm, ProcessGroupComm, ShapeComm, ThreadComm, ThreadGroup, solo_comm
 from .errors import CollectiveContext, CollectiveTimeout, LaunchError
 from .timeline import Timeline
 
@@ -248,6 +248,19 @@ def simulated_meshes(axes: Sequence[str], shape: Sequence[int], *, timeout: floa
             for group_rank, rank in enumerate(ranks):
                 comms[rank][axis] = ThreadComm(group, group_rank, axis=axis, timeout=timeout)
     return [Mesh(axes, shape, r, torch.device(device), comms[r], timeout) for r in range(world)]
+
+
+def shape_mesh(axes: Sequence[str], shape: Sequence[int], rank: int, device: str | torch.device = "cpu") -> Mesh:
+    """Rank `rank` alone, with peerless collectives of the right shapes (ShapeComm) on every axis
+    and joint axis: one rank's program runs on fake tensors for any mesh size, on any device (a
+    fake 'cuda' device on a machine without one)."""
+    axes, shape, device = tuple(axes), tuple(int(s) for s in shape), torch.device(device)
+    coord = coord_of_rank(rank, shape)
+    comms: dict[str, Comm] = {a: ShapeComm(a, n, rank=c, device=device) for a, n, c in zip(axes, shape, coord)}
+    for joint, (merged, index) in _joint_axes(axes, shape).items():
+        inner = coord[index] * shape[index + 1] + coord[index + 1]
+        comms[joint] = ShapeComm(joint, merged[index], rank=inner, device=device)
+    return Mesh(axes, shape, rank, device, comms)
 
 
 # ================================================================================ run_in_threads

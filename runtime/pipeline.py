@@ -164,7 +164,7 @@ class InFlight:
 
     received: dict[tuple[int, int], torch.Tensor]
     outputs: list[torch.Tensor]
-    count: float = 1.0
+    count: torch.Tensor | float = 1.0  # the loss's token count (a device tensor when the program gives it)
     weight_work: WeightWork | None = None  # what W still owes after I
 
 
@@ -305,7 +305,8 @@ class PipelineMixin:
             for index in messages_from(self.specs, stage, consumer):
                 out = outputs[index]
                 self._put((stage, consumer, index), FORWARD, mb, out.detach().to(self._wire(out.dtype)))
-        count = float(outputs[1]) if stage == self._last_stage and len(outputs) > 1 else 1.0
+        # the token count stays on the device: the step's one host sync is the global loss
+        count = outputs[1].detach().to(torch.float64) if stage == self._last_stage and len(outputs) > 1 else 1.0
         return InFlight(received, outputs, count)
 
     def _input_values(self, piece: tuple) -> dict[str, torch.Tensor]:
@@ -388,11 +389,13 @@ class PipelineMixin:
 
     def _pipeline_global(self, total: torch.Tensor, count: float) -> tuple[torch.Tensor, float]:
         """The last stage's (token-weighted loss sum, count), on every pp rank."""
-        both = torch.stack([total.double(), torch.tensor(count, dtype=torch.float64, device=self.device)])
+        count = count if isinstance(count, torch.Tensor) else torch.full((), count, dtype=torch.float64,
+                                                                          device=self.device)
+        both = torch.stack([total.double(), count])
         if not self._last:
             both = torch.zeros_like(both)
         both = self.pp.all_reduce(both)
-        return both[0], float(both[1])
+        return both[0], self._to_host(both[1])
 
     def step(self, batch: tuple) -> float:
         total, count = self._run_schedule(batch, train=True)
@@ -440,8 +443,8 @@ class PipelineMixin:
         in program order (each entry is one pp collective, so all ranks must list the same)."""
         mine = self._local_optimizer_state()
         examples = {key: value for state in mine.values() for key, value in state.items()}
-        agreed = self.pp.all_reduce(torch.tensor([float(len(examples))], device=self.device), op="max")
-        if int(agreed) != len(examples):
+        agreed = self.pp.all_reduce(torch.full((1,), float(len(examples)), device=self.device), op="max")
+        if int(self._to_host(agreed, assumed=len(examples))) != len(examples):
             raise RuntimeError("pipeline ranks hold different optimizer state keys; every stage needs a "
                                "trainable parameter that has taken a step before a checkpoint")
         entries = []
