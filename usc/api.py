@@ -29,6 +29,7 @@ class Compiled(_Compiled):
     """
 
     _executor: RankExecutor | None = None
+    device: str | torch.device | None = None  # None: cuda:LOCAL_RANK under torchrun with CUDA, else the CPU
 
     def _rank(self) -> RankExecutor:
         if self._executor is None:
@@ -45,8 +46,8 @@ class Compiled(_Compiled):
                 f"`torchrun --nproc-per-node {world} your_script.py` (more nodes: --nnodes), or use "
                 f"usc.simulate(...) to run every rank in this process")
         if world == 1 and launched == 1:
-            return simulated_meshes(axes, shape, timeout=self.timeout)[0]
-        return Mesh.from_environment(axes, shape, timeout=self.timeout)
+            return simulated_meshes(axes, shape, timeout=self.timeout, device=self.device or "cpu")[0]
+        return Mesh.from_environment(axes, shape, timeout=self.timeout, device=self.device)
 
     def step(self, *batch, trace: str | None = None) -> float:
         """One optimizer step on the global batch (a tuple, a dict of keyword arguments or a tensor);
@@ -120,12 +121,14 @@ class Simulated(_Compiled):
     """Every rank of the mesh in this process (one thread per rank, in-memory collectives)."""
 
     def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None,
-                 optimizer: OptimizerFactory | None = None) -> None:
+                 optimizer: OptimizerFactory | None = None, device: str | torch.device = "cpu") -> None:
         if example_inputs is None:
             raise TypeError("usc.simulate needs example_inputs=(...) (the global batch)")
         super().__init__(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
         self._ensure_built(())
-        self.meshes = simulated_meshes(tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), timeout=self.timeout)
+        self.device = device  # every simulated rank computes there (one GPU holds the whole mesh)
+        self.meshes = simulated_meshes(tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), timeout=self.timeout,
+                                       device=device)
         state = _full_state(self.model, self._traced)
         self.ranks = [self._make_executor(mesh, state, optimizer) for mesh in self.meshes]
 
@@ -186,7 +189,7 @@ class Simulated(_Compiled):
 
 
 def compile(model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
-            optimizer: OptimizerFactory | None = None) -> Compiled:
+            optimizer: OptimizerFactory | None = None, device: str | torch.device | None = None) -> Compiled:
     """Compile ``model`` for the mesh in ``plan`` and return this torchrun process's program.
 
     >>> import usc, torch
@@ -196,11 +199,13 @@ def compile(model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=
     >>> isinstance(step.step(*batch), float)
     True
     """
-    return Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+    compiled = Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+    compiled.device = device
+    return compiled
 
 
 def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None,
-             optimizer: OptimizerFactory | None = None) -> Simulated:
+             optimizer: OptimizerFactory | None = None, device: str | torch.device = "cpu") -> Simulated:
     """Compile ``model`` and run every rank of the mesh in this process.
 
     >>> import usc
@@ -210,7 +215,7 @@ def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None
     >>> isinstance(sim.step(*batch), float)
     True
     """
-    return Simulated(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+    return Simulated(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer, device=device)
 
 
 def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, hardware=None) -> Report:
