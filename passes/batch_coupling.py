@@ -45,7 +45,7 @@ from usc.runtime.collectives import AllGather, AllReduce, AllToAll, LocalShard, 
 
 from .graph_edit import shape_of, val
 from .propagate import propagate_pass
-from .random_ops import DRAW
+from .random_ops import DRAW, random_ops_pass
 
 aten = torch.ops.aten
 VIRTUAL = "dp"
@@ -56,12 +56,14 @@ OPTIONS = ("options: mb=1 (no microbatching); batch_coupling=per_microbatch (eac
 
 
 def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...] = (),
-                        params: frozenset[str] = frozenset()) -> fx.GraphModule:
-    """Make the microbatch losses combine exactly, or refuse (see the module docstring)."""
+                        params: frozenset[str] = frozenset(), probe: fx.GraphModule | None = None) -> fx.GraphModule:
+    """Make the microbatch losses combine exactly, or refuse (see the module docstring).
+    ``probe``: the model traced on two samples, analysed in place of a graph whose microbatch holds
+    one (its nodes carry the same names)."""
     microbatches = int(ctx.plan.get("mb"))
     if microbatches == 1:
         return gm
-    virtual = _virtual_propagation(gm, ctx, user_inputs, params)
+    virtual = _virtual_propagation(gm if probe is None else _with_draws(probe, ctx), ctx, user_inputs, params)
     _set_draw_batch_dims(gm, virtual, microbatches)
     if ctx.plan.get("batch_coupling") == "per_microbatch":
         gm.meta["usc_loss_combine"] = "per_microbatch"
@@ -82,6 +84,12 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
 
 
 # ------------------------------------------------------------------ the proof over a virtual dp axis
+
+def _with_draws(probe: fx.GraphModule, ctx) -> fx.GraphModule:
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(probe.graph, {}))
+    return random_ops_pass(fx.GraphModule(probe, graph), ctx)
+
 
 def _virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.GraphModule:
     """A copy of the graph propagated with the batch's dim 0 sharded over a 2-way dp axis."""
@@ -290,6 +298,9 @@ REDUCTIONS = {
 }
 
 
+TOKEN_LOSSES = {aten.cross_entropy_loss.default}
+
+
 def _kind(term: Term, layouts: dict[str, Layout]) -> str:
     """How a term combines over microbatches: 'constant', 'sum', 'mean', 'token_mean' or 'other'."""
     if not term.batch_dependent:
@@ -298,7 +309,13 @@ def _kind(term: Term, layouts: dict[str, Layout]) -> str:
     reduction = reduce(term.root) if reduce is not None else None
     source = term.root.all_input_nodes[0] if term.root.all_input_nodes else None
     placement = layouts[source.name].placements[0] if source is not None and source.name in layouts else None
-    if reduction is None or placement is None:
+    if reduction is None:
+        return "other"
+    if term.root.target in TOKEN_LOSSES:
+        # its expansion looks through the flatten and shift before it (their gathers die); a gather
+        # that stays is a coupling, refused before the terms are read
+        return reduction
+    if placement is None:
         return "other"
     if isinstance(placement, Partial) and placement.reduce_op == "sum" and reduction != "token_mean":
         return "sum"  # a reduction of a batch sum is itself a sum over microbatches

@@ -151,11 +151,18 @@ RANDOM_RULES: dict[object, Callable[[_Rewriter], fx.Node | None]] = {
 }
 
 
+def _attention_dropout(node: fx.Node) -> float:
+    args = node.args
+    return float(args[4] if len(args) > 4 else node.kwargs.get("dropout_p", 0.0))
+
+
 def is_random(node: fx.Node) -> bool:
     """Draws from torch's generator (not usc's counter-based one)."""
     target = node.target
     if target in RANDOM_RULES:
         return True
+    if target is aten.scaled_dot_product_attention.default:
+        return _attention_dropout(node) > 0.0  # tagged seeded, but draws only with dropout on
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags \
         and target is not DRAW
 
@@ -179,6 +186,12 @@ def random_ops_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 
 def _no_counter_form(node: fx.Node) -> CompileError:
     where, src = module_path(node) or "<root>", user_source(node)
+    if node.target is aten.scaled_dot_product_attention.default:
+        return CompileError(
+            f"scaled_dot_product_attention in module '{where}'{f' ({src})' if src else ''} applies dropout "
+            f"(dropout_p={_attention_dropout(node)}) inside the fused kernel, drawing from torch's generator: its "
+            "masks would differ between ranks and from one device\n  fix: set the attention dropout to 0, or use "
+            "the model's eager attention (Hugging Face: attn_implementation='eager'), whose dropout usc draws")
     supported = ", ".join(sorted(str(t).replace("aten.", "") for t in RANDOM_RULES))
     return CompileError(
         f"{node.target} in module '{where}'{f' ({src})' if src else ''} draws random numbers from torch's "
