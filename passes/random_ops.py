@@ -138,7 +138,19 @@ def _normal(r: _Rewriter) -> fx.Node:
     return r.draw(shape, dtype, "normal", r.node.kwargs.get("mean", mean), r.node.kwargs.get("std", std), like=x)
 
 
+def _bernoulli_p_like(r: _Rewriter) -> fx.Node:
+    """bernoulli_(x, p): x's shape and dtype, drawn with probability p."""
+    x = r.node.args[0]
+    p = r.node.kwargs.get("p", r.node.args[1] if len(r.node.args) > 1 else 0.5)
+    shape, dtype = _shape_dtype(x)
+    return r.draw(shape, dtype, "bernoulli", p, like=x)
+
+
+# In-place draws into a tensor (``empty_like(x).uniform_(a, b)``): its later readers read the draw.
+IN_PLACE = {aten.uniform_.default: _uniform, aten.normal_.default: _normal, aten.bernoulli_.float: _bernoulli_p_like}
+
 RANDOM_RULES: dict[object, Callable[[_Rewriter], fx.Node | None]] = {
+    **IN_PLACE,
     aten.dropout.default: _dropout,
     aten.bernoulli.default: _bernoulli,
     aten.bernoulli.p: _bernoulli_p,
@@ -177,11 +189,20 @@ def random_ops_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         rule = RANDOM_RULES.get(node.target)
         if rule is None:
             raise _no_counter_form(node)
-        node.replace_all_uses_with(rule(_Rewriter(gm, node, op)))
+        new = rule(_Rewriter(gm, node, op))
+        if node.target in IN_PLACE:
+            _read_after(gm, node, node.args[0], new)
+        node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _read_after(gm: fx.GraphModule, node: fx.Node, written: fx.Node, value: fx.Node) -> None:
+    """Readers of the tensor an in-place draw wrote, after the write, read the draw."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    written.replace_all_uses_with(value, delete_user_cb=lambda user: order.get(user, -1) > order[node])
 
 
 def _no_counter_form(node: fx.Node) -> CompileError:

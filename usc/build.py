@@ -117,8 +117,9 @@ class _Compiled:
         if stamp and not moe_blocks:
             from usc.compiler.stamp import trace_stamped
 
-            return trace_stamped(self.model, microbatch, wrapper_source=self._loss_source)
-        traced = trace(self.model, microbatch, wrapper_source=self._loss_source, moe_blocks=moe_blocks)
+            traced = trace_stamped(self.model, microbatch, wrapper_source=self._loss_source)
+        else:
+            traced = trace(self.model, microbatch, wrapper_source=self._loss_source, moe_blocks=moe_blocks)
         if int(self.plan.get("mb")) > 1 and _samples(microbatch) == 1:
             pair = tuple(v[:2] if isinstance(v, torch.Tensor) and v.dim() else v for v in batch)
             traced.batch_probe = trace(self.model, pair, wrapper_source=self._loss_source, moe_blocks=moe_blocks)

@@ -123,11 +123,13 @@ def assert_equivalent(model_factory: Callable[[], nn.Module], plan: str, batches
     steps = steps or len(batches)
     batches = [batches[i % len(batches)] for i in range(steps)]
     torch.manual_seed(0)
-    reference = model_factory()
+    kind, reference = reference, model_factory()
     mesh_model = model_factory()
     mesh_model.load_state_dict(reference.state_dict())
     parsed = usc.Plan(plan) if isinstance(plan, str) else plan
-    if reference == "usc":
+    if kind not in ("eager", "usc"):
+        raise ValueError(f"reference must be 'eager' or 'usc', not {kind!r}")
+    if kind == "usc":
         ref_losses, ref_state = usc_reference_run(reference, batches, optimizer,
                                                   seed=int(parsed.get("seed")))
         grad_max = {}
