@@ -63,13 +63,18 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
     microbatches = int(ctx.plan.get("mb"))
     if microbatches == 1:
         return gm
+    per_microbatch = ctx.plan.get("batch_coupling") == "per_microbatch"
+    draws = any(n.target is DRAW for n in gm.graph.nodes)
+    if per_microbatch and not draws:
+        gm.meta["usc_loss_combine"] = "per_microbatch"
+        return gm
     virtual = _virtual_propagation(gm if probe is None else _with_draws(probe, ctx), ctx, user_inputs, params)
     _set_draw_batch_dims(gm, virtual, microbatches)
-    if ctx.plan.get("batch_coupling") == "per_microbatch":
+    if per_microbatch:
         gm.meta["usc_loss_combine"] = "per_microbatch"
         gm.recompile()
         return gm
-    coupling = _first_coupling(virtual)
+    coupling = _first_coupling(virtual, user_inputs)
     if coupling is not None:
         raise ctx.plan.error_at("mb", f"mb={microbatches} runs the batch in microbatches, but {coupling}",
                                 hint=OPTIONS)
@@ -125,16 +130,33 @@ def _batch_size(gm: fx.GraphModule, user_inputs) -> int:
     return next((s[0] for s in shapes if s), 1)
 
 
-def _first_coupling(virtual: fx.GraphModule) -> str | None:
+def _first_coupling(virtual: fx.GraphModule, user_inputs) -> str | None:
     """A collective on the virtual axis other than a token count's sum (the runtime weights by it)."""
-    counts = _token_counts(virtual)
+    counts, dependent = _token_counts(virtual), _batch_dependent(virtual, user_inputs)
     for node in virtual.graph.nodes:
         if node.op != "call_module" or node in counts:
             continue
         module = virtual.get_submodule(node.target)
-        if isinstance(module, COUPLING_COLLECTIVES) and module.axis == VIRTUAL:
+        if isinstance(module, COUPLING_COLLECTIVES) and module.axis == VIRTUAL and not _sums_the_loss(node, module, dependent):
             return _describe_coupling(node, module)
     return None
+
+
+def _sums_the_loss(node: fx.Node, module, dependent: set[fx.Node]) -> bool:
+    """A scalar's sum over the batch that reaches the loss only through its linear combination
+    (a batch-independent term added to a partial loss forces it): the microbatch weights sum it."""
+    if not (isinstance(module, AllReduce) and module.op == "sum" and shape_of(node) == ()):
+        return False
+    todo, seen = [node], set()
+    while todo:
+        for user in todo.pop().users:
+            if user in seen or user.op == "output":
+                continue
+            if user.target not in LINEAR or shape_of(user) != () or LINEAR[user.target](user, dependent) is None:
+                return False
+            seen.add(user)
+            todo.append(user)
+    return True
 
 
 def _token_counts(virtual: fx.GraphModule) -> set[fx.Node]:

@@ -58,6 +58,23 @@ class _AllReduceSumFn(torch.autograd.Function):
         return grad, None
 
 
+class _AllReduceMaxFn(torch.autograd.Function):
+    """Partial(max) -> Replicate with the gradient of a max over the whole dim: it flows to the
+    elements equal to the maximum, split evenly among ties (as torch.amax does) across ranks too."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        out = comm.all_reduce(x.detach().clone(), "max")
+        hit = (x.detach() == out).to(x.dtype)
+        ctx.save_for_backward(hit / comm.all_reduce(hit.clone(), "sum"))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (share,) = ctx.saved_tensors
+        return grad * share, None
+
+
 class _GradAllReduceFn(torch.autograd.Function):
     """Megatron f: the input is used by every rank, so its gradient is the sum over ranks."""
 
@@ -158,7 +175,7 @@ class CollectiveNode(nn.Module):
 
 
 class AllReduce(CollectiveNode):
-    """Megatron g: all-reduce forward (sum, or max without gradient), identity backward."""
+    """Megatron g: all-reduce forward (sum, or max), identity backward (max: to the maximum's owner)."""
 
     kind = "all-reduce"
 
@@ -172,8 +189,10 @@ class AllReduce(CollectiveNode):
         comm = self.comm
         if comm.size == 1:
             return x
-        if self.op == "max":  # used for stable softmax offsets: no gradient flows through max
-            return comm.all_reduce(x.detach(), "max")
+        if self.op == "max":
+            if not x.requires_grad:  # stable softmax offsets are detached: one all-reduce
+                return comm.all_reduce(x.detach(), "max")
+            return _AllReduceMaxFn.apply(x, comm)
         return _AllReduceSumFn.apply(x, comm)
 
     def forward_collective(self) -> str | None:

@@ -95,14 +95,29 @@ def test_all_reduce_is_megatron_g_and_grad_all_reduce_is_f(size):
         torch.testing.assert_close(x_grad, sum(loss_weights))
 
 
-def test_all_reduce_max_has_no_gradient():
+def test_all_reduce_max_gradient_goes_to_the_maximum():
+    """A max over a sharded dim (amax over the batch under dp): its gradient reaches the elements
+    equal to the maximum, split among ties across ranks, as torch.amax over the whole dim does."""
     def rank(mesh):
-        x = torch.tensor([float(mesh.rank), -float(mesh.rank)], requires_grad=True)
+        x = torch.tensor([float(mesh.rank), -float(mesh.rank), 1.0], requires_grad=True)
         y = AllReduce("tp", op="max").bind(mesh)(x)
-        return y, y.requires_grad
+        (y * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+        return y.detach(), x.grad
 
-    for y, requires_grad in _on_ranks(4, rank):
-        assert y.tolist() == [3.0, 0.0] and not requires_grad
+    full = torch.tensor([[float(r), -float(r), 1.0] for r in range(4)], requires_grad=True)
+    (full.amax(0) * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    for r, (y, grad) in enumerate(_on_ranks(4, rank)):
+        assert y.tolist() == [3.0, 0.0, 1.0]
+        assert torch.equal(grad, full.grad[r])
+
+
+def test_all_reduce_max_of_a_detached_offset_has_no_gradient():
+    def rank(mesh):
+        x = torch.tensor([float(mesh.rank), -float(mesh.rank)])
+        return AllReduce("tp", op="max").bind(mesh)(x)
+
+    for y in _on_ranks(4, rank):
+        assert y.tolist() == [3.0, 0.0] and not y.requires_grad
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
