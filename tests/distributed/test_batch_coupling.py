@@ -183,7 +183,7 @@ def mixtral():
                                      num_experts_per_tok=2, max_position_embeddings=32, output_router_logits=True,
                                      router_aux_loss_coef=0.5, attn_implementation="sdpa", use_cache=False)
     torch.manual_seed(0)
-    return RouterLoss(transformers.MixtralForCausalLM(cfg)).double()
+    return RouterLoss(transformers.MixtralForCausalLM(cfg))  # float32: HF's grouped expert matmul has no float64
 
 
 def qwen2_moe():
@@ -193,7 +193,7 @@ def qwen2_moe():
                                       max_position_embeddings=32, output_router_logits=True, router_aux_loss_coef=0.5,
                                       attn_implementation="sdpa", use_cache=False, decoder_sparse_step=1)
     torch.manual_seed(0)
-    return RouterLoss(transformers.Qwen2MoeForCausalLM(cfg)).double()
+    return RouterLoss(transformers.Qwen2MoeForCausalLM(cfg))
 
 
 def tokens(n: int = 2):
@@ -213,4 +213,4 @@ def test_moe_load_balancing_loss_is_refused_under_microbatches(factory):
 
 @pytest.mark.parametrize("factory", [mixtral, qwen2_moe], ids=["mixtral", "qwen2_moe"])
 def test_moe_load_balancing_loss_per_microbatch_equals_its_definition(factory):
-    assert_equivalent(factory, "pp=2 mb=2 batch_coupling=per_microbatch", tokens(), **FLOAT64)
+    assert_equivalent(factory, "pp=2 mb=2 batch_coupling=per_microbatch", tokens(), **SGD)
