@@ -101,6 +101,7 @@ def _virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.Gra
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     copy = fx.GraphModule(gm, graph)
+    _functional_twins(copy)
     mesh = MeshSpec((VIRTUAL,), (_virtual_size(_batch_size(gm, user_inputs)),))
     layouts = {name: Layout((Shard(0),)) for name in user_inputs if _rank(gm, name) > 0}
     plan = ctx.plan.with_options(mb=1, sp=None, cp_mode=None)
@@ -111,6 +112,25 @@ def _virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.Gra
         raise ctx.plan.error_at("mb", f"mb={ctx.plan.get('mb')} runs the batch in microbatches, and usc cannot show "
                                       f"that the program treats samples independently: {err}",
                                 hint=f"{OPTIONS}{'; ' + hint if hint else ''}") from None
+
+
+def _functional_twins(gm: fx.GraphModule) -> None:
+    """In-place ops (``div_`` in a router) read as their out-of-place twins: what they couple is the
+    same, and the sharding rules are written for the twins."""
+    for node in gm.graph.nodes:
+        twin = _twin(node.target)
+        if twin is not None:
+            node.target = twin
+
+
+def _twin(target):
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    name = target._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
 
 
 def _virtual_size(batch: int) -> int:

@@ -81,7 +81,9 @@ class LossOf(nn.Module):
         self.m = model
 
     def forward(self, ids, labels):
-        return self.m(input_ids=ids, labels=labels).loss
+        """The causal-LM loss in the model's dtype (Hugging Face's own loss upcasts to float32)."""
+        logits = self.m(input_ids=ids).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
 
 
 def batches(n: int, batch: int = 4, seq: int = 10):
