@@ -9,12 +9,14 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _make_graph_module
 
-from usc.compiler.errors import ShardingError
+from usc.compiler.errors import ShardingError, UnsupportedOpError
+from usc.compiler.functional import input_write_warnings
 from usc.compiler.ir import MeshSpec
 from usc.compiler.pass_runner import CompileContext, PassSpec, run_pipeline
 from usc.compiler.program import Program, build_program
 from usc.compiler.trace import Traced
 
+from . import functional_rules  # noqa: F401 - registers the rules of functionalized writes
 from .fusion import fusion_pass
 from .expert_parallel import expert_layouts
 from .batch_coupling import batch_coupling_pass
@@ -106,6 +108,7 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
     program = build_program(gm, mesh, traced.state, traced.user_inputs, tp.choices, ctx.timings)
     program.warnings.extend(plan_warnings(mesh, plan))
     program.warnings.extend(f"pp split: {note}" for note in gm.meta.get("usc_split_notes", ()))
+    program.warnings.extend(input_write_warnings(traced.gm))
     return program
 
 
@@ -134,6 +137,8 @@ def _cols_at_fault(err: ShardingError, group, replicated_cols) -> list[str]:
 
 
 def _as_plan_error(plan, err: ShardingError):
+    if isinstance(err, UnsupportedOpError):
+        return err  # the graph's problem, not the plan text's: no caret into the plan
     axis = getattr(err, "axis", None) or "tp"
     return plan.error_at(axis, str(err), hint=err.hint or None)
 

@@ -349,8 +349,8 @@ def _kind(term: Term, layouts: dict[str, Layout]) -> str:
         return "constant"
     reduce = REDUCTIONS.get(term.root.target)
     reduction = reduce(term.root) if reduce is not None else None
-    source = term.root.all_input_nodes[0] if term.root.all_input_nodes else None
-    placement = layouts[source.name].placements[0] if source is not None and source.name in layouts else None
+    source = _laid_out_source(term.root, layouts)
+    placement = layouts[source.name].placements[0] if source is not None else None
     if reduction is None:
         return "other"
     if term.root.target in TOKEN_LOSSES:
@@ -362,6 +362,25 @@ def _kind(term: Term, layouts: dict[str, Layout]) -> str:
     if isinstance(placement, Partial) and placement.reduce_op == "sum" and reduction != "token_mean":
         return "sum"  # a reduction of a batch sum is itself a sum over microbatches
     return reduction if isinstance(placement, Shard) else "other"
+
+
+# Ops that keep the batch outermost: a loss expansion may peel them (``loss(x.view(-1, V), ...)`` is
+# rewritten on ``x``), so the propagated copy no longer holds them; their input's layout decides.
+_BATCH_KEEPING = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+                  aten.slice.Tensor)
+
+
+def _laid_out_source(root: fx.Node, layouts: dict[str, Layout]) -> fx.Node | None:
+    """The loss term's input, or the nearest value it views whose layout the propagation recorded."""
+    node = root.all_input_nodes[0] if root.all_input_nodes else None
+    while node is not None and node.name not in layouts and node.op == "call_function" \
+            and node.target in _BATCH_KEEPING and (node.target is not aten.slice.Tensor or _dim(node) != 0):
+        node = node.args[0]
+    return node if node is not None and node.name in layouts else None
+
+
+def _dim(node: fx.Node) -> int:
+    return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
 
 
 def _name(node: fx.Node) -> str:

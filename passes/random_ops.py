@@ -163,20 +163,24 @@ RANDOM_RULES: dict[object, Callable[[_Rewriter], fx.Node | None]] = {
 }
 
 
-def _attention_dropout(node: fx.Node) -> float:
-    args = node.args
-    return float(args[4] if len(args) > 4 else node.kwargs.get("dropout_p", 0.0))
-
-
 def is_random(node: fx.Node) -> bool:
     """Draws from torch's generator (not usc's counter-based one)."""
     target = node.target
     if target in RANDOM_RULES:
         return True
-    if target is aten.scaled_dot_product_attention.default:
-        return _attention_dropout(node) > 0.0  # tagged seeded, but draws only with dropout on
+    if target in _RANDOM_ONLY_WITH_DROPOUT:  # attention draws only when its dropout_p is non-zero
+        return _dropout_p(node) != 0.0
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags \
         and target is not DRAW
+
+
+# Attention ops tagged as seeded because of their optional dropout: argument 4 is dropout_p (after q, k, v, attn_mask).
+_RANDOM_ONLY_WITH_DROPOUT = {aten.scaled_dot_product_attention.default}
+
+
+def _dropout_p(node: fx.Node) -> float:
+    value = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    return value if isinstance(value, (int, float)) else float("nan")
 
 
 def random_ops_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -210,7 +214,7 @@ def _no_counter_form(node: fx.Node) -> CompileError:
     if node.target is aten.scaled_dot_product_attention.default:
         return CompileError(
             f"scaled_dot_product_attention in module '{where}'{f' ({src})' if src else ''} applies dropout "
-            f"(dropout_p={_attention_dropout(node)}) inside the fused kernel, drawing from torch's generator: its "
+            f"(dropout_p={_dropout_p(node)}) inside the fused kernel, drawing from torch's generator: its "
             "masks would differ between ranks and from one device\n  fix: set the attention dropout to 0, or use "
             "the model's eager attention (Hugging Face: attn_implementation='eager'), whose dropout usc draws")
     supported = ", ".join(sorted(str(t).replace("aten.", "") for t in RANDOM_RULES))

@@ -59,20 +59,21 @@ class _AllReduceSumFn(torch.autograd.Function):
 
 
 class _AllReduceMaxFn(torch.autograd.Function):
-    """Partial(max) -> Replicate with the gradient of a max over the whole dim: it flows to the
-    elements equal to the maximum, split evenly among ties (as torch.amax does) across ranks too."""
+    """Partial(max) -> Replicate. The gradient goes to the rank(s) holding the extreme value, as
+    torch.amax routes it: split evenly where several ranks tie, zero on the others."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        out = comm.all_reduce(x.detach().clone(), "max")
-        hit = (x.detach() == out).to(x.dtype)
-        ctx.save_for_backward(hit / comm.all_reduce(hit.clone(), "sum"))
+    def forward(ctx, x: torch.Tensor, comm: Comm, op: str) -> torch.Tensor:
+        out = comm.all_reduce(x, op)
+        ctx.comm = comm
+        ctx.save_for_backward((x == out).to(x.dtype))
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (share,) = ctx.saved_tensors
-        return grad * share, None
+        (owner,) = ctx.saved_tensors
+        owners = ctx.comm.all_reduce(owner, "sum")
+        return grad * owner / owners, None, None
 
 
 class _GradAllReduceFn(torch.autograd.Function):
@@ -175,13 +176,14 @@ class CollectiveNode(nn.Module):
 
 
 class AllReduce(CollectiveNode):
-    """Megatron g: all-reduce forward (sum, or max), identity backward (max: to the maximum's owner)."""
+    """Megatron g: all-reduce forward, identity backward (sum). A max or min routes the gradient to
+    the rank that owns the extreme value, which takes an all-reduce of the owner counts in backward."""
 
     kind = "all-reduce"
 
     def __init__(self, axis: str, op: str = "sum"):
         super().__init__(axis)
-        if op not in ("sum", "max"):
+        if op not in REDUCE_BACKWARD:
             raise ValueError(f"AllReduce op must be 'sum' or 'max', got {op!r}")
         self.op = op
 
@@ -189,20 +191,24 @@ class AllReduce(CollectiveNode):
         comm = self.comm
         if comm.size == 1:
             return x
-        if self.op == "max":
-            if not x.requires_grad:  # stable softmax offsets are detached: one all-reduce
-                return comm.all_reduce(x.detach(), "max")
-            return _AllReduceMaxFn.apply(x, comm)
-        return _AllReduceSumFn.apply(x, comm)
+        if self.op == "sum":
+            return _AllReduceSumFn.apply(x, comm)
+        if not x.is_floating_point():
+            return comm.all_reduce(x, self.op)
+        return _AllReduceMaxFn.apply(x, comm, self.op)
 
     def forward_collective(self) -> str | None:
         return "all-reduce"
 
     def backward_collective(self) -> str | None:
-        return None
+        return REDUCE_BACKWARD[self.op]
 
     def extra_repr(self) -> str:
         return f"axis={self.axis!r}, op={self.op!r}"
+
+
+# what the backward of an all-reduce issues, by reduce op
+REDUCE_BACKWARD = {"sum": None, "max": "all-reduce"}
 
 
 class GradAllReduce(CollectiveNode):

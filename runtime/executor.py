@@ -27,6 +27,8 @@ from .checkpoint import CheckpointError
 from .errors import NonFiniteLoss
 from .recompute import observe_kept
 from .reducer import pad_to_multiple
+from .replica_guard import ReplicaGuard
+from .state_write import StateWrite, apply_writes
 from .zero import ZeroOptimizer
 from .zero3 import ZeroFetch, ZeroGather, Zero3Registry, shard_of, unshard
 
@@ -35,6 +37,13 @@ OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimize
 
 def default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params)
+
+
+def build_optimizer(factory: OptimizerFactory, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The user's optimizer over ``params``. A rank with nothing to train (a pipeline stage of frozen
+    layers, fine-tuning) still gets one, over an empty placeholder that never has a gradient:
+    its step does nothing, and its param_groups keep the user's hyperparameters for checkpoints."""
+    return factory(params if params else [torch.nn.Parameter(torch.zeros(0))])
 
 
 def bind_graph(gm: fx.GraphModule, mesh) -> fx.GraphModule:
@@ -55,9 +64,13 @@ class RankExecutor:
     def __init__(self, program, mesh, full_state: Mapping[str, torch.Tensor], *,
                  optimizer: OptimizerFactory | None = None, bucket_bytes: int = 25 * 2**20,
                  zero: int = 0, microbatches: int = 1, compute_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, replica_check: int = 0) -> None:
         self.program, self.mesh = program, mesh
         self.gm = bind_graph(program.gm, mesh)
+        self.pending_writes: dict[str, torch.Tensor] = {}  # buffers the forward wrote (StateWrite)
+        for module in self.gm.modules():
+            if isinstance(module, StateWrite):
+                module.pending = self.pending_writes
         self.microbatches, self.compute_dtype = microbatches, compute_dtype
         self.zero3 = Zero3Registry() if any(s.zero3 for s in program.state) else None
         for module in self.gm.modules():
@@ -77,9 +90,10 @@ class RankExecutor:
         self.reducer = GradReducer(entries, mesh, bucket_bytes=bucket_bytes,
                                    scatter_axis="dp" if sharded and zero >= 2 else None, wire_dtype=reduce_dtype)
         factory = optimizer or default_optimizer
-        self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, self.params) if sharded \
-            else factory(self.params)
+        self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, self.params, build_optimizer) \
+            if sharded else build_optimizer(factory, self.params)
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+        self.guard = ReplicaGuard(program, mesh, self.state, replica_check) if replica_check else None
 
     def _holds(self, spec) -> bool:
         """Whether this rank keeps a state tensor (a pipeline rank keeps only its stages')."""
@@ -219,7 +233,15 @@ class RankExecutor:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.reducer.attach_grad_views()
+        self._write_buffers()
         return value
+
+    def _write_buffers(self) -> None:
+        """Buffers take what the step's forward wrote to them (after every microbatch has read them);
+        then the replica guard (plan option replica_check=N) compares replicated state with peers."""
+        apply_writes(self.pending_writes, self.state)
+        if self.guard is not None:
+            self.guard.after_step(self.steps_done)
 
     steps_done = 0
 
@@ -273,6 +295,7 @@ class RankExecutor:
         for m, piece in enumerate(self._split(batch)):
             self._key_random(self.gm, m)
             pieces.append(self._loss(piece))
+        self.pending_writes.clear()  # evaluation updates nothing
         count = sum(float(n) for _, n in pieces)
         return self._global(sum(loss * float(n) for loss, n in pieces) / count)
 

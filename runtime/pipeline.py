@@ -405,10 +405,12 @@ class PipelineMixin:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.reducer.attach_grad_views()
+        self._write_buffers()
         return value
 
     def evaluate(self, batch: tuple) -> float:
         total, count = self._run_schedule(batch, train=False)
+        self.pending_writes.clear()  # evaluation updates nothing
         self._wait_sends()
         total, count = self._pipeline_global(total, count)
         return self._global(total / count)

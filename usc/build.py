@@ -207,7 +207,8 @@ class _Compiled:
         return {"bucket_bytes": self.bucket_bytes, "zero": int(self.plan.get("zero")),
                 "microbatches": int(self.plan.get("mb")),
                 "compute_dtype": torch.bfloat16 if self.plan.get("dtype") == "bf16" else None,
-                "reduce_dtype": torch.bfloat16 if self.plan.get("reduce_dtype") == "bf16" else None}
+                "reduce_dtype": torch.bfloat16 if self.plan.get("reduce_dtype") == "bf16" else None,
+                "replica_check": int(self.plan.get("replica_check"))}
 
     @property
     def bucket_bytes(self) -> int:
