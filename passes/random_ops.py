@@ -95,6 +95,24 @@ def _dropout(r: _Rewriter) -> fx.Node | None:
     return r.call(aten.mul.Tensor, x, r.draw(shape, dtype, "keep", p, like=x))
 
 
+def _native_dropout(r: _Rewriter) -> None:
+    """native_dropout(x, p, train) -> (x * keep, keep != 0), read through its getitem users (the
+    functionalized graph's form of nn.Dropout)."""
+    x, p, train = (list(r.node.args) + [None, 0.5, True][len(r.node.args):])[:3]
+    shape, dtype = _shape_dtype(x)
+    on = bool(p) and train is not False
+    keep = r.draw(shape, dtype, "keep", p, like=x) if on else None
+    for user in list(r.node.users):
+        index = user.args[1]
+        if index == 0:
+            value = r.call(aten.mul.Tensor, x, keep) if on else x
+        else:
+            value = r.call(aten.ne.Scalar, keep, 0) if on else r.call(aten.ones_like.default, x, dtype=torch.bool)
+        user.replace_all_uses_with(value)
+        r.gm.graph.erase_node(user)
+    return None
+
+
 def _bernoulli(r: _Rewriter) -> fx.Node:
     x = r.node.args[0]
     shape, dtype = _shape_dtype(x)
@@ -152,6 +170,7 @@ IN_PLACE = {aten.uniform_.default: _uniform, aten.normal_.default: _normal, aten
 RANDOM_RULES: dict[object, Callable[[_Rewriter], fx.Node | None]] = {
     **IN_PLACE,
     aten.dropout.default: _dropout,
+    aten.native_dropout.default: _native_dropout,
     aten.bernoulli.default: _bernoulli,
     aten.bernoulli.p: _bernoulli_p,
     aten.rand.default: _fresh("uniform"),
@@ -196,7 +215,8 @@ def random_ops_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         new = rule(_Rewriter(gm, node, op))
         if node.target in IN_PLACE:
             _read_after(gm, node, node.args[0], new)
-        node.replace_all_uses_with(new)
+        if new is not None:  # None: the rule rewired the op's users itself
+            node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
