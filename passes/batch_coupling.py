@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from usc.compiler.errors import ShardingError
+from usc.compiler.errors import CompileError
 from usc.compiler.ir import META, Layout, MeshSpec
 from usc.compiler.pass_runner import CompileContext
 from usc.compiler.trace import module_path, user_source
@@ -107,8 +107,8 @@ def _virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.Gra
     plan = ctx.plan.with_options(mb=1, sp=None, cp_mode=None)
     try:
         return propagate_pass(copy, CompileContext(mesh, plan), input_layouts=layouts, grad_inputs=set(params))
-    except ShardingError as err:
-        hint = err.hint or ""
+    except CompileError as err:  # a rule refused the op, or no rule places it
+        hint = getattr(err, "hint", "") or ""
         raise ctx.plan.error_at("mb", f"mb={ctx.plan.get('mb')} runs the batch in microbatches, and usc cannot show "
                                       f"that the program treats samples independently: {err}",
                                 hint=f"{OPTIONS}{'; ' + hint if hint else ''}") from None
