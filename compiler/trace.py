@@ -55,6 +55,9 @@ class Traced:
     constants: dict = field(default_factory=dict)  # lifted tensor constants by name
     # (two-layer trace, three-layer trace, layers) when repeated layers were stamped (compiler/stamp.py)
     stamped: tuple = field(default=(), compare=False, repr=False)
+    # the same model traced on two samples, when a microbatch holds one: the batch-coupling analysis
+    # shards the batch dim, which a dim of size 1 cannot show (passes/batch_coupling.py)
+    batch_probe: object = field(default=None, compare=False, repr=False)
 
     def placeholder(self, name: str) -> fx.Node:
         return next(n for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == name)

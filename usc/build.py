@@ -30,6 +30,10 @@ from .model_call import BatchLayout, trainable, with_checkpointed_layers
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
+def _samples(batch: tuple) -> int | None:
+    return next((v.shape[0] for v in batch if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+
+
 def _source_of(fn) -> str:
     """'file:line' where a loss function is defined (torch's own functions give '')."""
     try:
@@ -102,8 +106,13 @@ class _Compiled:
         if stamp and not moe_blocks:
             from usc.compiler.stamp import trace_stamped
 
-            return trace_stamped(self.model, microbatch, wrapper_source=self._loss_source)
-        return trace(self.model, microbatch, wrapper_source=self._loss_source, moe_blocks=moe_blocks)
+            traced = trace_stamped(self.model, microbatch, wrapper_source=self._loss_source)
+        else:
+            traced = trace(self.model, microbatch, wrapper_source=self._loss_source, moe_blocks=moe_blocks)
+        if int(self.plan.get("mb")) > 1 and _samples(microbatch) == 1:
+            pair = tuple(v[:2] if isinstance(v, torch.Tensor) and v.dim() else v for v in batch)
+            traced.batch_probe = trace(self.model, pair, wrapper_source=self._loss_source, moe_blocks=moe_blocks)
+        return traced
 
     def _attach_cost(self, batch: tuple, hardware) -> None:
         """The cost model's time breakdown for this plan (and the planner's reasons, if it chose)."""
