@@ -16,9 +16,11 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Shard
 
 from .layout import gather_full, local_chunk, zigzag_permute
 from .moe import rank_stats
+from .optimizer_contract import check_optimizer
 from .pipeline import PipelineMixin, held_inputs
 from .random import set_random_keys
 from .reducer import GradReducer
@@ -47,15 +49,36 @@ def build_optimizer(factory: OptimizerFactory, params: list[torch.nn.Parameter])
 
 
 def bind_graph(gm: fx.GraphModule, mesh) -> fx.GraphModule:
-    """A rank's copy of the program: its own collective modules bound to its mesh, graph shared."""
+    """A rank's copy of the program: its own collective modules bound to its mesh, graph shared
+    (copied when its factory calls must move to the mesh's device)."""
     modules = {}
     for name, module in gm.named_children():
         mine = copy.deepcopy(module)
         for part in mine.modules():  # pipeline stages nest their collectives one level down
             if hasattr(part, "bind") and not isinstance(part, fx.GraphModule):
                 part.bind(mesh)
+            elif isinstance(part, fx.GraphModule) and _move_factories(part.graph, mesh.device):
+                part.recompile()
         modules[name] = mine
-    return fx.GraphModule(modules, gm.graph, class_name="RankProgram")
+    graph = gm.graph
+    if _factory_devices(graph, mesh.device):
+        graph = copy.deepcopy(graph)
+        _move_factories(graph, mesh.device)
+    return fx.GraphModule(modules, graph, class_name="RankProgram")
+
+
+def _factory_devices(graph: fx.Graph, device: torch.device) -> list[fx.Node]:
+    """Nodes that create a tensor on another device than `device`: torch.export bakes the tracing
+    device into factory calls (arange, zeros, full, ...), and the program runs on the mesh's."""
+    return [n for n in graph.nodes if n.op == "call_function"
+            and isinstance(n.kwargs.get("device"), torch.device) and n.kwargs["device"] != device]
+
+
+def _move_factories(graph: fx.Graph, device: torch.device) -> bool:
+    nodes = _factory_devices(graph, device)
+    for node in nodes:
+        node.kwargs = {**node.kwargs, "device": device}
+    return bool(nodes)
 
 
 class RankExecutor(ShardedCheckpoint):
@@ -95,6 +118,7 @@ class RankExecutor(ShardedCheckpoint):
         named = NamedParameters(self.params, [(self._param_names[id(p)],) for p in self.params])
         self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, named, build_optimizer) \
             if sharded else build_optimizer(factory, named)
+        check_optimizer(self.optimizer.inner if sharded else self.optimizer, self._split_params(sharded, zero))
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
         self.guard = ReplicaGuard(program, mesh, self.state, replica_check) if replica_check else None
 
@@ -104,6 +128,21 @@ class RankExecutor(ShardedCheckpoint):
             return None
         canonical = {s.name: s.aliases[0] if s.aliases else s.name for s in self.program.state}
         return lambda name: factory.group_of(canonical[name])
+
+    def _split_params(self, sharded: bool, zero: int) -> dict[str, str]:
+        """Trainable parameters this rank's optimizer sees only a slice of, and the plan axes why."""
+        mesh = self.program.mesh
+        out = {}
+        for spec in self.program.state:
+            if spec.kind != "param" or not spec.trainable:
+                continue
+            axes = [f"{a}={mesh.size(a)}" for a, p in zip(mesh.axes, spec.layout.placements)
+                    if isinstance(p, Shard)]
+            if spec.zero3 or sharded:
+                axes.append(f"zero={zero} dp={mesh.size('dp')}")
+            if axes:
+                out[spec.name] = " ".join(axes)
+        return out
 
     def _holds(self, spec) -> bool:
         """Whether this rank keeps a state tensor (a pipeline rank keeps only its stages')."""
@@ -116,8 +155,15 @@ class RankExecutor(ShardedCheckpoint):
         local = spec.layout.local_shape(spec.global_shape, self.program.mesh)
         return torch.zeros(local, dtype=spec.dtype, device=self.mesh.device)
 
+    @property
+    def device(self) -> torch.device:
+        """The program's device (the mesh's): state, batches and every tensor the runtime makes."""
+        return self.mesh.device
+
     def _local_state(self, spec, full: torch.Tensor) -> torch.Tensor:
-        local = local_chunk(full.detach(), spec.layout.placements, self.mesh.shape, self.mesh.coord).clone()
+        # cut first, then move: only this rank's slice ever reaches the device
+        local = _to_device(local_chunk(full.detach(), spec.layout.placements, self.mesh.shape, self.mesh.coord),
+                           self.device)
         if spec.zero3:
             local = shard_of(local, self.mesh.comm("dp"))
         if spec.kind == "param" and full.requires_grad:
@@ -162,6 +208,7 @@ class RankExecutor(ShardedCheckpoint):
             what = "this rank's data shard" if self.local_batch else "the global batch"
             raise ValueError(f"input '{spec.placeholder}' has shape {list(value.shape)} but {what} was compiled "
                              f"as {list(shape)}; pass the same shape on every step (compile again for another)")
+        value = value.to(self.device)  # the batch is small: cut and permute it where it is used
         for axis, placement in zip(self.program.mesh.axes, placements):
             if axis in self.program.mesh.zigzag and hasattr(placement, "dim"):
                 value = zigzag_permute(value, placement.dim, self.mesh.size(axis))
@@ -205,6 +252,11 @@ class RankExecutor(ShardedCheckpoint):
             value = value.float()
         for axis in self.program.loss_partial_axes:
             value = self.mesh.comm(axis).all_reduce(value)
+        return self._to_host(value)
+
+    def _to_host(self, value: torch.Tensor, assumed: float = 1.0) -> float:
+        """A host sync: the step's one, and the rare checks. `assumed` is what a fake rank, whose
+        tensors hold no data (usc/testing/fake_device.py replaces this method), takes it to be."""
         return float(value)
 
     def set_timeline(self, timeline: Timeline | None) -> None:
@@ -227,19 +279,23 @@ class RankExecutor(ShardedCheckpoint):
         for module in self.gm.modules():
             if hasattr(module, "reset_stats"):  # per-step statistics (MoE loads)
                 module.reset_stats()
-        count, weighted = 0.0, []
+        # token counts stay on the device (no host sync per microbatch): the step's one sync is
+        # the global loss below
+        count, weighted, several = 0.0, [], len(micro) > 1
         for m, piece in enumerate(micro):
             last = m == len(micro) - 1
             self._key_random(self.gm, m)
             with self._span("forward"):
                 loss, n = self._loss(piece)
-            count += float(n)
-            if last:
-                self._scale_grads(1.0 / count if len(micro) > 1 else 1.0)
-            scale = float(n) / count if last else float(n)
-            weighted.append(loss.detach() * float(n))
+            count = count + n
+            if last and several:
+                self._scale_grads(1.0 / count)
+            weighted.append(loss.detach() * n)
             with self._span("backward"), (contextlib.nullcontext() if last else self.reducer.no_sync()):
-                (loss * scale).backward() if scale != 1.0 else loss.backward()
+                if not several:
+                    loss.backward()
+                else:
+                    (loss * (n / count if last else n)).backward()
         self.reducer.finish()
         self.peak_state_bytes = self.memory_bytes()  # gradients are at their peak here
         value = self._global(sum(weighted) / count)
@@ -315,8 +371,9 @@ class RankExecutor(ShardedCheckpoint):
             self.reducer.attach_grad_views()
             raise NonFiniteLoss(self.steps_done, self.mesh.rank, value)
 
-    def _scale_grads(self, factor: float) -> None:
-        if factor == 1.0:
+    def _scale_grads(self, factor) -> None:
+        """Multiply every gradient by factor (a float, or a 0-dim tensor on the device)."""
+        if isinstance(factor, float) and factor == 1.0:
             return
         grads = [param.grad for param in self.params if param.grad is not None]
         if grads:
@@ -354,8 +411,8 @@ class RankExecutor(ShardedCheckpoint):
             self._key_random(self.gm, m)
             pieces.append(self._loss(piece))
         self.pending_writes.clear()  # evaluation updates nothing
-        count = sum(float(n) for _, n in pieces)
-        return self._global(sum(loss * float(n) for loss, n in pieces) / count)
+        count = sum(n for _, n in pieces)
+        return self._global(sum(loss * n for loss, n in pieces) / count)
 
     # ------------------------------------------------------------------ full tensors (full_state_dict)
     def _named_params(self) -> dict[str, tuple]:
@@ -379,7 +436,7 @@ class RankExecutor(ShardedCheckpoint):
             seen = {}
             for t in tensors:
                 if isinstance(t, torch.Tensor) and t.dim() > 0:
-                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                    seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()  # also unique for fake tensors
             return sum(seen.values())
 
         grads = [p.grad for p in self.params] + [b.shard_grad for b in self.reducer.buckets]
@@ -410,6 +467,11 @@ class RankExecutor(ShardedCheckpoint):
                 if spec.placeholder in self.state}
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A private copy of t on `device` (one copy, whether or not it moves)."""
+    return t.to(device, copy=True)
+
+
 def _forget(seen: dict, key: int, token: object) -> None:
     if key in seen and seen[key][1] is token:
         del seen[key]
@@ -429,11 +491,9 @@ def fake_rank_zero(program, **options):
     its input shapes: no memory, no processes, any mesh size. Yields (executor, batch)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .comm import ShapeComm
-    from .mesh import Mesh
+    from .mesh import shape_mesh
 
-    mesh = Mesh(program.mesh.axes, program.mesh.shape, 0, torch.device("cpu"),
-                {a: ShapeComm(a, n) for a, n in zip(program.mesh.axes, program.mesh.shape)})
+    mesh = shape_mesh(program.mesh.axes, program.mesh.shape, 0)
     with FakeTensorMode(allow_non_fake_inputs=True):
         state = {}
         for spec in program.state:

@@ -24,7 +24,8 @@ from usc.runtime.timeline import Timeline
 from usc.runtime.training import EvalMode
 from usc.training import StepMetrics
 
-from .build import OptimizerFactory, SchedulerFactory, _as_plan, _Compiled, _full_state, _WithLoss, as_batch
+from .build import OptimizerFactory, SchedulerFactory, _as_plan, _Compiled, _full_state
+from .model_call import trainable
 
 
 class _TrainingLoop:
@@ -93,6 +94,7 @@ class Compiled(_TrainingLoop, _Compiled):
     """
 
     _executor: RankExecutor | None = None
+    device: str | torch.device | None = None  # None: cuda:LOCAL_RANK under torchrun with CUDA, else the CPU
 
     def _rank(self) -> RankExecutor:
         if self._executor is None:
@@ -126,8 +128,8 @@ class Compiled(_TrainingLoop, _Compiled):
                 f"`torchrun --nproc-per-node {world} your_script.py` (more nodes: --nnodes), or use "
                 f"usc.simulate(...) to run every rank in this process")
         if world == 1 and launched == 1:
-            return simulated_meshes(axes, shape, timeout=self.timeout)[0]
-        return Mesh.from_environment(axes, shape, timeout=self.timeout)
+            return simulated_meshes(axes, shape, timeout=self.timeout, device=self.device or "cpu")[0]
+        return Mesh.from_environment(axes, shape, timeout=self.timeout, device=self.device)
 
     def step(self, *batch, max_grad_norm: float | None = None, local: bool = False, trace: str | None = None) -> float:
         """One optimizer step on the global batch; returns the global mean loss.
@@ -140,6 +142,7 @@ class Compiled(_TrainingLoop, _Compiled):
         ``self.metrics`` then holds the step's loss, grad_norm, lr, tokens, time and peak bytes."""
         if local and self._program is None:
             raise RuntimeError("step(..., local=True) needs example_inputs= at compile: the global batch's shape")
+        batch = self.flat_batch(batch)
         self._ensure_built(batch)
         rank = self._rank()
         timeline = Timeline(rank.mesh.rank) if trace else None
@@ -161,6 +164,7 @@ class Compiled(_TrainingLoop, _Compiled):
     def __call__(self, *batch) -> float:
         """The global mean loss on ``batch`` without updating anything (no gradients), in the
         current mode: after ``eval()`` dropout is off, as in ``model.eval(); model(x)``."""
+        batch = self.flat_batch(batch)
         self._ensure_built(batch)
         with self._mode():
             return self._rank().evaluate(batch)
@@ -168,12 +172,14 @@ class Compiled(_TrainingLoop, _Compiled):
     def eval_step(self, *batch) -> float:
         """The global mean loss on ``batch`` in evaluation mode (dropout off, no gradients), whatever
         the current mode."""
+        batch = self.flat_batch(batch)
         self._ensure_built(batch)
         with self._mode(evaluating=True):
             return self._rank().evaluate(batch)
 
     def activation_bytes(self, *batch) -> int:
         """Measured bytes of activations this rank saves for backward in one forward."""
+        batch = self.flat_batch(batch)
         self._ensure_built(batch)
         return self._rank().activation_bytes(batch)
 
@@ -251,13 +257,16 @@ class Simulated(_TrainingLoop, _Compiled):
     """Every rank of the mesh in this process (one thread per rank, in-memory collectives)."""
 
     def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None,
-                 optimizer: OptimizerFactory | None = None, lr_scheduler: SchedulerFactory | None = None) -> None:
+                 optimizer: OptimizerFactory | None = None, device: str | torch.device = "cpu",
+                 lr_scheduler: SchedulerFactory | None = None) -> None:
         if example_inputs is None:
             raise TypeError("usc.simulate needs example_inputs=(...) (the global batch)")
         super().__init__(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                          lr_scheduler=lr_scheduler)
         self._ensure_built(())
-        self.meshes = simulated_meshes(tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), timeout=self.timeout)
+        self.device = device  # every simulated rank computes there (one GPU holds the whole mesh)
+        self.meshes = simulated_meshes(tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), timeout=self.timeout,
+                                       device=device)
         state = _full_state(self.model, self._traced)
         self.ranks = [self._make_executor(mesh, state, optimizer) for mesh in self.meshes]
         self.lr_schedulers = self._schedulers_for(self.ranks)  # one per rank, stepped together
@@ -277,6 +286,7 @@ class Simulated(_TrainingLoop, _Compiled):
             rank.set_timeline(timeline)
             rank.max_grad_norm = max_grad_norm
         try:
+            batch = self.flat_batch(batch)
             run = lambda: self._run(lambda rank: self._in_mode(rank.step, batch))[0]  # noqa: E731
             value = self._measure(self.ranks, self.lr_schedulers, run, batch)
             self.wait_checkpoint()
@@ -294,9 +304,11 @@ class Simulated(_TrainingLoop, _Compiled):
             return fn(batch)
 
     def __call__(self, *batch) -> float:
+        batch = self.flat_batch(batch)
         return self._run(lambda rank: self._in_mode(rank.evaluate, batch))[0]
 
     def eval_step(self, *batch) -> float:
+        batch = self.flat_batch(batch)
         return self._run(lambda rank: self._in_mode(rank.evaluate, batch, evaluating=True))[0]
 
     def memory_bytes(self) -> list[dict[str, int]]:
@@ -305,6 +317,7 @@ class Simulated(_TrainingLoop, _Compiled):
 
     def activation_bytes(self, *batch) -> list[int]:
         """Measured bytes of activations saved for backward by one forward, per rank."""
+        batch = self.flat_batch(batch)
         return self._run(lambda rank: rank.activation_bytes(batch))
 
     _pending_saves = None
@@ -346,7 +359,8 @@ class Simulated(_TrainingLoop, _Compiled):
 
 
 def compile(model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
-            optimizer: OptimizerFactory | None = None, lr_scheduler: SchedulerFactory | None = None) -> Compiled:
+            optimizer: OptimizerFactory | None = None, device: str | torch.device | None = None,
+            lr_scheduler: SchedulerFactory | None = None) -> Compiled:
     """Compile ``model`` for the mesh in ``plan`` and return this torchrun process's program.
 
     >>> import usc, torch
@@ -356,12 +370,15 @@ def compile(model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=
     >>> isinstance(step.step(*batch), float)
     True
     """
-    return Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                    lr_scheduler=lr_scheduler)
+    compiled = Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                        lr_scheduler=lr_scheduler)
+    compiled.device = device
+    return compiled
 
 
 def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None,
-             optimizer: OptimizerFactory | None = None, lr_scheduler: SchedulerFactory | None = None) -> Simulated:
+             optimizer: OptimizerFactory | None = None, device: str | torch.device = "cpu",
+             lr_scheduler: SchedulerFactory | None = None) -> Simulated:
     """Compile ``model`` and run every rank of the mesh in this process.
 
     >>> import usc
@@ -371,7 +388,7 @@ def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None
     >>> isinstance(sim.step(*batch), float)
     True
     """
-    return Simulated(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+    return Simulated(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer, device=device,
                      lr_scheduler=lr_scheduler)
 
 
@@ -391,7 +408,7 @@ def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, ha
         if not result.exceptions:  # refused by a lint check before compiling: the compiler's own words
             _Compiled(model, result.plan, example_inputs=example_inputs, loss_fn=loss_fn, traced=result.traced)
         raise first_error(result)
-    result.compiled._attach_cost(as_batch(example_inputs), hardware)
+    result.compiled._attach_cost(result.compiled.flat_batch((example_inputs,)), hardware)
     return result.report
 
 
@@ -413,8 +430,8 @@ def plan(model: nn.Module, spec: str | Plan, *, example_inputs, loss_fn=None, ha
     """
     from usc.planning import choose
 
-    model = _WithLoss(model, loss_fn) if loss_fn is not None else model
-    batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    model = trainable(model, loss_fn)
+    batch = model.flatten(example_inputs)
     return choose(model, _as_plan(spec) if not isinstance(spec, str) else spec, batch, hardware=hardware, keep=keep)
 
 

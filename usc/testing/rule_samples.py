@@ -54,7 +54,7 @@ EXTRA: dict = {
                         (lambda x: aten.amax.default(x, [0], True), (_x(*A),)),
                         (lambda x: aten.amax.default(x, []), (_x(*A),))],
     aten.gather.default: [
-        (lambda t, i: aten.gather.default(t, 0, i), (_x(13, 7), _ids(13, 6, 7))),  # a batch of ids
+        (lambda t, i: aten.gather.default(t, 0, i), (_x(14, 7), _ids(14, 6, 7))),  # a batch of ids
         (lambda t, i: aten.gather.default(t, 1, i), (_x(6, 11), _ids(11, 6, 4))),
         (lambda t, i: aten.gather.default(t, 1, i), (_x(6, 11, 5), _ids(11, 6, 4, 3)))],
     aten.index_select.default: [
