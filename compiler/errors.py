@@ -21,3 +21,8 @@ class ShardingError(CompileError):
         super().__init__(message)
         self.reason = message
         self.hint = hint
+
+
+class UnsupportedOpError(ShardingError):
+    """No link of the rule chain (hand rule, DTensor strategy, decomposition, replicated) can place
+    an op: a property of the model's graph, never a mistake in the plan text."""

@@ -155,7 +155,7 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     n = 1
     for s in shape:
         n *= s
-    return n * (torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits) // 8
+    return n * dtype.itemsize  # every dtype (bool, complex, float8) knows its size; iinfo refuses bool
 
 
 def _local(node: fx.Node, mesh: MeshSpec) -> tuple[tuple[int, ...], torch.dtype]:

@@ -95,6 +95,7 @@ def vocab_parallel_embedding(ctx: ExpansionContext, node: fx.Node):
     """Megatron vocab-parallel embedding: rows outside this rank's slice give zeros; the outputs
     are partial sums that the propagation pass all-reduces where a consumer needs them whole."""
     weight, ids = node.args[0], node.args[1]
+    _check_embedding_options(ctx, node)
     axes = _sharded_axes(weight, 0)
     if not axes:
         return None
@@ -104,6 +105,49 @@ def vocab_parallel_embedding(ctx: ExpansionContext, node: fx.Node):
     b = _Builder(ctx, node)
     out = b.module(VocabParallelEmbedding(ctx.mesh.axes[axes[0]], padding_idx), weight, ids, stem="vocab_embedding")
     return b.finish(out)
+
+
+def _embedding_options(node: fx.Node) -> dict:
+    names = ["weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse"]
+    values = dict(zip(names, [None, None, -1, False, False]))
+    values.update(zip(names, node.args))
+    values.update(node.kwargs)
+    return values
+
+
+def _check_embedding_options(ctx: ExpansionContext, node: fx.Node) -> None:
+    """padding_idx is exact on every layout (the local lookup keeps the padding row's gradient at
+    zero, and the vocab-parallel one passes it on). scale_grad_by_freq divides each row's gradient
+    by its id's count in the batch: exact only where every rank sees the whole batch at once.
+    sparse gradients are not what the gradient reducer, ZeRO or the optimizer shards take."""
+    options = _embedding_options(node)
+    where = module_path(node) or "<root>"
+    split = [ctx.mesh.axes[i] for i in _sharded_axes(options["indices"])] + \
+        [ctx.mesh.axes[i] for i in _sharded_axes(options["weight"], 0)]
+    if options["scale_grad_by_freq"] and (split or ctx.microbatches > 1):
+        by = ", ".join(f"{a}={ctx.mesh.size(a)}" for a in split) or f"mb={ctx.microbatches}"
+        raise CompileError(f"embedding '{where}': scale_grad_by_freq counts each id over the whole batch, but "
+                           f"under {by} each rank sees only part of the ids (or of the vocabulary); drop "
+                           "scale_grad_by_freq, or keep the batch and the table whole (dp=1 cp=1 mb=1, no vocab split)")
+    if options["sparse"] and any(size > 1 for size in ctx.mesh.shape):
+        raise CompileError(f"embedding '{where}': sparse=True gives a sparse gradient, which usc's gradient "
+                           f"reduction and sharded optimizers do not take; use sparse=False (the default)")
+
+
+UNSUPPORTED = {
+    aten.embedding_renorm_.default: (
+        "max_norm renormalises the embedding rows in place during forward, which a compiled step does not "
+        "replay", "drop max_norm, or renormalise the weight yourself under torch.no_grad() between steps"),
+}
+
+
+def refuse_unsupported(gm: fx.GraphModule) -> None:
+    """Ops usc cannot run as written, refused by name before they are silently dropped (an in-place
+    op whose result nobody reads is dead code to the graph)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in UNSUPPORTED:
+            why, fix = UNSUPPORTED[node.target]
+            raise CompileError(f"{node.target} in module '{module_path(node) or '<root>'}': {why}; {fix}")
 
 
 @register(aten.gather.default)
@@ -222,9 +266,12 @@ def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
         raise CompileError(f"cross_entropy in '{module_path(node)}': class weights and label smoothing are not "
                            "supported on sharded logits yet; compute the loss without them")
     if len(shape_of(logits)) != len(shape_of(labels)) + 1:
-        raise CompileError(f"cross_entropy in '{module_path(node)}': usc shards logits [..., classes] with "
-                           "labels [...]; put the class dim last (e.g. .view(-1, vocab))")
-    top = b.call(aten.detach.default, b.call(aten.amax.default, logits, [-1], True))
+        raise CompileError(f"cross_entropy in '{module_path(node)}': logits {list(shape_of(logits))} and labels "
+                           f"{list(shape_of(labels))} are not [N, C, ...] and [N, ...]")
+    logits = _classes_last(b, logits, peeled=logits is not node.args[0])
+    # the offset is a constant for the gradient: take the max of detached logits, so the all-reduce
+    # that resolves it across ranks has no backward
+    top = b.call(aten.amax.default, b.call(aten.detach.default, logits), [-1], True)
     shifted = b.call(aten.sub.Tensor, logits, top)
     log_total = b.call(aten.log.default, b.call(aten.sum.dim_IntList, b.call(aten.exp.default, shifted), [-1]))
     counted = b.call(aten.ne.Scalar, labels, ignore_index)
@@ -240,6 +287,15 @@ def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
     mean = b.call(aten.div.Tensor, total, b.call(aten.sum.default, counted))
     mean.meta["usc_token_mean"] = True  # expose_loss_count_pass returns its denominator too
     return b.finish(mean)
+
+
+def _classes_last(b, logits: fx.Node, peeled: bool) -> fx.Node:
+    """PyTorch's cross-entropy reads classes from dim 1 of [N, C, d1, ...] logits; the expansion
+    reduces over the last dim, so move dim 1 there. (Logits seen through a flatten are [..., C].)"""
+    rank = len(shape_of(logits))
+    if peeled or rank <= 2:
+        return logits
+    return b.call(aten.permute.default, logits, [0, *range(2, rank), 1])
 
 
 def _sdpa_args(node: fx.Node) -> dict:

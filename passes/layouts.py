@@ -126,7 +126,10 @@ def tp_layouts(traced: Traced, plan, mesh: MeshSpec, replicated: dict[int, str],
                                     f"{module_path(group.row).rsplit('.', 1)[-1]})")
         auto[group.row] = ("rowwise", f"row-parallel; closes the pair opened by {names}")
     for head in heads:
-        auto[head] = ("vocab", "feeds the loss: logits split on the vocabulary, vocab-parallel cross-entropy")
+        # a classifier head of 5 labels, say: automatic TP keeps it whole rather than refusing the plan
+        indivisible = _indivisible(head, "vocab", tp)
+        auto[head] = ("replicate", indivisible) if indivisible else (
+            "vocab", "feeds the loss: logits split on the vocabulary, vocab-parallel cross-entropy")
     user_inputs = set(traced.user_inputs)
     for node in _weighted_nodes(gm, params):
         if node.target == aten.embedding.default and node not in auto and is_token_embedding(node, user_inputs):

@@ -17,13 +17,14 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from usc.compiler.errors import ShardingError
+from usc.compiler.errors import ShardingError, UnsupportedOpError
+from usc.compiler.functional import is_state_write
 from usc.compiler.ir import META, Layout, MeshSpec, NodeAnn
 from usc.compiler.trace import module_path, user_source
 from usc.runtime.collectives import AllGather, AllReduce, AllToAll, LocalShard, ReduceScatter
 from usc.runtime.vocab import ShardedGather, VocabParallelEmbedding
 
-from .expansions import EXPANSIONS, ExpansionContext
+from .expansions import EXPANSIONS, ExpansionContext, refuse_unsupported
 from .graph_edit import GraphEditor, flat_inputs, is_float, shape_of
 from .sharding_rules import Decision, OpView, is_shard, rule_for
 
@@ -56,8 +57,9 @@ def propagate_pass(gm: fx.GraphModule, ctx, *, input_layouts: dict[str, Layout],
     state = Propagation(gm, ctx.mesh, input_layouts, grad_inputs, sequence_parallel=bool(ctx.plan.get("sp")),
                         cp_mode=ctx.plan.get("cp_mode"), microbatches=int(ctx.plan.get("mb")),
                         capacity_factor=ctx.plan.get("capacity_factor"))
+    refuse_unsupported(gm)
     for node in list(gm.graph.nodes):
-        if node.graph is gm.graph and (node.users or node.op in ("output", "placeholder")):
+        if node.graph is gm.graph and (node.users or node.op in ("output", "placeholder") or is_state_write(node)):
             place(state, node)
     _remove_dead(gm)
     gm.graph.lint()
@@ -69,7 +71,7 @@ def _remove_dead(gm: fx.GraphModule) -> None:
     """Drop nodes an expansion made unused (e.g. a gather and flatten the loss looked through).
     Nothing here has side effects: collectives without users are dead too."""
     for node in reversed(list(gm.graph.nodes)):
-        if node.op not in ("placeholder", "output") and not node.users:
+        if node.op not in ("placeholder", "output") and not node.users and not is_state_write(node):
             gm.graph.erase_node(node)
 
 
@@ -136,12 +138,19 @@ def _decide(state: Propagation, node: fx.Node, inputs, layouts) -> tuple[list[La
     out = []
     for i, (axis, size) in enumerate(zip(state.mesh.axes, state.mesh.shape)):
         view = OpView(node, tuple(lay.placements[i] for lay in layouts), shapes, shape_of(node), axis, size,
-                      sequence_parallel=state.sequence_parallel and axis == "tp")
+                      sequence_parallel=state.sequence_parallel and axis == "tp", order=state.mesh.order(axis),
+                      out_dtype=_out_dtype(node))
         decision = _rule_decision(state, node, rule, view)
         for j, p in enumerate(decision.inputs):
             required[j][i] = p
         out.append(decision.output)
     return [Layout(tuple(r)) for r in required], Layout(tuple(out))
+
+
+def _out_dtype(node: fx.Node) -> torch.dtype | None:
+    value = node.meta.get("val")
+    value = value[0] if isinstance(value, (tuple, list)) and value else value
+    return value.dtype if isinstance(value, torch.Tensor) else None
 
 
 def _rule_decision(state: Propagation, node: fx.Node, rule, view: OpView) -> Decision:
@@ -161,11 +170,11 @@ def _no_rule(view: OpView) -> Decision:
     if all(p == R for p in view.placements):
         return Decision(view.placements, R)
     placed = ", ".join(str(p) for p in view.placements)
-    raise ShardingError(
-        f"no sharding rule for {view.node.target} with inputs placed ({placed}) on mesh axis '{view.axis}'",
-        hint=f"{view.node.target} needs its inputs whole on '{view.axis}' and usc has no rule for its sharded "
-             f"form yet: register one in usc.passes.sharding_rules.SHARDING_RULES, or compute it outside the "
-             f"model's forward")
+    raise UnsupportedOpError(
+        f"no sharding rule for {view.node.target} with inputs placed ({placed}) on mesh axis '{view.axis}': "
+        f"no hand rule, no DTensor strategy or decomposition, and it is not a pure op that could run replicated",
+        hint=f"register a rule in usc.passes.sharding_rules.SHARDING_RULES, or compute {view.node.target} "
+             f"outside the model's forward (or on whole tensors: a plan without '{view.axis}')")
 
 
 def located(err: ShardingError, node: fx.Node) -> ShardingError:
@@ -175,7 +184,7 @@ def located(err: ShardingError, node: fx.Node) -> ShardingError:
     where = module_path(node) or "<root>"
     src = user_source(node)
     op = getattr(node.target, "__name__", str(node.target))
-    new = ShardingError(f"{op} in module '{where}'{f' ({src})' if src else ''}: {err.reason}", hint=err.hint)
+    new = type(err)(f"{op} in module '{where}'{f' ({src})' if src else ''}: {err.reason}", hint=err.hint)
     inputs = flat_inputs(node)
     new.bad_inputs = tuple(inputs[i].name for i in getattr(err, "bad_args", ()) if i < len(inputs))
     new.node = node

@@ -34,6 +34,12 @@ CARRIERS = {
     aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.div.Tensor, aten.silu.default,
     aten.gelu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten.dropout.default,
     aten.slice.Tensor, aten.select.int, aten.to.dtype, aten.to.dtype_layout, aten.alias.default,
+    # complex-number RoPE (torchtitan): pairs of features become one complex feature and back, per head
+    aten.view_as_complex.default, aten.view_as_real.default, aten.flatten.using_ints, aten.unflatten.int,
+    aten.type_as.default,
+    # writes through views, functionalized (compiler/functional.py); propagation gathers where one
+    # writes along the split features
+    aten.select_scatter.default, aten.slice_scatter.default, aten.fill.Scalar, aten.fill.Tensor,
 }
 # Nodes that only check a value (export's dtype/shape assertions) are not uses of it.
 IGNORED_USERS = {aten._assert_tensor_metadata.default}

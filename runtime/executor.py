@@ -16,16 +16,21 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Shard
 
 from .layout import gather_full, local_chunk, zigzag_permute
 from .moe import rank_stats
+from .optimizer_contract import check_optimizer
 from .pipeline import PipelineMixin, held_inputs
+from .random import set_random_keys
 from .reducer import GradReducer
 from .timeline import Timeline
 from .checkpoint import CheckpointError
 from .errors import NonFiniteLoss
 from .recompute import observe_kept
 from .reducer import pad_to_multiple
+from .replica_guard import ReplicaGuard
+from .state_write import StateWrite, apply_writes
 from .zero import ZeroOptimizer
 from .zero3 import ZeroFetch, ZeroGather, Zero3Registry, shard_of, unshard
 
@@ -36,16 +41,44 @@ def default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optim
     return torch.optim.AdamW(params)
 
 
+def build_optimizer(factory: OptimizerFactory, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The user's optimizer over ``params``. A rank with nothing to train (a pipeline stage of frozen
+    layers, fine-tuning) still gets one, over an empty placeholder that never has a gradient:
+    its step does nothing, and its param_groups keep the user's hyperparameters for checkpoints."""
+    return factory(params if params else [torch.nn.Parameter(torch.zeros(0))])
+
+
 def bind_graph(gm: fx.GraphModule, mesh) -> fx.GraphModule:
-    """A rank's copy of the program: its own collective modules bound to its mesh, graph shared."""
+    """A rank's copy of the program: its own collective modules bound to its mesh, graph shared
+    (copied when its factory calls must move to the mesh's device)."""
     modules = {}
     for name, module in gm.named_children():
         mine = copy.deepcopy(module)
         for part in mine.modules():  # pipeline stages nest their collectives one level down
             if hasattr(part, "bind") and not isinstance(part, fx.GraphModule):
                 part.bind(mesh)
+            elif isinstance(part, fx.GraphModule) and _move_factories(part.graph, mesh.device):
+                part.recompile()
         modules[name] = mine
-    return fx.GraphModule(modules, gm.graph, class_name="RankProgram")
+    graph = gm.graph
+    if _factory_devices(graph, mesh.device):
+        graph = copy.deepcopy(graph)
+        _move_factories(graph, mesh.device)
+    return fx.GraphModule(modules, graph, class_name="RankProgram")
+
+
+def _factory_devices(graph: fx.Graph, device: torch.device) -> list[fx.Node]:
+    """Nodes that create a tensor on another device than `device`: torch.export bakes the tracing
+    device into factory calls (arange, zeros, full, ...), and the program runs on the mesh's."""
+    return [n for n in graph.nodes if n.op == "call_function"
+            and isinstance(n.kwargs.get("device"), torch.device) and n.kwargs["device"] != device]
+
+
+def _move_factories(graph: fx.Graph, device: torch.device) -> bool:
+    nodes = _factory_devices(graph, device)
+    for node in nodes:
+        node.kwargs = {**node.kwargs, "device": device}
+    return bool(nodes)
 
 
 class RankExecutor:
@@ -54,9 +87,13 @@ class RankExecutor:
     def __init__(self, program, mesh, full_state: Mapping[str, torch.Tensor], *,
                  optimizer: OptimizerFactory | None = None, bucket_bytes: int = 25 * 2**20,
                  zero: int = 0, microbatches: int = 1, compute_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, replica_check: int = 0) -> None:
         self.program, self.mesh = program, mesh
         self.gm = bind_graph(program.gm, mesh)
+        self.pending_writes: dict[str, torch.Tensor] = {}  # buffers the forward wrote (StateWrite)
+        for module in self.gm.modules():
+            if isinstance(module, StateWrite):
+                module.pending = self.pending_writes
         self.microbatches, self.compute_dtype = microbatches, compute_dtype
         self.zero3 = Zero3Registry() if any(s.zero3 for s in program.state) else None
         for module in self.gm.modules():
@@ -76,9 +113,26 @@ class RankExecutor:
         self.reducer = GradReducer(entries, mesh, bucket_bytes=bucket_bytes,
                                    scatter_axis="dp" if sharded and zero >= 2 else None, wire_dtype=reduce_dtype)
         factory = optimizer or default_optimizer
-        self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, self.params) if sharded \
-            else factory(self.params)
+        self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, self.params, build_optimizer) \
+            if sharded else build_optimizer(factory, self.params)
+        check_optimizer(self.optimizer.inner if sharded else self.optimizer, self._split_params(sharded, zero))
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+        self.guard = ReplicaGuard(program, mesh, self.state, replica_check) if replica_check else None
+
+    def _split_params(self, sharded: bool, zero: int) -> dict[str, str]:
+        """Trainable parameters this rank's optimizer sees only a slice of, and the plan axes why."""
+        mesh = self.program.mesh
+        out = {}
+        for spec in self.program.state:
+            if spec.kind != "param" or not spec.trainable:
+                continue
+            axes = [f"{a}={mesh.size(a)}" for a, p in zip(mesh.axes, spec.layout.placements)
+                    if isinstance(p, Shard)]
+            if spec.zero3 or sharded:
+                axes.append(f"zero={zero} dp={mesh.size('dp')}")
+            if axes:
+                out[spec.name] = " ".join(axes)
+        return out
 
     def _holds(self, spec) -> bool:
         """Whether this rank keeps a state tensor (a pipeline rank keeps only its stages')."""
@@ -91,8 +145,15 @@ class RankExecutor:
         local = spec.layout.local_shape(spec.global_shape, self.program.mesh)
         return torch.zeros(local, dtype=spec.dtype, device=self.mesh.device)
 
+    @property
+    def device(self) -> torch.device:
+        """The program's device (the mesh's): state, batches and every tensor the runtime makes."""
+        return self.mesh.device
+
     def _local_state(self, spec, full: torch.Tensor) -> torch.Tensor:
-        local = local_chunk(full.detach(), spec.layout.placements, self.mesh.shape, self.mesh.coord).clone()
+        # cut first, then move: only this rank's slice ever reaches the device
+        local = _to_device(local_chunk(full.detach(), spec.layout.placements, self.mesh.shape, self.mesh.coord),
+                           self.device)
         if spec.zero3:
             local = shard_of(local, self.mesh.comm("dp"))
         if spec.kind == "param" and full.requires_grad:
@@ -132,6 +193,7 @@ class RankExecutor:
             raise ValueError(f"input '{spec.placeholder}' has shape {list(value.shape)} but the model was compiled "
                              f"for {list(spec.global_shape)}; pass the same global batch shape on every step "
                              "(compile again for another shape)")
+        value = value.to(self.device)  # the batch is small: cut and permute it where it is used
         for axis, placement in zip(self.program.mesh.axes, spec.layout.placements):
             if axis in self.program.mesh.zigzag and hasattr(placement, "dim"):
                 value = zigzag_permute(value, placement.dim, self.mesh.size(axis))
@@ -175,6 +237,11 @@ class RankExecutor:
             value = value.float()
         for axis in self.program.loss_partial_axes:
             value = self.mesh.comm(axis).all_reduce(value)
+        return self._to_host(value)
+
+    def _to_host(self, value: torch.Tensor, assumed: float = 1.0) -> float:
+        """A host sync: the step's one, and the rare checks. `assumed` is what a fake rank, whose
+        tensors hold no data (usc/testing/fake_device.py replaces this method), takes it to be."""
         return float(value)
 
     def set_timeline(self, timeline: Timeline | None) -> None:
@@ -197,18 +264,23 @@ class RankExecutor:
         for module in self.gm.modules():
             if hasattr(module, "reset_stats"):  # per-step statistics (MoE loads)
                 module.reset_stats()
-        count, weighted = 0.0, []
+        # token counts stay on the device (no host sync per microbatch): the step's one sync is
+        # the global loss below
+        count, weighted, several = 0.0, [], len(micro) > 1
         for m, piece in enumerate(micro):
             last = m == len(micro) - 1
+            self._key_random(self.gm, m)
             with self._span("forward"):
                 loss, n = self._loss(piece)
-            count += float(n)
-            if last:
-                self._scale_grads(1.0 / count if len(micro) > 1 else 1.0)
-            scale = float(n) / count if last else float(n)
-            weighted.append(loss.detach() * float(n))
+            count = count + n
+            if last and several:
+                self._scale_grads(1.0 / count)
+            weighted.append(loss.detach() * n)
             with self._span("backward"), (contextlib.nullcontext() if last else self.reducer.no_sync()):
-                (loss * scale).backward() if scale != 1.0 else loss.backward()
+                if not several:
+                    loss.backward()
+                else:
+                    (loss * (n / count if last else n)).backward()
         self.reducer.finish()
         self.peak_state_bytes = self.memory_bytes()  # gradients are at their peak here
         value = self._global(sum(weighted) / count)
@@ -217,9 +289,21 @@ class RankExecutor:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.reducer.attach_grad_views()
+        self._write_buffers()
         return value
 
+    def _write_buffers(self) -> None:
+        """Buffers take what the step's forward wrote to them (after every microbatch has read them);
+        then the replica guard (plan option replica_check=N) compares replicated state with peers."""
+        apply_writes(self.pending_writes, self.state)
+        if self.guard is not None:
+            self.guard.after_step(self.steps_done)
+
     steps_done = 0
+
+    def _key_random(self, module: torch.nn.Module, microbatch: int) -> None:
+        """Random draws are keyed by (seed, step, microbatch): see runtime/random.py."""
+        set_random_keys(module, step=self.steps_done, microbatch=microbatch)
 
     def _check_finite(self, value: float) -> None:
         """Every rank sees the same global loss, so all of them stop together (no hang)."""
@@ -229,8 +313,9 @@ class RankExecutor:
             self.reducer.attach_grad_views()
             raise NonFiniteLoss(self.steps_done, self.mesh.rank, value)
 
-    def _scale_grads(self, factor: float) -> None:
-        if factor == 1.0:
+    def _scale_grads(self, factor) -> None:
+        """Multiply every gradient by factor (a float, or a 0-dim tensor on the device)."""
+        if isinstance(factor, float) and factor == 1.0:
             return
         grads = [param.grad for param in self.params if param.grad is not None]
         if grads:
@@ -263,9 +348,13 @@ class RankExecutor:
 
     @torch.no_grad()
     def evaluate(self, batch: tuple) -> float:
-        pieces = [self._loss(piece) for piece in self._split(batch)]
-        count = sum(float(n) for _, n in pieces)
-        return self._global(sum(loss * float(n) for loss, n in pieces) / count)
+        pieces = []
+        for m, piece in enumerate(self._split(batch)):
+            self._key_random(self.gm, m)
+            pieces.append(self._loss(piece))
+        self.pending_writes.clear()  # evaluation updates nothing
+        count = sum(n for _, n in pieces)
+        return self._global(sum(loss * n for loss, n in pieces) / count)
 
     # ------------------------------------------------------------------ checkpoints (full tensors)
     def _named_params(self) -> dict[str, tuple]:
@@ -339,7 +428,7 @@ class RankExecutor:
             if spec.zero3:
                 local = shard_of(local, self.mesh.comm("dp"))
             with torch.no_grad():
-                self.state[spec.placeholder].copy_(local)
+                self.state[spec.placeholder].copy_(local.to(self.device))
         local_state: dict[str, dict[str, torch.Tensor]] = {}
         params = self._named_params()
         for key, full in tensors.items():
@@ -352,7 +441,9 @@ class RankExecutor:
                     if full.dim() else full
                 if spec.zero3 and full.dim():
                     local = shard_of(local, self.mesh.comm("dp"))
-                local_state.setdefault(name, {})[field] = local.clone()
+                # Adam's 0-dim 'step' stays where torch keeps it (the CPU unless capturable/fused)
+                local_state.setdefault(name, {})[field] = _to_device(local, self.device) if full.dim() \
+                    else local.clone()
         self._set_optimizer_state(local_state)
         inner = self.optimizer.inner if isinstance(self.optimizer, ZeroOptimizer) else self.optimizer
         for group, saved in zip(inner.param_groups, meta.get("param_groups", [])):
@@ -391,7 +482,7 @@ class RankExecutor:
             seen = {}
             for t in tensors:
                 if isinstance(t, torch.Tensor) and t.dim() > 0:
-                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                    seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()  # also unique for fake tensors
             return sum(seen.values())
 
         grads = [p.grad for p in self.params] + [b.shard_grad for b in self.reducer.buckets]
@@ -422,6 +513,11 @@ class RankExecutor:
                 if spec.placeholder in self.state}
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A private copy of t on `device` (one copy, whether or not it moves)."""
+    return t.to(device, copy=True)
+
+
 def _forget(seen: dict, key: int, token: object) -> None:
     if key in seen and seen[key][1] is token:
         del seen[key]
@@ -441,11 +537,9 @@ def fake_rank_zero(program, **options):
     its input shapes: no memory, no processes, any mesh size. Yields (executor, batch)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .comm import ShapeComm
-    from .mesh import Mesh
+    from .mesh import shape_mesh
 
-    mesh = Mesh(program.mesh.axes, program.mesh.shape, 0, torch.device("cpu"),
-                {a: ShapeComm(a, n) for a, n in zip(program.mesh.axes, program.mesh.shape)})
+    mesh = shape_mesh(program.mesh.axes, program.mesh.shape, 0)
     with FakeTensorMode(allow_non_fake_inputs=True):
         state = {}
         for spec in program.state:

@@ -17,7 +17,8 @@ from usc.runtime.mesh import Mesh, run_in_threads, simulated_meshes
 from usc.runtime.moe import summarize
 from usc.runtime.timeline import Timeline
 
-from .build import OptimizerFactory, _as_plan, _Compiled, _full_state, _WithLoss, as_batch
+from .build import OptimizerFactory, _as_plan, _Compiled, _full_state
+from .model_call import trainable
 
 
 class Compiled(_Compiled):
@@ -28,6 +29,7 @@ class Compiled(_Compiled):
     """
 
     _executor: RankExecutor | None = None
+    device: str | torch.device | None = None  # None: cuda:LOCAL_RANK under torchrun with CUDA, else the CPU
 
     def _rank(self) -> RankExecutor:
         if self._executor is None:
@@ -44,11 +46,13 @@ class Compiled(_Compiled):
                 f"`torchrun --nproc-per-node {world} your_script.py` (more nodes: --nnodes), or use "
                 f"usc.simulate(...) to run every rank in this process")
         if world == 1 and launched == 1:
-            return simulated_meshes(axes, shape, timeout=self.timeout)[0]
-        return Mesh.from_environment(axes, shape, timeout=self.timeout)
+            return simulated_meshes(axes, shape, timeout=self.timeout, device=self.device or "cpu")[0]
+        return Mesh.from_environment(axes, shape, timeout=self.timeout, device=self.device)
 
     def step(self, *batch, trace: str | None = None) -> float:
-        """One optimizer step on the global batch; returns the global mean loss."""
+        """One optimizer step on the global batch (a tuple, a dict of keyword arguments or a tensor);
+        returns the global mean loss."""
+        batch = self.flat_batch(batch)
         self._ensure_built(batch)
         rank = self._rank()
         timeline = Timeline(rank.mesh.rank) if trace else None
@@ -64,11 +68,13 @@ class Compiled(_Compiled):
 
     def __call__(self, *batch) -> float:
         """The global mean loss on ``batch`` without updating anything."""
+        batch = self.flat_batch(batch)
         self._ensure_built(batch)
         return self._rank().evaluate(batch)
 
     def activation_bytes(self, *batch) -> int:
         """Measured bytes of activations this rank saves for backward in one forward."""
+        batch = self.flat_batch(batch)
         self._ensure_built(batch)
         return self._rank().activation_bytes(batch)
 
@@ -115,12 +121,14 @@ class Simulated(_Compiled):
     """Every rank of the mesh in this process (one thread per rank, in-memory collectives)."""
 
     def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None,
-                 optimizer: OptimizerFactory | None = None) -> None:
+                 optimizer: OptimizerFactory | None = None, device: str | torch.device = "cpu") -> None:
         if example_inputs is None:
             raise TypeError("usc.simulate needs example_inputs=(...) (the global batch)")
         super().__init__(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
         self._ensure_built(())
-        self.meshes = simulated_meshes(tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), timeout=self.timeout)
+        self.device = device  # every simulated rank computes there (one GPU holds the whole mesh)
+        self.meshes = simulated_meshes(tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), timeout=self.timeout,
+                                       device=device)
         state = _full_state(self.model, self._traced)
         self.ranks = [self._make_executor(mesh, state, optimizer) for mesh in self.meshes]
 
@@ -132,6 +140,7 @@ class Simulated(_Compiled):
         for rank in self.ranks:
             rank.set_timeline(timeline)
         try:
+            batch = self.flat_batch(batch)
             return self._run(lambda rank: rank.step(batch))[0]
         finally:
             for rank in self.ranks:
@@ -142,6 +151,7 @@ class Simulated(_Compiled):
                 timeline.to_chrome_trace(trace)
 
     def __call__(self, *batch) -> float:
+        batch = self.flat_batch(batch)
         return self._run(lambda rank: rank.evaluate(batch))[0]
 
     def memory_bytes(self) -> list[dict[str, int]]:
@@ -150,6 +160,7 @@ class Simulated(_Compiled):
 
     def activation_bytes(self, *batch) -> list[int]:
         """Measured bytes of activations saved for backward by one forward, per rank."""
+        batch = self.flat_batch(batch)
         return self._run(lambda rank: rank.activation_bytes(batch))
 
     def save(self, path: str | os.PathLike) -> None:
@@ -178,7 +189,7 @@ class Simulated(_Compiled):
 
 
 def compile(model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
-            optimizer: OptimizerFactory | None = None) -> Compiled:
+            optimizer: OptimizerFactory | None = None, device: str | torch.device | None = None) -> Compiled:
     """Compile ``model`` for the mesh in ``plan`` and return this torchrun process's program.
 
     >>> import usc, torch
@@ -188,11 +199,13 @@ def compile(model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=
     >>> isinstance(step.step(*batch), float)
     True
     """
-    return Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+    compiled = Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+    compiled.device = device
+    return compiled
 
 
 def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None,
-             optimizer: OptimizerFactory | None = None) -> Simulated:
+             optimizer: OptimizerFactory | None = None, device: str | torch.device = "cpu") -> Simulated:
     """Compile ``model`` and run every rank of the mesh in this process.
 
     >>> import usc
@@ -202,7 +215,7 @@ def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None
     >>> isinstance(sim.step(*batch), float)
     True
     """
-    return Simulated(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+    return Simulated(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer, device=device)
 
 
 def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, hardware=None) -> Report:
@@ -221,7 +234,7 @@ def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, ha
         if not result.exceptions:  # refused by a lint check before compiling: the compiler's own words
             _Compiled(model, result.plan, example_inputs=example_inputs, loss_fn=loss_fn, traced=result.traced)
         raise first_error(result)
-    result.compiled._attach_cost(as_batch(example_inputs), hardware)
+    result.compiled._attach_cost(result.compiled.flat_batch((example_inputs,)), hardware)
     return result.report
 
 
@@ -243,8 +256,8 @@ def plan(model: nn.Module, spec: str | Plan, *, example_inputs, loss_fn=None, ha
     """
     from usc.planning import choose
 
-    model = _WithLoss(model, loss_fn) if loss_fn is not None else model
-    batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    model = trainable(model, loss_fn)
+    batch = model.flatten(example_inputs)
     return choose(model, _as_plan(spec) if not isinstance(spec, str) else spec, batch, hardware=hardware, keep=keep)
 
 

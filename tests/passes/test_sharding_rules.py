@@ -164,6 +164,13 @@ class Sorter(nn.Module):
         return torch.sort(x, dim=0).values
 
 
+class Noise(nn.Module):
+    """A random op no rule places: shards drawing their own numbers would not be one device's draw."""
+
+    def forward(self, x):
+        return torch.bernoulli(torch.sigmoid(x)) * x
+
+
 class Ruleless(nn.Module):
     def __init__(self, inner: nn.Module):
         super().__init__()
@@ -174,22 +181,28 @@ class Ruleless(nn.Module):
         return self.inner(self.lin(x)).pow(2).mean()
 
 
-@pytest.mark.parametrize("inner, op", [(Scan, "cumsum"), (Sorter, "sort")])
-def test_op_without_rule_on_a_sharded_tensor_names_op_and_module(inner, op):
+def test_op_without_rule_on_a_sharded_tensor_names_op_and_module():
     x = torch.randn(4, 16)
-    with pytest.raises((usc.CompileError, usc.PlanError)) as info:
-        usc.lint(Ruleless(inner()), "dp=2", example_inputs=(x,))
+    with pytest.raises(usc.CompileError) as info:
+        usc.lint(Ruleless(Noise()), "dp=2", example_inputs=(x,))
     message = str(info.value)
-    assert op in message and "module 'inner'" in message and "'dp'" in message
-    usc.lint(Ruleless(inner()), "dp=1", example_inputs=(x,))  # whole tensors: no rule needed
+    assert not isinstance(info.value, usc.PlanError)
+    assert "bernoulli" in message and "module 'inner'" in message and "'dp'" in message and "S(0)" in message
+    usc.lint(Ruleless(Noise()), "dp=1", example_inputs=(x,))  # whole tensors: no rule needed
+
+
+@pytest.mark.parametrize("inner", [Scan, Sorter])
+def test_op_coupling_the_batch_runs_on_the_whole_batch(inner):
+    """cumsum and sort across the batch have no hand rule: DTensor's strategy gathers the batch first."""
+    assert_one_step_matches(lambda: Ruleless(inner()), "dp=2", torch.randn(6, 16, generator=torch.Generator().manual_seed(2)))
 
 
 def test_no_rule_hint_names_the_op_and_the_real_remedies():
     """The hint must not promise a plan rule that changes nothing (a replicate rule only places weights)."""
     x = torch.randn(4, 16)
-    with pytest.raises(usc.PlanError) as info:
-        usc.lint(Ruleless(Scan()), "dp=2", example_inputs=(x,))
-    assert "cumsum" in info.value.hint and "SHARDING_RULES" in info.value.hint
+    with pytest.raises(usc.CompileError) as info:
+        usc.lint(Ruleless(Noise()), "dp=2", example_inputs=(x,))
+    assert "bernoulli" in info.value.hint and "SHARDING_RULES" in info.value.hint
     assert "replicate" not in info.value.hint
 
 

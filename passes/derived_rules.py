@@ -1,0 +1,357 @@
+"""Sharding rules for the ops usc has no hand rule for: the fallback chain after the hand rules.
+
+Per aten op and mesh axis the chain is (DESIGN.md, "Op coverage is a fallback chain"):
+
+1. our hand rule (``sharding_rules.SHARDING_RULES``: partial-sum algebra, vocabulary parallel, losses);
+2. PyTorch's registered DTensor sharding strategy for the op (``DTensor._op_dispatcher.
+   sharding_propagator``: single-dim strategies and op strategies, hundreds of ops), asked on a
+   one-axis mesh that has no process group;
+3. for a composite op (``CompositeImplicitAutograd``: rms_norm, flatten, einsum, conv1d/2d ...)
+   its own decomposition, traced once per shape, with placements flowed through it by links 1-2;
+4. replicate on that axis (the propagation pass redistributes first) for any other functional,
+   deterministic op;
+5. otherwise ``UnsupportedOpError`` (a ``CompileError``) naming op, module, source line and placements.
+
+Every rule here has the hand rules' shape, ``OpView -> Decision`` (op + input placements on one
+axis -> required input placements + output placement), so the rule verifier checks them the same
+way. A derived decision is used only when it keeps usc's contract: the op runs unchanged on local
+pieces, so the op is run once on meta tensors of the local shapes and must give the local shape
+the decision claims (an op carrying global sizes in its arguments, like ``unflatten``, fails that
+and replicates instead). Placements usc cannot hold (``Partial(avg)``, strided shards) fall back
+to replicated too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema
+from torch.utils._pytree import tree_leaves
+
+from usc.compiler.errors import CompileError, ShardingError, UnsupportedOpError
+
+from .graph_edit import flat_inputs, shape_of
+from .sharding_rules import SHARDING_RULES, Decision, OpView
+
+R = Replicate()
+HAND, DTENSOR, DECOMPOSED, REPLICATED, IN_PLACE, NONE = (
+    "hand rule", "DTensor strategy", "decomposition", "replicated", "in-place twin", "none")
+
+
+def _propagator():
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+# ---------------------------------------------------------------- which link an op takes
+
+def _has_dtensor_strategy(op) -> bool:
+    prop = _propagator()
+    return op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs or op in prop.op_to_rules
+
+
+def _is_composite(op) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+
+
+def _is_pure(op) -> bool:
+    """Functional and deterministic: every rank computing it on whole inputs gets one device's value.
+    A random op would draw differently from one device; a mutating op writes through an alias."""
+    schema = op._schema
+    mutates = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    return not mutates and torch.Tag.nondeterministic_seeded not in op.tags
+
+
+# (test, link) in chain order; the first test an op passes names the link that decides it
+_LINKS = ((_has_dtensor_strategy, DTENSOR), (_is_composite, DECOMPOSED), (lambda op: True, REPLICATED))
+
+
+@lru_cache(maxsize=None)
+def derived_link(op) -> str:
+    """The link of the chain after the hand rules that decides ``op`` (``NONE``: it is refused).
+    Random ops get none: DTensor would let each shard draw its own numbers, where usc promises one
+    device's draw (they need a hand rule, like dropout). An in-place op (``add_``, ``scatter_``)
+    follows its functional twin's rule, see ``_in_place_decision``."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return NONE
+    if _functional_twin(op) is not None:
+        return IN_PLACE
+    if not _is_pure(op):
+        return NONE
+    return next((link for test, link in _LINKS if test(op)), NONE)
+
+
+@lru_cache(maxsize=None)
+def _functional_twin(op):
+    """aten.add_.Tensor -> aten.add.Tensor (same arguments, returns a new tensor instead)."""
+    name = op._schema.name.split("::")[-1]
+    if op.namespace != "aten" or not name.endswith("_") or name.startswith("_"):
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    twin = getattr(packet, op._overloadname, None) if packet is not None else None
+    return twin if twin is not None and _is_pure(twin) else None
+
+
+def rule_link(op) -> str:
+    """The link that decides ``op``, hand rules included (what the compile report prints)."""
+    return HAND if op in SHARDING_RULES else derived_link(op)
+
+
+@dataclass(frozen=True)
+class DerivedRule:
+    """A rule from link ``link`` of the chain; called like a hand rule."""
+
+    op: object
+    link: str
+
+    def __call__(self, view: OpView) -> Decision:
+        key = _signature(view)
+        if key is None:
+            return self.decide(view)
+        if key not in _DECIDED:
+            _DECIDED[key] = self.decide(view)
+        return _DECIDED[key]
+
+    def decide(self, view: OpView) -> Decision:
+        if self.link == IN_PLACE:
+            return _in_place_decision(view)
+        try:
+            decision = _DECIDERS[self.link](view)
+            agreed = decision is not None and _holdable(decision, view) and _local_shapes_agree(view, decision)
+        except CompileError:
+            raise
+        except Exception:  # noqa: BLE001 - a strategy or meta run that cannot decide (data-dependent sizes)
+            agreed = False
+        return decision if agreed else replicated(view)
+
+
+# a model repeats its layers: one decision per op, shapes, arguments and placements
+_DECIDED: dict[tuple, Decision] = {}
+
+
+def _signature(view: OpView) -> tuple | None:
+    inputs = iter(range(len(view.placements)))
+    args = _with_specs((tuple(view.node.args), tuple(sorted(view.node.kwargs.items()))), _Marks(inputs))
+    values = [x.meta.get("val") for x in flat_inputs(view.node)]
+    tensors = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in values)
+    key = (view.node.target, _hashable(args), tensors, view.placements, view.axis, view.size, view.out_shape,
+           view.sequence_parallel)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+class _Marks:
+    """Stands in for tensor arguments in a signature: their shapes are keyed separately."""
+
+    def __init__(self, it) -> None:
+        self.it = it
+
+    def __next__(self):
+        return ("tensor", next(self.it))
+
+
+def _hashable(value):
+    return tuple(_hashable(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def derived_rule(op) -> DerivedRule | None:
+    """The derived rule for an op with no hand rule, or None when no link accepts it."""
+    link = derived_link(op)
+    return None if link == NONE else DerivedRule(op, link)
+
+
+def replicated(view: OpView) -> Decision:
+    return Decision((R,) * len(view.placements), R)
+
+
+def _in_place_decision(view: OpView) -> Decision:
+    """The functional twin's decision. The op writes into its first input: when that input must be
+    redistributed first, the write lands in the copy, which is right only if nothing reads the
+    original after this op (export leaves ``x += y`` on a value nobody reads again, as Falcon does)."""
+    from .sharding_rules import rule_for
+
+    twin = _functional_twin(view.node.target)
+    decision = rule_for(twin)(view)
+    if decision.inputs[0] != view.placements[0] and _read_after(view.node):
+        raise UnsupportedOpError(
+            f"{view.node.target} writes into a tensor placed {view.placements[0]} on '{view.axis}' that must be "
+            f"{decision.inputs[0]} for the op, and the tensor is read again after the write",
+            hint=f"write the out-of-place form ({twin}) in the model")
+    return decision
+
+
+def _read_after(node: fx.Node) -> bool:
+    target = node.args[0]
+    later, cursor = set(), node.next
+    while cursor.op != "root":
+        later.add(cursor)
+        cursor = cursor.next
+    return any(u in later for u in target.users)
+
+
+# ---------------------------------------------------------------- link 2: DTensor's strategies
+
+@lru_cache(maxsize=None)
+def _one_axis_mesh(size: int):
+    """A DeviceMesh with no process group: the propagator only reads its shape."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", torch.arange(size), _init_backend=False, _rank=0)
+
+
+def _spec(node: fx.Node, placement, mesh) -> DTensorSpec:
+    value = node.meta["val"]
+    return DTensorSpec(mesh, (placement,), TensorMeta(value.shape, value.stride(), value.dtype))
+
+
+def _with_specs(value, specs):
+    """node.args with each tensor node replaced by its spec (plain lists and tuples, as DTensor expects)."""
+    if isinstance(value, fx.Node):
+        return next(specs)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_with_specs(v, specs) for v in value) if isinstance(value, tuple) \
+            else [_with_specs(v, specs) for v in value]
+    return value
+
+
+def _dtensor_decision(view: OpView) -> Decision | None:
+    mesh = _one_axis_mesh(view.size)
+    node, op = view.node, view.node.target
+    specs = iter([_spec(x, p, mesh) for x, p in zip(flat_inputs(node), view.placements)])
+    args = _with_specs(tuple(node.args), specs)
+    kwargs = {k: _with_specs(v, specs) for k, v in node.kwargs.items()}
+    prop = _propagator()
+    schema = OpSchema(op, args, kwargs, schema_info=prop.op_to_schema_info.get(op))
+    try:
+        sharding = prop.propagate_op_sharding_non_cached(schema)
+    except Exception:  # noqa: BLE001 - a strategy that cannot place these inputs: the chain goes on
+        return None
+    outputs = [s for s in tree_leaves(sharding.output_spec) if isinstance(s, DTensorSpec)]
+    placed = {s.placements[0] for s in outputs}
+    if len(placed) != 1:
+        return None
+    wanted = sharding.redistribute_schema or schema
+    required = [s.placements[0] for s in tree_leaves((wanted.args_schema, wanted.kwargs_schema))
+                if isinstance(s, DTensorSpec)]
+    return Decision(tuple(required), placed.pop()) if len(required) == len(view.placements) else None
+
+
+# ---------------------------------------------------------------- link 3: the op's decomposition
+
+def _meta_like(node: fx.Node, shape=None) -> torch.Tensor:
+    value = node.meta["val"]
+    return torch.empty(shape if shape is not None else value.shape, dtype=value.dtype, device="meta")
+
+
+def _call_with(node: fx.Node, tensors: list[torch.Tensor]):
+    it = iter(tensors)
+    args = _with_specs(tuple(node.args), it)
+    kwargs = {k: _with_specs(v, it) for k, v in node.kwargs.items()}
+    return node.target(*args, **kwargs)
+
+
+def _decomposition(view: OpView) -> fx.GraphModule:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    node = view.node
+    return make_fx(lambda *ts: _call_with(node, list(ts)), tracing_mode="fake")(
+        *[_meta_like(x) for x in flat_inputs(node)])
+
+
+def _candidates(placements: tuple) -> list[tuple]:
+    """The inputs as placed, then with partial sums reduced, then all whole."""
+    reduced = tuple(R if isinstance(p, Partial) else p for p in placements)
+    return list(dict.fromkeys([placements, reduced, (R,) * len(placements)]))
+
+
+def _decomposed_decision(view: OpView) -> Decision | None:
+    try:
+        gm = _decomposition(view)
+    except Exception:  # noqa: BLE001 - a composite that does not trace on meta tensors is replicated
+        return None
+    for candidate in _candidates(view.placements):
+        out = _flow(gm, candidate, view)
+        if out is not None:
+            return Decision(candidate, out)
+    return None
+
+
+def _flow(gm: fx.GraphModule, placements: tuple, outer: OpView):
+    """The output placement when every op of the decomposition accepts its inputs as placed
+    (no redistribution inside the op), else None."""
+    from .sharding_rules import rule_for
+
+    placed: dict[fx.Node, object] = {}
+    inputs = iter(placements)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            placed[node] = next(inputs)
+        elif node.op == "call_function":
+            ins = tuple(placed[x] for x in flat_inputs(node))
+            view = OpView(node, ins, tuple(shape_of(x) or () for x in flat_inputs(node)), shape_of(node),
+                          outer.axis, outer.size)
+            decision = _inner_decision(rule_for(node.target), view)
+            if decision is None or tuple(decision.inputs) != ins:
+                return None
+            placed[node] = decision.output
+        elif node.op == "output":
+            outs = {placed[x] for x in flat_inputs(node)}
+            return outs.pop() if len(outs) == 1 else None
+    return None
+
+
+def _inner_decision(rule, view: OpView) -> Decision | None:
+    if rule is None:
+        return replicated(view) if all(p == R for p in view.placements) else None
+    try:
+        return rule(view)
+    except ShardingError:
+        return None
+
+
+# ---------------------------------------------------------------- checks on a derived decision
+
+def _holdable(decision: Decision, view: OpView) -> bool:
+    """Placements usc's layouts and collectives hold: whole, a plain shard, or a partial sum/max
+    (a partial input only where it came in partial)."""
+    def ok(p) -> bool:
+        # exactly Partial: DTensor's _NormPartial says "sum" but reduces as a p-norm
+        return type(p) in (Replicate, Shard) or (type(p) is Partial and p.reduce_op in ("sum", "max"))
+
+    inputs_ok = all(ok(p) and (not isinstance(p, Partial) or p == have)
+                    for p, have in zip(decision.inputs, view.placements))
+    return inputs_ok and ok(decision.output)
+
+
+def _local(shape, placement, size: int):
+    if isinstance(placement, Shard):
+        shape = list(shape)
+        shape[placement.dim] //= size
+    return shape
+
+
+def _local_shapes_agree(view: OpView, decision: Decision) -> bool:
+    """Run the op on meta tensors of the local shapes: it must give the local output shape the
+    decision claims (an op with global sizes in its arguments does not)."""
+    if all(p == R for p in decision.inputs) and decision.output == R:
+        return True
+    node = view.node
+    tensors = [_meta_like(x, _local(shape_of(x) or (), p, view.size))
+               for x, p in zip(flat_inputs(node), decision.inputs)]
+    try:
+        out = _call_with(node, tensors)
+    except Exception:  # noqa: BLE001 - the op refuses local shapes: not runnable on pieces
+        return False
+    first = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+    expected = _local(view.out_shape or (), decision.output, view.size)
+    return first is not None and list(first.shape) == list(expected)
+
+
+_DECIDERS = {DTENSOR: _dtensor_decision, DECOMPOSED: _decomposed_decision, REPLICATED: lambda view: None}
