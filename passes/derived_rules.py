@@ -1,6 +1,6 @@
 """Sharding rules for the ops usc has no hand rule for: the fallback chain after the hand rules.
 
-Per aten op and mesh axis the chain is (DESIGN.md, "Op coverage is a fallback chain"):
+Per aten op and mesh axis the chain is:
 
 1. our hand rule (``sharding_rules.SHARDING_RULES``: partial-sum algebra, vocabulary parallel, losses);
 2. PyTorch's registered DTensor sharding strategy for the op (``DTensor._op_dispatcher.

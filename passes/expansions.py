@@ -239,7 +239,7 @@ def _shifted_labels(b, labels: fx.Node, ignore_index: int) -> fx.Node:
 
 @register(aten.cross_entropy_loss.default)
 def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
-    """Cross-entropy written so every piece shards (ALGORITHMS.md, 'Losses' and 'Tensor parallel'):
+    """Cross-entropy written so every piece shards (Megatron-LM's vocab-parallel cross-entropy, Shoeybi et al. 2019):
 
     with logits sharded on the vocab: global max by all-reduce(max), sum of exp by all-reduce(sum),
     the target logit from its owner by all-reduce(sum) — the full logits are never gathered.

@@ -21,7 +21,7 @@ messages, so the order the schedule checker proved deadlock free stays so.
 
 The loss: each microbatch's backward starts from its token *sum* (loss x count); after the last
 microbatch every gradient is divided by the global count N, so the step equals the global token
-mean on one device (ALGORITHMS.md, "Gradients of a microbatch-split batch").
+mean on one device (the counts come from passes/loss_count.py).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from usc.compiler.report import Report, build_report
 from usc.compiler.trace import is_meta_model, trace
 from usc.dsl import Plan, check_rules_match, parse_plan
 from usc.passes import parallelize
-from usc.passes.pipeline_schedule import build_schedule
+from usc.passes.pipeline_schedule import build_schedule, refuse_unimplemented
 from usc.passes.pipeline_schedule_check import check_schedule
 from usc.runtime.executor import PipelineExecutor, RankExecutor, estimate_activation_bytes
 from usc.planning import estimate_plan
@@ -130,6 +130,7 @@ class _Compiled:
 
     def _build(self, batch: tuple, *, traced=None) -> None:
         start = time.perf_counter()
+        refuse_unimplemented(self.plan)  # before tracing: nothing else about the model matters
         traced = traced if traced is not None else self.trace(batch)
         check_rules_match(self.plan, list(traced.module_types))
         self._traced = traced

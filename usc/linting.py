@@ -23,7 +23,7 @@ from usc.compiler.pass_runner import pipeline_stages
 from usc.compiler.report import Report
 from usc.dsl import Plan, PlanError
 from usc.passes.mesh_order_check import check_mesh_order, rank_programs
-from usc.passes.pipeline_schedule import build_schedule
+from usc.passes.pipeline_schedule import build_schedule, refuse_unimplemented
 from usc.passes.pipeline_schedule_check import ScheduleError, check_schedule, render_timeline
 from usc.passes.pipeline_split import node_flops
 
@@ -69,6 +69,7 @@ class LintResult:
 def pipeline_schedule(plan: Plan):
     """(schedule, metrics, bubble_at, picture) of a pp plan; bubble_at(mb) gives the bubble with
     another microbatch count (for the suggestion of USC206)."""
+    refuse_unimplemented(plan)
     pp, v, mb, name = plan.size("pp"), int(plan.get("v")), int(plan.get("mb")), plan.get("schedule")
     schedule = build_schedule(name, pp, v, mb)
 
@@ -94,7 +95,7 @@ def _compiled_input(plan: Plan, compiled: _Compiled, facts, hardware) -> tuple[L
     if plan.size("pp") > 1:
         try:
             schedule, metrics, bubble_at, picture = pipeline_schedule(plan)
-        except (ValueError, NotImplementedError, ScheduleError) as err:
+        except (PlanError, ValueError, ScheduleError) as err:
             errors.append(_as_error(plan, err, "schedule"))
     problems = []
     if plan.size("pp") == 1 or schedule is not None:
