@@ -81,6 +81,10 @@ def test_a_sum_loss_trains_on_the_whole_sum(plan):
     assert_equivalent(model("sum"), plan, batches(), **FLOAT64)
 
 
+def test_a_sum_loss_on_a_3d_plan():
+    assert_equivalent(model("sum"), "dp=2 tp=2 pp=2 mb=2", batches(batch=8), **FLOAT64)
+
+
 @pytest.mark.parametrize("loss", ["token_mean", "token_mean+decay", "sum+mean", "mean_of_sums"])
 @pytest.mark.parametrize("plan", ["mb=3", "pp=2 mb=2", "dp=2 mb=3"])
 def test_linear_combinations_of_batch_reductions_are_exact(loss, plan):
