@@ -237,6 +237,12 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
     held.replay()
     user = [s.arg.name for s in exported.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     outputs = user_output_specs(exported)
+    written = [o.target for o in outputs if "PARAMETER_MUTATION" in str(o.kind)]
+    if written:  # nn.Embedding(max_norm=...) renormalises its rows in place, for one
+        raise TraceError(f"{type(model).__name__}.forward writes the parameter(s) {', '.join(written)} in place "
+                         "(e.g. nn.Embedding(max_norm=...) renormalising its rows); usc does not replay in-place "
+                         "writes to parameters: drop max_norm, or update the weight under torch.no_grad() "
+                         "between steps")
     if len(outputs) != 1 or str(outputs[0].kind) not in ("OutputKind.USER_OUTPUT", "USER_OUTPUT"):
         kinds = ", ".join(str(o.kind) for o in outputs)
         raise TraceError(f"{type(model).__name__}.forward must return one scalar loss (got outputs: {kinds}); "
