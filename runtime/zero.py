@@ -90,3 +90,17 @@ class ZeroOptimizer:
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for state in self.inner.state.values()
                    for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def optimizer_state_examples(optimizer, state_specs) -> dict[str, torch.Tensor]:
+    """The state the user's optimizer keeps per parameter (key -> an example value), from one step
+    of a fresh copy on a one-element probe of the model's trainable dtype. A rank with nothing to
+    train (a frozen pipeline stage) learns the keys its peers hold this way, to join their
+    checkpoint collectives."""
+    inner = getattr(optimizer, "inner", optimizer)
+    dtype = next((s.dtype for s in state_specs if s.kind == "param" and s.trainable), torch.float32)
+    probe = nn.Parameter(torch.zeros(1, dtype=dtype))
+    fresh = type(inner)([probe], **inner.defaults)
+    probe.grad = torch.zeros_like(probe)
+    fresh.step()
+    return dict(fresh.state[probe])
