@@ -73,8 +73,7 @@ def functionalize(exported):
     if not any(is_mutating(n) for n in _all_nodes(exported.graph_module)):
         return exported  # (bodies of torch.no_grad regions included: an EMA buffer is written there)
     _refuse_overlapping_writes(exported.graph_module)
-    _detach_no_grad_regions(exported.graph_module)
-    return exported.run_decompositions({})
+    return exported.run_decompositions({})  # no_grad regions are inlined first (compiler/inline_regions.py)
 
 
 EXACT_OVERLAP_LIMIT = 2**26  # storage elements up to which overlap is checked element by element
@@ -127,39 +126,6 @@ def _offsets(t: torch.Tensor) -> torch.Tensor:
     for n, s in zip(t.shape, t.stride()):
         index = index.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s
     return index.reshape(-1)
-
-
-def _detach_no_grad_regions(gm: fx.GraphModule) -> None:
-    """Functionalization retraces without autograd and inlines ``torch.no_grad()`` regions, whose
-    results would then carry gradients. Inline each region here instead, on detached inputs: that
-    is what no_grad means (its results take no gradient), a write through a detached alias still
-    reaches the buffer it aliases, and the region's nodes keep their own source lines."""
-    graph = gm.graph
-    for node in list(graph.nodes):
-        if node.target is not torch.ops.higher_order.wrap_with_set_grad_enabled or node.args[0] is not False:
-            continue
-        body = getattr(gm, node.args[1].target)
-        with graph.inserting_before(node):
-            inputs = [graph.call_function(torch.ops.aten.detach.default, (a,))
-                      if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) else a
-                      for a in node.args[2:]]
-            for new, old in zip(inputs, node.args[2:]):
-                if new is not old:
-                    new.meta.update(old.meta)
-            outputs = graph.graph_copy(body.graph, dict(zip(_placeholders(body), inputs)))
-        for user in list(node.users):  # getitem(region, i)
-            user.replace_all_uses_with(outputs[user.args[1]])
-            graph.erase_node(user)
-        getter = node.args[1]
-        graph.erase_node(node)
-        if not getter.users:
-            graph.erase_node(getter)
-    graph.lint()
-    gm.recompile()
-
-
-def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
 def differentiable_copies(gm: fx.GraphModule) -> None:

@@ -100,6 +100,7 @@ class ReplicaGuard:
 
     def _everywhere(self, t: torch.Tensor) -> torch.Tensor:
         """The elementwise max of ``t`` over the whole mesh."""
+        t = t.to(self.mesh.device)  # NCCL reduces device tensors only
         for axis in self.mesh.axes:
             if self.mesh.size(axis) > 1:
                 t = self.mesh.comm(axis).all_reduce(t, "max")

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .reducer import GradReducer, pad_to_multiple
+from .training import NamedParameters
 
 
 class ZeroOptimizer:
@@ -39,8 +40,12 @@ class ZeroOptimizer:
             self.masters.append(master)
         sharded = {id(p) for b in self.buckets for _, p in b.params}
         rest = [p for p in other_params if id(p) not in sharded]
+        named = dict(zip(map(id, other_params), other_params.names)) if isinstance(other_params, NamedParameters) \
+            else {}
+        names = [tuple(named.get(id(p), (n,))[0] for n, p in b.params) for b in self.buckets] + \
+            [named.get(id(p), ()) for p in rest]
         # build: the executor's (a rank with nothing to train still gets an optimizer)
-        self.inner = (build or (lambda f, p: f(p)))(factory, self.masters + rest)
+        self.inner = (build or (lambda f, p: f(p)))(factory, NamedParameters(self.masters + rest, names))
 
     def _partition(self, bucket) -> tuple[torch.Tensor, nn.Parameter]:
         """One flat buffer per bucket; parameters become views into it; the master is my slice."""
