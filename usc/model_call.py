@@ -16,6 +16,8 @@ alive nor communicated.
 
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -173,10 +175,27 @@ class Trainable(nn.Module):
 
     def forward(self, *flat):
         model, layout = self._wrapped[0], self.layout or BatchLayout("tuple")
-        if self._loss_fn is None:
-            return loss_of(layout.call(model, flat, self._extra), type(model).__name__)
-        inputs, target = _split_target(layout, flat)
-        return self._loss_fn(inputs.call(model, inputs.flat, self._extra), target)
+        with _root_state_of(self, model):
+            if self._loss_fn is None:
+                return loss_of(layout.call(model, flat, self._extra), type(model).__name__)
+            inputs, target = _split_target(layout, flat)
+            return self._loss_fn(inputs.call(model, inputs.flat, self._extra), target)
+
+
+@contextlib.contextmanager
+def _root_state_of(wrapper: nn.Module, model: nn.Module):
+    """The model's own root-level parameters and buffers are the wrapper's while it runs: the tracer
+    swaps the wrapper's (for graph inputs), and the model must read and write those, not the
+    originals (which would become constants: never trained, their writes lost)."""
+    saved = {kind: dict(getattr(model, kind)) for kind in ("_parameters", "_buffers")}
+    for kind, own in saved.items():
+        ours = getattr(wrapper, kind)
+        getattr(model, kind).update({name: ours[name] for name in own if name in ours})
+    try:
+        yield
+    finally:
+        for kind, own in saved.items():
+            getattr(model, kind).update(own)
 
 
 @dataclass(frozen=True)
