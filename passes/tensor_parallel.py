@@ -37,6 +37,9 @@ CARRIERS = {
     # complex-number RoPE (torchtitan): pairs of features become one complex feature and back, per head
     aten.view_as_complex.default, aten.view_as_real.default, aten.flatten.using_ints, aten.unflatten.int,
     aten.type_as.default,
+    # writes through views, functionalized (compiler/functional.py); propagation gathers where one
+    # writes along the split features
+    aten.select_scatter.default, aten.slice_scatter.default, aten.fill.Scalar, aten.fill.Tensor,
 }
 # Nodes that only check a value (export's dtype/shape assertions) are not uses of it.
 IGNORED_USERS = {aten._assert_tensor_metadata.default}

@@ -22,6 +22,7 @@ Two definitions of "one device" differ from the plain model's, and the reference
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -47,15 +48,31 @@ def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params)
 
 
-def microbatch_mean_loss(model: nn.Module, batch: tuple, microbatches: int) -> torch.Tensor:
+def reference_loss(model: nn.Module, batch) -> torch.Tensor:
+    """The loss as a user reads it on one device: ``model(**batch)`` for a dict batch, ``model(*batch)``
+    otherwise; the output itself, its ``.loss`` (Hugging Face), or the scalar of a tuple (nanoGPT).
+    Written independently of usc's own loss finding, which it checks."""
+    out = model(**batch) if isinstance(batch, Mapping) else model(*batch)
+    if isinstance(out, tuple):
+        (out,) = [v for v in out if isinstance(v, torch.Tensor) and v.dim() == 0]
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def microbatch_mean_loss(model: nn.Module, batch, microbatches: int) -> torch.Tensor:
     """Megatron's per-microbatch loss: the mean of the losses of ``microbatches`` pieces of dim 0."""
     if microbatches == 1:
-        return model(*batch)
-    pieces = [v.chunk(microbatches, 0) if isinstance(v, torch.Tensor) else [v] * microbatches for v in batch]
-    return sum(model(*(p[m] for p in pieces)) for m in range(microbatches)) / microbatches
+        return reference_loss(model, batch)
+    if isinstance(batch, Mapping):
+        pieces = {k: v.chunk(microbatches, 0) if isinstance(v, torch.Tensor) else [v] * microbatches
+                  for k, v in batch.items()}
+        parts = [{k: p[m] for k, p in pieces.items()} for m in range(microbatches)]
+    else:
+        pieces = [v.chunk(microbatches, 0) if isinstance(v, torch.Tensor) else [v] * microbatches for v in batch]
+        parts = [tuple(p[m] for p in pieces) for m in range(microbatches)]
+    return sum(reference_loss(model, part) for part in parts) / microbatches
 
 
-def reference_run(model: nn.Module, batches: Sequence[tuple], optimizer: OptimizerFactory, *,
+def reference_run(model: nn.Module, batches: Sequence, optimizer: OptimizerFactory, *,
                   microbatches: int = 1) -> list[float]:
     """Per-step losses on one device (``model`` is trained in place); with ``microbatches`` the loss
     is defined per microbatch (batch_coupling=per_microbatch)."""
@@ -98,8 +115,10 @@ def compare_losses(losses: Sequence[float], expected: Sequence[float], *, rtol: 
             raise AssertionError(f"step {i} loss {a!r} != single-device {b!r} (diff {abs(a - b):.3g})")
 
 
-def as_float64(batch: tuple) -> tuple:
+def as_float64(batch):
     """The batch with its floating-point tensors in float64 (token ids stay integers)."""
+    if isinstance(batch, Mapping):
+        return {k: as_float64((v,))[0] for k, v in batch.items()}
     return tuple(v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in batch)
 
 
@@ -186,7 +205,7 @@ def simulate_run(plan: str, optimizer: OptimizerFactory = _adamw) -> MeshRun:
 
     def run(model: nn.Module, batches: list):
         sim = usc.simulate(model, plan, example_inputs=batches[0], optimizer=optimizer)
-        return [sim.step(*b) for b in batches], sim.full_state_dict()
+        return [sim.step(b) for b in batches], sim.full_state_dict()
 
     return run
 
