@@ -33,10 +33,9 @@ from usc.passes import parallelize
 from usc.passes.pipeline_split import constant_nodes, node_flops
 from usc.passes.recompute import recompute_regions, reissued_in_backward
 from usc.passes.zero3 import layer_key
+from usc.runtime.op_classes import ATTENTION, MATMULS
 
 aten = torch.ops.aten
-MATMULS = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default}
-ATTENTION = {aten.scaled_dot_product_attention.default}
 # Saved tensors made by these survive selective recompute (Korthikanti et al. 2022: keep matmul
 # inputs/outputs, recompute the cheap pointwise work); everything else is recomputed.
 KEPT_BY_SELECTIVE = MATMULS | ATTENTION | {aten.embedding.default}
