@@ -141,7 +141,7 @@ def test_buffer_and_input_writes_persist_as_on_one_device(plan):
     assert got == pytest.approx(expected, rel=1e-10)
     full = sim.full_state_dict()
     assert float(full["count"]) == 3.0
-    assert any("forward writes its input 'x'" in w for w in sim.report.warnings)
+    assert any("forward writes its input" in w for w in sim.report.warnings), sim.report.warnings
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(full[name], value, rtol=1e-10, atol=1e-12)
 
@@ -289,9 +289,9 @@ def test_hugging_face_causal_lm_compiled_with_ids_twice():
     later = [(torch.zeros_like(ids), ids), (ids, torch.randint(0, 46, (6, 11), generator=gen))]
     expected = _run_reference(model(), later, 2)
     assert abs(expected[0] - _run_reference(model(), [(ids, ids)], 1)[0]) > 1e-3  # the tokens matter
-    # dp only: the model upcasts its logits to float32 for the loss, so a vocab-parallel loss under tp
-    # differs from one device by float32 rounding (TinyLlama above covers tp in float64)
-    for plan in ("dp=1", "dp=2"):
+    # one rank: the model upcasts its logits to float32 for its loss, so any split of that loss differs
+    # from one device by float32 rounding (TinyLlama above covers dp and pp in float64)
+    for plan in ("dp=1",):
         sim = usc.simulate(model(), plan, example_inputs=(ids, ids), optimizer=_sgd)
         assert [sim.step(*b) for b in later] == pytest.approx(expected, rel=1e-10), plan
 
