@@ -135,7 +135,8 @@ def _twin(target):
 
 def _virtual_size(batch: int) -> int:
     """The smallest prime factor of the microbatch's batch size: every reshape that keeps the batch
-    outermost divides by it (2 for a batch of one sample, whose reshapes may then be refused)."""
+    outermost divides by it. A microbatch of one sample cannot show a split; the build then traces a
+    two-sample probe of the model, analysed in its place (``probe``)."""
     return next((p for p in range(2, batch + 1) if batch % p == 0), 2)
 
 
@@ -157,7 +158,8 @@ def _first_coupling(virtual: fx.GraphModule, user_inputs) -> str | None:
         if node.op != "call_module" or node in counts:
             continue
         module = virtual.get_submodule(node.target)
-        if isinstance(module, COUPLING_COLLECTIVES) and module.axis == VIRTUAL and not _sums_the_loss(node, module, dependent):
+        on_batch = isinstance(module, COUPLING_COLLECTIVES) and module.axis == VIRTUAL
+        if on_batch and not _sums_the_loss(node, module, dependent):
             return _describe_coupling(node, module)
     return None
 

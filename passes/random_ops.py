@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from usc.compiler.errors import CompileError
 from usc.compiler.trace import module_path, user_source
-from usc.runtime.random import RandomKey, draw
+from usc.runtime.random import RandomKey, draw  # noqa: F401 - importing draw registers usc::draw
 
 from .graph_edit import val
 

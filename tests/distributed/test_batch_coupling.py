@@ -159,13 +159,7 @@ def test_batch_mixing_ops_are_refused_under_microbatches(op, plan):
         usc.simulate(mixer(op)(), plan, example_inputs=regression(1)[0])
 
 
-# F.normalize over the split dim: linalg_vector_norm takes PyTorch's DTensor strategy under dp, whose
-# partial norm is combined as a sum -- a silent dp bug in the derived rules, left for their owner.
-DP_KNOWN_WRONG = {"normalize"}
-
-
-@pytest.mark.parametrize("op", [pytest.param(op, marks=pytest.mark.xfail(strict=True, reason="derived norm rule"))
-                                if op in DP_KNOWN_WRONG else op for op in sorted(MIXERS)])
+@pytest.mark.parametrize("op", sorted(MIXERS))
 def test_batch_mixing_ops_under_dp_gather_or_refuse(op):
     """dp splits the same dim: equal to one device, or a clear refusal."""
     try:
