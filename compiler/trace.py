@@ -228,15 +228,22 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
     with _quiet_torch_logs(), _held_output() as held, patched(model, list(moe_blocks)):
         try:
             # regions first: functionalizing retraces the program, which would drop a no_grad region's meaning
-            exported = functionalize(inline_regions(torch.export.export(model, example_inputs, strict=False)))
+            exported = inline_regions(torch.export.export(model, example_inputs, strict=False))
         except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
             # usc's own errors raised while tracing (no loss in the output, say) already say what to fix
             error = exc if isinstance(exc, TraceError) else _trace_error(exc, model)  # formatting can print: held
     if error is not None:
         raise error from error.__cause__
     held.replay()
+    exported = functionalize(exported)  # writes become dataflow (compiler/functional.py)
     user = [s.arg.name for s in exported.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     outputs = user_output_specs(exported)
+    written = [o.target for o in outputs if "PARAMETER_MUTATION" in str(o.kind)]
+    if written:  # nn.Embedding(max_norm=...) renormalises its rows in place, for one
+        raise TraceError(f"{type(model).__name__}.forward writes the parameter(s) {', '.join(written)} in place "
+                         "(e.g. nn.Embedding(max_norm=...) renormalising its rows); usc does not replay in-place "
+                         "writes to parameters: drop max_norm, or update the weight under torch.no_grad() "
+                         "between steps")
     if len(outputs) != 1 or str(outputs[0].kind) not in ("OutputKind.USER_OUTPUT", "USER_OUTPUT"):
         kinds = ", ".join(str(o.kind) for o in outputs)
         raise TraceError(f"{type(model).__name__}.forward must return one scalar loss (got outputs: {kinds}); "

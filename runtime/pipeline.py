@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from .training import counted_once
 from .pipeline_backward import WeightWork, input_grads, weight_grads
 
 
@@ -413,6 +414,7 @@ class PipelineMixin:
         self.peak_state_bytes = self.memory_bytes()
         value = self._global(total / count)
         self._check_finite(value)
+        self._clip_if_asked()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.reducer.attach_grad_views()
@@ -444,27 +446,11 @@ class PipelineMixin:
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             param.grad = self.pp.all_reduce(grad)
 
-    def _optimizer_entries(self) -> list[tuple]:
-        """Every trainable parameter's optimizer state, as its owning rank has it, on every pp rank,
-        in program order (each entry is one pp collective, so all ranks must list the same)."""
-        mine = self._local_optimizer_state()
-        examples = {key: value for state in mine.values() for key, value in state.items()}
-        agreed = self.pp.all_reduce(torch.full((1,), float(len(examples)), device=self.device), op="max")
-        if int(self._to_host(agreed, assumed=len(examples))) != len(examples):
-            raise RuntimeError("pipeline ranks hold different optimizer state keys; every stage needs a "
-                               "trainable parameter that has taken a step before a checkpoint")
-        entries = []
-        for spec in self.program.state:
-            if spec.kind != "param" or not spec.trainable:
-                continue
-            local = spec.layout.local_shape(spec.global_shape, self.program.mesh)
-            for key, example in sorted(examples.items()):
-                value = mine.get(spec.name, {}).get(key)
-                if self.owner.get(spec.placeholder, 0) != self.pp_rank or value is None:
-                    value = torch.zeros(local if example.dim() else (), dtype=example.dtype, device=example.device)
-                # through the device (NCCL reduces device tensors only), back where the state lives
-                entries.append((spec, key, self.pp.all_reduce(value.to(self.device)).to(example.device)))
-        return entries
+    def _counts(self, spec, sharded: tuple[str, ...]) -> bool:
+        """A pipeline rank counts the weights it owns (a tied weight: the first stage using it)."""
+        owner = self.owner.get(spec.placeholder, self.pp_rank)
+        return owner == self.pp_rank and counted_once(spec.layout.placements, self.mesh.axes, self.mesh.coord,
+                                                      sharded=sharded, skip=("pp",))
 
     def _owned(self, spec, value: torch.Tensor) -> torch.Tensor:
         """The owning stage's value of a state tensor, on every pp rank (a collective)."""

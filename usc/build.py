@@ -28,6 +28,7 @@ from .model_call import BatchLayout, trainable, with_checkpointed_layers
 
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], "torch.optim.lr_scheduler.LRScheduler"]
 
 
 def _samples(batch: tuple) -> int | None:
@@ -82,8 +83,12 @@ class _Compiled:
     """What compile and simulate share: the plan, the traced program and its report."""
 
     def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
-                 optimizer: OptimizerFactory | None = None, hardware=None, traced=None) -> None:
+                 optimizer: OptimizerFactory | None = None, hardware=None, traced=None,
+                 lr_scheduler: SchedulerFactory | None = None) -> None:
         self.plan = with_checkpointed_layers(_as_plan(plan), model)
+        self.training = model.training  # torch's default: a module starts in training mode
+        self._scheduler_factory = lr_scheduler
+        self.metrics = None  # the last step's StepMetrics (usc/api.py)
         self.model = trainable(model, loss_fn)
         if example_inputs is not None:
             example_inputs = self.model.flatten(example_inputs)

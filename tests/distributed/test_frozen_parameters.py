@@ -158,3 +158,15 @@ def test_a_frozen_first_stage_on_gloo_processes():
         expected.append(loss.item())
     for losses in run_world(fine_tune_on_gloo, 4, "dp=2 zero=1 pp=2 mb=2", timeout=240):
         assert losses == pytest.approx(expected, rel=1e-10)
+
+
+def test_a_checkpoint_with_a_frozen_stage_loads_under_another_plan(tmp_path):
+    """The frozen stage holds no optimizer state, yet joins the checkpoint's collectives."""
+    batches = _tokens()
+    sim = usc.simulate(_fine_tuned(), "dp=2 zero=1 pp=2 mb=2", example_inputs=batches[0], optimizer=_momentum)
+    sim.step(*batches[0])
+    sim.save(tmp_path / "ckpt")
+    other = usc.simulate(_fine_tuned(), "dp=2 tp=2", example_inputs=batches[0], optimizer=_momentum)
+    other.load(tmp_path / "ckpt")
+    for batch in batches[1:]:
+        assert other.step(*batch) == pytest.approx(sim.step(*batch), rel=1e-10)

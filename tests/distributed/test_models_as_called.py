@@ -283,3 +283,22 @@ def test_no_grad_region_with_in_place_writes_equals_one_device(plan):
     batches = [(torch.randn(6, 7, generator=torch.Generator().manual_seed(s)),) for s in range(2)]
     result = assert_equivalent(NoGradWithWrites, plan, batches, optimizer=sgd)
     assert result.max_param_diff <= 1e-6
+
+
+def test_only_the_loss_leaves_the_graph():
+    """Logits and Mixtral's router logits are read by the loss but are no graph outputs: nothing
+    keeps them alive after backward or sends them anywhere."""
+    cfg = transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                     output_router_logits=True)
+    sim = usc.simulate(transformers.MixtralForCausalLM(cfg), "dp=2 ep=2", example_inputs=collated(0))
+    (output,) = [n for n in sim._traced.gm.graph.nodes if n.op == "output"]
+    values = [v for v in output.args[0] if v is not None]
+    assert len(values) == 1 and values[0].meta["val"].dim() == 0
+
+
+def test_local_slice_of_a_dict_batch():
+    batch = collated(0)
+    step = usc.compile(FAMILIES["llama"](), "dp=2", example_inputs=batch)  # compiles in one process
+    second = usc.data.local_slice(step, batch, coord=(1,))
+    assert sorted(second) == sorted(batch)
+    assert all(torch.equal(second[k], batch[k][2:]) for k in batch)

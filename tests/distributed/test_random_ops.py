@@ -94,7 +94,7 @@ def batches(n: int, batch: int = 4, seq: int = 10):
     return out
 
 
-@pytest.mark.parametrize("plan", ["tp=2", "dp=2 tp=2", "pp=2 mb=2", "dp=2 mb=2"])
+@pytest.mark.parametrize("plan", ["tp=2", "dp=2 tp=2", "pp=2 mb=2", "dp=2 mb=2", "dp=2 tp=2 pp=2 mb=2"])
 def test_gpt2_with_dropout_equals_usc_one_device(plan):
     assert_equivalent(gpt2, plan, batches(3), **FLOAT64)
 

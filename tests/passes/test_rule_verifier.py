@@ -34,11 +34,10 @@ def train_like_one_device(factory, plan, *batch):
 
 # ---------------------------------------------------------------- the verifier
 
-CI_OPS = [aten._to_copy.default, aten.to.dtype, aten.amax.default, aten.gather.default, aten.index_select.default,
-          aten.view.default, aten.reshape.default, aten.slice.Tensor, aten.repeat_interleave.self_int,
-          aten.matmul.default, aten.mm.default, aten.linear.default, aten.sum.dim_IntList, aten.mean.dim,
-          aten.mul.Tensor, aten.add.Tensor, aten.relu.default, aten._softmax.default, aten.squeeze.default,
-          aten.cat.default, aten.transpose.int, aten.embedding.default, aten.where.self, aten.expand.default]
+CI_OPS = [aten._to_copy.default, aten.amax.default, aten.gather.default, aten.index_select.default,
+          aten.view.default, aten.slice.Tensor, aten.repeat_interleave.self_int, aten.matmul.default,
+          aten.linear.default, aten.sum.dim_IntList, aten.mul.Tensor, aten.relu.default, aten.squeeze.default,
+          aten.embedding.default, aten.scaled_dot_product_attention.default]
 
 
 def test_every_rule_op_has_samples():
@@ -58,8 +57,8 @@ def test_ci_subset_of_rules_computes_the_op_forward_and_backward():
     results = verify(hand_rules, CI_OPS, sizes=(2, 5), samples_per_info=1)
     failures = [f"{r.op}: {f}" for r in results for f in r.failures]
     assert failures == [], "\n".join(failures[:10])
-    assert sum(r.passed for r in results) > 100
-    assert "| **24 ops**" in table(results)
+    assert sum(r.passed for r in results) > 60
+    assert f"| **{len(CI_OPS)} ops**" in table(results)
 
 
 def test_zigzag_views_are_checked_per_chunk():

@@ -104,3 +104,4 @@ EXTRA[aten.mean.dim] = [(lambda x: aten.mean.dim(x, [1], True), (_x(*A),))]
 EXTRA[aten.scaled_dot_product_attention.default] = [
     (lambda q, k, v: aten.scaled_dot_product_attention.default(q, k, v, is_causal=True),
      (_x(2, 6, 10, 4), _x(2, 6, 10, 4, seed=1), _x(2, 6, 10, 4, seed=2)))]
+EXTRA[aten.fill.Tensor] = [(lambda x, v: aten.fill.Tensor(x, v), (_x(*A), _x(1).squeeze(0)))]
