@@ -47,8 +47,14 @@ def test_sequence_parallel_replaces_all_reduces(llama_sp, layer):
 
 
 def test_sequence_parallel_norm_weights_are_reduced_over_tp(llama_sp):
+    """Under sp each tp rank's norms see part of the sequence: exactly the norm weights' gradients
+    (and no other parameter's) are summed over tp, in one bucket."""
     norms = [c for c in llama_sp.collectives if c.source == "gradient bucket" and c.axis == "tp"]
-    assert norms and all("layernorm" in c.module or c.module == "norm.weight" or "norm" in c.module for c in norms)
+    assert [c.module for c in norms] == ["layers.0.input_layernorm.weight .. norm.weight (5 params)"]
+    model = TinyLlama(LlamaConfig(layers=2))
+    program = usc.simulate(model, "tp=2 sp=on", example_inputs=token_batch(128, 4, 16)).program
+    reduced = {s.name for s in program.state if "tp" in s.grad_axes}
+    assert reduced == {name for name, _ in model.named_parameters() if name.endswith("norm.weight")}
 
 
 def test_zigzag_balances_causal_attention_work():
