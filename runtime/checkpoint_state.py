@@ -153,10 +153,18 @@ class ShardedCheckpoint:
             prefix = f"optim/{name}/"
             for tensor in sorted(n for n in reader.names if n.startswith(prefix)):
                 dtype = _DTYPES[reader.pieces[tensor][0].dtype]
-                local_state.setdefault(name, {})[tensor[len(prefix):]] = self._region(reader, spec, tensor, dtype)
+                key = tensor[len(prefix):]
+                local_state.setdefault(name, {})[key] = self._on_device(key, self._region(reader, spec, tensor, dtype))
         self._set_optimizer_state(local_state)
         for group, saved in zip(self.torch_optimizer.param_groups, reader.meta.get("param_groups", [])):
             group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+
+    def _on_device(self, key: str, value: torch.Tensor) -> torch.Tensor:
+        """Loaded optimizer state lands where torch keeps it: on the program's device, except
+        Adam-style 'step' counters of a non-capturable, non-fused optimizer (the CPU)."""
+        groups = self.torch_optimizer.param_groups
+        on_host = key == "step" and not any(g.get("capturable") or g.get("fused") for g in groups)
+        return value if on_host else value.to(self.device)
 
     def _set_optimizer_state(self, local_state: dict[str, dict[str, torch.Tensor]]) -> None:
         params = self._named_params()
@@ -211,6 +219,7 @@ def _timeout(comms: list, seconds: float):
 def _world_reduce(mesh, value: torch.Tensor, op: str = "sum", timeout: float | None = None) -> torch.Tensor:
     """All-reduce over every mesh axis in turn: the whole world's sum (or max)."""
     comms = [mesh.comm(a) for a in mesh.axes if mesh.size(a) > 1]
+    value = value.to(mesh.device)  # NCCL reduces device tensors only
     with _timeout(comms, timeout or 0.0):
         for comm in comms:
             value = comm.all_reduce(value, op)

@@ -117,6 +117,37 @@ class FakeRankReport:
     steps: int = 0
     wrong: list[WrongDevice] = field(default_factory=list)
     state_devices: set[str] = field(default_factory=set)
+    saved_devices: set[str] = field(default_factory=set)
+
+
+class _PiecesReader:
+    """A checkpoint 'on disk' holding what one rank saved: global shapes from the program, every
+    region read back as a CPU tensor (as runtime/checkpoint.Reader returns them)."""
+
+    def __init__(self, program, pieces, meta: dict, watch: DeviceWatch):
+        self.path, self.meta, self._watch = "<fake>", meta, watch
+        self.pieces = {piece.tensor: [piece] for piece, _ in pieces}
+        self._shapes = {piece.tensor: tuple(piece.shape) for piece, _ in pieces}
+        # the other ranks wrote the rest: every parameter has every optimizer key this rank saved
+        keys = {piece.tensor.rsplit("/", 1)[1]: piece for piece, _ in pieces if piece.tensor.startswith("optim/")}
+        for spec in program.state:
+            self._shapes[f"model/{spec.name}"] = tuple(spec.global_shape)
+            if spec.kind == "param" and spec.trainable:
+                for key, piece in keys.items():
+                    name = f"optim/{spec.name}/{key}"
+                    self._shapes.setdefault(name, tuple(spec.global_shape) if piece.shape else ())
+                    self.pieces.setdefault(name, [piece])
+        self.names = set(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def box(self, name, offsets, sizes, dtype) -> torch.Tensor:
+        self._watch.enabled = False  # read from disk: the CPU, by design
+        try:
+            return torch.zeros(tuple(sizes), dtype=dtype)
+        finally:
+            self._watch.enabled = True
 
 
 def run_fake_rank(compiled, rank: int, *, device: str, steps: int = 2,
@@ -124,7 +155,8 @@ def run_fake_rank(compiled, rank: int, *, device: str, steps: int = 2,
     """Run rank `rank` of `compiled` (built with example_inputs) on fake tensors on `device`:
     `steps` training steps, an evaluation, then a checkpoint save and load. The model's state and
     the batch start on the CPU, as a user builds them; the program must move them. On a fake
-    'cuda' device without CUDA, steps must be 0 (see the module doc)."""
+    'cuda' device without CUDA, steps must be 0 (see the module doc). The checkpoint is the rank's
+    side of a sharded save (``checkpoint_pieces``) and a load of it (``load_from``)."""
     if steps and not autograd_works_on(device):
         raise ValueError(f"training steps need autograd, which a fake {device} cannot record in a "
                          f"CPU-only build: use fake_accelerator(), or steps=0")
@@ -152,13 +184,10 @@ def run_fake_rank(compiled, rank: int, *, device: str, steps: int = 2,
                 executor.step(batch)
                 report.steps += 1
             executor.evaluate(batch)
-            if checkpoint:
-                tensors, meta = executor.checkpoint_state()
-                if autograd_works_on(device):
-                    watch.enabled = False  # a checkpoint read from disk arrives on the CPU
-                    on_disk = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in tensors.items()}
-                    watch.enabled = True
-                    executor.load_checkpoint_state(on_disk, meta)
+            if checkpoint:  # the rank's side of a sharded save, then a load of what it wrote
+                pieces = executor.checkpoint_pieces()
+                executor.load_from(_PiecesReader(program, pieces, executor.checkpoint_meta(), watch))
+                report.saved_devices = {str(t.device) for _, t in pieces}
         report.wrong = watch.wrong
         report.state_devices = {str(t.device) for t in executor.state.values()}
         inner = getattr(executor.optimizer, "inner", executor.optimizer)
