@@ -39,8 +39,14 @@ from .graph_edit import flat_inputs, shape_of
 from .sharding_rules import SHARDING_RULES, Decision, OpView
 
 R = Replicate()
-HAND, DTENSOR, DECOMPOSED, REPLICATED, IN_PLACE, NONE = (
-    "hand rule", "DTensor strategy", "decomposition", "replicated", "in-place twin", "none")
+HAND, DTENSOR, DIM_LOCAL, DECOMPOSED, REPLICATED, IN_PLACE, NONE = (
+    "hand rule", "DTensor strategy", "dim-local", "decomposition", "replicated", "in-place twin", "none")
+aten = torch.ops.aten
+
+# Ops that act along one dim only (its argument position here): every other dim is independent, so a
+# shard on another dim keeps (the batch under dp). DTensor has no strategy for these today.
+DIM_LOCAL_OPS = {aten.index_add.default: 1, aten.index_copy.default: 1, aten.index_fill.int_Scalar: 1,
+                 aten.index_fill.int_Tensor: 1, aten.scatter_reduce.two: 1, aten.index_reduce.default: 1}
 
 
 def _propagator():
@@ -67,7 +73,8 @@ def _is_pure(op) -> bool:
 
 
 # (test, link) in chain order; the first test an op passes names the link that decides it
-_LINKS = ((_has_dtensor_strategy, DTENSOR), (_is_composite, DECOMPOSED), (lambda op: True, REPLICATED))
+_LINKS = ((_has_dtensor_strategy, DTENSOR), (DIM_LOCAL_OPS.__contains__, DIM_LOCAL), (_is_composite, DECOMPOSED),
+          (lambda op: True, REPLICATED))
 
 
 @lru_cache(maxsize=None)
@@ -224,7 +231,8 @@ def _dtensor_decision(view: OpView) -> Decision | None:
     args = _with_specs(tuple(node.args), specs)
     kwargs = {k: _with_specs(v, specs) for k, v in node.kwargs.items()}
     prop = _propagator()
-    schema = OpSchema(op, args, kwargs, schema_info=prop.op_to_schema_info.get(op))
+    info = prop.op_to_schema_info_for_single_dim_strategy.get(op) or prop.op_to_schema_info.get(op)
+    schema = OpSchema(op, args, kwargs, schema_info=info)  # info says e.g. that index's list holds tensors
     try:
         sharding = prop.propagate_op_sharding_non_cached(schema)
     except Exception:  # noqa: BLE001 - a strategy that cannot place these inputs: the chain goes on
@@ -237,6 +245,19 @@ def _dtensor_decision(view: OpView) -> Decision | None:
     required = [s.placements[0] for s in tree_leaves((wanted.args_schema, wanted.kwargs_schema))
                 if isinstance(s, DTensorSpec)]
     return Decision(tuple(required), placed.pop()) if len(required) == len(view.placements) else None
+
+
+def _dim_local_decision(view: OpView) -> Decision | None:
+    """The first shard on a dim other than the op's: tensors of the output's rank follow it, the rest
+    (index vectors, scalars) stay whole."""
+    out_rank = len(view.out_shape or ())
+    dim = view.arg(DIM_LOCAL_OPS[view.node.target])
+    dim = dim + out_rank if dim < 0 else dim
+    shard = next((p for p in view.placements if isinstance(p, Shard) and p.dim != dim), None)
+    if shard is None:
+        return None
+    inputs = tuple(shard if len(shape) == out_rank else R for shape in view.shapes)
+    return Decision(inputs, shard)
 
 
 # ---------------------------------------------------------------- link 3: the op's decomposition
@@ -349,4 +370,5 @@ def _local_shapes_agree(view: OpView, decision: Decision) -> bool:
     return first is not None and list(first.shape) == list(expected)
 
 
-_DECIDERS = {DTENSOR: _dtensor_decision, DECOMPOSED: _decomposed_decision, REPLICATED: lambda view: None}
+_DECIDERS = {DTENSOR: _dtensor_decision, DIM_LOCAL: _dim_local_decision, DECOMPOSED: _decomposed_decision,
+             REPLICATED: lambda view: None}
