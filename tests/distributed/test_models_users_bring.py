@@ -155,3 +155,19 @@ def test_the_issues_ops_train_batch_sharded(plan):
 
 def test_grouped_mm_has_a_derived_rule():
     assert rule_link(torch.ops.aten._grouped_mm.default) == "DTensor strategy"
+
+
+# ---------------------------------------------------------------- GPT-2's Conv1D
+
+def test_gpt2_conv1d_layers_are_found_as_megatron_pairs():
+    report = usc.lint(FAMILIES["gpt2"](), "tp=2", example_inputs=batches("gpt2", 1)[0])
+    styles = {c.module: c.style for c in report.tp_choices}
+    layer = "m.transformer.h.0."
+    assert [styles[layer + m] for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")] == \
+        ["colwise", "rowwise", "colwise", "rowwise"]
+    assert report.count("all-reduce", axis="tp", direction="forward", module_prefix=layer) == 2
+
+
+@pytest.mark.parametrize("plan", ["tp=2", "dp=2 tp=2 sp=on"])
+def test_gpt2_conv1d_pairs_train_like_one_device(plan):
+    assert_trains_like_one_device("gpt2", plan)
