@@ -75,6 +75,7 @@ class Report:
     activation_estimate_by_recompute: Callable[[], dict[str, int]] | None = field(default=None, repr=False)
     _activation_by_recompute: dict[str, int] | None = field(default=None, repr=False)
     traffic: dict = field(default_factory=dict)  # (axis, kind) -> payload bytes per step, every rank's summed
+    op_rules: dict = field(default_factory=dict)  # aten op -> link of the rule chain that placed it
 
     @property
     def activation_bytes(self) -> int | None:
@@ -430,4 +431,18 @@ def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, 
                   fusion=fusion_summary(program.gm, program_parts(program.gm), program.mesh, microbatches),
                   kernels=kernel_sources(program.gm, program_parts(program.gm)),
                   traffic=step_traffic(program, bucket_bytes=bucket_bytes, zero_stage=zero_stage,
-                                       microbatches=microbatches))
+                                       microbatches=microbatches),
+                  op_rules=op_rules(program.gm))
+
+
+def op_rules(gm: fx.GraphModule) -> dict[str, str]:
+    """Each op of the program and the link of the rule chain that placed it (hand rule, DTensor
+    strategy, decomposition, ...), as the propagation pass recorded (an op placed by several links
+    on different nodes lists them all)."""
+    found: dict[str, set[str]] = defaultdict(set)
+    for part in program_parts(gm):
+        for node in part.graph.nodes:
+            link = node.meta.get("usc_rule_link")
+            if link is not None and node.op == "call_function":
+                found[str(node.target)].add(link)
+    return {op: ", ".join(sorted(links)) for op, links in sorted(found.items())}

@@ -171,3 +171,19 @@ def test_gpt2_conv1d_layers_are_found_as_megatron_pairs():
 @pytest.mark.parametrize("plan", ["tp=2", "dp=2 tp=2 sp=on"])
 def test_gpt2_conv1d_pairs_train_like_one_device(plan):
     assert_trains_like_one_device("gpt2", plan)
+
+
+# ---------------------------------------------------------------- the report names the link
+
+def test_the_report_says_which_link_placed_each_op():
+    report = usc.lint(FAMILIES["torchtitan_llama"](), "dp=2 tp=2", example_inputs=batches("torchtitan_llama", 1)[0])
+    assert report.op_rules["aten.linear.default"] == "hand rule"
+    assert report.op_rules["aten.rms_norm.default"] == "decomposition"
+    assert report.op_rules["aten.view_as_complex.default"] == "DTensor strategy"
+    assert "aten.rms_norm.default (decomposition)" in str(report)
+
+
+def test_nanogpt_pipeline_report_counts_bool_tensors():
+    """forward returns (logits, loss); the pipeline's report sizes every tensor it sends, bools too."""
+    report = usc.lint(FAMILIES["nanogpt"](), "pp=2 mb=2", example_inputs=batches("nanogpt", 1)[0])
+    assert report.stages
