@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from usc.api import _Compiled
+from usc.build import _Compiled
 from usc.compiler.lint_facts import model_facts
 from usc.compiler.lint_rules import run_rules
 from usc.linting import _compiled_input

@@ -26,12 +26,15 @@ found by shapes, not names); it must still verify.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from usc.runtime.moe import ACTIVATIONS, ExpertForm
 
 ROUTER_NAMES = ("gate", "router")
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
@@ -43,25 +46,27 @@ SCORINGS = ("softmax", "sigmoid")
 
 # ================================================================= the opaque op traced in the graph
 @torch.library.custom_op("usc::moe", mutates_args=())
-def moe(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, gate: list[torch.Tensor],
-        up: list[torch.Tensor], down: list[torch.Tensor], stacked: bool) -> torch.Tensor:
-    """Dropless routed SwiGLU experts: out[t] = sum_j weights[t, j] * expert_{indices[t, j]}(x[t]).
+def moe(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: list[torch.Tensor],
+        stacked: bool, form: str) -> torch.Tensor:
+    """Dropless routed experts: out[t] = sum_j weights[t, j] * expert_{indices[t, j]}(x[t]).
 
-    ``gate``/``up``/``down``: one weight per expert as ``nn.Linear`` stores it ([out, in]), or with
-    ``stacked`` one tensor each of shape [E, in, out]. Token dims are all dims but the last."""
-    hidden = x.shape[-1]
+    ``experts``: with ``stacked`` one [E, ...] tensor per weight of the expert ``form``
+    (``runtime.moe.ExpertForm``: SwiGLU gate, up, down [E, in, out]; or transformers-5 gate_up, down
+    and biases); otherwise E gate, E up, E down weights as ``nn.Linear`` stores them ([out, in]).
+    Token dims are all dims but the last."""
+    hidden, expert = x.shape[-1], ExpertForm.parse(form)
     flat, w, idx = x.reshape(-1, hidden), weights.reshape(idx_rows(indices), -1), indices.reshape(-1, indices.shape[-1])
     out = torch.zeros_like(flat)
-    for e in range(num_experts(gate, stacked)):
+    for e in range(num_experts(experts, stacked)):
         token, slot = torch.where(idx == e)
         if token.numel():
-            y = swiglu(flat[token], *expert_weights(gate, up, down, stacked, e)) * w[token, slot, None]
+            y = expert(flat[token], *expert_weights(experts, stacked, e)) * w[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
     return out.view_as(x)
 
 
 @moe.register_fake
-def _moe_fake(x, weights, indices, gate, up, down, stacked):
+def _moe_fake(x, weights, indices, experts, stacked, form):
     return torch.empty_like(x)
 
 
@@ -69,15 +74,16 @@ def idx_rows(indices: torch.Tensor) -> int:
     return indices.numel() // indices.shape[-1]
 
 
-def num_experts(gate: list[torch.Tensor], stacked: bool) -> int:
-    return gate[0].shape[0] if stacked else len(gate)
+def num_experts(experts: list[torch.Tensor], stacked: bool) -> int:
+    return experts[0].shape[0] if stacked else len(experts) // 3
 
 
-def expert_weights(gate, up, down, stacked: bool, e: int) -> tuple[torch.Tensor, ...]:
-    """Expert e's (gate, up, down) as [in, out] matrices (x @ w)."""
+def expert_weights(experts: list[torch.Tensor], stacked: bool, e: int) -> tuple[torch.Tensor, ...]:
+    """Expert e's weights as its form takes them (``nn.Linear`` experts: (gate, up, down) as [in, out])."""
     if stacked:
-        return gate[0][e], up[0][e], down[0][e]
-    return gate[e].t(), up[e].t(), down[e].t()
+        return tuple(t[e] for t in experts)
+    n = len(experts) // 3
+    return experts[e].t(), experts[n + e].t(), experts[2 * n + e].t()
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -215,11 +221,12 @@ def _any_experts(module: nn.Module) -> tuple[str, tuple[str, ...], int]:
     return "", (), 0
 
 
-def expert_tensors(module: nn.Module, block: MoEBlock) -> tuple[list, list, list]:
+def expert_tensors(module: nn.Module, block: MoEBlock) -> list[torch.Tensor]:
+    """The usc::moe op's flat expert list: stacked gate, up, down; or every expert's gate, up, down."""
     if block.stacked:
-        return tuple([getattr(module, n)] for n in block.names)
+        return [getattr(module, n) for n in block.names]
     experts = getattr(module, block.experts)
-    return tuple([getattr(e, n).weight for e in experts] for n in block.names)
+    return [getattr(e, n).weight for n in block.names for e in experts]
 
 
 def block_forward(module: nn.Module, block: MoEBlock):
@@ -227,7 +234,8 @@ def block_forward(module: nn.Module, block: MoEBlock):
     def forward(x: torch.Tensor, *args, **kwargs):
         logits = getattr(module, block.router)(x)
         weights, indices = block.routing(logits, block.top_k)
-        out = torch.ops.usc.moe(x, weights.to(x.dtype), indices, *expert_tensors(module, block), block.stacked)
+        out = torch.ops.usc.moe(x, weights.to(x.dtype), indices, expert_tensors(module, block), block.stacked,
+                                str(ExpertForm()))
         if block.shared:
             out = out + getattr(module, block.shared)(x)
         if not block.returns_logits:
@@ -295,11 +303,248 @@ def verify(module: nn.Module, blocks: list[MoEBlock]) -> MoEBlock:
                                       "renormalised; SwiGLU experts) reproduces its forward")
 
 
+# ====================================================== transformers-5 experts modules (router kept)
+@dataclass(frozen=True)
+class ExpertsModule:
+    """Experts called as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])`` with
+    stacked ``gate_up_proj`` / ``down_proj`` weights (and biases): the layout of every MoE family of
+    transformers 5 (Mixtral, Qwen2/3-MoE, DeepSeek-V3, GPT-OSS, ...). Only this module becomes the
+    usc::moe node; the router, shared experts and their gates stay the model's own traced code, so
+    every routing rule (softmax or sigmoid, renormalised, group-limited with a correction bias,
+    routed_scaling_factor) is computed exactly as the model writes it."""
+
+    path: str
+    names: tuple[str, ...]  # gate_up, down[, gate_up bias, down bias]
+    num_experts: int
+    form: ExpertForm
+    verified: bool = False
+
+
+EXPERTS_WEIGHTS = ("gate_up_proj", "down_proj")
+EXPERTS_BIASES = ("gate_up_proj_bias", "down_proj_bias")
+
+
+def _stacked_param(module: nn.Module, name: str, dims: int) -> torch.Tensor | None:
+    value = getattr(module, name, None)
+    return value if isinstance(value, nn.Parameter) and value.dim() == dims else None
+
+
+def describe_experts(module: nn.Module, path: str) -> list[ExpertsModule] | str:
+    """The candidate forms of a transformers-5 experts module, or why it is not one."""
+    gate_up, down = (_stacked_param(module, n, 3) for n in EXPERTS_WEIGHTS)
+    if gate_up is None or down is None or gate_up.shape[0] != down.shape[0]:
+        return f"no experts: expected stacked 3-D parameters {' and '.join(EXPERTS_WEIGHTS)}"
+    if len(inspect.signature(module.forward).parameters) < 3:
+        return "no experts: expected forward(hidden, top_k_index, top_k_weights)"
+    biases = tuple(n for n in EXPERTS_BIASES if _stacked_param(module, n, 2) is not None)
+    if biases not in ((), EXPERTS_BIASES):
+        return f"only one of the biases {' and '.join(EXPERTS_BIASES)}"
+    layouts = [t for t in (False, True) if _chains(gate_up.shape, down.shape, t)]
+    if not layouts:
+        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not chain"
+    glus = [{"limit": float(module.limit), "alpha": float(module.alpha)}] if _clamped(module) \
+        else [{"act": a} for a in ACTIVATIONS]
+    return [ExpertsModule(path, EXPERTS_WEIGHTS + biases, gate_up.shape[0],
+                          ExpertForm("fused", interleaved=i, transposed=t, bias=bool(biases), **glu))
+            for t in layouts for i in (False, True) for glu in glus]
+
+
+def _chains(gate_up: torch.Size, down: torch.Size, transposed: bool) -> bool:
+    """[E, 2F, H] with [E, H, F]; transposed [E, H, 2F] with [E, F, H]."""
+    (_, a, b), (_, c, d) = gate_up, down
+    return (b == c and a == 2 * d) if not transposed else (a == d and b == 2 * c)
+
+
+def _clamped(module: nn.Module) -> bool:
+    """GPT-OSS's experts carry the clamp ``limit`` and the sigmoid's ``alpha``."""
+    return all(isinstance(vars(module).get(n), (int, float)) for n in ("limit", "alpha"))
+
+
+def _hidden_size(block: ExpertsModule, module: nn.Module) -> int:
+    down = getattr(module, block.names[1])
+    return down.shape[2] if block.form.transposed else down.shape[1]
+
+
+def experts_forward(module: nn.Module, block: ExpertsModule):
+    """The forward usc traces in place of the experts module's own: one usc::moe node."""
+    def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        tensors = [getattr(module, n) for n in block.names]
+        return torch.ops.usc.moe(hidden, top_k_weights.to(hidden.dtype), top_k_index, tensors, True,
+                                 str(block.form))
+    return forward
+
+
+@torch.no_grad()
+def verify_experts(module: nn.Module, blocks: list[ExpertsModule]) -> ExpertsModule:
+    """The form whose expert computation reproduces the module's own forward on random routing."""
+    if next(module.parameters()).device.type == "meta":  # nothing to run: the first layout that chains
+        return blocks[0]
+    scored = []
+    for candidate in blocks:
+        x, index, weights = _experts_probe(module, candidate)
+        try:
+            expected = module(x, index, weights)
+        except Exception:  # noqa: BLE001 - a hidden size this layout guessed wrong
+            continue
+        got = experts_forward(module, candidate)(x, index, weights)
+        scored.append((_error(got, expected), len(scored), candidate))
+    if scored and min(scored)[0] <= _tolerance(next(module.parameters()).dtype):
+        return ExpertsModule(**{**min(scored)[2].__dict__, "verified": True})
+    raise MoEPatternError(blocks[0].path, "no expert form usc knows (gate_up / down, concatenated or interleaved "
+                                          "halves, an activation of " + ", ".join(ACTIVATIONS)
+                                          + " or GPT-OSS's clamped gate) reproduces its forward")
+
+
+def _experts_probe(module: nn.Module, block: ExpertsModule) -> tuple[torch.Tensor, ...]:
+    """7 random tokens, each routed to min(2, E) distinct experts with random weights."""
+    param = next(module.parameters())
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(7, _hidden_size(block, module), generator=gen)
+    index = torch.rand(7, block.num_experts, generator=gen).argsort(-1)[:, :min(2, block.num_experts)]
+    weights = torch.rand(index.shape, generator=gen)
+    return x.to(param.device, param.dtype), index.to(param.device), weights.to(param.device, param.dtype)
+
+
+# ========================================================== transformers-5 router modules
+@dataclass(frozen=True)
+class RouterRule:
+    """How a router module turns hidden states into (logits, top-k weights, top-k indices).
+
+    scoring: ``softmax`` / ``sigmoid`` of all logits, then top-k (of the scores plus the module's
+    correction bias, within the best ``groups`` limited to ``topk_group``: DeepSeek-V3); or
+    ``topk_softmax``: top-k of the logits, softmax over the k (GPT-OSS). Then optionally
+    renormalised, and multiplied by ``scale`` (routed_scaling_factor)."""
+
+    scoring: str
+    normalize: bool
+    float_logits: bool  # logits computed in float32 whatever the model's dtype (DeepSeek-V3)
+    groups: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class RouterModule:
+    """A router module with a ``weight`` [E, H] (and optional bias) returning (logits, weights,
+    indices), replaced by ``rule`` written in ops every plan shards (its own forward writes in
+    place and scatters). Verified against the module's own forward like every block."""
+
+    path: str
+    num_experts: int
+    top_k: int
+    rule: RouterRule
+    correction: str = ""  # the buffer added to the scores before choosing (DeepSeek-V3)
+    verified: bool = False
+
+
+ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+CORRECTION_NAMES = ("e_score_correction_bias",)
+GROUP_NAMES = (("num_group", "topk_group"), ("n_group", "topk_group"))
+SCALE_NAMES = ("routed_scaling_factor",)
+
+
+def describe_router(module: nn.Module, path: str) -> list[RouterModule] | str:
+    """The candidate rules of a router module, or why it is not one."""
+    weight, k = _stacked_param(module, "weight", 2), _top_k(module)
+    if isinstance(module, nn.Linear) or weight is None or k is None:
+        return "no router: expected a module (not nn.Linear) with a weight [E, H] and a top-k attribute"
+    if len(inspect.signature(module.forward).parameters) != 1:
+        return "no router: expected forward(hidden_states)"
+    correction = _child(module, CORRECTION_NAMES, torch.Tensor)
+    groups = next(((vars(module)[g], vars(module)[t]) for g, t in GROUP_NAMES
+                   if isinstance(vars(module).get(g), int) and isinstance(vars(module).get(t), int)), (1, 1))
+    scales = {1.0} | {float(vars(module)[n]) for n in SCALE_NAMES if isinstance(vars(module).get(n), (int, float))}
+    return [RouterModule(path, weight.shape[0], k, RouterRule(s, n, f, *g, scale), correction)
+            for s, n, f, g, scale in itertools.product(ROUTER_SCORINGS, (False, True), (False, True),
+                                                       dict.fromkeys((groups, (1, 1))), sorted(scales))]
+
+
+def route(module: nn.Module, block: RouterModule, hidden: torch.Tensor):
+    """(logits, weights, indices) by ``block.rule``, in ops with sharding rules (no in-place, no scatter)."""
+    rule, weight = block.rule, module.weight
+    flat = hidden.reshape(-1, weight.shape[1])
+    bias = getattr(module, "bias", None)
+    logits = F.linear(flat.float(), weight.float(), None if bias is None else bias.float()) if rule.float_logits \
+        else F.linear(flat, weight, bias)
+    if rule.scoring == "topk_softmax":
+        top, indices = torch.topk(logits, block.top_k, dim=-1)
+        weights = F.softmax(top, dim=-1, dtype=top.dtype)
+    else:
+        scores = F.softmax(logits, dim=-1, dtype=torch.float) if rule.scoring == "softmax" else logits.float().sigmoid()
+        choice = scores + getattr(module, block.correction) if block.correction else scores
+        indices = torch.topk(_group_limited(choice, rule), block.top_k, dim=-1)[1]
+        weights = scores.gather(-1, indices)
+    if rule.normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # DeepSeek-V3's epsilon
+    return logits, weights * rule.scale if rule.scale != 1.0 else weights, indices
+
+
+def _group_limited(choice: torch.Tensor, rule: RouterRule) -> torch.Tensor:
+    """Scores outside the ``topk_group`` best groups (a group scores its two best experts) set to
+    -inf (DeepSeek-V3's node-limited routing), with a comparison where the model scatters."""
+    if rule.groups == 1:
+        return choice
+    grouped = choice.view(*choice.shape[:-1], rule.groups, -1)
+    best = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+    chosen = best.topk(rule.topk_group, dim=-1)[1]
+    keep = (chosen.unsqueeze(-1) == torch.arange(rule.groups, device=choice.device)).sum(dim=-2) > 0
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).reshape(choice.shape)
+
+
+def router_forward(module: nn.Module, block: RouterModule):
+    def forward(hidden_states: torch.Tensor):
+        return route(module, block, hidden_states)
+    return forward
+
+
+@torch.no_grad()
+def verify_router(module: nn.Module, blocks: list[RouterModule]) -> RouterModule | None:
+    """The rule that reproduces the router's own (logits, weights, indices); None when the module
+    is no router of this kind (its forward returns something else)."""
+    if module.weight.device.type == "meta":
+        return None
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(9, module.weight.shape[1], generator=gen).to(module.weight.device, module.weight.dtype)
+    try:
+        expected = module(x)
+    except Exception:  # noqa: BLE001 - not a router we can call alone
+        return None
+    if not (isinstance(expected, tuple) and len(expected) == 3 and not expected[2].is_floating_point()):
+        return None
+    scored = [(_router_error(route(module, b, x), expected), i, b) for i, b in enumerate(blocks)]
+    best = min(scored, key=lambda item: item[:2])
+    if best[0] <= _tolerance(module.weight.dtype):
+        return RouterModule(**{**best[2].__dict__, "verified": True})
+    raise MoEPatternError(blocks[0].path, "no routing usc knows (softmax, sigmoid or top-k-then-softmax, "
+                                          "optionally group-limited, renormalised and scaled) reproduces its forward")
+
+
+def _router_error(got, expected) -> float:
+    """Logits compared as they are; the k (index, weight) pairs of each token compared as a set
+    (the order of the k slots does not change the block's output)."""
+    if got[2].shape != expected[2].shape or got[1].shape != expected[1].shape:
+        return float("inf")
+    order_got, order_exp = got[2].argsort(-1), expected[2].argsort(-1)
+    if not torch.equal(got[2].gather(-1, order_got), expected[2].gather(-1, order_exp)):
+        return float("inf")
+    return max(_error(got[0], expected[0]),
+               _error(got[1].gather(-1, order_got), expected[1].gather(-1, order_exp)))
+
+
 def find_blocks(model: nn.Module, marked: frozenset[str] = frozenset()) -> list[MoEBlock]:
     """Every MoE block of ``model`` (outermost first), verified; ``marked`` paths must be blocks."""
     found: list[MoEBlock] = []
     for path, module in model.named_modules():
         if any(path.startswith(b.path + ".") for b in found):
+            continue
+        experts = describe_experts(module, path)
+        if not isinstance(experts, str):
+            found.append(verify_experts(module, experts))
+            continue
+        routers = describe_router(module, path)
+        router = verify_router(module, routers) if not isinstance(routers, str) else None
+        if router is not None:
+            found.append(router)
             continue
         shape = describe_marked(module, path) if path in marked else describe(module, path)
         if isinstance(shape, str):
@@ -310,12 +555,16 @@ def find_blocks(model: nn.Module, marked: frozenset[str] = frozenset()) -> list[
     return found
 
 
+# what each recognised kind traces in place of the module's own forward
+FORWARDS = {MoEBlock: block_forward, ExpertsModule: experts_forward, RouterModule: router_forward}
+
+
 @contextlib.contextmanager
 def patched(model: nn.Module, blocks: list[MoEBlock]):
     """Each block's forward swapped for its usc::moe form while tracing."""
     modules = dict(model.named_modules())
     for block in blocks:
-        modules[block.path].forward = block_forward(modules[block.path], block)
+        modules[block.path].forward = FORWARDS[type(block)](modules[block.path], block)
     try:
         yield
     finally:
@@ -323,4 +572,4 @@ def patched(model: nn.Module, blocks: list[MoEBlock]):
             del modules[block.path].forward
 
 
-__all__ = ["MoEBlock", "MoEPatternError", "Routing", "find_blocks", "patched", "moe", "swiglu", "expert_weights"]
+__all__ = ["MoEBlock", "ExpertsModule", "RouterModule", "MoEPatternError", "Routing", "find_blocks", "patched", "moe", "swiglu", "expert_weights", "expert_tensors"]

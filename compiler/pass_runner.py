@@ -1,7 +1,9 @@
 """The pass runner: runs an ordered list of passes over one GraphModule.
 
-It runs the IR verifier after every pass when asked (tests and ``USC_DEBUG=1``), can switch a
-pass off by name, records time and node count per pass, and names the pass that failed.
+It checks that the program is dataflow before the first pass (``functional.verify_functional``:
+no in-place op whose write nothing reads), runs the IR verifier and that check again after every
+pass when asked (tests and ``USC_DEBUG=1``), can switch a pass off by name, records time and node
+count per pass, and names the pass that failed.
 The list itself is built by ``usc.passes.build_pipeline``.
 """
 
@@ -15,6 +17,7 @@ from typing import Any, Callable
 import torch.fx as fx
 
 from .errors import CompileError
+from .functional import HiddenEffectError, verify_functional
 from .ir import META, MeshSpec
 
 
@@ -23,6 +26,7 @@ class PassSpec:
     name: str
     fn: Callable[..., fx.GraphModule]
     options: dict = field(default_factory=dict)
+    annotated: bool = True  # the graph carries layouts after it (passes before propagation leave none)
 
 
 @dataclass
@@ -58,16 +62,18 @@ def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[PassSpec]
                  disabled: frozenset[str] = frozenset()) -> fx.GraphModule:
     if verify is None and os.environ.get("USC_DEBUG") == "1":
         verify = verify_annotated
+    verify_functional(gm)  # every pass assumes dataflow
     for spec in passes:
         if spec.name in disabled:
             continue
         start = time.perf_counter()
         gm = spec.fn(gm, ctx, **spec.options)
         ctx.timings.append((spec.name, time.perf_counter() - start, len(gm.graph.nodes)))
-        if verify is not None:
+        if verify is not None and spec.annotated:
             try:
                 verify(gm)
-            except AssertionError as err:
+                verify_functional(gm)
+            except (AssertionError, HiddenEffectError) as err:
                 raise PassFailed(f"after pass '{spec.name}': {err}") from err
     return gm
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch.export.graph_signature import InputKind
 
 from .errors import TraceError
+from .functional import distinct_inputs, explicit_writes, functionalize, user_output_specs
 from .moe import MoEBlock, patched
 
 TORCH_DIR = os.path.dirname(torch.__file__)
@@ -218,23 +219,23 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
     """
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    example_inputs = _to_device(example_inputs, _model_device(model))
+    example_inputs = distinct_inputs(_to_device(example_inputs, _model_device(model)))
     error = None
     with _quiet_torch_logs(), _held_output() as held, patched(model, list(moe_blocks)):
         try:
-            exported = torch.export.export(model, example_inputs, strict=False)
+            exported = functionalize(torch.export.export(model, example_inputs, strict=False))
         except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
             error = _trace_error(exc, model)  # formatting torch's error can print too: keep it held
     if error is not None:
         raise error from error.__cause__
     held.replay()
     user = [s.arg.name for s in exported.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
-    outputs = exported.graph_signature.output_specs
+    outputs = user_output_specs(exported)
     if len(outputs) != 1 or str(outputs[0].kind) not in ("OutputKind.USER_OUTPUT", "USER_OUTPUT"):
         kinds = ", ".join(str(o.kind) for o in outputs)
         raise TraceError(f"{type(model).__name__}.forward must return one scalar loss (got outputs: {kinds}); "
                          "pass loss_fn= to compile, or return the loss from forward")
-    gm = exported.graph_module
+    gm = explicit_writes(exported)
     _refuse_data_dependent_shapes(gm, model)
     if wrapper_source:
         _attribute_wrapper_frames(gm, wrapper_source)

@@ -243,6 +243,11 @@ OPTIONS = _table(
     OptionSpec("bucket_mb", PositiveNumber(), 25.0, "gradient all-reduce bucket size in MiB"),
     OptionSpec("split", SplitPoints(), "auto", "pipeline cut points: auto, or module paths 'a|b'"),
     OptionSpec("timeout", PositiveNumber(), 300.0, "collective timeout in seconds"),
+    OptionSpec("replica_check", WholeNumber(0), 0, "every N steps compare replicated parameters and buffers "
+                                                    "across peers; raise on the first that differs (0: off)"),
+    OptionSpec("seed", WholeNumber(0), 0, "seed of usc's counter-based random draws (dropout, rand)"),
+    OptionSpec("batch_coupling", Choice(("refuse", "per_microbatch")), "refuse",
+               "mb>1 and a loss term coupling the batch: refuse, or define it per microbatch (Megatron)"),
     OptionSpec("capacity_factor", PositiveNumber(), None, "MoE expert capacity factor (None: no limit)"),
     OptionSpec("gpus", WholeNumber(1), None, "auto: ranks to plan for (default: the launch's world size)"),
     OptionSpec("seq", WholeNumber(1), None, "auto: sequence length to plan for (default: the example's)"),

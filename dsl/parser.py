@@ -2,8 +2,8 @@
 
 Three steps: lark parses ``plan.lark`` (LALR, contextual lexer) into a tree; :class:`_Syntax` turns the
 tree into positioned syntax records; :class:`_PlanBuilder` checks every name and value against the
-tables in ``options.py`` and builds the frozen Plan, raising PlanError at the offending token. Nothing
-but PlanError leaves :func:`parse_plan`.
+tables in ``options.py`` and builds the frozen Plan, raising PlanError at the offending token. For any
+text, :func:`parse_plan` returns a Plan or raises PlanError; anything else is a bug in the reader.
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def _parser() -> Lark:
 def parse_plan(text: str) -> Plan:
     """Read plan text; raise :class:`PlanError` (with line, column and a hint) if it is not valid.
 
-    Only PlanError escapes for any string; a non-str argument is a programming error and raises
-    TypeError.
+    Any str gives a Plan or a PlanError. A non-str argument is a programming error and raises
+    TypeError; any other exception is a bug in usc's reader and propagates as itself (a PlanError
+    would blame the plan's text for it).
 
     >>> plan = parse_plan("dp=2 tp=4; sp=on\\nlayers.*.mlp.down_proj: rowwise  # Megatron row")
     >>> plan.mesh_shape, plan.get("sp"), plan.rules[0].actions
@@ -93,14 +94,7 @@ def parse_plan(text: str) -> Plan:
     """
     if not isinstance(text, str):
         raise TypeError(f"parse_plan expects the plan text as str, got {type(text).__name__}")
-    try:
-        return _parse(text)
-    except PlanError:
-        raise
-    except Exception as exc:  # the last line of defence: callers rely on PlanError only
-        raise PlanError(
-            f"internal error while reading the plan: {exc!r}", text=text, hint="please report this"
-        ) from exc
+    return _parse(text)
 
 
 def _parse(text: str) -> Plan:

@@ -10,13 +10,16 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _make_graph_module
 
 from usc.compiler.errors import ShardingError, UnsupportedOpError
+from usc.compiler.functional import input_write_warnings
 from usc.compiler.ir import MeshSpec
 from usc.compiler.pass_runner import CompileContext, PassSpec, run_pipeline
 from usc.compiler.program import Program, build_program
 from usc.compiler.trace import Traced
 
+from . import functional_rules  # noqa: F401 - registers the rules of functionalized writes
 from .fusion import fusion_pass
 from .expert_parallel import expert_layouts
+from .batch_coupling import batch_coupling_pass
 from .grad_sync import grad_sync_pass
 from .layouts import batch_layouts, merge_layouts, tp_layouts
 from .localize import localize_pass
@@ -24,17 +27,23 @@ from .loss_count import expose_loss_count_pass
 from .pipeline_split import pipeline_split_pass
 from .plan_checks import check_supported
 from .propagate import propagate_pass
+from .random_ops import random_ops_pass
 from .recompute import recompute_pass
 from .zero3 import zero3_pass
 
 def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
-                   constants: frozenset[str] = frozenset()) -> list[PassSpec]:
+                   constants: frozenset[str] = frozenset(), user_inputs: tuple[str, ...] = ()) -> list[PassSpec]:
     """The ordered pass list. Order matters:
+    random_ops and batch_coupling read the traced graph (no layouts yet): random draws first, so the
+    microbatch analysis sees them as draws and can give each its batch dim;
     propagate first (every later pass reads layouts); grad_sync needs the final layouts and the
     inserted redistributions (an AllGather can absorb an f); localize then rewrites shapes for one
     rank, so nothing after it reasons about global shapes in arguments; expose_loss_count and
     zero3 edit the finished per-rank program; pipeline_split cuts it last."""
     return [
+        PassSpec("random_ops", random_ops_pass, annotated=False),
+        PassSpec("batch_coupling", batch_coupling_pass, {"user_inputs": tuple(user_inputs),
+                                                         "params": frozenset(params)}, annotated=False),
         PassSpec("propagate", propagate_pass, {"input_layouts": input_layouts, "grad_inputs": grad_inputs}),
         PassSpec("grad_sync", grad_sync_pass, {"params": params}),
         PassSpec("localize", localize_pass),
@@ -75,7 +84,8 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
                                 expert_layouts(traced, plan, mesh))
         ctx = CompileContext(mesh, plan)
         constants = frozenset(s.placeholder for s in traced.state if not s.trainable)
-        passes = build_pipeline(input_layouts=layouts, grad_inputs=params, params=params, constants=constants)
+        passes = build_pipeline(input_layouts=layouts, grad_inputs=params, params=params, constants=constants,
+                                user_inputs=tuple(traced.user_inputs))
         try:
             gm = run_pipeline(copy_graph_module(traced.gm), ctx, passes, verify=verify)
             break
@@ -96,6 +106,7 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
     program = build_program(gm, mesh, traced.state, traced.user_inputs, tp.choices, ctx.timings)
     program.warnings.extend(plan_warnings(mesh, plan))
     program.warnings.extend(f"pp split: {note}" for note in gm.meta.get("usc_split_notes", ()))
+    program.warnings.extend(input_write_warnings(traced.gm))
     return program
 
 

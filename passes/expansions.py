@@ -222,9 +222,12 @@ def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
         raise CompileError(f"cross_entropy in '{module_path(node)}': class weights and label smoothing are not "
                            "supported on sharded logits yet; compute the loss without them")
     if len(shape_of(logits)) != len(shape_of(labels)) + 1:
-        raise CompileError(f"cross_entropy in '{module_path(node)}': usc shards logits [..., classes] with "
-                           "labels [...]; put the class dim last (e.g. .view(-1, vocab))")
-    top = b.call(aten.detach.default, b.call(aten.amax.default, logits, [-1], True))
+        raise CompileError(f"cross_entropy in '{module_path(node)}': logits {list(shape_of(logits))} and labels "
+                           f"{list(shape_of(labels))} are not [N, C, ...] and [N, ...]")
+    logits = _classes_last(b, logits, peeled=logits is not node.args[0])
+    # the offset is a constant for the gradient: take the max of detached logits, so the all-reduce
+    # that resolves it across ranks has no backward
+    top = b.call(aten.amax.default, b.call(aten.detach.default, logits), [-1], True)
     shifted = b.call(aten.sub.Tensor, logits, top)
     log_total = b.call(aten.log.default, b.call(aten.sum.dim_IntList, b.call(aten.exp.default, shifted), [-1]))
     counted = b.call(aten.ne.Scalar, labels, ignore_index)
@@ -240,6 +243,15 @@ def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
     mean = b.call(aten.div.Tensor, total, b.call(aten.sum.default, counted))
     mean.meta["usc_token_mean"] = True  # expose_loss_count_pass returns its denominator too
     return b.finish(mean)
+
+
+def _classes_last(b, logits: fx.Node, peeled: bool) -> fx.Node:
+    """PyTorch's cross-entropy reads classes from dim 1 of [N, C, d1, ...] logits; the expansion
+    reduces over the last dim, so move dim 1 there. (Logits seen through a flatten are [..., C].)"""
+    rank = len(shape_of(logits))
+    if peeled or rank <= 2:
+        return logits
+    return b.call(aten.permute.default, logits, [0, *range(2, rank), 1])
 
 
 def _sdpa_args(node: fx.Node) -> dict:

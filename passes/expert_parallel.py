@@ -30,7 +30,7 @@ from usc.compiler.errors import CompileError
 from usc.compiler.ir import META, Layout, MeshSpec
 from usc.compiler.moe import moe as _moe_op  # noqa: F401 - registers torch.ops.usc.moe
 from usc.compiler.trace import Traced, module_path
-from usc.runtime.moe import ExpertParallelMoE
+from usc.runtime.moe import ExpertForm, ExpertParallelMoE
 
 from .expansions import ExpansionContext, _Builder
 from .expansions import register as register_expansion
@@ -47,18 +47,32 @@ def moe_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == MOE_OP]
 
 
-def _weight_lists(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node], bool]:
-    return node.args[3], node.args[4], node.args[5], bool(node.args[6])
+def expert_args(node: fx.Node) -> tuple[list[fx.Node], bool, ExpertForm]:
+    """(the flat list of expert weights, stacked, the expert form) of a usc::moe node."""
+    return list(node.args[3]), bool(node.args[4]), ExpertForm.parse(node.args[5])
 
 
 def num_experts_of(node: fx.Node) -> int:
-    gate, _, _, stacked = _weight_lists(node)
-    return shape_of(gate[0])[0] if stacked else len(gate)
+    experts, stacked, _ = expert_args(node)
+    return shape_of(experts[0])[0] if stacked else len(experts) // 3
 
 
-# (weight kind, stacked) -> dim of the expert's hidden size F, split by tp
-F_DIM = {("gate", True): 2, ("up", True): 2, ("down", True): 1,
-         ("gate", False): 0, ("up", False): 0, ("down", False): 1}
+# (form kind, stacked) -> per weight role, the dim of the expert's hidden size F that tp splits
+# (Megatron: gate/up by output, down by input). None: kept whole on tp. The fused gate_up of
+# transformers 5 holds [gate; up] (or interleaved) along one dim, which a contiguous tp chunk would
+# cut into gate-only and up-only halves: those experts stay whole on tp and every tp rank runs them.
+F_DIMS = {("swiglu", True): (2, 2, 1), ("swiglu", False): (0, 0, 1),
+          ("fused", True): (None, None, None, None)}
+
+
+def _f_dims(node: fx.Node) -> list[int | None]:
+    """The tp-split dim of each expert weight of ``node``, in the op's order."""
+    experts, stacked, form = expert_args(node)
+    dims = F_DIMS[(form.kind, stacked)]
+    if stacked:
+        return list(dims[:len(experts)])
+    n = len(experts) // 3
+    return [d for d in dims for _ in range(n)]
 
 
 def expert_layouts(traced: Traced, plan, mesh: MeshSpec) -> dict[str, Layout]:
@@ -74,19 +88,18 @@ def expert_layouts(traced: Traced, plan, mesh: MeshSpec) -> dict[str, Layout]:
         if count % ep:
             raise plan.error_at("ep", f"ep={ep} does not divide the {count} experts of module "
                                       f"'{module_path(node)}'", hint=f"use an ep size that divides {count}")
-        gate, up, down, stacked = _weight_lists(node)
-        for kind, weights in (("gate", gate), ("up", up), ("down", down)):
-            for w in weights:
-                out[w.name] = _weight_layout(plan, mesh, node, w, F_DIM[(kind, stacked)], stacked, tp)
+        experts, stacked, _ = expert_args(node)
+        for w, f_dim in zip(experts, _f_dims(node)):
+            out[w.name] = _weight_layout(plan, mesh, node, w, f_dim, stacked, tp)
     return out
 
 
-def _weight_layout(plan, mesh: MeshSpec, node: fx.Node, weight: fx.Node, f_dim: int, stacked: bool,
+def _weight_layout(plan, mesh: MeshSpec, node: fx.Node, weight: fx.Node, f_dim: int | None, stacked: bool,
                    tp: int) -> Layout:
     placements = [R] * len(mesh.axes)
     if stacked and mesh.size("ep") > 1:
         placements[mesh.axes.index("ep")] = Shard(0)
-    if tp > 1:
+    if tp > 1 and f_dim is not None:
         size = shape_of(weight)[f_dim]
         if size % tp:
             raise plan.error_at("tp", f"tp={tp} does not divide the expert hidden size {size} of module "
@@ -98,17 +111,17 @@ def _weight_layout(plan, mesh: MeshSpec, node: fx.Node, weight: fx.Node, f_dim: 
 # ================================================================================== expansion
 @register_expansion(MOE_OP)
 def expert_parallel_moe(ctx: ExpansionContext, node: fx.Node):
-    """usc::moe -> ExpertParallelMoE(x, weights, indices, *gate, *up, *down)."""
+    """usc::moe -> ExpertParallelMoE(x, weights, indices, *experts)."""
     x, weights, indices = node.args[:3]
-    gate, up, down, stacked = _weight_lists(node)
+    experts, stacked, form = expert_args(node)
     capacity, token_axes = None, ()
     if ctx.capacity_factor is not None:
         capacity, token_axes = _capacity(ctx, node, x)
     module = ExpertParallelMoE("ep", num_experts=num_experts_of(node), top_k=shape_of(indices)[-1],
                                stacked=stacked, capacity=capacity, token_axes=token_axes,
-                               path=module_path(node))
+                               path=module_path(node), form=form)
     b = _Builder(ctx, node)
-    new = b.module(module, x, weights, indices, *gate, *up, *down, stem="expert_parallel_moe")
+    new = b.module(module, x, weights, indices, *experts, stem="expert_parallel_moe")
     new.meta["val"] = node.meta["val"]
     return b.finish(new)
 

@@ -2,9 +2,12 @@
 
 Requires: the graph returns one scalar loss; a mean cross-entropy was expanded into
     sum / count (``meta["usc_token_mean"]``), and propagation made the count whole (its reduction
-    over dp/cp is a node before the division).
+    over dp/cp is a node before the division). Under microbatches batch_coupling classified the loss
+    (``gm.meta["usc_loss_combine"]``): "token_mean" when its one token mean is added to terms that do
+    not depend on the batch (weighting by counts keeps those whole, as the weights add up to 1).
 Establishes: such a graph returns ``(loss, count)``; the runtime weights microbatch m by count_m / N
-    (ALGORITHMS.md, "Losses and averaging"). Any other graph is returned unchanged.
+    (ALGORITHMS.md, "Losses and averaging"). Any other graph, and any graph whose loss is defined
+    per microbatch (batch_coupling=per_microbatch: equal weights), is returned unchanged.
 """
 
 from __future__ import annotations
@@ -17,8 +20,21 @@ def expose_loss_count_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     values = output.args[0]
     loss = values[0] if isinstance(values, (tuple, list)) else values
-    if not (isinstance(loss, fx.Node) and loss.meta.get("usc_token_mean")):
+    mean = _token_mean(gm, loss)
+    if mean is None:
         return gm
-    output.args = ((loss, loss.args[1]),)
+    output.args = ((loss, mean.args[1]),)
     gm.recompile()
     return gm
+
+
+def _token_mean(gm: fx.GraphModule, loss) -> fx.Node | None:
+    """The token mean whose count weights the microbatches: the loss itself, or the one token mean
+    of a loss batch_coupling found to be that mean plus batch-independent terms."""
+    combine = gm.meta.get("usc_loss_combine")
+    if combine == "per_microbatch" or not isinstance(loss, fx.Node):
+        return None
+    if loss.meta.get("usc_token_mean"):
+        return loss
+    means = [n for n in gm.graph.nodes if n.meta.get("usc_token_mean")]
+    return means[0] if combine == "token_mean" and len(means) == 1 else None

@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from usc.compiler.errors import ShardingError, UnsupportedOpError
+from usc.compiler.functional import is_state_write
 from usc.compiler.ir import META, Layout, MeshSpec, NodeAnn
 from usc.compiler.trace import module_path, user_source
 from usc.runtime.collectives import AllGather, AllReduce, AllToAll, LocalShard, ReduceScatter
@@ -58,7 +59,7 @@ def propagate_pass(gm: fx.GraphModule, ctx, *, input_layouts: dict[str, Layout],
                         cp_mode=ctx.plan.get("cp_mode"), microbatches=int(ctx.plan.get("mb")),
                         capacity_factor=ctx.plan.get("capacity_factor"))
     for node in list(gm.graph.nodes):
-        if node.graph is gm.graph and (node.users or node.op in ("output", "placeholder")):
+        if node.graph is gm.graph and (node.users or node.op in ("output", "placeholder") or is_state_write(node)):
             place(state, node)
     _remove_dead(gm)
     gm.graph.lint()
@@ -70,7 +71,7 @@ def _remove_dead(gm: fx.GraphModule) -> None:
     """Drop nodes an expansion made unused (e.g. a gather and flatten the loss looked through).
     Nothing here has side effects: collectives without users are dead too."""
     for node in reversed(list(gm.graph.nodes)):
-        if node.op not in ("placeholder", "output") and not node.users:
+        if node.op not in ("placeholder", "output") and not node.users and not is_state_write(node):
             gm.graph.erase_node(node)
 
 
@@ -138,12 +139,19 @@ def _decide(state: Propagation, node: fx.Node, inputs, layouts) -> tuple[list[La
     out = []
     for i, (axis, size) in enumerate(zip(state.mesh.axes, state.mesh.shape)):
         view = OpView(node, tuple(lay.placements[i] for lay in layouts), shapes, shape_of(node), axis, size,
-                      sequence_parallel=state.sequence_parallel and axis == "tp")
+                      sequence_parallel=state.sequence_parallel and axis == "tp", order=state.mesh.order(axis),
+                      out_dtype=_out_dtype(node))
         decision = _rule_decision(state, node, rule, view)
         for j, p in enumerate(decision.inputs):
             required[j][i] = p
         out.append(decision.output)
     return [Layout(tuple(r)) for r in required], Layout(tuple(out))
+
+
+def _out_dtype(node: fx.Node) -> torch.dtype | None:
+    value = node.meta.get("val")
+    value = value[0] if isinstance(value, (tuple, list)) and value else value
+    return value.dtype if isinstance(value, torch.Tensor) else None
 
 
 def _rule_decision(state: Propagation, node: fx.Node, rule, view: OpView) -> Decision:

@@ -44,6 +44,13 @@ class OpView:
     axis: str
     size: int
     sequence_parallel: bool = False  # sp=on and this is the tp axis
+    out_dtype: torch.dtype | None = None  # of the (first) output; None when unknown
+    order: str = "contiguous"  # chunk order of the axis: "zigzag" cuts a sharded dim into 2 * size pieces
+
+    @property
+    def pieces(self) -> int:
+        """How many equal chunks a dim sharded on this axis is cut into."""
+        return 2 * self.size if self.order == "zigzag" else self.size
 
     def arg(self, index: int, default=None):
         args = self.node.args
@@ -123,7 +130,7 @@ def pointwise(linear: str = "none") -> Rule:
 
     def rule(view: OpView) -> Decision:
         partial = [is_partial(p, "sum") for p in view.placements]
-        if any(partial):
+        if any(partial) and _float_output(view):
             kept = _keep_partial(view, linear, partial)
             if kept is not None:
                 return kept
@@ -132,6 +139,12 @@ def pointwise(linear: str = "none") -> Rule:
         return _broadcast_choice(view, cleaned)
 
     return rule
+
+
+def _float_output(view: OpView) -> bool:
+    """Only a floating-point result is linear in its input: int(a) + int(b) is not int(a + b), so a
+    cast to an integer or bool type (or a comparison) needs the whole value first."""
+    return view.out_dtype is not None and (view.out_dtype.is_floating_point or view.out_dtype.is_complex)
 
 
 def _sequence_shard(view: OpView) -> Placement:
@@ -277,7 +290,7 @@ def _resolve_shape(shape, numel: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints)
 def view_rule(view: OpView) -> Decision:
     p = view.placements[0]
     if not is_shard(p):
@@ -297,12 +310,17 @@ def view_rule(view: OpView) -> Decision:
             raise ShardingError(
                 f"reshape {list(src)} -> {list(dst)} moves sharded dim {p.dim} (size {src[p.dim]}) inside "
                 f"another dim; only the outermost dim of a merged or split group can stay sharded")
-        if dst[outer_dst] % view.size:
+        if dst[outer_dst] % view.pieces and view.axis != "tp":
+            return Decision((R,), R)  # gather and reshape whole, as above
+        if dst[outer_dst] % view.pieces:
+            # each of the ``pieces`` chunks a rank holds must be whole groups of the inner factors
+            # (zig-zag: a rank's two chunks are not adjacent, so a group must not straddle them)
             factors = " x ".join(str(dst[d]) for d in gj)
+            cut = f"{view.axis}={view.size}" + (f" in {view.pieces} zig-zag chunks" if view.order == "zigzag" else "")
             raise ShardingError(
                 f"reshape {list(src)} -> {list(dst)} splits sharded dim {p.dim} (size {src[p.dim]}) into "
-                f"{factors}; {view.axis}={view.size} does not divide its outermost factor {dst[outer_dst]}",
-                hint=f"use a {view.axis} size that divides {dst[outer_dst]}")
+                f"{factors}; {cut} does not divide its outermost factor {dst[outer_dst]}",
+                hint=f"use a {view.axis} size whose chunk count divides {dst[outer_dst]}")
         return Decision((p,), Shard(outer_dst))
     return keep(view, p)
 
@@ -349,6 +367,8 @@ def squeeze_rule(view: OpView) -> Decision:
     if not is_shard(p):
         return keep(view, p)
     src, out = view.shapes[0], view.out_shape
+    if view.arg(1) is None and src[p.dim] == view.pieces:
+        return Decision((R,), R)  # the local piece has size 1 there: a bare squeeze would drop it
     removed = [d for d in range(len(src)) if src[d] == 1] if len(out) < len(src) else []
     dims = view.arg(1)
     if dims is not None:
@@ -408,8 +428,12 @@ def pad_rule(view: OpView) -> Decision:
 @register(aten.repeat_interleave.self_int)
 def repeat_interleave_rule(view: OpView) -> Decision:
     """Repeating elements in place keeps chunk r of the input as chunk r of the output (GQA's
-    key/value heads stay aligned with the query heads of the same rank)."""
-    return keep(view, view.placements[0])
+    key/value heads stay aligned with the query heads of the same rank). Without a dim the input
+    is flattened first: only a 1-d input keeps its shards then."""
+    p = view.placements[0]
+    if view.arg(2) is None and len(view.shapes[0]) != 1 and not isinstance(p, Replicate):
+        return Decision((R,), R)
+    return keep(view, p)
 
 
 @register(aten.cat.default, aten.stack.default)
@@ -464,6 +488,8 @@ def matmul_rule(view: OpView) -> Decision:
     pa, pb = view.placements
     ra, rb = len(view.shapes[0]), len(view.shapes[1])
     out = len(view.out_shape)
+    if ra < 2 or rb < 2:  # a vector operand drops a dim the cases below count on
+        return Decision((R, R), R)
     if is_shard(pa, ra - 1) and is_shard(pb, rb - 2):
         return Decision((pa, pb), P_SUM)
     if is_shard(pa) and pa.dim == ra - 2 and not isinstance(pb, (Shard, Partial)):
@@ -543,11 +569,34 @@ def gather_rule(view: OpView) -> Decision:
     dim = norm_dim(view.arg(1), len(view.shapes[0]))
     if is_shard(px, dim):
         raise ShardingError("gather along a sharded dim must be expanded first")
-    if is_shard(px) and pi == px:
-        return Decision((px, pi), px)
-    if is_shard(px) or is_shard(pi):
-        chosen = px if is_shard(px) else pi
-        return Decision((chosen, chosen), chosen)
+    return index_decision(px, pi, dim, view.shapes[0], view.shapes[1])
+
+
+def index_decision(px: Placement, pi: Placement, dim: int, x_shape, index_shape) -> Decision:
+    """gather-like ops (out[.., i, ..] = x[.., index[.., i, ..], ..] along ``dim``), by the layout of
+    each operand: indices split along ``dim`` (a batch of ids) pick from the whole source; a split
+    along another dim needs the source split the same way, which only lines up when both have the
+    same size there; a source's partial sum passes through (the op is linear in it)."""
+    if is_partial(px, "sum") and pi == R:
+        return Decision((px, R), px)
+    d = pi.dim if is_shard(pi) else px.dim if is_shard(px) else None
+    if d == dim:
+        return Decision((R, pi), pi)
+    if d is not None and d < min(len(x_shape), len(index_shape)) and x_shape[d] == index_shape[d]:
+        return Decision((Shard(d), Shard(d)), Shard(d))
+    return Decision((R, R), R)
+
+
+@register(aten.index_select.default)
+def index_select_rule(view: OpView) -> Decision:
+    """index_select(x, dim, ids): ids split -> rows of the output split, from the whole source;
+    the source split on another dim keeps that split."""
+    px, pi = view.placements[:2]
+    dim = norm_dim(view.arg(1), len(view.shapes[0]))
+    if is_shard(pi):
+        return Decision((R, pi), Shard(dim))
+    if is_partial(px, "sum") or (is_shard(px) and px.dim != dim):
+        return Decision((px, R), px)
     return Decision((R, R), R)
 
 
@@ -571,8 +620,9 @@ def sharded_gather_rule(view: OpView) -> Decision:
     if view.axis == module.axis:
         return Decision((Shard(module.dim), R), P_SUM)
     px, pi = view.placements
-    chosen = px if is_shard(px) else pi if is_shard(pi) else R
-    return Decision((chosen, chosen), chosen)
+    if is_shard(px, module.dim):
+        return Decision((R, pi), pi) if is_shard(pi) else Decision((R, R), R)
+    return index_decision(px, pi, module.dim, view.shapes[0], view.shapes[1])
 
 
 @register(RingAttention)

@@ -58,6 +58,24 @@ class _AllReduceSumFn(torch.autograd.Function):
         return grad, None
 
 
+class _AllReduceMaxFn(torch.autograd.Function):
+    """Partial(max) -> Replicate. The gradient goes to the rank(s) holding the extreme value, as
+    torch.amax routes it: split evenly where several ranks tie, zero on the others."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, op: str) -> torch.Tensor:
+        out = comm.all_reduce(x, op)
+        ctx.comm = comm
+        ctx.save_for_backward((x == out).to(x.dtype))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (owner,) = ctx.saved_tensors
+        owners = ctx.comm.all_reduce(owner, "sum")
+        return grad * owner / owners, None, None
+
+
 class _GradAllReduceFn(torch.autograd.Function):
     """Megatron f: the input is used by every rank, so its gradient is the sum over ranks."""
 
@@ -158,13 +176,14 @@ class CollectiveNode(nn.Module):
 
 
 class AllReduce(CollectiveNode):
-    """Megatron g: all-reduce forward (sum, or max without gradient), identity backward."""
+    """Megatron g: all-reduce forward, identity backward (sum). A max or min routes the gradient to
+    the rank that owns the extreme value, which takes an all-reduce of the owner counts in backward."""
 
     kind = "all-reduce"
 
     def __init__(self, axis: str, op: str = "sum"):
         super().__init__(axis)
-        if op not in ("sum", "max"):
+        if op not in REDUCE_BACKWARD:
             raise ValueError(f"AllReduce op must be 'sum' or 'max', got {op!r}")
         self.op = op
 
@@ -172,18 +191,24 @@ class AllReduce(CollectiveNode):
         comm = self.comm
         if comm.size == 1:
             return x
-        if self.op == "max":  # used for stable softmax offsets: no gradient flows through max
-            return comm.all_reduce(x.detach(), "max")
-        return _AllReduceSumFn.apply(x, comm)
+        if self.op == "sum":
+            return _AllReduceSumFn.apply(x, comm)
+        if not x.is_floating_point():
+            return comm.all_reduce(x, self.op)
+        return _AllReduceMaxFn.apply(x, comm, self.op)
 
     def forward_collective(self) -> str | None:
         return "all-reduce"
 
     def backward_collective(self) -> str | None:
-        return None
+        return REDUCE_BACKWARD[self.op]
 
     def extra_repr(self) -> str:
         return f"axis={self.axis!r}, op={self.op!r}"
+
+
+# what the backward of an all-reduce issues, by reduce op
+REDUCE_BACKWARD = {"sum": None, "max": "all-reduce"}
 
 
 class GradAllReduce(CollectiveNode):

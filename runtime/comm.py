@@ -22,6 +22,7 @@ Example (a group of one, which is what a size-1 mesh axis gets)::
 from __future__ import annotations
 
 import datetime
+import re
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -107,10 +108,22 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+# What a backend raises when a transfer fails: torch.distributed's DistError family and gloo/NCCL
+# failures are RuntimeErrors, a dead peer's socket an OSError. Anything else raised inside a launch
+# (ValueError, TypeError, NotImplementedError, ...) is a local bug and propagates as itself.
+TRANSFER_FAILURES = (RuntimeError, OSError)
+LOCAL_BUGS = (NotImplementedError,)  # RuntimeError subclasses that no transfer raises
+# How gloo words a timeout in a RuntimeError: "Timed out waiting 5000ms for recv operation to
+# complete", "Operation timed out!". A message that merely mentions a timeout setting is not one.
+TIMED_OUT = re.compile(r"\btimed out\b", re.IGNORECASE)
+
+
+def _is_transfer_failure(exc: BaseException) -> bool:
+    return isinstance(exc, TRANSFER_FAILURES) and not isinstance(exc, LOCAL_BUGS)
+
+
 def _is_timeout(exc: BaseException) -> bool:
-    """Backends report timeouts as plain RuntimeErrors; gloo says 'Operation timed out!'."""
-    text = str(exc).lower()
-    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
+    return isinstance(exc, TimeoutError) or (isinstance(exc, RuntimeError) and bool(TIMED_OUT.search(str(exc))))
 
 
 class Comm(ABC):
@@ -262,7 +275,7 @@ class Comm(ABC):
         return CollectiveContext(self.global_rank, kind, self.axis, self.group_ranks, self.timeout)
 
     def _run(self, kind: str, t: torch.Tensor | None, async_op: bool, launch: Callable) -> Any:
-        """Count, trace, launch and (unless async) wait; all failures become CollectiveErrors."""
+        """Count, trace, launch and (unless async) wait; transfer failures become CollectiveErrors."""
         self.stats.record(kind, _nbytes(t) if self.size > 1 else 0)
         token = self._begin_span(kind, async_op)
         try:
@@ -282,6 +295,8 @@ class Comm(ABC):
         except CollectiveError:
             raise
         except Exception as exc:
+            if not _is_transfer_failure(exc):
+                raise
             error = CollectiveTimeout if _is_timeout(exc) else CollectiveError
             raise error(self.context(kind), f"{type(exc).__name__}: {exc}") from exc
 

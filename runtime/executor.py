@@ -20,12 +20,15 @@ import torch.fx as fx
 from .layout import gather_full, local_chunk, zigzag_permute
 from .moe import rank_stats
 from .pipeline import PipelineMixin, held_inputs
+from .random import set_random_keys
 from .reducer import GradReducer
 from .timeline import Timeline
 from .checkpoint import CheckpointError
 from .errors import NonFiniteLoss
 from .recompute import observe_kept
 from .reducer import pad_to_multiple
+from .replica_guard import ReplicaGuard
+from .state_write import StateWrite, apply_writes
 from .zero import ZeroOptimizer
 from .zero3 import ZeroFetch, ZeroGather, Zero3Registry, shard_of, unshard
 
@@ -34,6 +37,13 @@ OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimize
 
 def default_optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params)
+
+
+def build_optimizer(factory: OptimizerFactory, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The user's optimizer over ``params``. A rank with nothing to train (a pipeline stage of frozen
+    layers, fine-tuning) still gets one, over an empty placeholder that never has a gradient:
+    its step does nothing, and its param_groups keep the user's hyperparameters for checkpoints."""
+    return factory(params if params else [torch.nn.Parameter(torch.zeros(0))])
 
 
 def bind_graph(gm: fx.GraphModule, mesh) -> fx.GraphModule:
@@ -54,9 +64,13 @@ class RankExecutor:
     def __init__(self, program, mesh, full_state: Mapping[str, torch.Tensor], *,
                  optimizer: OptimizerFactory | None = None, bucket_bytes: int = 25 * 2**20,
                  zero: int = 0, microbatches: int = 1, compute_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, replica_check: int = 0) -> None:
         self.program, self.mesh = program, mesh
         self.gm = bind_graph(program.gm, mesh)
+        self.pending_writes: dict[str, torch.Tensor] = {}  # buffers the forward wrote (StateWrite)
+        for module in self.gm.modules():
+            if isinstance(module, StateWrite):
+                module.pending = self.pending_writes
         self.microbatches, self.compute_dtype = microbatches, compute_dtype
         self.zero3 = Zero3Registry() if any(s.zero3 for s in program.state) else None
         for module in self.gm.modules():
@@ -76,9 +90,10 @@ class RankExecutor:
         self.reducer = GradReducer(entries, mesh, bucket_bytes=bucket_bytes,
                                    scatter_axis="dp" if sharded and zero >= 2 else None, wire_dtype=reduce_dtype)
         factory = optimizer or default_optimizer
-        self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, self.params) if sharded \
-            else factory(self.params)
+        self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, self.params, build_optimizer) \
+            if sharded else build_optimizer(factory, self.params)
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+        self.guard = ReplicaGuard(program, mesh, self.state, replica_check) if replica_check else None
 
     def _holds(self, spec) -> bool:
         """Whether this rank keeps a state tensor (a pipeline rank keeps only its stages')."""
@@ -200,6 +215,7 @@ class RankExecutor:
         count, weighted = 0.0, []
         for m, piece in enumerate(micro):
             last = m == len(micro) - 1
+            self._key_random(self.gm, m)
             with self._span("forward"):
                 loss, n = self._loss(piece)
             count += float(n)
@@ -217,9 +233,21 @@ class RankExecutor:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.reducer.attach_grad_views()
+        self._write_buffers()
         return value
 
+    def _write_buffers(self) -> None:
+        """Buffers take what the step's forward wrote to them (after every microbatch has read them);
+        then the replica guard (plan option replica_check=N) compares replicated state with peers."""
+        apply_writes(self.pending_writes, self.state)
+        if self.guard is not None:
+            self.guard.after_step(self.steps_done)
+
     steps_done = 0
+
+    def _key_random(self, module: torch.nn.Module, microbatch: int) -> None:
+        """Random draws are keyed by (seed, step, microbatch): see runtime/random.py."""
+        set_random_keys(module, step=self.steps_done, microbatch=microbatch)
 
     def _check_finite(self, value: float) -> None:
         """Every rank sees the same global loss, so all of them stop together (no hang)."""
@@ -263,7 +291,11 @@ class RankExecutor:
 
     @torch.no_grad()
     def evaluate(self, batch: tuple) -> float:
-        pieces = [self._loss(piece) for piece in self._split(batch)]
+        pieces = []
+        for m, piece in enumerate(self._split(batch)):
+            self._key_random(self.gm, m)
+            pieces.append(self._loss(piece))
+        self.pending_writes.clear()  # evaluation updates nothing
         count = sum(float(n) for _, n in pieces)
         return self._global(sum(loss * float(n) for loss, n in pieces) / count)
 

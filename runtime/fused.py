@@ -16,12 +16,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+
+from .kernel_cache import kernel_file
 
 _NOTICES: set[str] = set()
 _KERNELS: dict[str, object] = {}  # kernel name (the hash of its source) -> loaded module
@@ -99,14 +100,7 @@ def load_kernel(kernel: KernelSource):
     module = _KERNELS.get(kernel.name)
     if module is not None:
         return module
-    folder = os.environ.get("USC_KERNEL_CACHE") or os.path.join(tempfile.gettempdir(), f"usc-kernels-{os.getuid()}")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"{kernel.name}.py")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(kernel.source)
-        os.replace(tmp, path)  # atomic: concurrent ranks never read half a file
+    path = kernel_file(kernel.name, kernel.source)  # private directory, content checked
     spec = importlib.util.spec_from_file_location(f"usc_kernel_{kernel.name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

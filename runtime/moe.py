@@ -65,6 +65,74 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
     return (F.silu(x @ gate) * (x @ up)) @ down
 
 
+# the activations Hugging Face's ACT2FN gives MoE experts (config.hidden_act)
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+               "relu": F.relu}
+
+
+@dataclass(frozen=True)
+class ExpertForm:
+    """How one expert computes from its weights; ``str(form)`` is the usc::moe op's ``form`` argument
+    and ``ExpertForm.parse`` reads it back.
+
+    ``swiglu``: gate, up, down as [in, out] matrices (``nn.Linear`` experts, usc's stacked [E, in, out]).
+    ``fused``: the transformers-5 stacked layout, per expert ``gate_up`` [2F, H] and ``down`` [H, F]
+    (``transposed``: [H, 2F] and [F, H], GPT-OSS), the two halves of gate_up concatenated
+    ([gate; up]) or ``interleaved`` (gate0, up0, gate1, ...), optional ``bias`` [2F] and [H];
+    ``limit`` > 0 is GPT-OSS's clamped gate: gate <= limit, |up| <= limit,
+    out = (up + 1) * gate * sigmoid(alpha * gate).
+    """
+
+    kind: str = "swiglu"  # "swiglu" | "fused"
+    act: str = "silu"
+    interleaved: bool = False
+    transposed: bool = False
+    bias: bool = False
+    alpha: float = 1.0
+    limit: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("swiglu", "fused") or self.act not in ACTIVATIONS:
+            raise ValueError(f"unknown expert form {self!r}")
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.__dict__.items())
+
+    @staticmethod
+    def parse(text: str) -> "ExpertForm":
+        fields = dict(item.split("=") for item in text.split(",")) if "=" in text else {"kind": text}
+        kinds = {"kind": str, "act": str, "interleaved": _flag, "transposed": _flag, "bias": _flag,
+                 "alpha": float, "limit": float}
+        return ExpertForm(**{k: kinds[k](v) for k, v in fields.items()})
+
+    @property
+    def tensors_per_expert(self) -> int:
+        return 3 if self.kind == "swiglu" else 2 + 2 * self.bias
+
+    def __call__(self, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        """One expert on its rows ``x`` [n, H] (weights as the form lays them out)."""
+        if self.kind == "swiglu":
+            return swiglu(x, *weights)
+        gate_up, down, *bias = weights
+        h = x @ gate_up if self.transposed else x @ gate_up.t()
+        h = h + bias[0] if self.bias else h
+        gate, up = (h[..., ::2], h[..., 1::2]) if self.interleaved else h.chunk(2, dim=-1)
+        y = self._glu(gate, up)
+        y = y @ down if self.transposed else y @ down.t()
+        return y + bias[1] if self.bias else y
+
+    def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.limit > 0:  # GPT-OSS (modeling_gpt_oss.GptOssExperts._apply_gate)
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return ACTIVATIONS[self.act](gate) * up
+
+
+def _flag(text: str) -> bool:
+    return text == "True"
+
+
 def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -79,10 +147,11 @@ def balanced_counts(rows: int, ep: int, local: int) -> list[list[int]]:
 
 
 class ExpertParallelMoE(CollectiveNode):
-    """Routed SwiGLU experts over the ``ep`` axis (see the module docstring).
+    """Routed experts over the ``ep`` axis (see the module docstring).
 
     Inputs: hidden x [..., H], router weights and expert indices [..., k], then the expert weights:
-    ``stacked``: gate, up [E_local, H, F] and down [E_local, F, H] (this rank's experts);
+    ``stacked``: one [E_local, ...] tensor per weight of ``form`` (SwiGLU: gate, up [E_local, H, F] and
+    down [E_local, F, H]; fused: gate_up, down and their biases, see ``ExpertForm``);
     otherwise E gate, E up, E down ``nn.Linear`` weights ([F, H], [F, H], [H, F]), of which this rank
     uses its E/ep. Under tp each expert's F is split: the output is then a partial sum.
     ``capacity``: assignments kept per expert (None: dropless); ``token_axes``: the mesh axes that
@@ -93,9 +162,10 @@ class ExpertParallelMoE(CollectiveNode):
     traffic_input = 0  # the report sizes the exchanges from x
 
     def __init__(self, axis: str = "ep", *, num_experts: int, top_k: int, stacked: bool,
-                 capacity: int | None = None, token_axes: tuple[str, ...] = (), path: str = "") -> None:
+                 capacity: int | None = None, token_axes: tuple[str, ...] = (), path: str = "",
+                 form: ExpertForm = ExpertForm()) -> None:
         super().__init__(axis)
-        self.num_experts, self.top_k, self.stacked = num_experts, top_k, stacked
+        self.num_experts, self.top_k, self.stacked, self.form = num_experts, top_k, stacked, form
         self.capacity, self.token_axes = capacity, tuple(token_axes)
         self.path = path
         self._token_comms: list[Comm] = []
@@ -118,6 +188,7 @@ class ExpertParallelMoE(CollectiveNode):
 
     def extra_repr(self) -> str:
         return (f"axis={self.axis!r}, num_experts={self.num_experts}, top_k={self.top_k}, stacked={self.stacked}"
+                + (f", form={self.form}" if self.form != ExpertForm() else "")
                 + (f", capacity={self.capacity}, token_axes={self.token_axes}" if self.capacity else ""))
 
     @property
@@ -191,15 +262,14 @@ class ExpertParallelMoE(CollectiveNode):
         sizes = [sum(per_peer[e] for per_peer in recv) for e in range(local)]
         self.load = [a + b for a, b in zip(self.load, sizes)] if self.load else sizes
         grouped = rows.index_select(0, perm).split(sizes)
-        outs = [swiglu(chunk, *self._weights(experts, e)) for e, chunk in enumerate(grouped)]
+        outs = [self.form(chunk, *self._weights(experts, e)) for e, chunk in enumerate(grouped)]
         result = torch.cat(outs) if outs else rows
         return result.index_select(0, torch.argsort(perm))
 
     def _weights(self, experts, e: int) -> tuple[torch.Tensor, ...]:
-        """Local expert e's (gate, up, down) as [in, out] matrices."""
+        """Local expert e's weights as its form takes them (stacked: row e of each [E_local, ...] tensor)."""
         if self.stacked:
-            gate, up, down = experts
-            return gate[e], up[e], down[e]
+            return tuple(t[e] for t in experts)
         n = self.num_experts
         first = self.comm.rank * self.local_experts + e
         return experts[first].t(), experts[n + first].t(), experts[2 * n + first].t()

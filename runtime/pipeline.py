@@ -293,6 +293,7 @@ class PipelineMixin:
                 received[(producer, index)] = value.requires_grad_(carries_gradient(self.specs,
                                                                                      (producer, stage, index)))
         args = [values[s[1]] if s[0] == "input" else received[(s[1], s[2])] for s in spec.sources]
+        self._key_random(self.modules[stage], mb)
         with self._saved_tensor_hooks():
             out = self.modules[stage](*args)
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -404,10 +405,12 @@ class PipelineMixin:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.reducer.attach_grad_views()
+        self._write_buffers()
         return value
 
     def evaluate(self, batch: tuple) -> float:
         total, count = self._run_schedule(batch, train=False)
+        self.pending_writes.clear()  # evaluation updates nothing
         self._wait_sends()
         total, count = self._pipeline_global(total, count)
         return self._global(total / count)

@@ -27,7 +27,7 @@ class ZeroOptimizer:
     """Wraps the user's optimizer so it only holds state for this rank's slices."""
 
     def __init__(self, reducer: GradReducer, axis: str, stage: int, factory: Callable[[Iterable], torch.optim.Optimizer],
-                 other_params: list[nn.Parameter]) -> None:
+                 other_params: list[nn.Parameter], build: Callable | None = None) -> None:
         self.reducer, self.axis, self.stage = reducer, axis, stage
         self.comm = reducer.mesh.comm(axis)
         self.buckets = [b for b in reducer.buckets if axis in b.axes]
@@ -39,7 +39,8 @@ class ZeroOptimizer:
             self.masters.append(master)
         sharded = {id(p) for b in self.buckets for _, p in b.params}
         rest = [p for p in other_params if id(p) not in sharded]
-        self.inner = factory(self.masters + rest)
+        # build: the executor's (a rank with nothing to train still gets an optimizer)
+        self.inner = (build or (lambda f, p: f(p)))(factory, self.masters + rest)
 
     def _partition(self, bucket) -> tuple[torch.Tensor, nn.Parameter]:
         """One flat buffer per bucket; parameters become views into it; the master is my slice."""

@@ -169,7 +169,7 @@ def _mb(text: str) -> str | None:
 
 
 def lint_target(args) -> int:
-    from usc.api import as_batch
+    from usc.build import as_batch
     from usc.lint_format import render_github, render_json, render_text
     from usc.linting import lint_plan
 

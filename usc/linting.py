@@ -27,7 +27,7 @@ from usc.passes.pipeline_schedule import build_schedule
 from usc.passes.pipeline_schedule_check import ScheduleError, check_schedule, render_timeline
 from usc.passes.pipeline_split import node_flops
 
-from .api import _as_plan, _Compiled, _resolve_auto, _WithLoss, as_batch
+from .build import _as_plan, _Compiled, _resolve_auto, _WithLoss, as_batch
 
 PLAN_ONLY = ("USC100", "USC101")  # what can be said of a plan that does not parse
 

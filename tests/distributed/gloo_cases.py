@@ -7,6 +7,7 @@ import time
 import torch
 
 import usc
+from usc.testing.equivalence import as_float64, check_equivalent
 from usc.testing.models import TinyDeepSeek, TinyGPT2, TinyLlama, TinyMixtral, shifted_batch, token_batch
 
 MODELS = {
@@ -22,15 +23,16 @@ MOE_MODELS = {
 }
 
 
-def train_cases(rank: int, world_size: int, cases: list[tuple[str, str]], steps: int) -> list:
-    """Every rank builds the same model from the same seed and passes the same global batches."""
+def train_cases(rank: int, world_size: int, cases: list[tuple[str, str]], steps: int, float64: bool = False) -> list:
+    """Every rank builds the same model from the same seed and passes the same global batches
+    (float64: the model and batches in float64, the equivalence check's second opinion)."""
     torch.set_num_threads(1)
     out = []
     for model_name, plan in cases:
         factory, batch = {**MODELS, **MOE_MODELS}[model_name]
         torch.manual_seed(0)
-        model = factory()
-        batches = [batch(seed) for seed in range(steps)]
+        model = factory().double() if float64 else factory()
+        batches = [as_float64(batch(seed)) if float64 else batch(seed) for seed in range(steps)]
         step = usc.compile(model, plan, example_inputs=batches[0])
         losses = [step.step(*b) for b in batches]
         # Bytes travel by value; tensors would travel as shared memory of an exiting process.
@@ -38,6 +40,28 @@ def train_cases(rank: int, world_size: int, cases: list[tuple[str, str]], steps:
         torch.save({k: v.detach().clone() for k, v in step.full_state_dict().items()}, buffer)
         out.append((losses, buffer.getvalue() if rank == 0 else None))
     return out
+
+
+def outcome(results: list, index: int) -> tuple[list[float], dict]:
+    """(losses, full state) of case ``index`` of a train_cases world, after checking the ranks agree."""
+    per_rank = [r[index][0] for r in results]
+    assert all(losses == per_rank[0] for losses in per_rank), f"case {index}: ranks disagree on the loss"
+    return per_rank[0], torch.load(io.BytesIO(results[0][index][1]))
+
+
+def check_case(results: list, index: int, world: int, case: tuple[str, str], steps: int, **tolerances):
+    """Case ``index`` of a train_cases world against one device; where float32 misses, the same
+    case again on ``world`` gloo processes in float64 decides (usc.testing.equivalence)."""
+    from harness import run_world
+
+    name, plan = case
+    factory, batch = {**MODELS, **MOE_MODELS}[name]
+
+    def rerun(model, batches):
+        return outcome(run_world(train_cases, world, [case], steps, True, timeout=300), 0)
+
+    return check_equivalent(factory, [batch(s) for s in range(steps)], outcome(results, index), rerun=rerun,
+                            what=f"{name} '{plan}' on gloo", **tolerances)
 
 
 def die_mid_training(rank: int, world_size: int, plan: str) -> str:

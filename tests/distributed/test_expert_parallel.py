@@ -4,16 +4,14 @@
 sharing one set of experts; tokens move to their experts' ranks by all-to-all and back.
 """
 
-import io
 
 import pytest
 import torch
 
 import usc
-from gloo_cases import MOE_MODELS, train_cases
+from gloo_cases import check_case, train_cases
 from harness import run_world
 from usc.testing import assert_equivalent
-from usc.testing.equivalence import compare_states, reference_run
 from usc.testing.models import MoEConfig, TinyDeepSeek, TinyLlama, TinyMixtral, token_batch
 
 BATCH = token_batch(128, 8, 8)
@@ -153,18 +151,9 @@ GLOO_WORLDS = {2: [("mixtral", "dp=2 ep=2"), ("deepseek", "dp=2 ep=2")], 4: [("d
 def test_gloo_processes_match_one_device(world):
     cases = GLOO_WORLDS[world]
     results = run_world(train_cases, world, cases, 3, timeout=300)
-    for index, (name, plan) in enumerate(cases):
-        factory, batch = MOE_MODELS[name]
-        torch.manual_seed(0)
-        model = factory()
-        ref_losses, grad_max = reference_run(model, [batch(s) for s in range(3)], lambda p: torch.optim.AdamW(p))
-        per_rank = [r[index][0] for r in results]
-        assert all(losses == per_rank[0] for losses in per_rank), f"{plan}: ranks disagree on the loss"
-        tol = 1e-8 if name.endswith("64") else 1e-5  # float64: routers still score in float32
-        assert per_rank[0] == pytest.approx(ref_losses, rel=tol, abs=tol / 10), f"{name} {plan}"
-        full = torch.load(io.BytesIO(results[0][index][1]))
-        worst, _ = compare_states(full, model.state_dict(), atol=tol, grad_max=grad_max, zero_grad_atol=3e-3)
-        assert worst <= tol
+    for index, case in enumerate(cases):
+        tol = 1e-8 if case[0].endswith("64") else 1e-5  # float64: routers still score in float32
+        check_case(results, index, world, case, 3, rtol=tol, atol=tol / 10, param_atol=tol)
 
 
 # ------------------------------------------------------------------- a block the names miss

@@ -27,13 +27,12 @@ def test_rank_dying_inside_a_step_fails_its_peers_and_the_last_checkpoint_still_
     batches = [token_batch(128, 4, 16, seed=s) for s in range(2)]
     torch.manual_seed(0)
     reference = TinyLlama()
-    expected_losses, grad_max = reference_run(reference, batches, torch.optim.AdamW)
+    expected_losses = reference_run(reference, batches, torch.optim.AdamW)
     torch.manual_seed(1)  # different weights: everything must come from the checkpoint
     resumed = usc.simulate(TinyLlama(), "dp=2", example_inputs=batches[0])
     resumed.load(path)
     assert resumed.step(*batches[1]) == pytest.approx(expected_losses[1], rel=1e-5, abs=1e-6)
-    worst, _ = compare_states(resumed.full_state_dict(), reference.state_dict(), atol=1e-5,
-                              grad_max=grad_max, zero_grad_atol=2e-3)
+    worst, _ = compare_states(resumed.full_state_dict(), reference.state_dict(), atol=1e-5)
     assert worst <= 1e-5
 
 

@@ -1,7 +1,6 @@
 """Recompute keeps the correctness contract: 3 AdamW steps equal one device (simulator, gloo),
 dropout is not redrawn, and the activation bytes it saves are measured and predicted."""
 
-import io
 import re
 
 import pytest
@@ -11,10 +10,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import usc
-from gloo_cases import MODELS, train_cases
+from gloo_cases import MODELS, check_case, train_cases
 from harness import run_world
 from usc.testing import assert_equivalent
-from usc.testing.equivalence import compare_states, reference_run
 from usc.testing.models import DropoutNet, LlamaConfig, TinyLlama, token_batch
 from usc.testing.strategies import plans
 
@@ -130,17 +128,8 @@ GLOO_CASES = [("llama", "tp=2 recompute=full"), ("gpt2", "dp=2 recompute=selecti
 @pytest.mark.distributed
 def test_gloo_recompute_matches_one_device():
     results = run_world(train_cases, 2, GLOO_CASES, STEPS, timeout=240)
-    for index, (model_name, plan) in enumerate(GLOO_CASES):
-        factory, batch = MODELS[model_name]
-        torch.manual_seed(0)
-        model = factory()
-        ref_losses, grad_max = reference_run(model, [batch(s) for s in range(STEPS)], lambda p: torch.optim.AdamW(p))
-        assert results[0][index][0] == results[1][index][0], f"{plan}: ranks disagree on the loss"
-        assert results[0][index][0] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), f"{model_name} {plan}"
-        full = torch.load(io.BytesIO(results[0][index][1]))
-        worst, _ = compare_states(full, model.state_dict(), atol=1e-5, grad_max=grad_max,
-                                  zero_grad_atol=STEPS * 1e-3)
-        assert worst <= 1e-5
+    for index, case in enumerate(GLOO_CASES):
+        check_case(results, index, 2, case, STEPS)
 
 
 @pytest.mark.parametrize("model, plan", [("llama", "dp=2 tp=2 sp=on recompute=selective"), ("gpt2", "recompute=full")])

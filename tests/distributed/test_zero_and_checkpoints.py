@@ -8,7 +8,7 @@ import torch
 import usc
 from gloo_cases import MODELS
 from usc.testing import assert_equivalent
-from usc.testing.equivalence import compare_states, reference_run
+from usc.testing.equivalence import assert_bf16_close, compare_states, reference_run
 from usc.testing.models import LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
 
 ZERO_PLANS = ["dp=2 zero=1", "dp=2 zero=2", "dp=2 zero=3", "dp=4 zero=1", "dp=4 zero=2", "dp=4 zero=3",
@@ -47,19 +47,21 @@ def test_microbatches_reduce_gradients_once_per_step():
     assert sum(c.calls_per_step for c in listed) == 4 + buckets + 1
 
 
+@pytest.mark.parametrize("plan", ["dp=2 tp=2 dtype=bf16", "dp=2 zero=3 dtype=bf16"])
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_bf16_losses_within_two_percent(model):
+def test_bf16_trains_like_float32_within_bf16_rounding(model, plan):
+    """Losses and parameter updates of SGD steps within bounds from bf16's unit roundoff and the step
+    count (usc.testing.equivalence.assert_bf16_close), and different from float32: it ran in bf16."""
     factory, batch = MODELS[model]
-    batches = [batch(seed) for seed in range(3)]
-    torch.manual_seed(0)
-    reference, mesh_model = factory(), factory()
-    mesh_model.load_state_dict(reference.state_dict())
-    expected, _ = reference_run(reference, batches, lambda p: torch.optim.AdamW(p))
-    sim = usc.simulate(mesh_model, "dp=2 tp=2 dtype=bf16", example_inputs=batches[0])
-    losses = [sim.step(*b) for b in batches]
-    assert losses == pytest.approx(expected, rel=2e-2)
-    assert losses != pytest.approx(expected, rel=1e-6)  # it really ran in bf16
-    assert all(p.dtype == torch.float32 for p in sim.ranks[0].params)  # float32 master weights
+    result = assert_bf16_close(factory, plan, batch(0))
+    assert result.losses != pytest.approx(result.reference_losses, rel=1e-6)
+
+
+def test_bf16_keeps_float32_master_weights():
+    batch = token_batch(128, 4, 16)
+    sim = usc.simulate(TinyLlama(), "dp=2 tp=2 dtype=bf16", example_inputs=batch)
+    sim.step(*batch)
+    assert all(p.dtype == torch.float32 for rank in sim.ranks for p in rank.params)
 
 
 def test_memory_prediction_matches_measurement_at_dp4():
@@ -92,7 +94,7 @@ def test_checkpoint_moves_between_plans_and_training_continues_exactly(tmp_path,
     torch.manual_seed(0)
     reference, first, second = TinyLlama(), TinyLlama(), TinyLlama()
     first.load_state_dict(reference.state_dict())
-    expected, grad_max = reference_run(reference, batches, lambda p: torch.optim.AdamW(p))
+    expected = reference_run(reference, batches, lambda p: torch.optim.AdamW(p))
     run_a = usc.simulate(first, plan_a, example_inputs=batches[0])
     losses = [run_a.step(*b) for b in batches[:2]]
     run_a.save(tmp_path / "ckpt")
@@ -100,8 +102,7 @@ def test_checkpoint_moves_between_plans_and_training_continues_exactly(tmp_path,
     run_b.load(tmp_path / "ckpt")
     losses += [run_b.step(*b) for b in batches[2:]]
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
-    worst, _ = compare_states(run_b.full_state_dict(), reference.state_dict(), atol=1e-5, grad_max=grad_max,
-                              zero_grad_atol=4e-3)
+    worst, _ = compare_states(run_b.full_state_dict(), reference.state_dict(), atol=1e-5)
     assert worst <= 1e-5
 
 
@@ -182,14 +183,10 @@ def test_report_names_the_zero_collectives():
 
 def test_bf16_gradient_reduction_option():
     """reduce_dtype=bf16 sums gradients in bfloat16 (half the bytes): close to, not equal to, fp32."""
-    batches = [token_batch(128, 4, 16, seed=s) for s in range(3)]
-    torch.manual_seed(0)
-    reference, mesh_model = TinyLlama(), TinyLlama()
-    mesh_model.load_state_dict(reference.state_dict())
-    expected, _ = reference_run(reference, batches, lambda p: torch.optim.AdamW(p))
-    sim = usc.simulate(mesh_model, "dp=2 dtype=bf16 reduce_dtype=bf16", example_inputs=batches[0])
+    assert_bf16_close(TinyLlama, "dp=2 dtype=bf16 reduce_dtype=bf16", token_batch(128, 4, 16))
+    batch = token_batch(128, 4, 16)
+    sim = usc.simulate(TinyLlama(), "dp=2 dtype=bf16 reduce_dtype=bf16", example_inputs=batch)
     comm = sim.ranks[0].mesh.comm("dp")
-    losses = [sim.step(*b) for b in batches]
-    assert losses == pytest.approx(expected, rel=2e-2)
+    sim.step(*batch)
     params = sum(p.numel() for p in TinyLlama().parameters())
-    assert comm.stats.bytes["all-reduce"] < 3 * (params * 2 + 64)  # bf16 buckets: 2 bytes per element
+    assert comm.stats.bytes["all-reduce"] < params * 2 + 64  # bf16 buckets: 2 bytes per element

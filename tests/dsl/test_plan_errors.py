@@ -107,3 +107,16 @@ def test_crlf_files_report_the_same_positions():
         parse_plan("dp=2\r\ntp=x\r\n")
     assert (info.value.line, info.value.column) == (2, 4)
     assert "\r" not in str(info.value)
+
+
+def test_a_bug_in_the_reader_is_not_blamed_on_the_plan_text(monkeypatch):
+    """An exception inside the reader propagates as itself: a PlanError would point the user at
+    their plan's line 1, column 1 for usc's own bug."""
+    from usc.dsl import parser
+
+    def broken(self, item):
+        raise KeyError("a table entry the reader forgot")
+
+    monkeypatch.setattr(parser._PlanBuilder, "add_setting", broken)
+    with pytest.raises(KeyError, match="forgot"):
+        parse_plan("dp=2")

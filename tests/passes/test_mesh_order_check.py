@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from usc.api import _Compiled
+from usc.build import _Compiled
 from usc.compiler import lint_checks  # noqa: F401 - registers the rules
 from usc.compiler.lint_rules import LintInput, run_rules
 from usc.compiler.pass_runner import pipeline_stages

@@ -95,14 +95,18 @@ def test_all_reduce_is_megatron_g_and_grad_all_reduce_is_f(size):
         torch.testing.assert_close(x_grad, sum(loss_weights))
 
 
-def test_all_reduce_max_has_no_gradient():
+def test_all_reduce_max_routes_the_gradient_to_the_owner():
+    """max over ranks, differentiated: each element's gradient goes to the rank holding the max
+    (split evenly where ranks tie, as torch.amax splits it), zero elsewhere."""
     def rank(mesh):
-        x = torch.tensor([float(mesh.rank), -float(mesh.rank)], requires_grad=True)
+        x = torch.tensor([float(mesh.rank), -float(mesh.rank), 1.0], requires_grad=True)
         y = AllReduce("tp", op="max").bind(mesh)(x)
-        return y, y.requires_grad
+        (y * torch.tensor([2.0, 3.0, 4.0])).sum().backward()
+        return y.detach(), x.grad
 
-    for y, requires_grad in _on_ranks(4, rank):
-        assert y.tolist() == [3.0, 0.0] and not requires_grad
+    for r, (y, grad) in enumerate(_on_ranks(4, rank)):
+        assert y.tolist() == [3.0, 0.0, 1.0]
+        assert grad.tolist() == [2.0 if r == 3 else 0.0, 3.0 if r == 0 else 0.0, 1.0]
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
@@ -142,7 +146,7 @@ def test_axis_index_is_the_coordinate():
 
 NODES = [
     (AllReduce("tp"), "all-reduce", "all-reduce", None),
-    (AllReduce("tp", op="max"), "all-reduce", "all-reduce", None),
+    (AllReduce("tp", op="max"), "all-reduce", "all-reduce", "all-reduce"),
     (GradAllReduce("tp"), "all-reduce", None, "all-reduce"),
     (AllGather("tp", dim=1), "all-gather", "all-gather", None),
     (AllGather("tp", dim=1, grad="partial"), "all-gather", "all-gather", "reduce-scatter"),

@@ -88,3 +88,35 @@ def test_run_in_threads_deadline_reports_hung_ranks():
         run_in_threads(meshes, rank, timeout=0.5)
     stop.set()
     assert time.monotonic() - start < 2.0
+
+
+def _raised_by_a_launch(exc: BaseException) -> BaseException:
+    from usc.runtime.comm import solo_comm
+
+    def launch():
+        raise exc
+
+    with pytest.raises(BaseException) as info:
+        solo_comm("tp", global_rank=0, timeout=1.0)._guard("all-reduce", launch)
+    return info.value
+
+
+@pytest.mark.parametrize("exc, kind", [
+    (RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:4711"), CollectiveError),
+    (torch.distributed.DistBackendError("NCCL error: unhandled system error"), CollectiveError),
+    (ConnectionResetError(104, "Connection reset by peer"), CollectiveError),
+    (RuntimeError("Timed out waiting 300ms for recv operation to complete"), CollectiveTimeout),
+    (TimeoutError("no completion within 5s"), CollectiveTimeout),
+    # mentions a timeout setting without anything having timed out
+    (RuntimeError("process group created with timeout=1800s has no backend for device 'meta'"), CollectiveError),
+])
+def test_transfer_failures_become_collective_errors_of_the_right_kind(exc, kind):
+    error = _raised_by_a_launch(exc)
+    assert type(error) is kind and error.__cause__ is exc
+    assert "rank 0: all-reduce over mesh axis 'tp'" in str(error)
+
+
+@pytest.mark.parametrize("exc", [ValueError("all_reduce: dim 3 is out of range"), TypeError("expected Tensor"),
+                                 NotImplementedError("reduce op 'avg' on gloo"), KeyError("tp")])
+def test_a_local_bug_inside_a_launch_is_not_called_a_collective_error(exc):
+    assert _raised_by_a_launch(exc) is exc

@@ -1,0 +1,173 @@
+"""A graph without hidden effects: every write is dataflow before the first pass.
+
+``torch.export``'s training IR keeps an in-place write as a side effect: ``a[:, 0].mul_(3.0)``
+is a ``mul_`` on a ``select`` whose result nothing reads, and ``self.count.add_(1)`` an ``add_``
+on a buffer placeholder. Every pass treats the graph as dataflow (propagation drops nodes nobody
+reads), so such writes were silently removed. Here a program with any mutating op is
+functionalized by torch itself (``ExportedProgram.run_decompositions({})``: writes through views
+become ``select_scatter`` / ``slice_scatter`` / ``copy`` / ``fill`` whose results later reads
+use; ops usc has rules for, such as ``linear``, are kept). A program without writes is left
+exactly as traced.
+
+What functionalization turns into extra graph outputs is made explicit instead:
+- a write to a buffer becomes a ``StateWrite`` node (``runtime/state_write.py``) at the end of the
+  graph: the executor's buffer takes the new value after each forward, as on one device;
+- a write to a user input is visible to every later read in the graph; the caller's own tensor is
+  not updated (a rank holds a slice of it), which ``gm.meta`` records for the report's warnings.
+
+Two more guarantees:
+- ``distinct_inputs``: the same tensor passed twice (``example_inputs=(ids, ids)``) would be traced
+  as one input read twice (export deduplicates by identity); later steps pass different tensors,
+  so each repeat is traced from its own copy.
+- ``verify_functional``: a mutating op left in a graph (a pass that wrote one, or a trace this module
+  did not see) raises a CompileError naming the op and the user's source line. The pass runner
+  runs it before the first pass and between passes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.export.graph_signature import OutputKind
+
+from .errors import CompileError
+
+WRITE_KINDS = (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)
+INPUT_WRITES = "usc_input_writes"  # gm.meta key: user inputs the forward writes (names)
+STATE_WRITE = "usc_state_write"  # node.meta key of a buffer's write-back: the buffer's name
+
+
+class HiddenEffectError(CompileError):
+    """A mutating op whose write nothing in the graph reads."""
+
+
+def distinct_inputs(value, seen: set[int] | None = None):
+    """``value`` with every repeat of a tensor already seen replaced by a copy (nested tuples,
+    lists and dicts walked): traced inputs stay as many as the caller passes."""
+    seen = set() if seen is None else seen
+    if isinstance(value, torch.Tensor):
+        if id(value) in seen:
+            return value.clone()
+        seen.add(id(value))
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(distinct_inputs(v, seen) for v in value)
+    if isinstance(value, dict):
+        return {k: distinct_inputs(v, seen) for k, v in value.items()}
+    return value
+
+
+def is_mutating(node: fx.Node) -> bool:
+    """An ATen op whose schema writes one of its arguments (``mul_``, ``copy_``, ``index_put_``...)."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
+def is_state_write(node: fx.Node) -> bool:
+    """A buffer's write-back: an effect that no value reads, kept by every pass."""
+    return bool(node.meta.get(STATE_WRITE))
+
+
+def functionalize(exported):
+    """``exported`` with every write as dataflow; the same object when it writes nothing."""
+    if not any(is_mutating(n) for n in exported.graph_module.graph.nodes):
+        return exported
+    return exported.run_decompositions({})
+
+
+def differentiable_copies(gm: fx.GraphModule) -> None:
+    """``aten.copy(self, src)`` (a functionalized ``copy_``) has no derivative in eager autograd:
+    write it as what it computes, ``src`` cast to self's dtype and broadcast to self's shape."""
+    aten = torch.ops.aten
+    for node in [n for n in gm.graph.nodes if n.target is aten.copy.default]:
+        target, src = node.args[0], node.args[1]
+        want, have = target.meta["val"], src.meta["val"]
+        with gm.graph.inserting_before(node):
+            value = src
+            if have.dtype != want.dtype:
+                value = _like(gm.graph.call_function(aten._to_copy.default, (value,), {"dtype": want.dtype}),
+                              node, have.to(want.dtype))
+            if tuple(have.shape) != tuple(want.shape):
+                value = _like(gm.graph.call_function(aten.expand.default, (value, list(want.shape))), node, want)
+            value = _like(gm.graph.call_function(aten.clone.default, (value,)), node, want)
+        node.replace_all_uses_with(value)
+        gm.graph.erase_node(node)
+
+
+def _like(new: fx.Node, old: fx.Node, val) -> fx.Node:
+    new.meta.update({k: v for k, v in old.meta.items() if k != "val"})
+    new.meta["val"] = val
+    return new
+
+
+def user_output_specs(exported) -> list:
+    """The output specs that are the forward's own result (not a write functionalization added)."""
+    return [o for o in exported.graph_signature.output_specs if o.kind not in WRITE_KINDS]
+
+
+def explicit_writes(exported) -> fx.GraphModule:
+    """The graph module with functionalization's write outputs turned into explicit nodes: a
+    ``StateWrite`` per written buffer; a written user input is recorded in ``gm.meta``."""
+    from usc.runtime.state_write import StateWrite
+
+    gm = exported.graph_module
+    differentiable_copies(gm)
+    specs = exported.graph_signature.output_specs
+    if not any(o.kind in WRITE_KINDS for o in specs):
+        gm.recompile()
+        return gm
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values = list(output.args[0])
+    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    by_target = {s.target: s.arg.name for s in exported.graph_signature.input_specs if s.target is not None}
+    kept, inputs_written = [], []
+    for spec, value in zip(specs, values):
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            buffer = placeholders[by_target[spec.target]]
+            with gm.graph.inserting_before(output):
+                name = f"write_{buffer.name}"
+                gm.add_submodule(name, StateWrite(spec.target, buffer.name))
+                node = gm.graph.call_module(name, (buffer, value))
+            node.meta.update({k: value.meta[k] for k in ("stack_trace", "nn_module_stack") if k in value.meta})
+            node.meta["val"] = None
+            node.meta[STATE_WRITE] = spec.target
+        elif spec.kind == OutputKind.USER_INPUT_MUTATION:
+            inputs_written.append(spec.target)
+        else:
+            kept.append(value)
+    output.args = (tuple(kept),)
+    gm.meta[INPUT_WRITES] = tuple(inputs_written)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def input_write_warnings(gm: fx.GraphModule) -> list[str]:
+    """What the report says about writes to user inputs."""
+    return [f"forward writes its input '{name}': every later read in the forward sees the write, but the "
+            "caller's tensor is not changed (each rank holds a piece of it); write to a copy to say so"
+            for name in gm.meta.get(INPUT_WRITES, ())]
+
+
+def verify_functional(gm: fx.GraphModule) -> None:
+    """Raise HiddenEffectError at the first mutating op (stages of a pipeline included)."""
+    from .trace import module_path, user_source
+
+    for sub in [gm, *(m for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm)]:
+        for node in sub.graph.nodes:
+            if is_mutating(node):
+                raise HiddenEffectError(_describe(node, module_path(node), user_source(node)))
+
+
+def _describe(node: fx.Node, module: str, source: str) -> str:
+    target = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    via = f" on '{target.name}' ({target.target})" if target is not None and target.op != "placeholder" \
+        else f" on input '{target.name}'" if target is not None else ""
+    at = f" in module '{module or '<root>'}'" + (f" ({source})" if source else "")
+    return (f"in-place op {node.target}{via}{at} writes a tensor and nothing in the graph reads the write: "
+            "every pass treats the program as dataflow, so the write would be lost\n  fix: usc functionalizes "
+            "writes when it traces; a pass that inserts an in-place op must use its functional form")
+
+
+__all__ = ["distinct_inputs", "input_write_warnings", "functionalize", "explicit_writes", "verify_functional", "user_output_specs",
+           "is_mutating", "is_state_write", "HiddenEffectError", "STATE_WRITE", "INPUT_WRITES", "WRITE_KINDS"]

@@ -1,0 +1,379 @@
+"""Batch coupling under microbatching: what mixes the samples that ``mb=M`` runs apart.
+
+``mb=M`` runs the program once per microbatch (a 1/M slice of the batch's dim 0) and combines
+the M losses. That is exact only where the program treats samples independently up to a loss that
+is linear in them. dp splits the same dim and propagation proves each op (it gathers or refuses);
+microbatches are run one after another, so nothing can be gathered across them. This pass runs the
+same proof: it propagates the traced graph over a *virtual* dp axis (the batch's dim 0 sharded)
+and reads the result:
+
+- every collective propagation needed on that axis is a computation that couples samples
+  (softmax / cumsum / sort / var / normalize over the batch, batch statistics, a product of batch
+  means such as a MoE load-balancing loss): refused, naming the op, its module and source line;
+- the loss is walked back through its linear combination (add, sub, scale by a constant) to its
+  reductions, each classified by what it reduces (the batch dim, or a batch sum already):
+  a token mean (cross-entropy: microbatches weighted by their token counts, loss_count exposes
+  them), a mean over the batch (weight 1/M), a sum (weight 1: the pass multiplies it by M, so one
+  weight 1/M serves every term), a term that does not depend on the batch, or anything else
+  (max, a nonlinear function of batch reductions): refused.
+
+``batch_coupling=per_microbatch`` (plan option) instead *defines* the step loss as the mean of the
+microbatch losses, each computed on its microbatch alone (Megatron's definition for auxiliary
+losses under pipelining); ``usc.testing`` trains its one-device reference the same way.
+
+Requires: the traced graph, random ops already ``usc::draw`` nodes (random_ops).
+Establishes: with mb > 1, the program's microbatch losses combine into the one-device loss with
+    weights 1/M (or token counts, ``gm.meta["usc_loss_combine"] == "token_mean"``), or a PlanError
+    at ``mb`` was raised; each draw's batch dim is set, so a microbatch draws its rows of the full
+    batch's tensor. With mb == 1 the graph is returned unchanged.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from usc.compiler.errors import ShardingError
+from usc.compiler.ir import META, Layout, MeshSpec
+from usc.compiler.pass_runner import CompileContext
+from usc.compiler.trace import module_path, user_source
+from usc.runtime.collectives import AllGather, AllReduce, AllToAll, LocalShard, ReduceScatter
+
+from .graph_edit import shape_of, val
+from .propagate import propagate_pass
+from .random_ops import DRAW
+
+aten = torch.ops.aten
+VIRTUAL = "dp"
+COUPLING_COLLECTIVES = (AllGather, AllReduce, AllToAll, ReduceScatter)
+OPTIONS = ("options: mb=1 (no microbatching); batch_coupling=per_microbatch (each microbatch computes the loss "
+           "on its own samples and the step averages the microbatch losses, as Megatron does for auxiliary "
+           "losses); or compute the term per sample")
+
+
+def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...] = (),
+                        params: frozenset[str] = frozenset()) -> fx.GraphModule:
+    """Make the microbatch losses combine exactly, or refuse (see the module docstring)."""
+    microbatches = int(ctx.plan.get("mb"))
+    if microbatches == 1:
+        return gm
+    virtual = _virtual_propagation(gm, ctx, user_inputs, params)
+    _set_draw_batch_dims(gm, virtual, microbatches)
+    if ctx.plan.get("batch_coupling") == "per_microbatch":
+        gm.meta["usc_loss_combine"] = "per_microbatch"
+        gm.recompile()
+        return gm
+    coupling = _first_coupling(virtual)
+    if coupling is not None:
+        raise ctx.plan.error_at("mb", f"mb={microbatches} runs the batch in microbatches, but {coupling}",
+                                hint=OPTIONS)
+    layouts = {n.name: n.meta[META].layout for n in virtual.graph.nodes if META in n.meta}
+    terms = loss_terms(gm, _batch_dependent(gm, user_inputs))
+    kinds = [(term, _kind(term, layouts)) for term in terms]
+    _refuse_unclear(ctx, microbatches, kinds, _batch_size(gm, user_inputs))
+    _weight_sums(gm, kinds, microbatches)
+    gm.meta["usc_loss_combine"] = "token_mean" if any(k == "token_mean" for _, k in kinds) else "mean"
+    gm.recompile()
+    return gm
+
+
+# ------------------------------------------------------------------ the proof over a virtual dp axis
+
+def _virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.GraphModule:
+    """A copy of the graph propagated with the batch's dim 0 sharded over a 2-way dp axis."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copy = fx.GraphModule(gm, graph)
+    mesh = MeshSpec((VIRTUAL,), (_virtual_size(_batch_size(gm, user_inputs)),))
+    layouts = {name: Layout((Shard(0),)) for name in user_inputs if _rank(gm, name) > 0}
+    plan = ctx.plan.with_options(mb=1, sp=None, cp_mode=None)
+    try:
+        return propagate_pass(copy, CompileContext(mesh, plan), input_layouts=layouts, grad_inputs=set(params))
+    except ShardingError as err:
+        hint = err.hint or ""
+        raise ctx.plan.error_at("mb", f"mb={ctx.plan.get('mb')} runs the batch in microbatches, and usc cannot show "
+                                      f"that the program treats samples independently: {err}",
+                                hint=f"{OPTIONS}{'; ' + hint if hint else ''}") from None
+
+
+def _virtual_size(batch: int) -> int:
+    """The smallest prime factor of the microbatch's batch size: every reshape that keeps the batch
+    outermost divides by it (2 for a batch of one sample, whose reshapes may then be refused)."""
+    return next((p for p in range(2, batch + 1) if batch % p == 0), 2)
+
+
+def _rank(gm: fx.GraphModule, name: str) -> int:
+    node = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == name), None)
+    shape = shape_of(node) if node is not None else None
+    return len(shape) if shape is not None else 0
+
+
+def _batch_size(gm: fx.GraphModule, user_inputs) -> int:
+    shapes = [shape_of(n) for n in gm.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
+    return next((s[0] for s in shapes if s), 1)
+
+
+def _first_coupling(virtual: fx.GraphModule) -> str | None:
+    """A collective on the virtual axis other than a token count's sum (the runtime weights by it)."""
+    counts = _token_counts(virtual)
+    for node in virtual.graph.nodes:
+        if node.op != "call_module" or node in counts:
+            continue
+        module = virtual.get_submodule(node.target)
+        if isinstance(module, COUPLING_COLLECTIVES) and module.axis == VIRTUAL:
+            return _describe_coupling(node, module)
+    return None
+
+
+def _token_counts(virtual: fx.GraphModule) -> set[fx.Node]:
+    """The nodes computing the denominators of token means (and their reductions over the batch)."""
+    found: set[fx.Node] = set()
+    todo = [n.args[1] for n in virtual.graph.nodes if n.meta.get("usc_token_mean")]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, fx.Node) and node not in found and node.op != "placeholder":
+            found.add(node)
+            todo.extend(a for a in node.all_input_nodes)
+    return found
+
+
+def _describe_coupling(node: fx.Node, module) -> str:
+    consumer = next(iter(node.users), None)
+    op = _op_name(consumer) if consumer is not None else "the output"
+    ann = node.meta.get(META)
+    where = f"module '{ann.module or '<root>'}'{f' ({ann.source})' if ann.source else ''}" if ann else "the model"
+    if isinstance(module, AllReduce):
+        return (f"{op} in {where} is not linear in a sum or mean over the batch (a batch statistic, or a "
+                f"product of batch means such as a load-balancing loss): its value on a microbatch is not its "
+                "share of the value on the batch")
+    return (f"{op} in {where} mixes samples across the batch dim (it needs the whole batch: "
+            f"{ann.reason if ann else 'gathered'})")
+
+
+# ------------------------------------------------------------------ draws: which dim is the batch
+
+def _set_draw_batch_dims(gm: fx.GraphModule, virtual: fx.GraphModule, microbatches: int) -> None:
+    """Each draw's batch dim: that of the tensor it is drawn like, or the dim along which the
+    virtual propagation slices the draw for the batch (a draw of a batch-shaped tensor)."""
+    by_name = {n.name: n for n in virtual.graph.nodes}
+    for node in gm.graph.nodes:
+        if node.target is not DRAW:
+            continue
+        like = node.meta.get("usc_draw_like")
+        dim = _shard_dim(by_name[like]) if like in by_name else _sliced_dim(by_name.get(node.name))
+        args = list(node.args)
+        args[3], args[4] = (-1 if dim is None else dim), microbatches
+        node.args = tuple(args)
+
+
+def _shard_dim(node: fx.Node) -> int | None:
+    placement = node.meta[META].layout.placements[0] if META in node.meta else Replicate()
+    return placement.dim if isinstance(placement, Shard) else None
+
+
+def _sliced_dim(node: fx.Node | None) -> int | None:
+    """Follow a replicated draw through ops that keep its shape to a slice over the batch."""
+    if node is None:
+        return None
+    shape, todo, seen = shape_of(node), [node], set()
+    while todo:
+        current = todo.pop()
+        for user in current.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            module = user.graph.owning_module.get_submodule(user.target) if user.op == "call_module" else None
+            if isinstance(module, LocalShard) and module.axis == VIRTUAL:
+                return module.dim
+            if shape_of(user) == shape and META in user.meta and user.meta[META].layout.placements[0] == Replicate():
+                todo.append(user)
+    return None
+
+
+# ------------------------------------------------------------------ the loss as a sum of terms
+
+@dataclass
+class Term:
+    """One reduction the loss is a linear combination of, with the constants scaling it on the way."""
+
+    root: fx.Node
+    constants: tuple[float, ...]
+    batch_dependent: bool
+
+
+def _batch_dependent(gm: fx.GraphModule, user_inputs) -> set[fx.Node]:
+    found: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if (node.op == "placeholder" and node.name in user_inputs) or any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def _scalar(node) -> bool:
+    return isinstance(node, fx.Node) and shape_of(node) == ()
+
+
+def _independent(arg, dependent: set[fx.Node]) -> bool:
+    return not isinstance(arg, fx.Node) or arg not in dependent
+
+
+def _sum_parts(node, dependent):
+    return [(a, ()) for a in node.args[:2]]
+
+
+def _scaled_part(node, dependent):
+    """x * c, c * x, x / c: the batch-dependent side, scaled by a batch-independent one."""
+    a, b = node.args[0], node.args[1]
+    if node.target in (aten.div.Tensor, aten.div.Scalar):
+        return [(a, (b,))] if _independent(b, dependent) else None
+    if _independent(b, dependent):
+        return [(a, (b,))]
+    return [(b, (a,))] if _independent(a, dependent) else None
+
+
+def _first_part(node, dependent):
+    return [(node.args[0], ())]
+
+
+# Ops through which the loss stays a linear combination of its terms: node -> [(part, scales)],
+# or None when the op is not linear in its batch-dependent input (the node is then a term).
+LINEAR = {
+    aten.add.Tensor: _sum_parts, aten.sub.Tensor: _sum_parts, operator.add: _sum_parts, operator.sub: _sum_parts,
+    aten.mul.Tensor: _scaled_part, aten.mul.Scalar: _scaled_part, aten.div.Tensor: _scaled_part,
+    aten.div.Scalar: _scaled_part, operator.mul: _scaled_part, operator.truediv: _scaled_part,
+    aten.neg.default: _first_part, aten._to_copy.default: _first_part, aten.to.dtype: _first_part,
+    aten.clone.default: _first_part, aten.alias.default: _first_part, aten.view.default: _first_part,
+    aten.squeeze.default: _first_part, aten.reshape.default: _first_part,
+}
+
+
+def loss_terms(gm: fx.GraphModule, dependent: set[fx.Node]) -> list[Term]:
+    """The reductions the (scalar) loss is a linear combination of."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values = output.args[0]
+    loss = values[0] if isinstance(values, (tuple, list)) else values
+    terms, todo = [], [(loss, ())]
+    while todo:
+        node, constants = todo.pop()
+        if not isinstance(node, fx.Node):
+            continue
+        split = LINEAR.get(node.target)
+        parts = split(node, dependent) if split is not None and _scalar(node) else None
+        if parts is None:
+            terms.append(Term(node, constants, node in dependent))
+            continue
+        todo.extend((part, constants + tuple(c for c in scales if not isinstance(c, fx.Node)))
+                    for part, scales in parts)
+    return terms
+
+
+def _reduction(node: fx.Node, index: int, default: int = 1) -> int:
+    args = node.args
+    return int(node.kwargs.get("reduction", args[index] if len(args) > index else default))
+
+
+# What a term reduces, by op: "sum" / "mean" / "token_mean" (a count of tokens that depends on the labels).
+REDUCTIONS = {
+    aten.sum.default: lambda n: "sum", aten.sum.dim_IntList: lambda n: "sum",
+    aten.mean.default: lambda n: "mean", aten.mean.dim: lambda n: "mean",
+    aten.cross_entropy_loss.default: lambda n: {1: "token_mean", 2: "sum"}.get(_reduction(n, 3)),
+    aten.mse_loss.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 2)),
+    aten.l1_loss.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 2)),
+    aten.smooth_l1_loss.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 2)),
+    aten.huber_loss.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 2)),
+    aten.binary_cross_entropy.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 3)),
+    aten.binary_cross_entropy_with_logits.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 4)),
+}
+
+
+def _kind(term: Term, layouts: dict[str, Layout]) -> str:
+    """How a term combines over microbatches: 'constant', 'sum', 'mean', 'token_mean' or 'other'."""
+    if not term.batch_dependent:
+        return "constant"
+    reduce = REDUCTIONS.get(term.root.target)
+    reduction = reduce(term.root) if reduce is not None else None
+    source = _laid_out_source(term.root, layouts)
+    placement = layouts[source.name].placements[0] if source is not None else None
+    if reduction is None or placement is None:
+        return "other"
+    if isinstance(placement, Partial) and placement.reduce_op == "sum" and reduction != "token_mean":
+        return "sum"  # a reduction of a batch sum is itself a sum over microbatches
+    return reduction if isinstance(placement, Shard) else "other"
+
+
+# Ops that keep the batch outermost: a loss expansion may peel them (``loss(x.view(-1, V), ...)`` is
+# rewritten on ``x``), so the propagated copy no longer holds them; their input's layout decides.
+_BATCH_KEEPING = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+                  aten.slice.Tensor)
+
+
+def _laid_out_source(root: fx.Node, layouts: dict[str, Layout]) -> fx.Node | None:
+    """The loss term's input, or the nearest value it views whose layout the propagation recorded."""
+    node = root.all_input_nodes[0] if root.all_input_nodes else None
+    while node is not None and node.name not in layouts and node.op == "call_function" \
+            and node.target in _BATCH_KEEPING and (node.target is not aten.slice.Tensor or _dim(node) != 0):
+        node = node.args[0]
+    return node if node is not None and node.name in layouts else None
+
+
+def _dim(node: fx.Node) -> int:
+    return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+
+
+def _name(node: fx.Node) -> str:
+    where, src = module_path(node) or "<root>", user_source(node)
+    return f"{_op_name(node)} in module '{where}'{f' ({src})' if src else ''}"
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    return getattr(target, "__name__", str(target)) if node.op == "call_function" else str(target)
+
+
+def _refuse_unclear(ctx, microbatches: int, kinds, batch: int) -> None:
+    """Terms whose combination over microbatches is not one of the exact forms."""
+    error = None
+    other = next((t for t, k in kinds if k == "other"), None)
+    token = [t for t, k in kinds if k == "token_mean"]
+    mixed = [t for t, k in kinds if k in ("sum", "mean")]
+    ambiguous = next((t for t, k in kinds if k != "constant" and any(_batch_multiple(c, batch) for c in t.constants)),
+                     None)
+    if other is not None:
+        error = (f"the loss term {_name(other.root)} is not a sum or mean over the batch (e.g. a max, or a nonlinear "
+                 "function of batch reductions): microbatch losses do not combine into it")
+    elif len(token) > 1 or (token and mixed):
+        terms = ", ".join(_name(t.root) for t in token + mixed)
+        error = (f"the loss adds a token mean (weighted by each microbatch's count of counted tokens) to other "
+                 f"batch terms weighted differently ({terms})")
+    elif ambiguous is not None:
+        error = (f"the loss term {_name(ambiguous.root)} is scaled by a constant that is a multiple of the "
+                 f"microbatch's batch size {batch}: usc cannot tell a fixed constant from one taken from the batch "
+                 "shape, which differs between a microbatch and the batch (write .mean() instead of .sum() / n)")
+    if error is not None:
+        raise ctx.plan.error_at("mb", f"mb={microbatches} runs the batch in microbatches, but {error}", hint=OPTIONS)
+
+
+def _batch_multiple(constant, batch: int) -> bool:
+    if batch <= 1 or not isinstance(constant, (int, float)) or isinstance(constant, bool):
+        return False
+    return float(constant).is_integer() and int(constant) % batch == 0 and constant != 0
+
+
+def _weight_sums(gm: fx.GraphModule, kinds, microbatches: int) -> None:
+    """Sum terms are multiplied by M, so weights 1/M (the runtime's default) add them up unscaled."""
+    for term, kind in kinds:
+        if kind != "sum":
+            continue
+        node = term.root
+        with gm.graph.inserting_after(node):
+            scaled = gm.graph.call_function(aten.mul.Tensor, (node, float(microbatches)))
+        scaled.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        scaled.meta["val"] = val(node)
+        node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+
+
+__all__ = ["batch_coupling_pass", "loss_terms", "Term"]

@@ -1,0 +1,200 @@
+"""Random ops with defined semantics: every draw becomes a counter-based ``usc::draw`` node.
+
+Requires: the traced graph (global shapes, before propagation).
+Establishes: no op draws from torch's generator. Each random op is rewritten to a ``usc::draw``
+    of its whole (global) tensor keyed by (seed, step, op number, element index) -- see
+    runtime/random.py -- fed by a ``RandomKey`` node just before it: dropout is ``x * keep``,
+    bernoulli compares a uniform draw, rand/randn(_like) are draws. The draw is replicated on
+    every mesh axis, so propagation gives each rank its slice of it (tp replicas: the same values;
+    dp/cp/sp shards: their slice of what one device draws). A random op with no such form is
+    refused (CompileError) rather than left to draw rank-dependent numbers.
+    Each draw starts with batch_dim -1; batch_coupling fills in the batch dim under microbatching.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from usc.compiler.errors import CompileError
+from usc.compiler.trace import module_path, user_source
+from usc.runtime.random import RandomKey, draw
+
+from .graph_edit import val
+
+aten = torch.ops.aten
+KEY_MODULE = "usc_random_key"
+DRAW = torch.ops.usc.draw.default
+
+
+class _Rewriter:
+    """Inserts the nodes that replace one random op, carrying its module path and source."""
+
+    def __init__(self, gm: fx.GraphModule, node: fx.Node, op: int) -> None:
+        self.gm, self.node, self.op = gm, node, op
+
+    def _meta(self, new: fx.Node, value) -> fx.Node:
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in self.node.meta:
+                new.meta[key] = self.node.meta[key]
+        new.meta["val"] = value
+        return new
+
+    def _fake(self, fn: Callable):
+        mode = _fake_mode(self.gm)
+        with mode:
+            return fn()
+
+    def draw(self, shape, dtype, distribution: str, a: float = 0.0, b: float = 1.0,
+             like: fx.Node | None = None) -> fx.Node:
+        graph = self.gm.graph
+        with graph.inserting_before(self.node):
+            key = self._meta(graph.call_module(KEY_MODULE, ()),
+                             self._fake(lambda: torch.zeros(3, dtype=torch.int64)))
+            new = graph.call_function(DRAW, (key, list(shape), self.op, -1, 1, dtype, distribution, float(a),
+                                             float(b)))
+        self._meta(new, self._fake(lambda: torch.empty(tuple(shape), dtype=dtype)))
+        new.meta["usc_draw_like"] = like.name if like is not None else None
+        return new
+
+    def call(self, target, *args, **kwargs) -> fx.Node:
+        with self.gm.graph.inserting_before(self.node):
+            new = self.gm.graph.call_function(target, args, kwargs)
+        values = [val(a) if isinstance(a, fx.Node) else a for a in args]
+        return self._meta(new, self._fake(lambda: target(*values, **kwargs)))
+
+
+def _fake_mode(gm: fx.GraphModule):
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta.get("val") for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    mode = detect_fake_mode(vals)
+    if mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode
+
+
+def _shape_dtype(node: fx.Node) -> tuple[list[int], torch.dtype]:
+    value = val(node)
+    return [int(s) for s in value.shape], value.dtype
+
+
+# ---------------------------------------------------------------- one rule per random op
+
+def _dropout(r: _Rewriter) -> fx.Node | None:
+    x, p, train = (list(r.node.args) + [None, 0.5, True][len(r.node.args):])[:3]
+    p = r.node.kwargs.get("p", p)
+    train = r.node.kwargs.get("train", train)
+    if not train or not p:
+        return x  # dropout that is off draws nothing
+    shape, dtype = _shape_dtype(x)
+    return r.call(aten.mul.Tensor, x, r.draw(shape, dtype, "keep", p, like=x))
+
+
+def _bernoulli(r: _Rewriter) -> fx.Node:
+    x = r.node.args[0]
+    shape, dtype = _shape_dtype(x)
+    u = r.draw(shape, dtype, "uniform", like=x)
+    return r.call(aten._to_copy.default, r.call(aten.lt.Tensor, u, x), dtype=dtype)
+
+
+def _bernoulli_p(r: _Rewriter) -> fx.Node:
+    x, p = r.node.args[0], r.node.kwargs.get("p", r.node.args[1] if len(r.node.args) > 1 else 0.5)
+    shape, dtype = _shape_dtype(x)
+    return r.draw(shape, dtype, "bernoulli", p, like=x)
+
+
+def _fresh(distribution: str) -> Callable[[_Rewriter], fx.Node]:
+    """rand / randn (size, dtype=...): a draw of the output's shape."""
+    def rule(r: _Rewriter) -> fx.Node:
+        shape, dtype = _shape_dtype(r.node)
+        return r.draw(shape, dtype, distribution)
+    return rule
+
+
+def _like(distribution: str) -> Callable[[_Rewriter], fx.Node]:
+    """rand_like / randn_like (x): a draw of x's shape, with x's batch dim."""
+    def rule(r: _Rewriter) -> fx.Node:
+        shape, dtype = _shape_dtype(r.node)
+        return r.draw(shape, dtype, distribution, like=r.node.args[0])
+    return rule
+
+
+def _uniform(r: _Rewriter) -> fx.Node:
+    """uniform(x, from, to): router noise is written this way (``empty_like(x).uniform_(a, b)``)."""
+    x, low, high = (list(r.node.args) + [None, 0.0, 1.0][len(r.node.args):])[:3]
+    shape, dtype = _shape_dtype(r.node)
+    return r.draw(shape, dtype, "uniform", r.node.kwargs.get("from", low), r.node.kwargs.get("to", high), like=x)
+
+
+def _normal(r: _Rewriter) -> fx.Node:
+    """normal_functional(x, mean, std)."""
+    x, mean, std = (list(r.node.args) + [None, 0.0, 1.0][len(r.node.args):])[:3]
+    shape, dtype = _shape_dtype(r.node)
+    return r.draw(shape, dtype, "normal", r.node.kwargs.get("mean", mean), r.node.kwargs.get("std", std), like=x)
+
+
+RANDOM_RULES: dict[object, Callable[[_Rewriter], fx.Node | None]] = {
+    aten.dropout.default: _dropout,
+    aten.bernoulli.default: _bernoulli,
+    aten.bernoulli.p: _bernoulli_p,
+    aten.rand.default: _fresh("uniform"),
+    aten.randn.default: _fresh("normal"),
+    aten.rand_like.default: _like("uniform"),
+    aten.randn_like.default: _like("normal"),
+    aten.uniform.default: _uniform,
+    aten.normal_functional.default: _normal,
+}
+
+
+def is_random(node: fx.Node) -> bool:
+    """Draws from torch's generator (not usc's counter-based one)."""
+    target = node.target
+    if target in RANDOM_RULES:
+        return True
+    if target in _RANDOM_ONLY_WITH_DROPOUT:  # attention draws only when its dropout_p is non-zero
+        return _dropout_p(node) != 0.0
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags \
+        and target is not DRAW
+
+
+# Attention ops tagged as seeded because of their optional dropout: argument 4 is dropout_p (after q, k, v, attn_mask).
+_RANDOM_ONLY_WITH_DROPOUT = {aten.scaled_dot_product_attention.default}
+
+
+def _dropout_p(node: fx.Node) -> float:
+    value = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    return value if isinstance(value, (int, float)) else float("nan")
+
+
+def random_ops_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Replace every random op by a counter-based draw (see the module docstring)."""
+    found = [n for n in gm.graph.nodes if n.op == "call_function" and is_random(n)]
+    if not found:
+        return gm
+    gm.add_submodule(KEY_MODULE, RandomKey(int(ctx.plan.get("seed"))))
+    for op, node in enumerate(found):
+        rule = RANDOM_RULES.get(node.target)
+        if rule is None:
+            raise _no_counter_form(node)
+        node.replace_all_uses_with(rule(_Rewriter(gm, node, op)))
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _no_counter_form(node: fx.Node) -> CompileError:
+    where, src = module_path(node) or "<root>", user_source(node)
+    supported = ", ".join(sorted(str(t).replace("aten.", "") for t in RANDOM_RULES))
+    return CompileError(
+        f"{node.target} in module '{where}'{f' ({src})' if src else ''} draws random numbers from torch's "
+        f"generator, whose values would differ between ranks and from one device\n  fix: write it with an op usc "
+        f"draws counter-based ({supported}), or move it out of forward")
+
+
+__all__ = ["random_ops_pass", "is_random", "RANDOM_RULES", "KEY_MODULE", "draw"]

@@ -1,0 +1,151 @@
+"""Counter-based random numbers: a draw is a function of (seed, step, op, global element index).
+
+Why not torch's generator: its stream depends on how many numbers were drawn before, on which
+device, in which order -- so two tensor-parallel ranks holding replicas of an activation draw
+different dropout masks, and a shard cannot draw "its slice" of what one device would draw.
+Here every element's value is a hash of its coordinates in the one-device tensor (as in JAX's
+partitionable threefry bits, and Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3"):
+replicas draw identical values, shards draw their slice, a microbatch draws its rows of the full
+batch's tensor, and drawing again gives the same numbers. The hash is Wellons' "lowbias32"
+(two rounds per word), written with int64 torch ops on 32-bit values so CPU and CUDA agree bitwise.
+
+``usc::draw`` is a custom op tagged ``nondeterministic_seeded`` so passes treat it as a random op
+(recompute keeps its output). Its key comes from a :class:`RandomKey` node the executor sets
+before each forward: (seed, step, microbatch).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+
+MASK32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9  # 2^32 / phi: spreads the word index j over the key (as in Weyl sequences)
+DISTRIBUTIONS = ("uniform", "normal", "keep", "bernoulli")
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int64 tensors holding 32-bit values. A product wraps mod 2^64 in int64, which
+    keeps its low 32 bits exact, so masking after each multiply is all the care needed."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def _mix_int(x: int) -> int:
+    return int(mix32(torch.tensor(x & MASK32, dtype=torch.int64)))
+
+
+def op_key(seed: int, step: int, op: int) -> int:
+    """The 32-bit key of one op's draws in one step."""
+    k = _mix_int(op * GOLDEN + 1)
+    k = _mix_int(k ^ (step & MASK32)) ^ _mix_int((step >> 32) + GOLDEN)
+    return _mix_int(k ^ (seed & MASK32)) ^ _mix_int(((seed >> 32) & MASK32) + 2 * GOLDEN)
+
+
+def words(index: torch.Tensor, key: int, count: int) -> list[torch.Tensor]:
+    """``count`` independent 32-bit words per element index (int64, below 2^63)."""
+    lo, hi = index & MASK32, index >> 32
+    out = []
+    for j in range(count):
+        k = _mix_int(key ^ ((j * GOLDEN) & MASK32))
+        out.append(mix32(mix32(lo ^ k) ^ hi))
+    return out
+
+
+def global_index(shape: Sequence[int], batch_dim: int | None, microbatch: int, microbatches: int,
+                 device) -> torch.Tensor:
+    """The flat index of every element in the one-device tensor. Under microbatching the program
+    sees one microbatch's tensor; along its batch dim microbatch m holds rows m*n .. m*n + n - 1
+    of the full batch's tensor (rows are split along dim 0 of the inputs, in order)."""
+    full = list(shape)
+    if batch_dim is not None:
+        full[batch_dim] *= microbatches
+    index = torch.zeros((), dtype=torch.int64, device=device)
+    stride = 1
+    for dim in reversed(range(len(shape))):
+        coord = torch.arange(shape[dim], dtype=torch.int64, device=device)
+        if dim == batch_dim:
+            coord = coord + microbatch * shape[dim]
+        view = [1] * len(shape)
+        view[dim] = shape[dim]
+        index = index + coord.view(view) * stride
+        stride *= full[dim]
+    return index.expand(tuple(shape)) if len(shape) else index
+
+
+def uniform_from(ws: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Uniform in [0, 1) with as many random bits as ``dtype`` holds (exact in it: never 1.0)."""
+    if dtype == torch.float64:
+        return ((ws[0] >> 5).double() * 2.0**26 + (ws[1] >> 6).double()) * 2.0**-53
+    bits = torch.finfo(dtype).nmant + 1
+    return ((ws[0] >> (32 - bits)).double() * 2.0**-bits).to(dtype)
+
+
+def draw_values(index: torch.Tensor, key: int, dtype: torch.dtype, distribution: str, a: float,
+                b: float) -> torch.Tensor:
+    """The values of one draw at ``index``: uniform [a, b), normal(a, b), keep (0 or 1/(1-a)),
+    bernoulli (1 with probability a). Keep and bernoulli compare 32 bits, whatever the dtype, so a
+    mask is the same in float32 and float64."""
+    if distribution == "uniform":
+        return (uniform_from(words(index, key, 2), dtype) * (b - a) + a).to(dtype)
+    if distribution == "normal":
+        ws = words(index, key, 4)
+        u1 = 1.0 - uniform_from(ws[:2], torch.float64)  # (0, 1]: log is finite
+        u2 = uniform_from(ws[2:], torch.float64)
+        # Box and Muller 1958
+        return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2) * b + a).to(dtype)
+    u = words(index, key, 1)[0].double() * 2.0**-32
+    if distribution == "keep":
+        scale = 0.0 if a >= 1.0 else 1.0 / (1.0 - a)
+        return torch.where(u >= a, scale, 0.0).to(dtype)
+    return (u < a).to(dtype)
+
+
+@torch.library.custom_op("usc::draw", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def draw(key: torch.Tensor, shape: Sequence[int], op: int, batch_dim: int, microbatches: int,
+         dtype: torch.dtype, distribution: str, a: float, b: float) -> torch.Tensor:
+    """One op's draw over the (microbatch's) whole tensor. key = [seed, step, microbatch];
+    batch_dim -1: the tensor does not depend on the batch (every microbatch draws the same)."""
+    seed, step, microbatch = (int(v) for v in key.tolist())
+    index = global_index(shape, batch_dim if batch_dim >= 0 else None, microbatch, microbatches, key.device)
+    return draw_values(index, op_key(seed, step, op), dtype, distribution, a, b).contiguous()
+
+
+@draw.register_fake
+def _(key, shape, op, batch_dim, microbatches, dtype, distribution, a, b):
+    return torch.empty(tuple(shape), dtype=dtype, device=key.device)
+
+
+class RandomKey(nn.Module):
+    """(seed, step, microbatch) as a tensor on the program's device; the executor sets step and
+    microbatch before each forward (``set_random_keys``)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.seed, self.step, self.microbatch = seed, 0, 0
+        self.device = torch.device("cpu")
+
+    def bind(self, mesh) -> None:
+        self.device = mesh.device
+
+    def forward(self) -> torch.Tensor:
+        return torch.tensor([self.seed, self.step, self.microbatch], dtype=torch.int64, device=self.device)
+
+
+def set_random_keys(module: nn.Module, *, step: int | None = None, microbatch: int | None = None) -> None:
+    """Point every RandomKey under ``module`` at this step and microbatch."""
+    for part in module.modules():
+        if isinstance(part, RandomKey):
+            if step is not None:
+                part.step = step
+            if microbatch is not None:
+                part.microbatch = microbatch
+
+
+__all__ = ["draw", "RandomKey", "set_random_keys", "global_index", "draw_values", "op_key", "DISTRIBUTIONS"]

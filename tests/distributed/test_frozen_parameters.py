@@ -1,0 +1,136 @@
+"""Frozen parameters (``requires_grad=False``) on every plan: no gradient, no optimizer state and no
+ZeRO shard for them, a pipeline stage with nothing to train still runs, and LoRA-style fine-tuning
+(frozen base, small trainable adapters) trains as on one device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import usc
+from usc.testing import assert_equivalent
+from usc.testing.models import LlamaConfig, TinyLlama
+
+CFG = LlamaConfig(vocab=42, hidden=24, heads=2, kv_heads=1, mlp=36, layers=2, max_seq=16)
+FROZEN = ("embed_tokens.", "layers.0.")
+
+
+def _momentum(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)  # momentum: optimizer state to check
+
+
+def _fine_tuned() -> nn.Module:
+    """Embedding and first layer frozen: under pp=2 the first stage has nothing to train."""
+    torch.manual_seed(0)
+    model = TinyLlama(CFG).double()
+    for name, param in model.named_parameters():
+        param.requires_grad_(not name.startswith(FROZEN))
+    return model
+
+
+def _tokens(n: int = 3, batch: int = 12, seq: int = 9):
+    gen = torch.Generator().manual_seed(5)
+    return [(t, t) for t in (torch.randint(0, CFG.vocab, (batch, seq), generator=gen) for _ in range(n))]
+
+
+PLANS = ["dp=2", "tp=2", "pp=2 mb=2", "dp=2 zero=1", "dp=2 zero=2", "dp=2 zero=3", "dp=2 zero=1 tp=2 pp=2 mb=2"]
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_frozen_parameters_train_as_on_one_device(plan):
+    assert_equivalent(_fine_tuned, plan, _tokens(), optimizer=_momentum, rtol=1e-10, atol=1e-12,
+                      param_atol=1e-10)
+
+
+@pytest.mark.parametrize("plan", ["pp=2 mb=2", "dp=2 zero=2", "dp=2 zero=3", "dp=2 zero=1 tp=2 pp=2 mb=2"])
+def test_frozen_parameters_hold_no_gradient_or_optimizer_state(plan):
+    batch = _tokens(1)[0]
+    sim = usc.simulate(_fine_tuned(), plan, example_inputs=batch, optimizer=_momentum)
+    sim.step(*batch)
+    frozen = {n for n, p in _fine_tuned().named_parameters() if not p.requires_grad}
+    for rank in sim.ranks:
+        held = rank._named_params()  # what this rank trains
+        assert not frozen & set(held), f"frozen parameters trained on rank {rank.mesh.rank}"
+        for bucket in rank.reducer.buckets:
+            assert not frozen & {name for name, _ in bucket.params}
+        optimizer = getattr(rank.optimizer, "inner", rank.optimizer)
+        trained = {id(p) for group in optimizer.param_groups for p in group["params"] if p.numel()}
+        stateful = {id(p) for p in optimizer.state}
+        assert stateful <= trained
+        for spec in rank.program.state:
+            if spec.name in frozen:
+                assert not spec.zero3, f"'{spec.name}' is frozen but ZeRO-3 shards it"
+                tensor = rank.state.get(spec.placeholder)
+                assert tensor is None or not tensor.requires_grad
+
+
+def test_a_stage_with_nothing_to_train_runs_and_its_weights_stay_put():
+    batch = _tokens(1)[0]
+    model = _fine_tuned()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sim = usc.simulate(model, "pp=2 mb=2", example_inputs=batch, optimizer=_momentum)
+    stage0 = sim.ranks[0]
+    assert not any(p.numel() for p in stage0.params), "stage 0 should hold only frozen layers"
+    sim.step(*batch)
+    sim.step(*batch)
+    after = sim.full_state_dict()
+    for name in before:
+        moved = not torch.equal(after[name], before[name])
+        assert moved == (not name.startswith(FROZEN)) or "rope" in name, name
+
+
+class LoRALinear(nn.Module):
+    """y = base(x) + (x A^T) B^T * scale, base frozen, B starting at zero as LoRA does (here small
+    and random so that A gets a gradient in the first step)."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int = 3) -> None:
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Linear(d_in, rank, bias=False)
+        self.lora_b = nn.Linear(rank, d_out, bias=False)
+        nn.init.normal_(self.lora_b.weight, std=0.02)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_b(self.lora_a(x)) * 0.5
+
+
+class LoRABlock(nn.Module):
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up, self.down = LoRALinear(d, hidden), LoRALinear(hidden, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class LoRANet(nn.Module):
+    def __init__(self, vocab: int = 42, d: int = 14, hidden: int = 22, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.embed.requires_grad_(False)
+        self.layers = nn.ModuleList(LoRABlock(d, hidden) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+        self.head.requires_grad_(False)
+
+    def forward(self, tokens, labels):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _lora() -> nn.Module:
+    torch.manual_seed(0)
+    return LoRANet().double()
+
+
+@pytest.mark.parametrize("plan", ["dp=2 zero=1 tp=2 pp=2 mb=2", "dp=2 zero=3 tp=2"])
+def test_lora_fine_tuning_on_a_3d_plan_equals_one_device(plan):
+    result = assert_equivalent(_lora, plan, _tokens(), optimizer=_momentum, rtol=1e-10, atol=1e-12,
+                               param_atol=1e-10)
+    assert result.reference_losses[0] != result.reference_losses[-1]  # the adapters did train
