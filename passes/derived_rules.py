@@ -33,14 +33,14 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.utils._pytree import tree_leaves
 
-from usc.compiler.errors import ShardingError, UnsupportedOpError
+from usc.compiler.errors import ShardingError
 
 from .graph_edit import flat_inputs, shape_of
 from .sharding_rules import SHARDING_RULES, Decision, OpView
 
 R = Replicate()
-HAND, DTENSOR, DIM_LOCAL, DECOMPOSED, REPLICATED, IN_PLACE, NONE = (
-    "hand rule", "DTensor strategy", "dim-local", "decomposition", "replicated", "in-place twin", "none")
+HAND, DTENSOR, DIM_LOCAL, DECOMPOSED, REPLICATED, NONE = (
+    "hand rule", "DTensor strategy", "dim-local", "decomposition", "replicated", "none")
 aten = torch.ops.aten
 
 # Ops that act along one dim only (its argument position here): every other dim is independent, so a
@@ -81,26 +81,12 @@ _LINKS = ((_has_dtensor_strategy, DTENSOR), (DIM_LOCAL_OPS.__contains__, DIM_LOC
 def derived_link(op) -> str:
     """The link of the chain after the hand rules that decides ``op`` (``NONE``: it is refused).
     Random ops get none: DTensor would let each shard draw its own numbers, where usc promises one
-    device's draw (they need a hand rule, like dropout). An in-place op (``add_``, ``scatter_``)
-    follows its functional twin's rule, see ``_in_place_decision``."""
-    if not isinstance(op, torch._ops.OpOverload):
-        return NONE
-    if _functional_twin(op) is not None:
-        return IN_PLACE
-    if not _is_pure(op):
+    device's draw (random_ops rewrites them to draws first). In-place ops get none: the graph arrives
+    functionalized, and one that does not is not safe to place by a rule that ignores aliasing."""
+    if not isinstance(op, torch._ops.OpOverload) or not _is_pure(op):
         return NONE
     return next((link for test, link in _LINKS if test(op)), NONE)
 
-
-@lru_cache(maxsize=None)
-def _functional_twin(op):
-    """aten.add_.Tensor -> aten.add.Tensor (same arguments, returns a new tensor instead)."""
-    name = op._schema.name.split("::")[-1]
-    if op.namespace != "aten" or not name.endswith("_") or name.startswith("_"):
-        return None
-    packet = getattr(torch.ops.aten, name[:-1], None)
-    twin = getattr(packet, op._overloadname, None) if packet is not None else None
-    return twin if twin is not None and _is_pure(twin) else None
 
 
 def rule_link(op) -> str:
@@ -124,8 +110,6 @@ class DerivedRule:
         return _DECIDED[key]
 
     def decide(self, view: OpView) -> Decision:
-        if self.link == IN_PLACE:
-            return _in_place_decision(view)
         decision = _DECIDERS[self.link](view)
         if decision is None or not _holdable(decision, view) or not _local_shapes_agree(view, decision):
             return replicated(view)
@@ -172,31 +156,6 @@ def derived_rule(op) -> DerivedRule | None:
 
 def replicated(view: OpView) -> Decision:
     return Decision((R,) * len(view.placements), R)
-
-
-def _in_place_decision(view: OpView) -> Decision:
-    """The functional twin's decision. The op writes into its first input: when that input must be
-    redistributed first, the write lands in the copy, which is right only if nothing reads the
-    original after this op (export leaves ``x += y`` on a value nobody reads again, as Falcon does)."""
-    from .sharding_rules import rule_for
-
-    twin = _functional_twin(view.node.target)
-    decision = rule_for(twin)(view)
-    if decision.inputs[0] != view.placements[0] and _read_after(view.node):
-        raise UnsupportedOpError(
-            f"{view.node.target} writes into a tensor placed {view.placements[0]} on '{view.axis}' that must be "
-            f"{decision.inputs[0]} for the op, and the tensor is read again after the write",
-            hint=f"write the out-of-place form ({twin}) in the model")
-    return decision
-
-
-def _read_after(node: fx.Node) -> bool:
-    target = node.args[0]
-    later, cursor = set(), node.next
-    while cursor.op != "root":
-        later.add(cursor)
-        cursor = cursor.next
-    return any(u in later for u in target.users)
 
 
 # ---------------------------------------------------------------- link 2: DTensor's strategies
