@@ -90,8 +90,11 @@ def derived_link(op) -> str:
 
 
 def rule_link(op) -> str:
-    """The link that decides ``op``, hand rules included (what the compile report prints)."""
-    return HAND if op in SHARDING_RULES else derived_link(op)
+    """The link that decides ``op``, hand rules (and hand expansions, like the sharded cross-entropy)
+    included: what the op-coverage figure counts."""
+    from .expansions import EXPANSIONS
+
+    return HAND if op in SHARDING_RULES or op in EXPANSIONS else derived_link(op)
 
 
 @dataclass(frozen=True)
