@@ -276,7 +276,7 @@ def _flow(gm: fx.GraphModule, placements: tuple, outer: OpView):
             ins = tuple(placed[x] for x in flat_inputs(node))
             view = OpView(node, ins, tuple(shape_of(x) or () for x in flat_inputs(node)), shape_of(node),
                           outer.axis, outer.size)
-            decision = _inner_decision(rule_for(node.target), view)
+            decision = _inner_decision(rule_for(_out_of_place(node.target)), view)
             if decision is None or tuple(decision.inputs) != ins:
                 return None
             placed[node] = decision.output
@@ -284,6 +284,15 @@ def _flow(gm: fx.GraphModule, placements: tuple, outer: OpView):
             outs = {placed[x] for x in flat_inputs(node)}
             return outs.pop() if len(outs) == 1 else None
     return None
+
+
+def _out_of_place(op):
+    """A decomposition writes in place into its own temporaries (rms_norm's ``add_`` of eps): only the
+    placements flow here (the composite op itself is what runs), so the out-of-place twin's rule applies."""
+    name = getattr(op, "_schema", None) and op._schema.name.split("::")[-1]
+    if not name or not name.endswith("_") or name.startswith("_"):
+        return op
+    return getattr(getattr(torch.ops.aten, name[:-1], None), op._overloadname, op)
 
 
 def _inner_decision(rule, view: OpView) -> Decision | None:
@@ -334,3 +343,10 @@ def _local_shapes_agree(view: OpView, decision: Decision) -> bool:
 
 _DECIDERS = {DTENSOR: _dtensor_decision, DIM_LOCAL: _dim_local_decision, DECOMPOSED: _decomposed_decision,
              REPLICATED: lambda view: None}
+
+
+def derived_source(op, view: OpView) -> Decision | None:
+    """The chain after the hand rules as a rule source for ``usc.testing.verify_rules``:
+    ``python -m usc.testing.verify_rules --source usc.passes.derived_rules:derived_source --ops ...``."""
+    rule = derived_rule(op)
+    return None if rule is None else rule(view)
