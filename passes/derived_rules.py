@@ -6,11 +6,13 @@ Per aten op and mesh axis the chain is (DESIGN.md, "Op coverage is a fallback ch
 2. PyTorch's registered DTensor sharding strategy for the op (``DTensor._op_dispatcher.
    sharding_propagator``: single-dim strategies and op strategies, hundreds of ops), asked on a
    one-axis mesh that has no process group;
-3. for a composite op (``CompositeImplicitAutograd``: rms_norm, flatten, einsum, conv1d/2d ...)
-   its own decomposition, traced once per shape, with placements flowed through it by links 1-2;
-4. replicate on that axis (the propagation pass redistributes first) for any other functional,
+3. for an op that acts along one dim only (``DIM_LOCAL_OPS``: index_add, ...) the shards of the
+   other dims;
+4. for a composite op (``CompositeImplicitAutograd``: rms_norm, einsum, conv1d/2d ...) its own
+   decomposition, traced once per shape, with placements flowed through it by links 1-3;
+5. replicate on that axis (the propagation pass redistributes first) for any other functional,
    deterministic op;
-5. otherwise ``UnsupportedOpError`` (a ``CompileError``) naming op, module, source line and placements.
+6. otherwise ``UnsupportedOpError`` (a ``CompileError``) naming op, module, source line and placements.
 
 Every rule here has the hand rules' shape, ``OpView -> Decision`` (op + input placements on one
 axis -> required input placements + output placement), so the rule verifier checks them the same
@@ -86,7 +88,6 @@ def derived_link(op) -> str:
     if not isinstance(op, torch._ops.OpOverload) or not _is_pure(op):
         return NONE
     return next((link for test, link in _LINKS if test(op)), NONE)
-
 
 
 def rule_link(op) -> str:
