@@ -144,7 +144,7 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
 
 
 def in_flight(plan: PlanPoint) -> float:
-    """Microbatches whose activations stage 0 holds at once (ALGORITHMS.md, Narayanan et al. 2021)."""
+    """Microbatches whose activations stage 0 holds at once (Narayanan et al. 2021)."""
     p, m = plan.pp, plan.mb
     if p == 1:
         return 1.0  # gradient accumulation: one microbatch at a time
@@ -156,7 +156,7 @@ def in_flight(plan: PlanPoint) -> float:
 
 
 def bubble_units(plan: PlanPoint) -> float:
-    """Idle time in units of one microbatch's forward+backward on a stage (ALGORITHMS.md)."""
+    """Idle time in units of one microbatch's forward+backward on a stage (docs/cost_model.md)."""
     p = plan.pp
     if p == 1:
         return 0.0
@@ -330,7 +330,7 @@ def shared_gradient_collectives(profile: ModelProfile, plan: PlanPoint, hw: Hard
 
 def expert_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile
                        ) -> list[CollectiveEstimate]:
-    """Expert parallel (ALGORITHMS.md): per MoE layer, tokens dispatched to their experts' ranks and
+    """Expert parallel (GShard, Lepikhin et al. 2020): per MoE layer, tokens dispatched to their experts' ranks and
     combined back -- two all-to-alls forward, two backward, each of top_k copies of the hidden states."""
     layers = sum(u.moe_layers for u in units)
     if plan.ep == 1 or not layers:

@@ -70,9 +70,43 @@ def is_state_write(node: fx.Node) -> bool:
 
 def functionalize(exported):
     """``exported`` with every write as dataflow; the same object when it writes nothing."""
-    if not any(is_mutating(n) for n in exported.graph_module.graph.nodes):
-        return exported
+    if not any(is_mutating(n) for n in _all_nodes(exported.graph_module)):
+        return exported  # (bodies of torch.no_grad regions included: an EMA buffer is written there)
+    _detach_no_grad_regions(exported.graph_module)
     return exported.run_decompositions({})
+
+
+def _detach_no_grad_regions(gm: fx.GraphModule) -> None:
+    """Functionalization retraces without autograd and inlines ``torch.no_grad()`` regions, whose
+    results would then carry gradients. Inline each region here instead, on detached inputs: that
+    is what no_grad means (its results take no gradient), a write through a detached alias still
+    reaches the buffer it aliases, and the region's nodes keep their own source lines."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.higher_order.wrap_with_set_grad_enabled or node.args[0] is not False:
+            continue
+        body = getattr(gm, node.args[1].target)
+        with graph.inserting_before(node):
+            inputs = [graph.call_function(torch.ops.aten.detach.default, (a,))
+                      if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) else a
+                      for a in node.args[2:]]
+            for new, old in zip(inputs, node.args[2:]):
+                if new is not old:
+                    new.meta.update(old.meta)
+            outputs = graph.graph_copy(body.graph, dict(zip(_placeholders(body), inputs)))
+        for user in list(node.users):  # getitem(region, i)
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+        getter = node.args[1]
+        graph.erase_node(node)
+        if not getter.users:
+            graph.erase_node(getter)
+    graph.lint()
+    gm.recompile()
+
+
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
 def differentiable_copies(gm: fx.GraphModule) -> None:
@@ -149,14 +183,20 @@ def input_write_warnings(gm: fx.GraphModule) -> list[str]:
             for name in gm.meta.get(INPUT_WRITES, ())]
 
 
+def _all_nodes(gm: fx.GraphModule):
+    """Every node of ``gm`` and of the graphs inside it (pipeline stages, no_grad bodies)."""
+    for sub in gm.modules():
+        if isinstance(sub, fx.GraphModule):
+            yield from sub.graph.nodes
+
+
 def verify_functional(gm: fx.GraphModule) -> None:
     """Raise HiddenEffectError at the first mutating op (stages of a pipeline included)."""
     from .trace import module_path, user_source
 
-    for sub in [gm, *(m for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm)]:
-        for node in sub.graph.nodes:
-            if is_mutating(node):
-                raise HiddenEffectError(_describe(node, module_path(node), user_source(node)))
+    for node in _all_nodes(gm):
+        if is_mutating(node):
+            raise HiddenEffectError(_describe(node, module_path(node), user_source(node)))
 
 
 def _describe(node: fx.Node, module: str, source: str) -> str:

@@ -75,6 +75,7 @@ class Report:
     activation_estimate_by_recompute: Callable[[], dict[str, int]] | None = field(default=None, repr=False)
     _activation_by_recompute: dict[str, int] | None = field(default=None, repr=False)
     traffic: dict = field(default_factory=dict)  # (axis, kind) -> payload bytes per step, every rank's summed
+    clipping: list[CollectiveRecord] = field(default_factory=list)  # issued only by step(max_grad_norm=...)
     op_rules: dict = field(default_factory=dict)  # aten op -> link of the rule chain that placed it
 
     @property
@@ -118,6 +119,7 @@ class Report:
             "model": self.model, "plan": self.plan, "mesh": dict(zip(self.mesh.axes, self.mesh.shape)),
             "world_size": self.mesh.world_size,
             "collectives": [asdict(c) | {"bytes_per_step": c.bytes_per_step} for c in self.collectives],
+            "clipping_collectives": [asdict(c) for c in self.clipping],
             "totals_by_axis": self.totals_by_axis(),
             "tensor_parallel": [asdict(c) for c in self.tp_choices],
             "warnings": list(self.warnings),
@@ -368,6 +370,16 @@ def loss_value_records(program: Program) -> list[CollectiveRecord]:
             for axis in program.loss_partial_axes if program.mesh.size(axis) > 1]
 
 
+def clipping_records(program: Program) -> list[CollectiveRecord]:
+    """step(max_grad_norm=...) sums every rank's squared gradient norm (each element counted once,
+    runtime/training.py) with one float64 all-reduce per mesh axis, once per step, on every rank.
+    Not in the step's list: a step without clipping issues none."""
+    return [CollectiveRecord("all-reduce", axis, program.mesh.size(axis), "optimizer", (1,), "float64", 8, 1,
+                             "<grad norm>", "step(max_grad_norm=)", "global gradient norm for clipping: "
+                             "squared sums of the gradient pieces this rank counts", "executor")
+            for axis in program.mesh.axes if program.mesh.size(axis) > 1]
+
+
 def pipeline_loss_records(program: Program) -> list[CollectiveRecord]:
     """With pp, the last stage's loss sum and token count (two float64) reach every pp rank once per step."""
     if program.mesh.size("pp") == 1:
@@ -432,7 +444,9 @@ def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, 
                   kernels=kernel_sources(program.gm, program_parts(program.gm)),
                   traffic=step_traffic(program, bucket_bytes=bucket_bytes, zero_stage=zero_stage,
                                        microbatches=microbatches),
-                  op_rules=op_rules(program.gm))
+                  op_rules=op_rules(program.gm),
+                  clipping=clipping_records(program))
+
 
 
 def op_rules(gm: fx.GraphModule) -> dict[str, str]:

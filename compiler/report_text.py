@@ -54,6 +54,10 @@ def render(report) -> str:
         where = f"{c.module} ({c.source})" if c.source else c.module
         lines.append(f"  {i:>3}  {c.kind:<14} {c.axis:<4} {c.group_size:>3}  {c.direction[:3].replace('for', 'fwd').replace('bac', 'bwd'):<3}  {shape:<16} "
                      f"{c.dtype:<8} {human_bytes(c.bytes_per_call):>10} {human_bytes(c.bytes_per_step):>10}  {where}")
+    if report.clipping:
+        axes = ", ".join(c.axis for c in report.clipping)
+        lines.append(f"  with step(max_grad_norm=...): +{len(report.clipping)} all-reduce float64[1] (the squared "
+                     f"gradient norm) over {axes}")
     lines.append("")
     lines.append("totals per axis:")
     for axis, t in report.totals_by_axis().items():

@@ -26,6 +26,7 @@ from torch.export.graph_signature import InputKind
 
 from .errors import TraceError
 from .functional import distinct_inputs, explicit_writes, functionalize, user_output_specs
+from .inline_regions import inline_regions
 from .moe import MoEBlock, patched
 
 TORCH_DIR = os.path.dirname(torch.__file__)
@@ -54,6 +55,9 @@ class Traced:
     constants: dict = field(default_factory=dict)  # lifted tensor constants by name
     # (two-layer trace, three-layer trace, layers) when repeated layers were stamped (compiler/stamp.py)
     stamped: tuple = field(default=(), compare=False, repr=False)
+    # the same model traced on two samples, when a microbatch holds one: the batch-coupling analysis
+    # shards the batch dim, which a dim of size 1 cannot show (passes/batch_coupling.py)
+    batch_probe: object = field(default=None, compare=False, repr=False)
 
     def placeholder(self, name: str) -> fx.Node:
         return next(n for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == name)
@@ -223,14 +227,22 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
     error = None
     with _quiet_torch_logs(), _held_output() as held, patched(model, list(moe_blocks)):
         try:
-            exported = functionalize(torch.export.export(model, example_inputs, strict=False))
+            # regions first: functionalizing retraces the program, which would drop a no_grad region's meaning
+            exported = functionalize(inline_regions(torch.export.export(model, example_inputs, strict=False)))
         except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
-            error = _trace_error(exc, model)  # formatting torch's error can print too: keep it held
+            # usc's own errors raised while tracing (no loss in the output, say) already say what to fix
+            error = exc if isinstance(exc, TraceError) else _trace_error(exc, model)  # formatting can print: held
     if error is not None:
         raise error from error.__cause__
     held.replay()
     user = [s.arg.name for s in exported.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     outputs = user_output_specs(exported)
+    written = [o.target for o in outputs if "PARAMETER_MUTATION" in str(o.kind)]
+    if written:  # nn.Embedding(max_norm=...) renormalises its rows in place, for one
+        raise TraceError(f"{type(model).__name__}.forward writes the parameter(s) {', '.join(written)} in place "
+                         "(e.g. nn.Embedding(max_norm=...) renormalising its rows); usc does not replay in-place "
+                         "writes to parameters: drop max_norm, or update the weight under torch.no_grad() "
+                         "between steps")
     if len(outputs) != 1 or str(outputs[0].kind) not in ("OutputKind.USER_OUTPUT", "USER_OUTPUT"):
         kinds = ", ".join(str(o.kind) for o in outputs)
         raise TraceError(f"{type(model).__name__}.forward must return one scalar loss (got outputs: {kinds}); "

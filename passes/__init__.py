@@ -20,6 +20,7 @@ from . import functional_rules  # noqa: F401 - registers the rules of functional
 from .fusion import fusion_pass
 from .expert_parallel import expert_layouts
 from .batch_coupling import batch_coupling_pass
+from .compute_dtype import compute_dtype_pass
 from .grad_sync import grad_sync_pass
 from .layouts import batch_layouts, merge_layouts, tp_layouts
 from .localize import localize_pass
@@ -29,10 +30,12 @@ from .plan_checks import check_supported
 from .propagate import propagate_pass
 from .random_ops import random_ops_pass
 from .recompute import recompute_pass
+from .state_writes import state_writes_pass
 from .zero3 import zero3_pass
 
 def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
-                   constants: frozenset[str] = frozenset(), user_inputs: tuple[str, ...] = ()) -> list[PassSpec]:
+                   constants: frozenset[str] = frozenset(), user_inputs: tuple[str, ...] = (),
+                   batch_probe: fx.GraphModule | None = None) -> list[PassSpec]:
     """The ordered pass list. Order matters:
     random_ops and batch_coupling read the traced graph (no layouts yet): random draws first, so the
     microbatch analysis sees them as draws and can give each its batch dim;
@@ -42,8 +45,11 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
     zero3 edit the finished per-rank program; pipeline_split cuts it last."""
     return [
         PassSpec("random_ops", random_ops_pass, annotated=False),
-        PassSpec("batch_coupling", batch_coupling_pass, {"user_inputs": tuple(user_inputs),
-                                                         "params": frozenset(params)}, annotated=False),
+        # before batch_coupling: a buffer written from the batch is named as such
+        PassSpec("state_writes", state_writes_pass, {"user_inputs": tuple(user_inputs)}, annotated=False),
+        PassSpec("batch_coupling", batch_coupling_pass, {"user_inputs": tuple(user_inputs), "params": frozenset(params),
+                                                         "probe": batch_probe}, annotated=False),
+        PassSpec("compute_dtype", compute_dtype_pass, annotated=False),
         PassSpec("propagate", propagate_pass, {"input_layouts": input_layouts, "grad_inputs": grad_inputs}),
         PassSpec("grad_sync", grad_sync_pass, {"params": params}),
         PassSpec("localize", localize_pass),
@@ -85,7 +91,8 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
         ctx = CompileContext(mesh, plan)
         constants = frozenset(s.placeholder for s in traced.state if not s.trainable)
         passes = build_pipeline(input_layouts=layouts, grad_inputs=params, params=params, constants=constants,
-                                user_inputs=tuple(traced.user_inputs))
+                                user_inputs=tuple(traced.user_inputs),
+                                batch_probe=traced.batch_probe.gm if traced.batch_probe is not None else None)
         try:
             gm = run_pipeline(copy_graph_module(traced.gm), ctx, passes, verify=verify)
             break

@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from usc.compiler.errors import ShardingError
+from usc.compiler.errors import CompileError
 from usc.compiler.ir import META, Layout, MeshSpec
 from usc.compiler.pass_runner import CompileContext
 from usc.compiler.trace import module_path, user_source
@@ -45,7 +45,7 @@ from usc.runtime.collectives import AllGather, AllReduce, AllToAll, LocalShard, 
 
 from .graph_edit import shape_of, val
 from .propagate import propagate_pass
-from .random_ops import DRAW
+from .random_ops import DRAW, random_ops_pass
 
 aten = torch.ops.aten
 VIRTUAL = "dp"
@@ -56,18 +56,25 @@ OPTIONS = ("options: mb=1 (no microbatching); batch_coupling=per_microbatch (eac
 
 
 def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...] = (),
-                        params: frozenset[str] = frozenset()) -> fx.GraphModule:
-    """Make the microbatch losses combine exactly, or refuse (see the module docstring)."""
+                        params: frozenset[str] = frozenset(), probe: fx.GraphModule | None = None) -> fx.GraphModule:
+    """Make the microbatch losses combine exactly, or refuse (see the module docstring).
+    ``probe``: the model traced on two samples, analysed in place of a graph whose microbatch holds
+    one (its nodes carry the same names)."""
     microbatches = int(ctx.plan.get("mb"))
     if microbatches == 1:
         return gm
-    virtual = _virtual_propagation(gm, ctx, user_inputs, params)
+    per_microbatch = ctx.plan.get("batch_coupling") == "per_microbatch"
+    draws = any(n.target is DRAW for n in gm.graph.nodes)
+    if per_microbatch and not draws:
+        gm.meta["usc_loss_combine"] = "per_microbatch"
+        return gm
+    virtual = _virtual_propagation(gm if probe is None else _with_draws(probe, ctx), ctx, user_inputs, params)
     _set_draw_batch_dims(gm, virtual, microbatches)
-    if ctx.plan.get("batch_coupling") == "per_microbatch":
+    if per_microbatch:
         gm.meta["usc_loss_combine"] = "per_microbatch"
         gm.recompile()
         return gm
-    coupling = _first_coupling(virtual)
+    coupling = _first_coupling(virtual, user_inputs)
     if coupling is not None:
         raise ctx.plan.error_at("mb", f"mb={microbatches} runs the batch in microbatches, but {coupling}",
                                 hint=OPTIONS)
@@ -83,21 +90,47 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
 
 # ------------------------------------------------------------------ the proof over a virtual dp axis
 
+def _with_draws(probe: fx.GraphModule, ctx) -> fx.GraphModule:
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(probe.graph, {}))
+    return random_ops_pass(fx.GraphModule(probe, graph), ctx)
+
+
 def _virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.GraphModule:
     """A copy of the graph propagated with the batch's dim 0 sharded over a 2-way dp axis."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     copy = fx.GraphModule(gm, graph)
+    _functional_twins(copy)
     mesh = MeshSpec((VIRTUAL,), (_virtual_size(_batch_size(gm, user_inputs)),))
     layouts = {name: Layout((Shard(0),)) for name in user_inputs if _rank(gm, name) > 0}
     plan = ctx.plan.with_options(mb=1, sp=None, cp_mode=None)
     try:
         return propagate_pass(copy, CompileContext(mesh, plan), input_layouts=layouts, grad_inputs=set(params))
-    except ShardingError as err:
-        hint = err.hint or ""
+    except CompileError as err:  # a rule refused the op, or no rule places it
+        hint = getattr(err, "hint", "") or ""
         raise ctx.plan.error_at("mb", f"mb={ctx.plan.get('mb')} runs the batch in microbatches, and usc cannot show "
                                       f"that the program treats samples independently: {err}",
                                 hint=f"{OPTIONS}{'; ' + hint if hint else ''}") from None
+
+
+def _functional_twins(gm: fx.GraphModule) -> None:
+    """In-place ops (``div_`` in a router) read as their out-of-place twins: what they couple is the
+    same, and the sharding rules are written for the twins."""
+    for node in gm.graph.nodes:
+        twin = _twin(node.target)
+        if twin is not None:
+            node.target = twin
+
+
+def _twin(target):
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    name = target._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
 
 
 def _virtual_size(batch: int) -> int:
@@ -117,16 +150,33 @@ def _batch_size(gm: fx.GraphModule, user_inputs) -> int:
     return next((s[0] for s in shapes if s), 1)
 
 
-def _first_coupling(virtual: fx.GraphModule) -> str | None:
+def _first_coupling(virtual: fx.GraphModule, user_inputs) -> str | None:
     """A collective on the virtual axis other than a token count's sum (the runtime weights by it)."""
-    counts = _token_counts(virtual)
+    counts, dependent = _token_counts(virtual), _batch_dependent(virtual, user_inputs)
     for node in virtual.graph.nodes:
         if node.op != "call_module" or node in counts:
             continue
         module = virtual.get_submodule(node.target)
-        if isinstance(module, COUPLING_COLLECTIVES) and module.axis == VIRTUAL:
+        if isinstance(module, COUPLING_COLLECTIVES) and module.axis == VIRTUAL and not _sums_the_loss(node, module, dependent):
             return _describe_coupling(node, module)
     return None
+
+
+def _sums_the_loss(node: fx.Node, module, dependent: set[fx.Node]) -> bool:
+    """A scalar's sum over the batch that reaches the loss only through its linear combination
+    (a batch-independent term added to a partial loss forces it): the microbatch weights sum it."""
+    if not (isinstance(module, AllReduce) and module.op == "sum" and shape_of(node) == ()):
+        return False
+    todo, seen = [node], set()
+    while todo:
+        for user in todo.pop().users:
+            if user in seen or user.op == "output":
+                continue
+            if user.target not in LINEAR or shape_of(user) != () or LINEAR[user.target](user, dependent) is None:
+                return False
+            seen.add(user)
+            todo.append(user)
+    return True
 
 
 def _token_counts(virtual: fx.GraphModule) -> set[fx.Node]:
@@ -290,6 +340,9 @@ REDUCTIONS = {
 }
 
 
+TOKEN_LOSSES = {aten.cross_entropy_loss.default}
+
+
 def _kind(term: Term, layouts: dict[str, Layout]) -> str:
     """How a term combines over microbatches: 'constant', 'sum', 'mean', 'token_mean' or 'other'."""
     if not term.batch_dependent:
@@ -298,7 +351,13 @@ def _kind(term: Term, layouts: dict[str, Layout]) -> str:
     reduction = reduce(term.root) if reduce is not None else None
     source = _laid_out_source(term.root, layouts)
     placement = layouts[source.name].placements[0] if source is not None else None
-    if reduction is None or placement is None:
+    if reduction is None:
+        return "other"
+    if term.root.target in TOKEN_LOSSES:
+        # its expansion looks through the flatten and shift before it (their gathers die); a gather
+        # that stays is a coupling, refused before the terms are read
+        return reduction
+    if placement is None:
         return "other"
     if isinstance(placement, Partial) and placement.reduce_op == "sum" and reduction != "token_mean":
         return "sum"  # a reduction of a batch sum is itself a sum over microbatches

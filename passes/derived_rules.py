@@ -1,6 +1,6 @@
 """Sharding rules for the ops usc has no hand rule for: the fallback chain after the hand rules.
 
-Per aten op and mesh axis the chain is (DESIGN.md, "Op coverage is a fallback chain"):
+Per aten op and mesh axis the chain is:
 
 1. our hand rule (``sharding_rules.SHARDING_RULES``: partial-sum algebra, vocabulary parallel, losses);
 2. PyTorch's registered DTensor sharding strategy for the op (``DTensor._op_dispatcher.
@@ -35,7 +35,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.utils._pytree import tree_leaves
 
-from usc.compiler.errors import ShardingError
+from usc.compiler.errors import CompileError, ShardingError
 
 from .graph_edit import flat_inputs, shape_of
 from .sharding_rules import SHARDING_RULES, Decision, OpView
@@ -114,10 +114,14 @@ class DerivedRule:
         return _DECIDED[key]
 
     def decide(self, view: OpView) -> Decision:
-        decision = _DECIDERS[self.link](view)
-        if decision is None or not _holdable(decision, view) or not _local_shapes_agree(view, decision):
-            return replicated(view)
-        return decision
+        try:
+            decision = _DECIDERS[self.link](view)
+            agreed = decision is not None and _holdable(decision, view) and _local_shapes_agree(view, decision)
+        except CompileError:
+            raise
+        except Exception:  # noqa: BLE001 - a strategy or meta run that cannot decide (data-dependent sizes)
+            agreed = False
+        return decision if agreed else replicated(view)
 
 
 # a model repeats its layers: one decision per op, shapes, arguments and placements
@@ -311,7 +315,8 @@ def _holdable(decision: Decision, view: OpView) -> bool:
     """Placements usc's layouts and collectives hold: whole, a plain shard, or a partial sum/max
     (a partial input only where it came in partial)."""
     def ok(p) -> bool:
-        return type(p) in (Replicate, Shard) or (isinstance(p, Partial) and p.reduce_op in ("sum", "max"))
+        # exactly Partial: DTensor's _NormPartial says "sum" but reduces as a p-norm
+        return type(p) in (Replicate, Shard) or (type(p) is Partial and p.reduce_op in ("sum", "max"))
 
     inputs_ok = all(ok(p) and (not isinstance(p, Partial) or p == have)
                     for p, have in zip(decision.inputs, view.placements))

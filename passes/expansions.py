@@ -95,6 +95,7 @@ def vocab_parallel_embedding(ctx: ExpansionContext, node: fx.Node):
     """Megatron vocab-parallel embedding: rows outside this rank's slice give zeros; the outputs
     are partial sums that the propagation pass all-reduces where a consumer needs them whole."""
     weight, ids = node.args[0], node.args[1]
+    _check_embedding_options(ctx, node)
     axes = _sharded_axes(weight, 0)
     if not axes:
         return None
@@ -104,6 +105,49 @@ def vocab_parallel_embedding(ctx: ExpansionContext, node: fx.Node):
     b = _Builder(ctx, node)
     out = b.module(VocabParallelEmbedding(ctx.mesh.axes[axes[0]], padding_idx), weight, ids, stem="vocab_embedding")
     return b.finish(out)
+
+
+def _embedding_options(node: fx.Node) -> dict:
+    names = ["weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse"]
+    values = dict(zip(names, [None, None, -1, False, False]))
+    values.update(zip(names, node.args))
+    values.update(node.kwargs)
+    return values
+
+
+def _check_embedding_options(ctx: ExpansionContext, node: fx.Node) -> None:
+    """padding_idx is exact on every layout (the local lookup keeps the padding row's gradient at
+    zero, and the vocab-parallel one passes it on). scale_grad_by_freq divides each row's gradient
+    by its id's count in the batch: exact only where every rank sees the whole batch at once.
+    sparse gradients are not what the gradient reducer, ZeRO or the optimizer shards take."""
+    options = _embedding_options(node)
+    where = module_path(node) or "<root>"
+    split = [ctx.mesh.axes[i] for i in _sharded_axes(options["indices"])] + \
+        [ctx.mesh.axes[i] for i in _sharded_axes(options["weight"], 0)]
+    if options["scale_grad_by_freq"] and (split or ctx.microbatches > 1):
+        by = ", ".join(f"{a}={ctx.mesh.size(a)}" for a in split) or f"mb={ctx.microbatches}"
+        raise CompileError(f"embedding '{where}': scale_grad_by_freq counts each id over the whole batch, but "
+                           f"under {by} each rank sees only part of the ids (or of the vocabulary); drop "
+                           "scale_grad_by_freq, or keep the batch and the table whole (dp=1 cp=1 mb=1, no vocab split)")
+    if options["sparse"] and any(size > 1 for size in ctx.mesh.shape):
+        raise CompileError(f"embedding '{where}': sparse=True gives a sparse gradient, which usc's gradient "
+                           f"reduction and sharded optimizers do not take; use sparse=False (the default)")
+
+
+UNSUPPORTED = {
+    aten.embedding_renorm_.default: (
+        "max_norm renormalises the embedding rows in place during forward, which a compiled step does not "
+        "replay", "drop max_norm, or renormalise the weight yourself under torch.no_grad() between steps"),
+}
+
+
+def refuse_unsupported(gm: fx.GraphModule) -> None:
+    """Ops usc cannot run as written, refused by name before they are silently dropped (an in-place
+    op whose result nobody reads is dead code to the graph)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in UNSUPPORTED:
+            why, fix = UNSUPPORTED[node.target]
+            raise CompileError(f"{node.target} in module '{module_path(node) or '<root>'}': {why}; {fix}")
 
 
 @register(aten.gather.default)
@@ -195,7 +239,7 @@ def _shifted_labels(b, labels: fx.Node, ignore_index: int) -> fx.Node:
 
 @register(aten.cross_entropy_loss.default)
 def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
-    """Cross-entropy written so every piece shards (ALGORITHMS.md, 'Losses' and 'Tensor parallel'):
+    """Cross-entropy written so every piece shards (Megatron-LM's vocab-parallel cross-entropy, Shoeybi et al. 2019):
 
     with logits sharded on the vocab: global max by all-reduce(max), sum of exp by all-reduce(sum),
     the target logit from its owner by all-reduce(sum) — the full logits are never gathered.

@@ -6,7 +6,7 @@ Requires: the graph returns one scalar loss; a mean cross-entropy was expanded i
     (``gm.meta["usc_loss_combine"]``): "token_mean" when its one token mean is added to terms that do
     not depend on the batch (weighting by counts keeps those whole, as the weights add up to 1).
 Establishes: such a graph returns ``(loss, count)``; the runtime weights microbatch m by count_m / N
-    (ALGORITHMS.md, "Losses and averaging"). Any other graph, and any graph whose loss is defined
+    (runtime/pipeline.py), so the step is the global token mean. Any other graph, and any graph whose loss is defined
     per microbatch (batch_coupling=per_microbatch: equal weights), is returned unchanged.
 """
 

@@ -358,10 +358,20 @@ def _one_chunk(generator: Callable[[int, int], Schedule]) -> Callable[[int, int,
     return build
 
 
+# Names the plan language accepts that have no generator yet -> what to write instead. Callers that
+# hold a plan refuse them with a PlanError at the `schedule=` value (refuse_unimplemented).
+NOT_IMPLEMENTED = {"dualpipe": "use schedule=zb for a low-bubble schedule"}
+
+
 def _not_implemented(pp: int, v: int, mb: int) -> Schedule:
-    raise NotImplementedError(
-        "schedule=dualpipe is not implemented yet (stretch goal of issue 4); use zb for a low-bubble schedule"
-    )
+    raise NotImplementedError(f"schedule=dualpipe is not implemented; {NOT_IMPLEMENTED['dualpipe']}")
+
+
+def refuse_unimplemented(plan) -> None:
+    """A PlanError pointing at ``schedule=NAME`` when NAME has no generator (see NOT_IMPLEMENTED)."""
+    name = plan.get("schedule")
+    if name in NOT_IMPLEMENTED:
+        raise plan.error_at("schedule", f"schedule={name} is not implemented", hint=NOT_IMPLEMENTED[name])
 
 
 # Plan name -> generator (pp, v, mb). Names are the plan language's `schedule=` values.

@@ -24,7 +24,7 @@ from usc.compiler.trace import module_path, user_source
 from usc.runtime.collectives import AllGather, AllReduce, AllToAll, LocalShard, ReduceScatter
 from usc.runtime.vocab import ShardedGather, VocabParallelEmbedding
 
-from .expansions import EXPANSIONS, ExpansionContext
+from .expansions import EXPANSIONS, ExpansionContext, refuse_unsupported
 from .graph_edit import GraphEditor, flat_inputs, is_float, shape_of
 from .sharding_rules import Decision, OpView, is_shard, rule_for
 
@@ -58,6 +58,7 @@ def propagate_pass(gm: fx.GraphModule, ctx, *, input_layouts: dict[str, Layout],
     state = Propagation(gm, ctx.mesh, input_layouts, grad_inputs, sequence_parallel=bool(ctx.plan.get("sp")),
                         cp_mode=ctx.plan.get("cp_mode"), microbatches=int(ctx.plan.get("mb")),
                         capacity_factor=ctx.plan.get("capacity_factor"))
+    refuse_unsupported(gm)
     for node in list(gm.graph.nodes):
         if node.graph is gm.graph and (node.users or node.op in ("output", "placeholder") or is_state_write(node)):
             place(state, node)

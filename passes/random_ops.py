@@ -95,6 +95,24 @@ def _dropout(r: _Rewriter) -> fx.Node | None:
     return r.call(aten.mul.Tensor, x, r.draw(shape, dtype, "keep", p, like=x))
 
 
+def _native_dropout(r: _Rewriter) -> None:
+    """native_dropout(x, p, train) -> (x * keep, keep != 0), read through its getitem users (the
+    functionalized graph's form of nn.Dropout)."""
+    x, p, train = (list(r.node.args) + [None, 0.5, True][len(r.node.args):])[:3]
+    shape, dtype = _shape_dtype(x)
+    on = bool(p) and train is not False
+    keep = r.draw(shape, dtype, "keep", p, like=x) if on else None
+    for user in list(r.node.users):
+        index = user.args[1]
+        if index == 0:
+            value = r.call(aten.mul.Tensor, x, keep) if on else x
+        else:
+            value = r.call(aten.ne.Scalar, keep, 0) if on else r.call(aten.ones_like.default, x, dtype=torch.bool)
+        user.replace_all_uses_with(value)
+        r.gm.graph.erase_node(user)
+    return None
+
+
 def _bernoulli(r: _Rewriter) -> fx.Node:
     x = r.node.args[0]
     shape, dtype = _shape_dtype(x)
@@ -138,8 +156,21 @@ def _normal(r: _Rewriter) -> fx.Node:
     return r.draw(shape, dtype, "normal", r.node.kwargs.get("mean", mean), r.node.kwargs.get("std", std), like=x)
 
 
+def _bernoulli_p_like(r: _Rewriter) -> fx.Node:
+    """bernoulli_(x, p): x's shape and dtype, drawn with probability p."""
+    x = r.node.args[0]
+    p = r.node.kwargs.get("p", r.node.args[1] if len(r.node.args) > 1 else 0.5)
+    shape, dtype = _shape_dtype(x)
+    return r.draw(shape, dtype, "bernoulli", p, like=x)
+
+
+# In-place draws into a tensor (``empty_like(x).uniform_(a, b)``): its later readers read the draw.
+IN_PLACE = {aten.uniform_.default: _uniform, aten.normal_.default: _normal, aten.bernoulli_.float: _bernoulli_p_like}
+
 RANDOM_RULES: dict[object, Callable[[_Rewriter], fx.Node | None]] = {
+    **IN_PLACE,
     aten.dropout.default: _dropout,
+    aten.native_dropout.default: _native_dropout,
     aten.bernoulli.default: _bernoulli,
     aten.bernoulli.p: _bernoulli_p,
     aten.rand.default: _fresh("uniform"),
@@ -181,15 +212,31 @@ def random_ops_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         rule = RANDOM_RULES.get(node.target)
         if rule is None:
             raise _no_counter_form(node)
-        node.replace_all_uses_with(rule(_Rewriter(gm, node, op)))
+        new = rule(_Rewriter(gm, node, op))
+        if node.target in IN_PLACE:
+            _read_after(gm, node, node.args[0], new)
+        if new is not None:  # None: the rule rewired the op's users itself
+            node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
+def _read_after(gm: fx.GraphModule, node: fx.Node, written: fx.Node, value: fx.Node) -> None:
+    """Readers of the tensor an in-place draw wrote, after the write, read the draw."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    written.replace_all_uses_with(value, delete_user_cb=lambda user: order.get(user, -1) > order[node])
+
+
 def _no_counter_form(node: fx.Node) -> CompileError:
     where, src = module_path(node) or "<root>", user_source(node)
+    if node.target is aten.scaled_dot_product_attention.default:
+        return CompileError(
+            f"scaled_dot_product_attention in module '{where}'{f' ({src})' if src else ''} applies dropout "
+            f"(dropout_p={_dropout_p(node)}) inside the fused kernel, drawing from torch's generator: its "
+            "masks would differ between ranks and from one device\n  fix: set the attention dropout to 0, or use "
+            "the model's eager attention (Hugging Face: attn_implementation='eager'), whose dropout usc draws")
     supported = ", ".join(sorted(str(t).replace("aten.", "") for t in RANDOM_RULES))
     return CompileError(
         f"{node.target} in module '{where}'{f' ({src})' if src else ''} draws random numbers from torch's "

@@ -367,13 +367,12 @@ def squeeze_rule(view: OpView) -> Decision:
     if not is_shard(p):
         return keep(view, p)
     src, out = view.shapes[0], view.out_shape
-    if view.arg(1) is None and src[p.dim] == view.pieces:
-        return Decision((R,), R)  # the local piece has size 1 there: a bare squeeze would drop it
-    removed = [d for d in range(len(src)) if src[d] == 1] if len(out) < len(src) else []
     dims = view.arg(1)
-    if dims is not None:
-        dims = [dims] if isinstance(dims, int) else list(dims)
-        removed = [norm_dim(d, len(src)) for d in dims if src[norm_dim(d, len(src))] == 1]
+    dims = list(range(len(src))) if dims is None else [dims] if isinstance(dims, int) else list(dims)
+    dims = [norm_dim(d, len(src)) for d in dims]
+    if p.dim in dims and src[p.dim] == view.pieces:
+        return Decision((R,), R)  # the local piece has size 1 there: squeezing it locally would drop it
+    removed = [d for d in dims if src[d] == 1]
     return Decision((p,), Shard(p.dim - sum(1 for r in removed if r < p.dim)))
 
 
@@ -535,17 +534,20 @@ def sdpa_rule(view: OpView) -> Decision:
     """q, k, v are [B, H, S, D]: batch or heads may be sharded (the same on all three); an optional
     attention mask follows by broadcasting. Sequence sharding is context parallelism (not here)."""
     q, k, v = view.placements[:3]
-    if any(is_shard(p, 3) for p in (q, k, v)):
+    rank = len(view.shapes[0])  # [..., S, D]: every dim before the sequence is a batch dim
+    if len({len(s) for s in view.shapes[:3]}) > 1:  # q, k, v broadcast against each other
+        return all_replicated(view)
+    if any(is_shard(p, rank - 1) for p in (q, k, v)):
         err = ShardingError(f"attention inputs are split on the head dimension: {view.axis}={view.size} does "
                             "not divide the number of (key/value) heads",
                             hint=f"use a {view.axis} size that divides the heads and the key/value heads")
-        err.bad_args = tuple(i for i, p in enumerate((q, k, v)) if is_shard(p, 3))
+        err.bad_args = tuple(i for i, p in enumerate((q, k, v)) if is_shard(p, rank - 1))
         raise err
-    dim = next((p.dim for p in (q, k, v) if is_shard(p) and p.dim in (0, 1)), None)
+    dim = next((p.dim for p in (q, k, v) if is_shard(p) and p.dim < rank - 2), None)
     qkv = (Shard(dim),) * 3 if dim is not None else (R, R, R)
     mask = []
     for shape in view.shapes[3:]:
-        d = None if dim is None else dim - (4 - len(shape))
+        d = None if dim is None else dim - (rank - len(shape))
         mask.append(Shard(d) if d is not None and d >= 0 and shape[d] == view.out_shape[dim] else R)
     return Decision(qkv + tuple(mask), Shard(dim) if dim is not None else R)
 
@@ -571,6 +573,8 @@ def embedding_rule(view: OpView) -> Decision:
     if is_shard(pw, 0):
         raise ShardingError("vocab-parallel embedding must be expanded first")
     ids = R if isinstance(pi, Partial) else pi
+    if view.arg(3) and is_shard(ids):  # scale_grad_by_freq counts ids over the whole batch
+        ids = R
     return Decision((R, ids), ids)
 
 
@@ -596,6 +600,34 @@ def index_decision(px: Placement, pi: Placement, dim: int, x_shape, index_shape)
     if d is not None and d < min(len(x_shape), len(index_shape)) and x_shape[d] == index_shape[d]:
         return Decision((Shard(d), Shard(d)), Shard(d))
     return Decision((R, R), R)
+
+
+@register(aten.take_along_dim.default)
+def take_along_dim_rule(view: OpView) -> Decision:
+    """gather with broadcasting; without a dim both operands are flattened (kept whole)."""
+    dim = view.arg(2)
+    if dim is None or len(view.shapes[0]) != len(view.shapes[1]):
+        return all_replicated(view)
+    px, pi = view.placements[:2]
+    dim = norm_dim(dim, len(view.shapes[0]))
+    if is_shard(px, dim) or isinstance(pi, Partial):
+        return all_replicated(view)
+    return index_decision(px, pi, dim, view.shapes[0], view.shapes[1])
+
+
+@register(aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.scatter.reduce,
+          aten.scatter.value_reduce, aten.scatter_reduce.two)
+def scatter_rule(view: OpView) -> Decision:
+    """out = x with src written at index along ``dim``: split along another dim, all of x, index
+    and src split alike (same size there) keep the split; ids split along ``dim`` write rows of a
+    whole x that another rank writes too, so everything is kept whole."""
+    dim = norm_dim(view.arg(1), len(view.shapes[0]))
+    d = next((p.dim for p in view.placements if is_shard(p) and p.dim != dim), None)
+    rank = len(view.shapes[0])
+    same = d is not None and all(len(s) == rank and s[d] == view.shapes[0][d] for s in view.shapes)
+    if same and not any(isinstance(p, Partial) for p in view.placements):
+        return Decision((Shard(d),) * len(view.placements), Shard(d))
+    return all_replicated(view)
 
 
 @register(aten.index_select.default)

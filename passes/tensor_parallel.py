@@ -39,6 +39,9 @@ CARRIERS = {
     aten.type_as.default,
     # GPT-2's tanh-approximated GELU, written out
     aten.pow.Tensor_Scalar, aten.mul.Scalar, aten.add.Scalar, aten.div.Scalar,
+    # writes through views, functionalized (compiler/functional.py); propagation gathers where one
+    # writes along the split features
+    aten.select_scatter.default, aten.slice_scatter.default, aten.fill.Scalar, aten.fill.Tensor,
 }
 
 # Nodes that only check a value (export's dtype/shape assertions) are not uses of it.

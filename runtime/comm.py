@@ -98,6 +98,15 @@ class Work:
         return self._done or (self._poll_fn is not None and self._poll_fn())
 
 
+def _all_of(works: Sequence[Work]) -> Work:
+    """One Work that waits for all of `works`."""
+    def wait() -> None:
+        for work in works:
+            work.wait()
+
+    return Work(wait, lambda: all(work.is_completed() for work in works))
+
+
 def _normalize_dim(t: torch.Tensor, dim: int, kind: str) -> int:
     if t.dim() == 0 or not -t.dim() <= dim < t.dim():
         raise ValueError(f"{kind}: dim {dim} is out of range for a tensor of shape {tuple(t.shape)}")
@@ -212,15 +221,43 @@ class Comm(ABC):
         return self._run("send/recv", t, async_op, lambda: self._send_recv(t, to_peer, from_peer))
 
     def _send_recv(self, t: torch.Tensor, to_peer: int, from_peer: int) -> tuple[torch.Tensor, Work]:
-        """Both halves posted before either is waited for, so a ring of them cannot deadlock."""
-        _, sent = self._send(t, to_peer, 0)
-        buf, received = self._recv_later(t, from_peer)
+        """Both halves posted as one batch before either is waited for, so a ring of them cannot
+        deadlock (on NCCL: one group call)."""
+        (buf,), received, sent = self._batch_p2p([(t, to_peer)], [(t, from_peer)])
 
         def wait() -> None:
             sent.wait()
             received.wait()
 
         return buf, Work(wait)
+
+    def batch_p2p(self, sends: Sequence[tuple[torch.Tensor, int]],
+                  recvs: Sequence[tuple[torch.Tensor, int]]) -> tuple[list[torch.Tensor], Work]:
+        """Post sends (tensor, peer) and receives (like, peer) as one batch, then wait for the
+        receives; returns (received tensors, Work of the sends: keep their tensors alive and wait
+        before the step ends).
+
+        No tags: messages between one pair of ranks match in post order, and both peers post in
+        an order they derive from the same schedule. One batch is one NCCL group call, so a
+        rank's sends never block its own receives (unbatched NCCL send/recv would)."""
+        for _, peer in [*sends, *recvs]:
+            self._check_peer(peer)
+        nbytes = sum(_nbytes(t) for t, _ in sends) + sum(_nbytes(t) for t, _ in recvs)
+        out = self._run("send/recv", None, False, lambda: self._batch_wait_receives(list(sends), list(recvs)),
+                        nbytes=nbytes)
+        received, sent = out
+        return received, self._traced("send/recv", sent, None)
+
+    def _batch_wait_receives(self, sends: list, recvs: list) -> tuple[tuple[list, Work], Work]:
+        received, recv_work, send_work = self._batch_p2p(sends, recvs)
+        return (received, send_work), recv_work
+
+    def _batch_p2p(self, sends: list, recvs: list) -> tuple[list[torch.Tensor], Work, Work]:
+        """(received buffers, Work of the receives, Work of the sends); backends that have a
+        batched call override this (ProcessGroupComm: batch_isend_irecv)."""
+        sent = [self._send(t, peer, 0)[1] for t, peer in sends]
+        later = [self._recv_later(like, peer) for like, peer in recvs]
+        return [buf for buf, _ in later], _all_of([w for _, w in later]), _all_of(sent)
 
     def _recv_later(self, like: torch.Tensor, peer: int) -> tuple[torch.Tensor, Work]:
         return self._recv(like, peer, 0)
@@ -274,9 +311,10 @@ class Comm(ABC):
     def context(self, kind: str) -> CollectiveContext:
         return CollectiveContext(self.global_rank, kind, self.axis, self.group_ranks, self.timeout)
 
-    def _run(self, kind: str, t: torch.Tensor | None, async_op: bool, launch: Callable) -> Any:
+    def _run(self, kind: str, t: torch.Tensor | None, async_op: bool, launch: Callable, *,
+             nbytes: int | None = None) -> Any:
         """Count, trace, launch and (unless async) wait; transfer failures become CollectiveErrors."""
-        self.stats.record(kind, _nbytes(t) if self.size > 1 else 0)
+        self.stats.record(kind, (_nbytes(t) if nbytes is None else nbytes) if self.size > 1 else 0)
         token = self._begin_span(kind, async_op)
         try:
             out, work = self._guard(kind, launch)
@@ -420,14 +458,33 @@ class ProcessGroupComm(Comm):
 
         return self._launch([t], issue, False)
 
+    # Point-to-point: every send and receive goes through batch_isend_irecv (NCCL's group call;
+    # an unbatched NCCL send blocks its stream until the peer receives). NCCL ignores tags and
+    # matches in post order; the runtime's own transfers pass no tags.
     def _send(self, t, peer, tag):
-        work = dist.isend(t.contiguous(), group=self.group, group_dst=peer, tag=tag)
-        return None, Work(lambda: self._wait_torch(work, t), work.is_completed)
+        _, _, sent = self._batch_p2p([(t, peer)], [], tag)
+        return None, sent
 
     def _recv(self, like, peer, tag):
-        buf = torch.empty_like(like, memory_format=torch.contiguous_format)
-        work = dist.irecv(buf, group=self.group, group_src=peer, tag=tag)
-        return buf, Work(lambda: self._wait_torch(work, buf), work.is_completed)
+        (buf,), received, _ = self._batch_p2p([], [(like, peer)], tag)
+        return buf, received
+
+    def _batch_p2p(self, sends, recvs, tag=0):
+        bufs = [torch.empty_like(like, memory_format=torch.contiguous_format) for like, _ in recvs]
+        outgoing = [t.contiguous() for t, _ in sends]  # held by the Work until it is waited for
+        ops = [dist.P2POp(dist.isend, t, group=self.group, tag=tag, group_peer=peer)
+               for t, (_, peer) in zip(outgoing, sends)]
+        ops += [dist.P2POp(dist.irecv, buf, group=self.group, tag=tag, group_peer=peer)
+                for buf, (_, peer) in zip(bufs, recvs)]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if len(works) != len(ops):  # NCCL coalesces the batch into one Work: sends and receives together
+            both = self._works(works, (outgoing + bufs)[:1])
+            return bufs, both, both
+        return bufs, self._works(works[len(sends):], bufs[:1]), self._works(works[:len(sends)], outgoing[:1])
+
+    def _works(self, works: list, like: list) -> Work:
+        return Work(lambda: [self._wait_torch(w, like[0] if like else None) for w in works],
+                    lambda: all(w.is_completed() for w in works))
 
     def _barrier(self):
         work = dist.barrier(group=self.group, async_op=True)
@@ -668,12 +725,28 @@ def solo_comm(axis: str, global_rank: int, timeout: float) -> ThreadComm:
 
 
 class ShapeComm(Comm):
-    """Collectives that give results of the right shape and dtype without any peer: rank 0 of a
-    group of `size` that is alone. With fake tensors, this lets one rank's program run for its
+    """Collectives that give results of the right shape, dtype and device without any peer: rank
+    `rank` of a group of `size` that is alone. With fake tensors, this lets one rank's program run for its
     shapes and memory alone (usc.lint's activation estimate) on a mesh of any size."""
 
-    def __init__(self, axis: str, size: int, timeout: float = 1.0):
-        super().__init__(axis=axis, rank=0, group_ranks=tuple(range(size)), timeout=timeout)
+    def __init__(self, axis: str, size: int, timeout: float = 1.0, rank: int = 0,
+                 device: torch.device | None = None):
+        super().__init__(axis=axis, rank=rank, group_ranks=tuple(range(size)), timeout=timeout)
+        self.device = device  # set: refuse tensors elsewhere, as NCCL refuses host tensors
+
+    def _run(self, kind, t, async_op, launch, **options):
+        self._check_device(kind, t)
+        return super()._run(kind, t, async_op, launch, **options)
+
+    def batch_p2p(self, sends, recvs):
+        for t, _ in [*sends, *recvs]:
+            self._check_device("send/recv", t)
+        return super().batch_p2p(sends, recvs)
+
+    def _check_device(self, kind: str, t: torch.Tensor | None) -> None:
+        if self.device is not None and isinstance(t, torch.Tensor) and t.device != self.device:
+            raise CollectiveError(self.context(kind), f"a {t.device} tensor {list(t.shape)} handed to a "
+                                  f"collective of a program on {self.device}")
 
     def _all_reduce(self, t, op, async_op):
         return t.clone(), Work()

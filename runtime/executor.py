@@ -16,21 +16,23 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Shard
 
 from .layout import gather_full, local_chunk, zigzag_permute
 from .moe import rank_stats
+from .optimizer_contract import check_optimizer
 from .pipeline import PipelineMixin, held_inputs
 from .random import set_random_keys
 from .reducer import GradReducer
 from .timeline import Timeline
-from .checkpoint import CheckpointError
+from .checkpoint_state import ShardedCheckpoint
 from .errors import NonFiniteLoss
 from .recompute import observe_kept
-from .reducer import pad_to_multiple
 from .replica_guard import ReplicaGuard
 from .state_write import StateWrite, apply_writes
 from .zero import ZeroOptimizer
 from .zero3 import ZeroFetch, ZeroGather, Zero3Registry, shard_of, unshard
+from .training import data_local, GradPiece, GroupedOptimizer, NamedParameters, clip_, counted_once, global_norm, slice_pieces
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -43,22 +45,43 @@ def build_optimizer(factory: OptimizerFactory, params: list[torch.nn.Parameter])
     """The user's optimizer over ``params``. A rank with nothing to train (a pipeline stage of frozen
     layers, fine-tuning) still gets one, over an empty placeholder that never has a gradient:
     its step does nothing, and its param_groups keep the user's hyperparameters for checkpoints."""
-    return factory(params if params else [torch.nn.Parameter(torch.zeros(0))])
+    return factory(params if params else NamedParameters([torch.nn.Parameter(torch.zeros(0))], [()]))
 
 
 def bind_graph(gm: fx.GraphModule, mesh) -> fx.GraphModule:
-    """A rank's copy of the program: its own collective modules bound to its mesh, graph shared."""
+    """A rank's copy of the program: its own collective modules bound to its mesh, graph shared
+    (copied when its factory calls must move to the mesh's device)."""
     modules = {}
     for name, module in gm.named_children():
         mine = copy.deepcopy(module)
         for part in mine.modules():  # pipeline stages nest their collectives one level down
             if hasattr(part, "bind") and not isinstance(part, fx.GraphModule):
                 part.bind(mesh)
+            elif isinstance(part, fx.GraphModule) and _move_factories(part.graph, mesh.device):
+                part.recompile()
         modules[name] = mine
-    return fx.GraphModule(modules, gm.graph, class_name="RankProgram")
+    graph = gm.graph
+    if _factory_devices(graph, mesh.device):
+        graph = copy.deepcopy(graph)
+        _move_factories(graph, mesh.device)
+    return fx.GraphModule(modules, graph, class_name="RankProgram")
 
 
-class RankExecutor:
+def _factory_devices(graph: fx.Graph, device: torch.device) -> list[fx.Node]:
+    """Nodes that create a tensor on another device than `device`: torch.export bakes the tracing
+    device into factory calls (arange, zeros, full, ...), and the program runs on the mesh's."""
+    return [n for n in graph.nodes if n.op == "call_function"
+            and isinstance(n.kwargs.get("device"), torch.device) and n.kwargs["device"] != device]
+
+
+def _move_factories(graph: fx.Graph, device: torch.device) -> bool:
+    nodes = _factory_devices(graph, device)
+    for node in nodes:
+        node.kwargs = {**node.kwargs, "device": device}
+    return bool(nodes)
+
+
+class RankExecutor(ShardedCheckpoint):
     """One rank: local shards of the state, the bound program, the optimizer and the grad reducer."""
 
     def __init__(self, program, mesh, full_state: Mapping[str, torch.Tensor], *,
@@ -78,6 +101,7 @@ class RankExecutor:
                 module.registry = self.zero3
         self.state: dict[str, torch.Tensor] = {}
         self.params: list[torch.nn.Parameter] = []
+        self._param_names: dict[int, str] = {}
         for spec in program.state:
             if self._holds(spec):
                 self.state[spec.placeholder] = self._local_state(spec, full_state[spec.name])
@@ -87,13 +111,38 @@ class RankExecutor:
                    if s.placeholder in self.state and isinstance(self.state[s.placeholder], torch.nn.Parameter)]
         self.timeline: Timeline | None = None
         sharded = zero in (1, 2) and mesh.size("dp") > 1
-        self.reducer = GradReducer(entries, mesh, bucket_bytes=bucket_bytes,
-                                   scatter_axis="dp" if sharded and zero >= 2 else None, wire_dtype=reduce_dtype)
         factory = optimizer or default_optimizer
-        self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, self.params, build_optimizer) \
-            if sharded else build_optimizer(factory, self.params)
+        self.reducer = GradReducer(entries, mesh, bucket_bytes=bucket_bytes,
+                                   scatter_axis="dp" if sharded and zero >= 2 else None, wire_dtype=reduce_dtype,
+                                   group_of=self._group_of(factory))
+        named = NamedParameters(self.params, [(self._param_names[id(p)],) for p in self.params])
+        self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, named, build_optimizer) \
+            if sharded else build_optimizer(factory, named)
+        check_optimizer(self.optimizer.inner if sharded else self.optimizer, self._split_params(sharded, zero))
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
         self.guard = ReplicaGuard(program, mesh, self.state, replica_check) if replica_check else None
+
+    def _group_of(self, factory) -> Callable[[str], int] | None:
+        """A grouping factory's group of each state entry, by the name named_parameters() gives it."""
+        if not isinstance(factory, GroupedOptimizer):
+            return None
+        canonical = {s.name: s.aliases[0] if s.aliases else s.name for s in self.program.state}
+        return lambda name: factory.group_of(canonical[name])
+
+    def _split_params(self, sharded: bool, zero: int) -> dict[str, str]:
+        """Trainable parameters this rank's optimizer sees only a slice of, and the plan axes why."""
+        mesh = self.program.mesh
+        out = {}
+        for spec in self.program.state:
+            if spec.kind != "param" or not spec.trainable:
+                continue
+            axes = [f"{a}={mesh.size(a)}" for a, p in zip(mesh.axes, spec.layout.placements)
+                    if isinstance(p, Shard)]
+            if spec.zero3 or sharded:
+                axes.append(f"zero={zero} dp={mesh.size('dp')}")
+            if axes:
+                out[spec.name] = " ".join(axes)
+        return out
 
     def _holds(self, spec) -> bool:
         """Whether this rank keeps a state tensor (a pipeline rank keeps only its stages')."""
@@ -106,13 +155,21 @@ class RankExecutor:
         local = spec.layout.local_shape(spec.global_shape, self.program.mesh)
         return torch.zeros(local, dtype=spec.dtype, device=self.mesh.device)
 
+    @property
+    def device(self) -> torch.device:
+        """The program's device (the mesh's): state, batches and every tensor the runtime makes."""
+        return self.mesh.device
+
     def _local_state(self, spec, full: torch.Tensor) -> torch.Tensor:
-        local = local_chunk(full.detach(), spec.layout.placements, self.mesh.shape, self.mesh.coord).clone()
+        # cut first, then move: only this rank's slice ever reaches the device
+        local = _to_device(local_chunk(full.detach(), spec.layout.placements, self.mesh.shape, self.mesh.coord),
+                           self.device)
         if spec.zero3:
             local = shard_of(local, self.mesh.comm("dp"))
         if spec.kind == "param" and full.requires_grad:
             param = torch.nn.Parameter(local)
             self.params.append(param)
+            self._param_names[id(param)] = spec.aliases[0] if spec.aliases else spec.name  # named_parameters' name
             return param
         return local
 
@@ -140,17 +197,22 @@ class RankExecutor:
                   for v in batch]
         return [tuple(p[m] for p in pieces) for m in range(self.microbatches)]
 
+    local_batch = False  # set per call: the batch is this rank's data shard (usc.data), not the global batch
+
     def _local_input(self, spec, value) -> torch.Tensor:
         if not isinstance(value, torch.Tensor):
             return value
-        if tuple(value.shape) != spec.global_shape:
-            raise ValueError(f"input '{spec.placeholder}' has shape {list(value.shape)} but the model was compiled "
-                             f"for {list(spec.global_shape)}; pass the same global batch shape on every step "
-                             "(compile again for another shape)")
-        for axis, placement in zip(self.program.mesh.axes, spec.layout.placements):
+        placements, shape = data_local(spec, self.program.mesh) if self.local_batch else \
+            (spec.layout.placements, spec.global_shape)
+        if tuple(value.shape) != shape:
+            what = "this rank's data shard" if self.local_batch else "the global batch"
+            raise ValueError(f"input '{spec.placeholder}' has shape {list(value.shape)} but {what} was compiled "
+                             f"as {list(shape)}; pass the same shape on every step (compile again for another)")
+        value = value.to(self.device)  # the batch is small: cut and permute it where it is used
+        for axis, placement in zip(self.program.mesh.axes, placements):
             if axis in self.program.mesh.zigzag and hasattr(placement, "dim"):
                 value = zigzag_permute(value, placement.dim, self.mesh.size(axis))
-        return local_chunk(value, spec.layout.placements, self.mesh.shape, self.mesh.coord)
+        return local_chunk(value, placements, self.mesh.shape, self.mesh.coord)
 
     def _loss(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor | float]:
         """(loss, count): count is the global number of tokens the loss averaged over when the
@@ -190,6 +252,11 @@ class RankExecutor:
             value = value.float()
         for axis in self.program.loss_partial_axes:
             value = self.mesh.comm(axis).all_reduce(value)
+        return self._to_host(value)
+
+    def _to_host(self, value: torch.Tensor, assumed: float = 1.0) -> float:
+        """A host sync: the step's one, and the rare checks. `assumed` is what a fake rank, whose
+        tensors hold no data (usc/testing/fake_device.py replaces this method), takes it to be."""
         return float(value)
 
     def set_timeline(self, timeline: Timeline | None) -> None:
@@ -212,23 +279,28 @@ class RankExecutor:
         for module in self.gm.modules():
             if hasattr(module, "reset_stats"):  # per-step statistics (MoE loads)
                 module.reset_stats()
-        count, weighted = 0.0, []
+        # token counts stay on the device (no host sync per microbatch): the step's one sync is
+        # the global loss below
+        count, weighted, several = 0.0, [], len(micro) > 1
         for m, piece in enumerate(micro):
             last = m == len(micro) - 1
             self._key_random(self.gm, m)
             with self._span("forward"):
                 loss, n = self._loss(piece)
-            count += float(n)
-            if last:
-                self._scale_grads(1.0 / count if len(micro) > 1 else 1.0)
-            scale = float(n) / count if last else float(n)
-            weighted.append(loss.detach() * float(n))
+            count = count + n
+            if last and several:
+                self._scale_grads(1.0 / count)
+            weighted.append(loss.detach() * n)
             with self._span("backward"), (contextlib.nullcontext() if last else self.reducer.no_sync()):
-                (loss * scale).backward() if scale != 1.0 else loss.backward()
+                if not several:
+                    loss.backward()
+                else:
+                    (loss * (n / count if last else n)).backward()
         self.reducer.finish()
         self.peak_state_bytes = self.memory_bytes()  # gradients are at their peak here
         value = self._global(sum(weighted) / count)
         self._check_finite(value)
+        self._clip_if_asked()
         with self._span("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -244,6 +316,48 @@ class RankExecutor:
             self.guard.after_step(self.steps_done)
 
     steps_done = 0
+    max_grad_norm: float | None = None  # set before a step to clip (float('inf'): measure only)
+    grad_norm: float | None = None  # the last step's global gradient norm (before clipping)
+
+    # ------------------------------------------------------------------ clipping (runtime/training.py)
+    def _clip_if_asked(self) -> None:
+        self.grad_norm = None
+        if self.max_grad_norm is not None:
+            with self._span("clip"):
+                self.grad_norm = self.clip_grad_norm(self.max_grad_norm)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """clip_grad_norm_ over the whole model's reduced gradient (a collective on every axis);
+        returns the norm before clipping."""
+        pieces = self.grad_pieces()
+        reduce = [self.mesh.comm(axis).all_reduce for axis in self.mesh.axes if self.mesh.size(axis) > 1]
+        norm = global_norm(pieces, reduce, self.mesh.device)
+        clip_(pieces, norm, max_norm)
+        return norm
+
+    def grad_pieces(self) -> list[GradPiece]:
+        """Every reduced gradient this rank holds, each marked whether this rank counts it."""
+        specs = {s.placeholder: s for s in self.program.state}
+        pieces = [GradPiece(value.grad, self._counts(specs[name], ("dp",) if specs[name].zero3 else ()))
+                  for name, value in self.state.items()
+                  if isinstance(value, torch.nn.Parameter) and value.grad is not None]
+        by_name = {s.name: s for s in self.program.state}
+        for bucket in self.reducer.buckets:  # ZeRO-2: this rank's slice of each bucket's sum
+            if bucket.shard is None or bucket.shard_grad is None:
+                continue
+            comm = self.mesh.comm(bucket.shard)
+            for index, _, piece in slice_pieces(bucket.shard_grad, [p.numel() for _, p in bucket.params],
+                                             comm.rank, comm.size):
+                pieces.append(GradPiece(piece, self._counts(by_name[bucket.params[index][0]], (bucket.shard,))))
+        return pieces
+
+    @property
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer that really steps (ZeRO-1/2: the one over this rank's slices)."""
+        return self.optimizer.inner if isinstance(self.optimizer, ZeroOptimizer) else self.optimizer
+
+    def _counts(self, spec, sharded: tuple[str, ...]) -> bool:
+        return counted_once(spec.layout.placements, self.mesh.axes, self.mesh.coord, sharded=sharded)
 
     def _key_random(self, module: torch.nn.Module, microbatch: int) -> None:
         """Random draws are keyed by (seed, step, microbatch): see runtime/random.py."""
@@ -257,8 +371,9 @@ class RankExecutor:
             self.reducer.attach_grad_views()
             raise NonFiniteLoss(self.steps_done, self.mesh.rank, value)
 
-    def _scale_grads(self, factor: float) -> None:
-        if factor == 1.0:
+    def _scale_grads(self, factor) -> None:
+        """Multiply every gradient by factor (a float, or a 0-dim tensor on the device)."""
+        if isinstance(factor, float) and factor == 1.0:
             return
         grads = [param.grad for param in self.params if param.grad is not None]
         if grads:
@@ -296,10 +411,10 @@ class RankExecutor:
             self._key_random(self.gm, m)
             pieces.append(self._loss(piece))
         self.pending_writes.clear()  # evaluation updates nothing
-        count = sum(float(n) for _, n in pieces)
-        return self._global(sum(loss * float(n) for loss, n in pieces) / count)
+        count = sum(n for _, n in pieces)
+        return self._global(sum(loss * n for loss, n in pieces) / count)
 
-    # ------------------------------------------------------------------ checkpoints (full tensors)
+    # ------------------------------------------------------------------ full tensors (full_state_dict)
     def _named_params(self) -> dict[str, tuple]:
         """The parameters this rank holds, by name."""
         return {spec.name: (spec, self.state[spec.placeholder]) for spec in self.program.state
@@ -315,115 +430,13 @@ class RankExecutor:
             return value
         return unshard(value, spec.layout.local_shape(spec.global_shape, self.program.mesh), self.mesh.comm("dp"))
 
-    def _local_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Optimizer state per parameter name, shaped like this rank's parameter (ZeRO slices
-        are gathered over dp and cut back into parameters)."""
-        by_param = {id(p): name for name, (_, p) in self._named_params().items()}
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        inner = self.optimizer.inner if isinstance(self.optimizer, ZeroOptimizer) else self.optimizer
-        for param, state in inner.state.items():
-            if id(param) in by_param:
-                out[by_param[id(param)]] = dict(state)
-        if isinstance(self.optimizer, ZeroOptimizer):
-            for bucket, master in zip(self.optimizer.buckets, self.optimizer.masters):
-                for key, value in inner.state.get(master, {}).items():
-                    full = self.optimizer.comm.all_gather(value, 0) if value.dim() else value
-                    offset = 0
-                    for name, p in bucket.params:
-                        piece = full[offset: offset + p.numel()].view_as(p) if value.dim() else value
-                        out.setdefault(name, {})[key] = piece
-                        offset += p.numel()
-        return out
-
-    def _optimizer_entries(self) -> list[tuple]:
-        """(spec, key, this rank's tensor) of every optimizer state entry, in one order all ranks share."""
-        params = self._named_params()
-        return [(params[name][0], key, value) for name, state in sorted(self._local_optimizer_state().items())
-                for key, value in state.items()]
-
-    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Full tensors for a checkpoint: 'model/<name>' and 'optim/<name>/<key>' (a collective call)."""
-        tensors = {}
-        for spec in self.program.state:
-            tensors[f"model/{spec.name}"] = gather_full(self._dp_whole(spec), spec.layout.placements, self.mesh)
-        for spec, key, value in self._optimizer_entries():
-            full = gather_full(self._dp_whole(spec, value), spec.layout.placements, self.mesh) \
-                if value.dim() else value
-            tensors[f"optim/{spec.name}/{key}"] = full
-        inner = self.optimizer.inner if isinstance(self.optimizer, ZeroOptimizer) else self.optimizer
-        groups = [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str, type(None),
-                                                                                  list, tuple))}
-                  for g in inner.param_groups]
-        return tensors, {"param_groups": groups}
-
-    def load_checkpoint_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        """Take this rank's shards of a full checkpoint (any plan wrote it)."""
-        for spec in self.program.state:
-            full = tensors.get(f"model/{spec.name}")
-            if full is None:
-                raise CheckpointError(f"the checkpoint has no tensor for '{spec.name}'")
-            if tuple(full.shape) != spec.global_shape:
-                raise CheckpointError(f"'{spec.name}' is {list(full.shape)} in the checkpoint but "
-                                      f"{list(spec.global_shape)} in the model")
-            if spec.placeholder not in self.state:
-                continue
-            local = local_chunk(full, spec.layout.placements, self.mesh.shape, self.mesh.coord)
-            if spec.zero3:
-                local = shard_of(local, self.mesh.comm("dp"))
-            with torch.no_grad():
-                self.state[spec.placeholder].copy_(local)
-        local_state: dict[str, dict[str, torch.Tensor]] = {}
-        params = self._named_params()
-        for key, full in tensors.items():
-            if key.startswith("optim/"):
-                name, field = key[len("optim/"):].rsplit("/", 1)
-                if name not in params:
-                    continue  # another pipeline rank holds it
-                spec = params[name][0]
-                local = local_chunk(full, spec.layout.placements, self.mesh.shape, self.mesh.coord) \
-                    if full.dim() else full
-                if spec.zero3 and full.dim():
-                    local = shard_of(local, self.mesh.comm("dp"))
-                local_state.setdefault(name, {})[field] = local.clone()
-        self._set_optimizer_state(local_state)
-        inner = self.optimizer.inner if isinstance(self.optimizer, ZeroOptimizer) else self.optimizer
-        for group, saved in zip(inner.param_groups, meta.get("param_groups", [])):
-            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
-
-    def _set_optimizer_state(self, local_state: dict[str, dict[str, torch.Tensor]]) -> None:
-        params = self._named_params()
-        if not isinstance(self.optimizer, ZeroOptimizer):
-            for name, state in local_state.items():
-                self.optimizer.state[params[name][1]] = state
-            return
-        inner, zero = self.optimizer.inner, self.optimizer
-        in_bucket = set()
-        for bucket, master in zip(zero.buckets, zero.masters):
-            names = [n for n, _ in bucket.params]
-            in_bucket.update(names)
-            keys = set().union(*(local_state.get(n, {}).keys() for n in names))
-            state = {}
-            for key in keys:
-                values = [local_state[n][key] for n in names]
-                if values[0].dim() == 0:
-                    state[key] = values[0]
-                    continue
-                flat = pad_to_multiple(torch.cat([v.reshape(-1) for v in values]), zero.comm.size)
-                size = flat.numel() // zero.comm.size
-                state[key] = flat[zero.comm.rank * size: (zero.comm.rank + 1) * size].clone()
-            if state:
-                inner.state[master] = state
-        for name, state in local_state.items():
-            if name not in in_bucket:
-                inner.state[params[name][1]] = state
-
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now in parameters, gradients and optimizer state (unique storages)."""
         def nbytes(tensors) -> int:
             seen = {}
             for t in tensors:
                 if isinstance(t, torch.Tensor) and t.dim() > 0:
-                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                    seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()  # also unique for fake tensors
             return sum(seen.values())
 
         grads = [p.grad for p in self.params] + [b.shard_grad for b in self.reducer.buckets]
@@ -452,6 +465,11 @@ class RankExecutor:
         """The state tensors this rank holds (a pipeline rank: its stages')."""
         return {spec.name: self.state[spec.placeholder].detach() for spec in self.program.state
                 if spec.placeholder in self.state}
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A private copy of t on `device` (one copy, whether or not it moves)."""
+    return t.to(device, copy=True)
 
 
 def _forget(seen: dict, key: int, token: object) -> None:
@@ -483,12 +501,10 @@ def fake_rank_zero(program, **options):
     its input shapes: no memory, no processes, any mesh size. Yields (executor, batch)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .comm import ShapeComm
-    from .mesh import Mesh
+    from .mesh import shape_mesh
 
     device = traced_device(program.gm)
-    mesh = Mesh(program.mesh.axes, program.mesh.shape, 0, device,
-                {a: ShapeComm(a, n) for a, n in zip(program.mesh.axes, program.mesh.shape)})
+    mesh = shape_mesh(program.mesh.axes, program.mesh.shape, 0, device)
     with FakeTensorMode(allow_non_fake_inputs=True):
         state = {}
         for spec in program.state:

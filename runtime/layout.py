@@ -95,6 +95,15 @@ def _region(
     return tuple(region)
 
 
+def local_box(
+    global_shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int], coord: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of the region of the global tensor the rank at `coord` holds."""
+    sizes = local_shape(global_shape, placements, mesh_shape)
+    region = _region(global_shape, placements, mesh_shape, coord)
+    return tuple(r.start or 0 for r in region), sizes
+
+
 def _on_partial_origin(placements: Sequence[Placement], coord: Sequence[int]) -> bool:
     """True if this coordinate is 0 on every Partial axis (it carries the value)."""
     return all(c == 0 for p, c in zip(placements, coord) if isinstance(p, Partial))

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import Comm, ProcessGroupComm, ThreadComm, ThreadGroup, solo_comm
+from .comm import Comm, ProcessGroupComm, ShapeComm, ThreadComm, ThreadGroup, solo_comm
 from .errors import CollectiveContext, CollectiveTimeout, LaunchError
 from .timeline import Timeline
 
@@ -118,16 +118,20 @@ class Mesh:
 
     # ------------------------------------------------------------------------ constructors
     @classmethod
-    def from_environment(cls, axes: Sequence[str], shape: Sequence[int], *, timeout: float) -> Mesh:
+    def from_environment(cls, axes: Sequence[str], shape: Sequence[int], *, timeout: float,
+                         device: str | torch.device | None = None) -> Mesh:
         """This process's Mesh inside torchrun (or launch_local): one ProcessGroup per axis.
 
-        Initialises the default group if needed (NCCL if CUDA is available, else gloo) and creates
-        every axis group in the same order on every rank, all with `timeout` seconds.
+        The mesh owns the program's device: ``cuda:LOCAL_RANK`` when CUDA is available, else the
+        CPU; `device` overrides it (``"cpu"`` runs gloo on a GPU machine). The CUDA device is made
+        current *before* the default group is initialised (NCCL binds its communicators to the
+        current device), then NCCL (CUDA) or gloo (CPU) is initialised if needed and every axis
+        group is created in the same order on every rank, all with `timeout` seconds.
         """
         axes, shape = tuple(axes), tuple(int(s) for s in shape)
         _validate_axes(axes, shape)
         rank, world = _read_launch_env(axes, shape)
-        device = _select_device()
+        device = _select_device(device)
         _init_default_group(device, rank, world, timeout)
         comms = {axis: _axis_comm(axes, shape, i, rank, timeout) for i, axis in enumerate(axes)}
         for joint, (merged, index) in _joint_axes(axes, shape).items():
@@ -184,12 +188,22 @@ def _read_launch_env(axes: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int
     return int(os.environ["RANK"]), world
 
 
-def _select_device() -> torch.device:
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+def _select_device(requested: str | torch.device | None = None) -> torch.device:
+    """The requested device, else cuda:LOCAL_RANK when CUDA is available, else the CPU; a CUDA
+    device becomes the current one (collectives and allocations without an index land there)."""
+    if requested is None:
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(requested)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise LaunchError(f"device {device} was requested but CUDA is not available in this process; "
+                              "pass device='cpu' (gloo) or run on a machine with GPUs")
+        if device.index is None:  # modulo: a launcher may already show each process only its GPU
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise LaunchError(f"device {device}: usc runs ranks on 'cuda' (NCCL) or 'cpu' (gloo)")
+    return device
 
 
 def _init_default_group(device: torch.device, rank: int, world: int, timeout: float) -> None:
@@ -199,8 +213,11 @@ def _init_default_group(device: torch.device, rank: int, world: int, timeout: fl
                 f"the default process group has {dist.get_world_size()} ranks, expected {world}"
             )
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+    options = {"backend": "nccl", "device_id": device} if device.type == "cuda" else {"backend": "gloo"}
+    # NCCL: the group timeout and async error handling let the watchdog abort a hung collective; the
+    # waiting rank then sees the error, which Comm reports as a CollectiveError
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # 2: abort the communicators, raise in wait()
+    dist.init_process_group(rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout), **options)
 
 
 def _axis_comm(axes: tuple[str, ...], shape: tuple[int, ...], index: int, rank: int, timeout: float) -> Comm:
@@ -216,8 +233,10 @@ def _axis_comm(axes: tuple[str, ...], shape: tuple[int, ...], index: int, rank: 
     return ProcessGroupComm(mine, axes[index], timeout)
 
 
-def simulated_meshes(axes: Sequence[str], shape: Sequence[int], *, timeout: float) -> list[Mesh]:
-    """One Mesh per rank for the in-process simulator; ranks of a group share a ThreadGroup."""
+def simulated_meshes(axes: Sequence[str], shape: Sequence[int], *, timeout: float,
+                     device: str | torch.device = "cpu") -> list[Mesh]:
+    """One Mesh per rank for the in-process simulator; ranks of a group share a ThreadGroup.
+    Every rank computes on `device` (one GPU can hold a whole simulated mesh)."""
     axes, shape = tuple(axes), tuple(int(s) for s in shape)
     _validate_axes(axes, shape)
     world = math.prod(shape)
@@ -228,7 +247,20 @@ def simulated_meshes(axes: Sequence[str], shape: Sequence[int], *, timeout: floa
             group = ThreadGroup(ranks)
             for group_rank, rank in enumerate(ranks):
                 comms[rank][axis] = ThreadComm(group, group_rank, axis=axis, timeout=timeout)
-    return [Mesh(axes, shape, r, torch.device("cpu"), comms[r], timeout) for r in range(world)]
+    return [Mesh(axes, shape, r, torch.device(device), comms[r], timeout) for r in range(world)]
+
+
+def shape_mesh(axes: Sequence[str], shape: Sequence[int], rank: int, device: str | torch.device = "cpu") -> Mesh:
+    """Rank `rank` alone, with peerless collectives of the right shapes (ShapeComm) on every axis
+    and joint axis: one rank's program runs on fake tensors for any mesh size, on any device (a
+    fake 'cuda' device on a machine without one)."""
+    axes, shape, device = tuple(axes), tuple(int(s) for s in shape), torch.device(device)
+    coord = coord_of_rank(rank, shape)
+    comms: dict[str, Comm] = {a: ShapeComm(a, n, rank=c, device=device) for a, n, c in zip(axes, shape, coord)}
+    for joint, (merged, index) in _joint_axes(axes, shape).items():
+        inner = coord[index] * shape[index + 1] + coord[index + 1]
+        comms[joint] = ShapeComm(joint, merged[index], rank=inner, device=device)
+    return Mesh(axes, shape, rank, device, comms)
 
 
 # ================================================================================ run_in_threads

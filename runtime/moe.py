@@ -1,6 +1,6 @@
 """Expert parallelism: routed tokens dispatched to the ranks that hold their experts and combined back.
 
-The algorithm (ALGORITHMS.md, "Expert parallel"; GShard, Lepikhin et al. 2020; DeepSpeed-MoE and
+The algorithm (GShard, Lepikhin et al. 2020; DeepSpeed-MoE and
 Megatron-Core's all-to-all token dispatcher): every (token, slot) assignment goes to the ep rank
 holding its expert. Each rank sorts its assignments by (expert, token order), tells every peer how
 many rows it will send per local expert of that peer (an all-to-all of counts), then sends the

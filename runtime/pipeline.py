@@ -11,17 +11,17 @@ split B into I (the input gradients only, sent back at once: the critical path) 
 gradients, later, from the graph I kept) -- Qi et al. 2024, "Zero Bubble Pipeline Parallelism".
 
 Messages. Every transfer is one (producer stage, consumer stage, output index) "kind", in one
-direction, for one microbatch; its tag is unique within a step, so messages between one pair of
-ranks (with v > 1 several stage pairs share a rank pair) can never be matched wrongly on backends
-that match by tag (gloo, the simulator). NCCL ignores tags and matches in post order per pair, so
-a rank also receives from each peer in the order that peer posts (``posting_orders``), keeping
-messages it needs later. A transfer between two stages of the same rank stays in memory.
-Sends never wait (gloo isend / buffered in the simulator), and the schedule checker has proved the
-order deadlock free.
+direction, for one microbatch. No tags (NCCL has none): messages between one pair of ranks match in
+post order, and a rank receives from each peer in the order that peer posts (``posting_orders``,
+derived by both from the schedule), keeping messages it needs later. A transfer between two stages
+of the same rank stays in memory. A rank's sends wait in an outbox and are posted in one batch
+(``batch_isend_irecv``: one NCCL group call) with its next receive -- Megatron's
+send_forward_recv_backward -- or at the end of the step; a rank never blocks while holding unsent
+messages, so the order the schedule checker proved deadlock free stays so.
 
 The loss: each microbatch's backward starts from its token *sum* (loss x count); after the last
 microbatch every gradient is divided by the global count N, so the step equals the global token
-mean on one device (ALGORITHMS.md, "Gradients of a microbatch-split batch").
+mean on one device (the counts come from passes/loss_count.py).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from .training import counted_once
 from .pipeline_backward import WeightWork, input_grads, weight_grads
 
 
@@ -72,8 +73,11 @@ def held_inputs(top: fx.GraphModule, pp: int, rank: int) -> set[str]:
     """Names of the program inputs (state and batch) that the stages of pp rank ``rank`` take: a
     pipeline rank keeps only these parameters, their gradients and optimizer state."""
     stages = [n for n in top.graph.nodes if n.op == "call_module"]
-    return {arg.name for k, node in enumerate(stages) if k % pp == rank
+    held = {arg.name for k, node in enumerate(stages) if k % pp == rank
             for arg in node.args if isinstance(arg, fx.Node) and arg.op == "placeholder"}
+    if rank == 0:  # state no stage reads (an unused parameter or buffer) is kept by the first rank
+        held |= {n.name for n in top.graph.nodes if n.op == "placeholder" and not n.users}
+    return held
 
 
 def _outputs(stage: fx.GraphModule) -> list[fx.Node]:
@@ -115,11 +119,6 @@ def message_kinds(specs: list[StageSpec]) -> list[Kind]:
 def carries_gradient(specs: list[StageSpec], kind: Kind) -> bool:
     _, dtype, needs = specs[kind[0]].outputs[kind[2]]
     return needs and dtype.is_floating_point
-
-
-def message_tag(kinds: dict[Kind, int], kind: Kind, direction: int, mb: int) -> int:
-    """Unique within a step: microbatch, direction, then the kind."""
-    return (mb * 2 + direction) * len(kinds) + kinds[kind]
 
 
 Message = tuple[int, Kind, int]  # (direction, kind, microbatch)
@@ -169,7 +168,7 @@ class InFlight:
 
     received: dict[tuple[int, int], torch.Tensor]
     outputs: list[torch.Tensor]
-    count: float = 1.0
+    count: torch.Tensor | float = 1.0  # the loss's token count (a device tensor when the program gives it)
     weight_work: WeightWork | None = None  # what W still owes after I
 
 
@@ -190,7 +189,8 @@ class PipelineMixin:
                         if self._rank_of(s) == self.pp_rank}
         self.actions = list(schedule.actions[self.pp_rank])
         self.kinds = {kind: n for n, kind in enumerate(message_kinds(self.specs))}
-        self._pending: list = []
+        self._outbox: list[tuple[torch.Tensor, int]] = []  # (tensor, peer): posted with the next receive
+        self._pending: list = []  # Works of posted sends, waited for at the end of the step
         self._local: dict = {}  # transfers between two stages of this rank
         users: dict[str, set[int]] = {}
         for spec in self.specs:
@@ -247,14 +247,13 @@ class PipelineMixin:
     # ----------------------------------------------------------------------------- transfers
     def _put(self, kind: Kind, direction: int, mb: int, t: torch.Tensor) -> None:
         """Sends never block the schedule (a blocking send to a stage that is itself sending would
-        deadlock 1F1B); they are waited for at the end of the step."""
+        deadlock 1F1B): queued here, posted with this rank's next receive (see the module doc)."""
         to_stage = kind[1] if direction == FORWARD else kind[0]
         peer = self._rank_of(to_stage)
         if peer == self.pp_rank:
             self._local[(kind, direction, mb)] = t
             return
-        tag = message_tag(self.kinds, kind, direction, mb)
-        self._pending.append((t, self.pp.send(t, peer, async_op=True, tag=tag)))
+        self._outbox.append((t, peer))
 
     def _get(self, kind: Kind, direction: int, mb: int) -> torch.Tensor:
         from_stage = kind[0] if direction == FORWARD else kind[1]
@@ -268,13 +267,23 @@ class PipelineMixin:
         return self._early.pop(wanted)
 
     def _recv(self, message: Message, peer: int) -> torch.Tensor:
+        """One message, received in one batch with every queued send."""
         direction, kind, mb = message
         shape, dtype, _ = self.specs[kind[0]].outputs[kind[2]]
-        tag = message_tag(self.kinds, kind, direction, mb)
-        return self.pp.recv(torch.empty(shape, dtype=self._wire(dtype)), peer, tag=tag)
+        like = torch.empty(shape, dtype=self._wire(dtype), device=self.device)
+        return self._post([(like, peer)])[0]
+
+    def _post(self, recvs: list) -> list[torch.Tensor]:
+        sends, self._outbox = self._outbox, []
+        if not sends and not recvs:
+            return []
+        received, sent = self.pp.batch_p2p(sends, recvs)
+        self._pending.append(sent)
+        return received
 
     def _wait_sends(self) -> None:
-        for _, work in self._pending:
+        self._post([])
+        for work in self._pending:
             work.wait()
         self._pending = []
 
@@ -301,7 +310,8 @@ class PipelineMixin:
             for index in messages_from(self.specs, stage, consumer):
                 out = outputs[index]
                 self._put((stage, consumer, index), FORWARD, mb, out.detach().to(self._wire(out.dtype)))
-        count = float(outputs[1]) if stage == self._last_stage and len(outputs) > 1 else 1.0
+        # the token count stays on the device: the step's one host sync is the global loss
+        count = outputs[1].detach().to(torch.float64) if stage == self._last_stage and len(outputs) > 1 else 1.0
         return InFlight(received, outputs, count)
 
     def _input_values(self, piece: tuple) -> dict[str, torch.Tensor]:
@@ -361,7 +371,7 @@ class PipelineMixin:
         micro = self._split(batch)
         self._inbox = {peer: list(order) for peer, order in self._orders[train].items()}
         flights: dict[tuple[int, int], InFlight] = {}
-        total, count = torch.zeros((), dtype=torch.float64), 0.0
+        total, count = torch.zeros((), dtype=torch.float64, device=self.device), 0.0
         for index, action in enumerate(self.actions):
             op, key = action.op.value, (action.stage, action.mb)
             if op == "F":
@@ -384,11 +394,13 @@ class PipelineMixin:
 
     def _pipeline_global(self, total: torch.Tensor, count: float) -> tuple[torch.Tensor, float]:
         """The last stage's (token-weighted loss sum, count), on every pp rank."""
-        both = torch.stack([total.double(), torch.tensor(count, dtype=torch.float64)])
+        count = count if isinstance(count, torch.Tensor) else torch.full((), count, dtype=torch.float64,
+                                                                          device=self.device)
+        both = torch.stack([total.double(), count])
         if not self._last:
             both = torch.zeros_like(both)
         both = self.pp.all_reduce(both)
-        return both[0], float(both[1])
+        return both[0], self._to_host(both[1])
 
     def step(self, batch: tuple) -> float:
         total, count = self._run_schedule(batch, train=True)
@@ -402,6 +414,7 @@ class PipelineMixin:
         self.peak_state_bytes = self.memory_bytes()
         value = self._global(total / count)
         self._check_finite(value)
+        self._clip_if_asked()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.reducer.attach_grad_views()
@@ -433,26 +446,11 @@ class PipelineMixin:
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             param.grad = self.pp.all_reduce(grad)
 
-    def _optimizer_entries(self) -> list[tuple]:
-        """Every trainable parameter's optimizer state, as its owning rank has it, on every pp rank,
-        in program order (each entry is one pp collective, so all ranks must list the same)."""
-        mine = self._local_optimizer_state()
-        examples = {key: value for state in mine.values() for key, value in state.items()}
-        agreed = self.pp.all_reduce(torch.tensor([float(len(examples))]), op="max")
-        if int(agreed) != len(examples):
-            raise RuntimeError("pipeline ranks hold different optimizer state keys; every stage needs a "
-                               "trainable parameter that has taken a step before a checkpoint")
-        entries = []
-        for spec in self.program.state:
-            if spec.kind != "param" or not spec.trainable:
-                continue
-            local = spec.layout.local_shape(spec.global_shape, self.program.mesh)
-            for key, example in sorted(examples.items()):
-                value = mine.get(spec.name, {}).get(key)
-                if self.owner.get(spec.placeholder, 0) != self.pp_rank or value is None:
-                    value = torch.zeros(local if example.dim() else (), dtype=example.dtype)
-                entries.append((spec, key, self.pp.all_reduce(value)))
-        return entries
+    def _counts(self, spec, sharded: tuple[str, ...]) -> bool:
+        """A pipeline rank counts the weights it owns (a tied weight: the first stage using it)."""
+        owner = self.owner.get(spec.placeholder, self.pp_rank)
+        return owner == self.pp_rank and counted_once(spec.layout.placements, self.mesh.axes, self.mesh.coord,
+                                                      sharded=sharded, skip=("pp",))
 
     def _owned(self, spec, value: torch.Tensor) -> torch.Tensor:
         """The owning stage's value of a state tensor, on every pp rank (a collective)."""

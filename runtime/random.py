@@ -7,7 +7,7 @@ Here every element's value is a hash of its coordinates in the one-device tensor
 partitionable threefry bits, and Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3"):
 replicas draw identical values, shards draw their slice, a microbatch draws its rows of the full
 batch's tensor, and drawing again gives the same numbers. The hash is Wellons' "lowbias32"
-(two rounds per word), written with int64 torch ops on 32-bit values so CPU and CUDA agree bitwise.
+(three rounds per word), written with int64 torch ops on 32-bit values so CPU and CUDA agree bitwise.
 
 ``usc::draw`` is a custom op tagged ``nondeterministic_seeded`` so passes treat it as a random op
 (recompute keeps its output). Its key comes from a :class:`RandomKey` node the executor sets
@@ -25,6 +25,7 @@ from torch import nn
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9  # 2^32 / phi: spreads the word index j over the key (as in Weyl sequences)
 DISTRIBUTIONS = ("uniform", "normal", "keep", "bernoulli")
+SIGNIFICAND_BITS = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}  # with the implicit leading bit
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -54,7 +55,7 @@ def words(index: torch.Tensor, key: int, count: int) -> list[torch.Tensor]:
     out = []
     for j in range(count):
         k = _mix_int(key ^ ((j * GOLDEN) & MASK32))
-        out.append(mix32(mix32(lo ^ k) ^ hi))
+        out.append(mix32((mix32(mix32(lo ^ k) ^ hi) + k) & MASK32))  # three rounds, keyed twice
     return out
 
 
@@ -83,7 +84,7 @@ def uniform_from(ws: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """Uniform in [0, 1) with as many random bits as ``dtype`` holds (exact in it: never 1.0)."""
     if dtype == torch.float64:
         return ((ws[0] >> 5).double() * 2.0**26 + (ws[1] >> 6).double()) * 2.0**-53
-    bits = torch.finfo(dtype).nmant + 1
+    bits = SIGNIFICAND_BITS[dtype]
     return ((ws[0] >> (32 - bits)).double() * 2.0**-bits).to(dtype)
 
 
@@ -103,7 +104,7 @@ def draw_values(index: torch.Tensor, key: int, dtype: torch.dtype, distribution:
     u = words(index, key, 1)[0].double() * 2.0**-32
     if distribution == "keep":
         scale = 0.0 if a >= 1.0 else 1.0 / (1.0 - a)
-        return torch.where(u >= a, scale, 0.0).to(dtype)
+        return (u >= a).to(dtype) * scale
     return (u < a).to(dtype)
 
 

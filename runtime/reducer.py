@@ -28,7 +28,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -101,9 +101,11 @@ def joint(axes: tuple[str, ...], comms) -> tuple[str, ...]:
 
 
 def _build_buckets(
-    params: Sequence[tuple[str, nn.Parameter, Sequence[str]]], mesh: Mesh, bucket_bytes: int
+    params: Sequence[tuple[str, nn.Parameter, Sequence[str]]], mesh: Mesh, bucket_bytes: int,
+    group_of: Callable[[str], int] | None = None,
 ) -> list[_Bucket]:
-    """Pack in reverse list order; one open bucket per (axes, dtype, device), closed when full.
+    """Pack in reverse list order; one open bucket per (axes, dtype, device, optimizer group),
+    closed when full (a ZeRO slice of a bucket is one optimizer parameter: one group).
 
     Axes of size 1 are dropped; parameters left with no axis (or no grad) need no reduction.
     """
@@ -115,7 +117,7 @@ def _build_buckets(
         if id(param) in seen or not param.requires_grad or not reduce_axes:
             continue
         seen.add(id(param))
-        key = (reduce_axes, param.dtype, param.device)
+        key = (reduce_axes, param.dtype, param.device, group_of(name) if group_of is not None else 0)
         if key not in open_by_key:
             open_by_key[key] = _Bucket(len(buckets), reduce_axes)
             buckets.append(open_by_key[key])
@@ -141,6 +143,7 @@ class GradReducer:
         timeline: Timeline | None = None,
         scatter_axis: str | None = None,
         wire_dtype: torch.dtype | None = None,
+        group_of: Callable[[str], int] | None = None,
     ):
         """scatter_axis (ZeRO-2): buckets reduced over this axis are reduce-scattered over it first
         (padded to a multiple of its size); each rank keeps only its slice in `bucket.shard_grad`
@@ -148,7 +151,7 @@ class GradReducer:
         self.mesh = mesh
         self.timeline = timeline
         self.wire_dtype = wire_dtype  # reduce_dtype=bf16: sums travel in bf16, halving the bytes
-        self.buckets = _build_buckets(params, mesh, bucket_bytes)
+        self.buckets = _build_buckets(params, mesh, bucket_bytes, group_of)
         if scatter_axis is not None and mesh.size(scatter_axis) > 1:
             for bucket in self.buckets:
                 if scatter_axis in bucket.axes:

@@ -51,12 +51,17 @@ def replicated_axes(spec, mesh_axes: tuple[str, ...], sizes: dict[str, int]) -> 
                  if isinstance(p, Replicate) and sizes[a] > 1 and a != "pp" and not (spec.zero3 and a == "dp"))
 
 
-def fingerprint(t: torch.Tensor) -> torch.Tensor:
+def fingerprint(t: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """[sum, position-weighted sum] in float64: equal copies give equal numbers; a change to one
     element, or two elements swapped, changes them."""
     flat = t.detach().reshape(-1).to(torch.float64)
-    weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device).remainder_(13).add_(1)
-    return torch.stack([flat.sum(), (flat * weights).sum()])
+    if weights is None:
+        weights = position_weights(flat.numel(), flat.device)
+    return torch.stack([flat.sum(), torch.dot(flat, weights)])
+
+
+def position_weights(n: int, device) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float64, device=device).remainder_(13).add_(1)
 
 
 class ReplicaGuard:
@@ -65,6 +70,7 @@ class ReplicaGuard:
     def __init__(self, program, mesh, state: dict[str, torch.Tensor], every: int) -> None:
         self.mesh, self.state, self.every = mesh, state, every
         sizes = {a: mesh.size(a) for a in mesh.axes}
+        self._cache: dict[tuple, torch.Tensor] = {}  # position weights by (numel, device)
         self.names = [s.name for s in program.state]
         self.watched = [Watched(s.name, s.placeholder, replicated_axes(s, tuple(mesh.axes), sizes), i)
                         for i, s in enumerate(program.state)
@@ -94,6 +100,7 @@ class ReplicaGuard:
 
     def _everywhere(self, t: torch.Tensor) -> torch.Tensor:
         """The elementwise max of ``t`` over the whole mesh."""
+        t = t.to(self.mesh.device)  # NCCL reduces device tensors only
         for axis in self.mesh.axes:
             if self.mesh.size(axis) > 1:
                 t = self.mesh.comm(axis).all_reduce(t, "max")
@@ -103,7 +110,8 @@ class ReplicaGuard:
         mine = [w for w in self.watched if axis in w.axes]
         if not mine:  # peers on one axis hold the same stages and layouts: they all skip
             return None
-        prints = torch.stack([fingerprint(self.state[w.placeholder]) for w in mine])
+        prints = torch.stack([fingerprint(self.state[w.placeholder], self._weights(self.state[w.placeholder]))
+                              for w in mine])
         table = self.mesh.comm(axis).all_gather(prints.reshape(1, -1), 0)  # (peers, 2 * tensors)
         for i, watched in enumerate(mine):
             column = table[:, 2 * i: 2 * i + 2]
@@ -113,6 +121,12 @@ class ReplicaGuard:
                 return Finding(watched.index, list(self.mesh.axes).index(axis), tuple(ranks),
                                _message(watched.name, axis, ranks, column[0], column[differs[0]]))
         return None
+
+    def _weights(self, t: torch.Tensor) -> torch.Tensor:
+        key = (t.numel(), t.device)
+        if key not in self._cache:
+            self._cache[key] = position_weights(t.numel(), t.device)
+        return self._cache[key]
 
     def _peer_rank(self, axis: str, index: int) -> int:
         coord = list(self.mesh.coord)

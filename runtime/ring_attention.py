@@ -8,10 +8,17 @@ the full S x S scores or the full K/V:
 
     O = sigmoid(LSE1 - LSE2) * O1 + sigmoid(LSE2 - LSE1) * O2,   LSE = logaddexp(LSE1, LSE2)
 
-Backward follows FlashAttention-2 (Dao 2023, alg. 2): each block's probabilities are recomputed
-from the saved LSE, P = exp(QK^T * scale - LSE), with D_i = rowsum(dO * O); dQ accumulates
+Each tile is one call of an attention kernel that returns its log-sum-exp (``attention_kernels``:
+on the CPU ``aten._scaled_dot_product_flash_attention_for_cpu``, on CUDA the memory-efficient
+kernel), so a step holds O(block) memory, never a block x block score matrix. A tile whose rows see
+only part of its keys is cut in two calls: the keys every row sees (no mask) and the diagonal
+square, which is exactly the kernel's own causal mask. Backward follows FlashAttention-2 (Dao
+2023, alg. 2): each call's backward kernel gets the *final* output and LSE of its rows, so it
+recomputes P = exp(QK^T * scale - LSE) and D_i = rowsum(dO * O) of the whole row; dQ accumulates
 locally and dK/dV travel around the ring with their K/V block, so after n steps each block's
-gradient is back on its owner.
+gradient is back on its owner. Where no kernel applies (a dtype the kernel lacks, or one that
+failed its first-use check against the reference tile math), the tile is computed in explicit
+tensor math (``_tile_scores``).
 
 Layouts (which global positions a rank holds; positions are increasing in local index in both):
 
@@ -42,6 +49,7 @@ from typing import Literal
 
 import torch
 
+from .attention_kernels import AttentionKernel, kernel_for
 from .collectives import CollectiveNode
 from .comm import Comm
 
@@ -95,6 +103,33 @@ def block_tiles(q_chunks: Sequence[Chunk], k_chunks: Sequence[Chunk], *, causal:
     return tiles
 
 
+@dataclass(frozen=True)
+class Call:
+    """One attention-kernel call: query rows [q_lo, q_hi) against keys [k_lo, k_hi); `causal`:
+    the keys are the rows' own positions (a square on the diagonal), the kernel's causal mask."""
+
+    q_lo: int
+    q_hi: int
+    k_lo: int
+    k_hi: int
+    causal: bool
+
+
+def tile_calls(tile: Tile, q_chunks: Sequence[Chunk], k_chunks: Sequence[Chunk]) -> list[Call] | None:
+    """A tile as kernel calls: whole, or (masked) the keys every row sees plus the diagonal
+    square; None when the masked keys are not the rows' own positions (no kernel mask fits)."""
+    if not tile.masked:
+        return [Call(tile.q_lo, tile.q_hi, 0, tile.k_hi, False)]
+    first = _position(q_chunks, tile.q_lo)
+    split = sum(1 for i in range(tile.k_hi) if _position(k_chunks, i) < first)
+    square = tile.k_hi - split == tile.q_hi - tile.q_lo and all(
+        _position(k_chunks, split + i) == first + i for i in range(tile.q_hi - tile.q_lo))
+    if not square:
+        return None
+    whole = [Call(tile.q_lo, tile.q_hi, 0, split, False)] if split else []
+    return whole + [Call(tile.q_lo, tile.q_hi, split, tile.k_hi, True)]
+
+
 def ring_schedule(layout: Layout, rank: int, n: int, s_local: int, *, causal: bool) -> list[list[Tile]]:
     """The tiles `rank` computes at each ring step s (against the block of rank (rank - s) % n)."""
     mine = layout_chunks(layout, rank, n, s_local)
@@ -110,8 +145,9 @@ def _position(chunks: Sequence[Chunk], index: int) -> int:
     raise IndexError(f"local index {index} is outside the chunks {chunks}")
 
 
-def _positions(chunks: Sequence[Chunk]) -> torch.Tensor:
-    return torch.cat([torch.arange(c.position, c.position + c.length) for c in chunks])
+def _positions(chunks: Sequence[Chunk], device: torch.device) -> torch.Tensor:
+    """Global positions of a rank's rows, on the device of the scores they mask."""
+    return torch.cat([torch.arange(c.position, c.position + c.length, device=device) for c in chunks])
 
 
 def _check_layout(layout: str, s_local: int) -> None:
@@ -176,25 +212,37 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o_t, lse_t) -> Non
 
 @dataclass(frozen=True)
 class _Ring:
-    """What forward and backward share: the group, the schedule and the positions."""
+    """What forward and backward share: the group, the schedule, the positions and the kernel."""
 
     comm: Comm
     schedule: list[list[Tile]]
     q_pos: torch.Tensor
     block_pos: list[torch.Tensor]  # global positions of the block seen at each step
     scale: float
+    calls: list[list[list[Call] | None]]  # per step, per tile: its kernel calls (None: tile math)
+    kernel: AttentionKernel | None
 
     @classmethod
-    def build(cls, comm: Comm, s_local: int, d: int, causal: bool, scale: float | None, layout: Layout):
+    def build(cls, comm: Comm, s_local: int, d: int, causal: bool, scale: float | None, layout: Layout,
+              device: torch.device, dtype: torch.dtype):
         n, r = comm.size, comm.rank
         chunks = [layout_chunks(layout, b, n, s_local) for b in range(n)]
+        schedule = ring_schedule(layout, r, n, s_local, causal=causal)
+        calls = [[tile_calls(t, chunks[r], chunks[(r - s) % n]) for t in tiles] for s, tiles in enumerate(schedule)]
         return cls(
             comm,
-            ring_schedule(layout, r, n, s_local, causal=causal),
-            _positions(chunks[r]),
-            [_positions(chunks[(r - s) % n]) for s in range(n)],
+            schedule,
+            _positions(chunks[r], device),
+            [_positions(chunks[(r - s) % n], device) for s in range(n)],
             1.0 / math.sqrt(d) if scale is None else float(scale),
+            calls,
+            kernel_for(device, dtype),
         )
+
+    def work(self, step: int) -> list[tuple[Tile, list[Call] | None]]:
+        """The tiles of a step with their kernel calls (None: computed in tile math)."""
+        calls = self.calls[step] if self.kernel is not None else [None] * len(self.schedule[step])
+        return list(zip(self.schedule[step], calls))
 
 
 def _ring_forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,11 +250,18 @@ def _ring_forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     comm, kv = ring.comm, torch.stack([k, v])
     out = torch.zeros_like(q)
     lse = q.new_full((*q.shape[:-1], 1), float("-inf"))
-    for step, tiles in enumerate(ring.schedule):
+    for step in range(len(ring.schedule)):
         # the next block travels while this one is computed (async send/recv, waited after)
         following, transfer = _pass_on(comm, kv, async_op=True) if step < comm.size - 1 else (None, None)
         k_blk, v_blk = kv.to(q.dtype).unbind(0)
-        for tile in tiles:
+        for tile, calls in ring.work(step):
+            if calls is not None:
+                for c in calls:
+                    keys = slice(c.k_lo, c.k_hi)
+                    o_t, lse_t = ring.kernel.forward(q[..., c.q_lo: c.q_hi, :], k_blk[..., keys, :],
+                                                     v_blk[..., keys, :], c.causal, ring.scale)
+                    _merge(out, lse, slice(c.q_lo, c.q_hi), o_t, lse_t)
+                continue
             s = _tile_scores(q, k_blk, tile, ring.q_pos, ring.block_pos[step], ring.scale)
             lse_t = torch.logsumexp(s, dim=-1, keepdim=True)
             o_t = torch.exp(s - lse_t) @ v_blk[..., : tile.k_hi, :]
@@ -223,11 +278,21 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, dout) -> tuple[torch.Tensor, 
     delta = (dout * out).sum(dim=-1, keepdim=True)  # D_i = rowsum(dO * O), FlashAttention-2
     dq = torch.zeros_like(q)
     dkv = q.new_zeros((2, *k.shape))
-    for step, tiles in enumerate(ring.schedule):
+    for step in range(len(ring.schedule)):
         more = comm.size > 1 and step < comm.size - 1
         following, transfer = _pass_on(comm, kv, async_op=True) if more else (None, None)
         k_blk, v_blk = kv.to(q.dtype).unbind(0)
-        for tile in tiles:
+        for tile, calls in ring.work(step):
+            if calls is not None:
+                for c in calls:
+                    rows, keys = slice(c.q_lo, c.q_hi), slice(c.k_lo, c.k_hi)
+                    dq_t, dk_t, dv_t = ring.kernel.backward(
+                        dout[..., rows, :], q[..., rows, :], k_blk[..., keys, :], v_blk[..., keys, :],
+                        out[..., rows, :], lse[..., rows, :], c.causal, ring.scale)
+                    dq[..., rows, :] += dq_t
+                    dkv[0, ..., keys, :] += dk_t
+                    dkv[1, ..., keys, :] += dv_t
+                continue
             rows, keys = slice(tile.q_lo, tile.q_hi), slice(0, tile.k_hi)
             p = torch.exp(
                 _tile_scores(q, k_blk, tile, ring.q_pos, ring.block_pos[step], ring.scale) - lse[..., rows, :]
@@ -252,8 +317,8 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 class _RingAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm: Comm, causal: bool, scale: float | None, layout: Layout):
-        ring = _Ring.build(comm, q.shape[-2], q.shape[-1], causal, scale, layout)
         qc = q.to(_compute_dtype(q.dtype))
+        ring = _Ring.build(comm, q.shape[-2], q.shape[-1], causal, scale, layout, q.device, qc.dtype)
         out, lse = _ring_forward(ring, qc, k, v)
         ctx.ring = ring
         ctx.save_for_backward(qc, k, v, out, lse)

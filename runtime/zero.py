@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .reducer import GradReducer, pad_to_multiple
+from .training import NamedParameters
 
 
 class ZeroOptimizer:
@@ -39,8 +40,12 @@ class ZeroOptimizer:
             self.masters.append(master)
         sharded = {id(p) for b in self.buckets for _, p in b.params}
         rest = [p for p in other_params if id(p) not in sharded]
+        named = dict(zip(map(id, other_params), other_params.names)) if isinstance(other_params, NamedParameters) \
+            else {}
+        names = [tuple(named.get(id(p), (n,))[0] for n, p in b.params) for b in self.buckets] + \
+            [named.get(id(p), ()) for p in rest]
         # build: the executor's (a rank with nothing to train still gets an optimizer)
-        self.inner = (build or (lambda f, p: f(p)))(factory, self.masters + rest)
+        self.inner = (build or (lambda f, p: f(p)))(factory, NamedParameters(self.masters + rest, names))
 
     def _partition(self, bucket) -> tuple[torch.Tensor, nn.Parameter]:
         """One flat buffer per bucket; parameters become views into it; the master is my slice."""
@@ -85,3 +90,17 @@ class ZeroOptimizer:
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for state in self.inner.state.values()
                    for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def optimizer_state_examples(optimizer, state_specs) -> dict[str, torch.Tensor]:
+    """The state the user's optimizer keeps per parameter (key -> an example value), from one step
+    of a fresh copy on a one-element probe of the model's trainable dtype. A rank with nothing to
+    train (a frozen pipeline stage) learns the keys its peers hold this way, to join their
+    checkpoint collectives."""
+    inner = getattr(optimizer, "inner", optimizer)
+    dtype = next((s.dtype for s in state_specs if s.kind == "param" and s.trainable), torch.float32)
+    probe = nn.Parameter(torch.zeros(1, dtype=dtype))
+    fresh = type(inner)([probe], **inner.defaults)
+    probe.grad = torch.zeros_like(probe)
+    fresh.step()
+    return dict(fresh.state[probe])

@@ -11,11 +11,45 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Run the IR verifier after every compiler pass in tests (usc.compiler.pass_runner.run_pipeline).
 os.environ.setdefault("USC_DEBUG", "1")
 
+import datetime  # noqa: E402
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-# Bounded examples by default so CI stays fast; `pytest --hypothesis-profile=deep` explores more.
-# Tests that set their own max_examples keep them.
-settings.register_profile("ci", max_examples=6, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("deep", max_examples=200, deadline=None)
+# Bounded examples by default so CI stays fast, but new ones on every commit and every day: a fixed
+# seed would test the same few plans forever. The seed is printed in the header; replay a failure
+# with `pytest --hypothesis-seed=SEED` (or set USC_HYPOTHESIS_SEED). `--hypothesis-profile=deep`
+# explores 200 examples per test. Tests that set their own max_examples keep them.
+settings.register_profile("ci", max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("deep", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci")
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def ci_seed() -> int:
+    """USC_HYPOTHESIS_SEED if set, else the commit and today's UTC date (new examples per commit and day)."""
+    if os.environ.get("USC_HYPOTHESIS_SEED"):
+        return int(os.environ["USC_HYPOTHESIS_SEED"])
+    commit = int(_commit()[:8] or "0", 16)
+    return commit * 100000 + datetime.datetime.now(datetime.timezone.utc).date().toordinal() % 100000
+
+
+@pytest.hookimpl(tryfirst=True)  # before hypothesis' own pytest_configure reads the option
+def pytest_configure(config):
+    if config.getoption("hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = str(ci_seed())
+
+
+def pytest_report_header(config):
+    seed = config.getoption("hypothesis_seed", None)
+    return f"hypothesis seed {seed} (replay: pytest --hypothesis-seed={seed})"

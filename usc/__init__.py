@@ -10,6 +10,7 @@ from usc.dsl import Plan, PlanError, load_plan, parse_plan
 from usc.runtime.checkpoint import CheckpointError
 from usc.runtime.errors import CollectiveError, CollectiveTimeout, NonFiniteLoss
 
+from . import data, training
 from .api import Compiled, Simulated, compile, lint, plan, simulate
 
 __all__ = ["compile", "simulate", "lint", "plan", "parse_plan", "load_plan", "Plan", "PlanError", "CompileError",

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -11,16 +14,79 @@ from torch import nn
 from usc.compiler.errors import CompileError
 from usc.compiler.report import Report
 from usc.dsl import Plan, PlanError, parse_plan
-from usc.runtime import checkpoint
+from usc.runtime import checkpoint, checkpoint_state
+from usc.runtime.checkpoint import CheckpointError
+from usc.runtime.checkpoint_state import LoadResult
 from usc.runtime.executor import RankExecutor
 from usc.runtime.mesh import Mesh, run_in_threads, simulated_meshes
 from usc.runtime.moe import summarize
 from usc.runtime.timeline import Timeline
+from usc.runtime.training import EvalMode
+from usc.training import StepMetrics
 
-from .build import OptimizerFactory, _as_plan, _Compiled, _full_state, _WithLoss, as_batch
+from .build import OptimizerFactory, SchedulerFactory, _as_plan, _Compiled, _full_state
+from .model_call import trainable
 
 
-class Compiled(_Compiled):
+class _TrainingLoop:
+    """What Compiled and Simulated share of the loop a user writes: train()/eval(), the scheduler
+    stepped after each step, the step's metrics and the checkpoint's metadata."""
+
+    def train(self, mode: bool = True):
+        """As ``nn.Module.train``: steps and calls run with dropout as traced. Returns self."""
+        self.training = bool(mode)
+        return self
+
+    def eval(self):
+        """As ``nn.Module.eval``: dropout off in ``step(...)`` calls and evaluation. Returns self."""
+        return self.train(False)
+
+    def _mode(self, *, evaluating: bool = False):
+        return EvalMode() if evaluating or not self.training else contextlib.nullcontext()
+
+    def _schedulers_for(self, ranks: list) -> list:
+        if self._scheduler_factory is None:
+            return []
+        return [self._scheduler_factory(rank.torch_optimizer) for rank in ranks]
+
+    def _measure(self, ranks: list, schedulers: list, run: Callable[[], float], batch: tuple,
+                 shards: int = 1) -> float:
+        """Run one step, step the schedulers after it (torch's order: optimizer, then scheduler) and
+        record ``self.metrics``."""
+        lr = float(ranks[0].torch_optimizer.param_groups[0]["lr"])
+        cuda = ranks[0].mesh.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(ranks[0].mesh.device)
+        start = time.perf_counter()
+        value = run()
+        for scheduler in schedulers:
+            scheduler.step()
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated(ranks[0].mesh.device) if cuda else \
+            max(sum(rank.peak_state_bytes.values()) for rank in ranks)
+        labels = batch[-1] if batch and isinstance(batch[-1], torch.Tensor) else None
+        self.metrics = StepMetrics(step=ranks[0].steps_done, loss=value, grad_norm=ranks[0].grad_norm, lr=lr,
+                                   tokens=labels.numel() * shards if labels is not None else 0, seconds=seconds,
+                                   peak_bytes=int(peak))
+        return value
+
+    def _checkpoint_meta(self, rank, schedulers: list) -> dict:
+        meta = {**rank.checkpoint_meta(), "plan": str(self.plan)}
+        if schedulers:
+            meta["lr_scheduler"] = schedulers[0].state_dict()
+        return meta
+
+    @staticmethod
+    def _load_schedulers(reader, schedulers: list) -> None:
+        saved = reader.meta.get("lr_scheduler")
+        if saved is not None:
+            for scheduler in schedulers:
+                scheduler.load_state_dict(saved)
+
+
+
+
+class Compiled(_TrainingLoop, _Compiled):
     """The program for *this* torchrun process (one rank of the mesh).
 
     >>> step = usc.compile(model, "dp=2 tp=2", example_inputs=(tokens, labels))   # doctest: +SKIP
@@ -28,12 +94,30 @@ class Compiled(_Compiled):
     """
 
     _executor: RankExecutor | None = None
+    device: str | torch.device | None = None  # None: cuda:LOCAL_RANK under torchrun with CUDA, else the CPU
 
     def _rank(self) -> RankExecutor:
         if self._executor is None:
             mesh = self._mesh()
             self._executor = self._make_executor(mesh, _full_state(self.model, self._traced), self._optimizer)
+            self._schedulers = self._schedulers_for([self._executor])
         return self._executor
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """This rank's torch optimizer, the one that steps (ZeRO-1/2: over this rank's slices)."""
+        return self._rank().torch_optimizer
+
+    @property
+    def lr_scheduler(self):
+        """The scheduler ``lr_scheduler=`` built (None without one); stepped after every step."""
+        self._rank()
+        return self._schedulers[0] if self._schedulers else None
+
+    def _data_shards(self) -> int:
+        from usc.runtime.training import data_shard
+
+        return data_shard(self.program.inputs[0], self.program.mesh, self._rank().mesh.coord)[1]
 
     def _mesh(self) -> Mesh:
         axes, shape, world = tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), self.plan.world_size
@@ -44,17 +128,32 @@ class Compiled(_Compiled):
                 f"`torchrun --nproc-per-node {world} your_script.py` (more nodes: --nnodes), or use "
                 f"usc.simulate(...) to run every rank in this process")
         if world == 1 and launched == 1:
-            return simulated_meshes(axes, shape, timeout=self.timeout)[0]
-        return Mesh.from_environment(axes, shape, timeout=self.timeout)
+            return simulated_meshes(axes, shape, timeout=self.timeout, device=self.device or "cpu")[0]
+        return Mesh.from_environment(axes, shape, timeout=self.timeout, device=self.device)
 
-    def step(self, *batch, trace: str | None = None) -> float:
-        """One optimizer step on the global batch; returns the global mean loss."""
+    def step(self, *batch, max_grad_norm: float | None = None, local: bool = False, trace: str | None = None) -> float:
+        """One optimizer step on the global batch; returns the global mean loss.
+
+        local=True: ``batch`` is this rank's data shard only (``usc.data``: a DistributedSampler over
+        the dp x ep ranks); the loss is still the global token mean over every shard.
+
+        max_grad_norm: clip the gradient to this global L2 norm first (``clip_grad_norm_`` over the
+        whole model, exact on every plan; ``float('inf')`` measures the norm without clipping).
+        ``self.metrics`` then holds the step's loss, grad_norm, lr, tokens, time and peak bytes."""
+        if local and self._program is None:
+            raise RuntimeError("step(..., local=True) needs example_inputs= at compile: the global batch's shape")
+        batch = self.flat_batch(batch)
         self._ensure_built(batch)
         rank = self._rank()
         timeline = Timeline(rank.mesh.rank) if trace else None
         rank.set_timeline(timeline)
+        rank.max_grad_norm, rank.local_batch = max_grad_norm, local
+        shards = self._data_shards() if local else 1
         try:
-            return rank.step(batch)
+            with self._mode():
+                value = self._measure([rank], self._schedulers, lambda: rank.step(batch), batch, shards)
+            self.wait_checkpoint()  # a background save written while this step computed
+            return value
         finally:
             rank.set_timeline(None)
             if timeline is not None:
@@ -63,30 +162,60 @@ class Compiled(_Compiled):
                 timeline.to_chrome_trace(path)
 
     def __call__(self, *batch) -> float:
-        """The global mean loss on ``batch`` without updating anything."""
+        """The global mean loss on ``batch`` without updating anything (no gradients), in the
+        current mode: after ``eval()`` dropout is off, as in ``model.eval(); model(x)``."""
+        batch = self.flat_batch(batch)
         self._ensure_built(batch)
-        return self._rank().evaluate(batch)
+        with self._mode():
+            return self._rank().evaluate(batch)
+
+    def eval_step(self, *batch) -> float:
+        """The global mean loss on ``batch`` in evaluation mode (dropout off, no gradients), whatever
+        the current mode."""
+        batch = self.flat_batch(batch)
+        self._ensure_built(batch)
+        with self._mode(evaluating=True):
+            return self._rank().evaluate(batch)
 
     def activation_bytes(self, *batch) -> int:
         """Measured bytes of activations this rank saves for backward in one forward."""
+        batch = self.flat_batch(batch)
         self._ensure_built(batch)
         return self._rank().activation_bytes(batch)
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write model and optimizer state with torch.distributed.checkpoint (every rank calls it;
-        rank 0 writes). The checkpoint is plan-independent: load it under any plan."""
-        rank = self._rank()
-        tensors, meta = rank.checkpoint_state()
-        if rank.mesh.rank == 0:
-            checkpoint.write(path, tensors, {**meta, "plan": str(self.plan)})
-        _barrier()
+    _pending_save = None
 
-    def load(self, path: str | os.PathLike) -> None:
-        """Read a checkpoint saved under any plan; this rank takes its shards."""
+    def save(self, path: str | os.PathLike, *, background: bool = False) -> None:
+        """Write model, optimizer and scheduler state as a sharded checkpoint (every rank calls it):
+        each rank writes only the pieces it holds; rank 0 commits once all have written. Loads under
+        any plan (runtime/checkpoint.py has the format and its guarantees).
+
+        background=True: this rank's pieces are copied and written by a thread while training goes
+        on; the commit happens at the end of the next step (or ``wait_checkpoint``, ``save``, ``load``)."""
+        self.wait_checkpoint()
+        rank = self._rank()
+        meta = self._checkpoint_meta(rank, self._schedulers)
+        if not background:
+            checkpoint_state.save(rank, path, meta)
+            return
+        self._pending_save = checkpoint_state.start_save(rank, path, meta, background=True)
+
+    def wait_checkpoint(self) -> None:
+        """Commit a background save (a collective: every rank calls it at the same point)."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.finish()
+
+    def load(self, path: str | os.PathLike, *, strict: bool = True) -> LoadResult:
+        """Read a checkpoint saved under any plan; this rank reads only the pieces overlapping its
+        own. strict=False loads what matches and returns what did not (missing / unexpected)."""
         if self._program is None:
             raise RuntimeError("compile with example_inputs= (or call step() once) before load()")
-        tensors, meta = checkpoint.read_all(path)
-        self._rank().load_checkpoint_state(tensors, meta)
+        self.wait_checkpoint()
+        reader = checkpoint.Reader(path)
+        result = self._rank().load_from(reader, strict=strict)
+        self._load_schedulers(reader, self._schedulers)
+        return result
 
     def moe_stats(self) -> dict:
         """This rank's view of each MoE layer over the last step (loads of its own experts, the
@@ -99,11 +228,24 @@ class Compiled(_Compiled):
         return {k: full[k] for k in self._user_model.state_dict() if k in full}
 
 
-def _barrier() -> None:
-    import torch.distributed as dist
+def _save_rank(rank, path, meta: dict) -> CheckpointError | None:
+    return _finish(None, lambda: checkpoint_state.save(rank, path, meta))
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+
+def _finish(pending, save=None) -> CheckpointError | None:
+    """A simulated rank's save outcome, returned: every rank agreed on it, and raising it inside
+    the rank threads would tear the simulated groups down."""
+    try:
+        (save or pending.finish)()
+    except CheckpointError as err:
+        return err
+    return None
+
+
+def _raise_first(failures: list) -> None:
+    first = next((e for e in failures if e is not None), None)
+    if first is not None:
+        raise first
 
 
 def _rank_path(path: str, rank: int) -> str:
@@ -111,28 +253,44 @@ def _rank_path(path: str, rank: int) -> str:
     return f"{root}.rank{rank}{ext or '.json'}"
 
 
-class Simulated(_Compiled):
+class Simulated(_TrainingLoop, _Compiled):
     """Every rank of the mesh in this process (one thread per rank, in-memory collectives)."""
 
     def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None,
-                 optimizer: OptimizerFactory | None = None) -> None:
+                 optimizer: OptimizerFactory | None = None, device: str | torch.device = "cpu",
+                 lr_scheduler: SchedulerFactory | None = None) -> None:
         if example_inputs is None:
             raise TypeError("usc.simulate needs example_inputs=(...) (the global batch)")
-        super().__init__(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+        super().__init__(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                         lr_scheduler=lr_scheduler)
         self._ensure_built(())
-        self.meshes = simulated_meshes(tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), timeout=self.timeout)
+        self.device = device  # every simulated rank computes there (one GPU holds the whole mesh)
+        self.meshes = simulated_meshes(tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), timeout=self.timeout,
+                                       device=device)
         state = _full_state(self.model, self._traced)
         self.ranks = [self._make_executor(mesh, state, optimizer) for mesh in self.meshes]
+        self.lr_schedulers = self._schedulers_for(self.ranks)  # one per rank, stepped together
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every rank's torch optimizer (change a setting on all of them, or use lr_scheduler=)."""
+        return [rank.torch_optimizer for rank in self.ranks]
 
     def _run(self, fn) -> list:
         return run_in_threads(self.meshes, lambda mesh: fn(self.ranks[mesh.rank]), timeout=self.timeout)
 
-    def step(self, *batch, trace: str | None = None) -> float:
+    def step(self, *batch, max_grad_norm: float | None = None, trace: str | None = None) -> float:
+        """As ``Compiled.step``, every rank in this process."""
         timeline = Timeline(0) if trace else None
         for rank in self.ranks:
             rank.set_timeline(timeline)
+            rank.max_grad_norm = max_grad_norm
         try:
-            return self._run(lambda rank: rank.step(batch))[0]
+            batch = self.flat_batch(batch)
+            run = lambda: self._run(lambda rank: self._in_mode(rank.step, batch))[0]  # noqa: E731
+            value = self._measure(self.ranks, self.lr_schedulers, run, batch)
+            self.wait_checkpoint()
+            return value
         finally:
             for rank in self.ranks:
                 rank.set_timeline(None)
@@ -141,8 +299,17 @@ class Simulated(_Compiled):
                     timeline.exposed_comm_seconds(rank=r) for r in range(len(self.ranks)))
                 timeline.to_chrome_trace(trace)
 
+    def _in_mode(self, fn, batch: tuple, *, evaluating: bool = False):
+        with self._mode(evaluating=evaluating):  # mode stacks are per thread: each rank enters its own
+            return fn(batch)
+
     def __call__(self, *batch) -> float:
-        return self._run(lambda rank: rank.evaluate(batch))[0]
+        batch = self.flat_batch(batch)
+        return self._run(lambda rank: self._in_mode(rank.evaluate, batch))[0]
+
+    def eval_step(self, *batch) -> float:
+        batch = self.flat_batch(batch)
+        return self._run(lambda rank: self._in_mode(rank.evaluate, batch, evaluating=True))[0]
 
     def memory_bytes(self) -> list[dict[str, int]]:
         """Measured bytes held per rank in parameters, gradients and optimizer state."""
@@ -150,18 +317,32 @@ class Simulated(_Compiled):
 
     def activation_bytes(self, *batch) -> list[int]:
         """Measured bytes of activations saved for backward by one forward, per rank."""
+        batch = self.flat_batch(batch)
         return self._run(lambda rank: rank.activation_bytes(batch))
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write model and optimizer state with torch.distributed.checkpoint; loads under any plan."""
-        tensors, meta = self._run(lambda rank: rank.checkpoint_state())[0]
-        checkpoint.write(path, tensors, {**meta, "plan": str(self.plan)})
+    _pending_saves = None
 
-    def load(self, path: str | os.PathLike) -> None:
-        """Read a checkpoint saved under any plan; every rank takes its shards."""
-        tensors, meta = checkpoint.read_all(path)
-        for rank in self.ranks:
-            rank.load_checkpoint_state(tensors, meta)
+    def save(self, path: str | os.PathLike, *, background: bool = False) -> None:
+        """As ``Compiled.save``: every rank writes its own pieces."""
+        self.wait_checkpoint()
+        meta = self._checkpoint_meta(self.ranks[0], self.lr_schedulers)
+        if not background:
+            _raise_first(self._run(lambda rank: _save_rank(rank, path, meta)))
+            return
+        self._pending_saves = self._run(lambda rank: checkpoint_state.start_save(rank, path, meta, background=True))
+
+    def wait_checkpoint(self) -> None:
+        pending, self._pending_saves = self._pending_saves, None
+        if pending is not None:
+            _raise_first(self._run(lambda rank: _finish(pending[rank.mesh.rank])))
+
+    def load(self, path: str | os.PathLike, *, strict: bool = True) -> LoadResult:
+        """As ``Compiled.load``: every rank reads the pieces overlapping its own."""
+        self.wait_checkpoint()
+        reader = checkpoint.Reader(path)
+        results = [rank.load_from(reader, strict=strict) for rank in self.ranks]
+        self._load_schedulers(reader, self.lr_schedulers)
+        return results[0]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         full = self._run(lambda rank: rank.full_state_dict())[0]
@@ -178,7 +359,8 @@ class Simulated(_Compiled):
 
 
 def compile(model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
-            optimizer: OptimizerFactory | None = None) -> Compiled:
+            optimizer: OptimizerFactory | None = None, device: str | torch.device | None = None,
+            lr_scheduler: SchedulerFactory | None = None) -> Compiled:
     """Compile ``model`` for the mesh in ``plan`` and return this torchrun process's program.
 
     >>> import usc, torch
@@ -188,11 +370,15 @@ def compile(model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=
     >>> isinstance(step.step(*batch), float)
     True
     """
-    return Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+    compiled = Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                        lr_scheduler=lr_scheduler)
+    compiled.device = device
+    return compiled
 
 
 def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None,
-             optimizer: OptimizerFactory | None = None) -> Simulated:
+             optimizer: OptimizerFactory | None = None, device: str | torch.device = "cpu",
+             lr_scheduler: SchedulerFactory | None = None) -> Simulated:
     """Compile ``model`` and run every rank of the mesh in this process.
 
     >>> import usc
@@ -202,7 +388,8 @@ def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None
     >>> isinstance(sim.step(*batch), float)
     True
     """
-    return Simulated(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer)
+    return Simulated(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer, device=device,
+                     lr_scheduler=lr_scheduler)
 
 
 def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, hardware=None) -> Report:
@@ -221,7 +408,7 @@ def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, ha
         if not result.exceptions:  # refused by a lint check before compiling: the compiler's own words
             _Compiled(model, result.plan, example_inputs=example_inputs, loss_fn=loss_fn, traced=result.traced)
         raise first_error(result)
-    result.compiled._attach_cost(as_batch(example_inputs), hardware)
+    result.compiled._attach_cost(result.compiled.flat_batch((example_inputs,)), hardware)
     return result.report
 
 
@@ -243,8 +430,8 @@ def plan(model: nn.Module, spec: str | Plan, *, example_inputs, loss_fn=None, ha
     """
     from usc.planning import choose
 
-    model = _WithLoss(model, loss_fn) if loss_fn is not None else model
-    batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    model = trainable(model, loss_fn)
+    batch = model.flatten(example_inputs)
     return choose(model, _as_plan(spec) if not isinstance(spec, str) else spec, batch, hardware=hardware, keep=keep)
 
 

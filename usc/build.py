@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
+from collections.abc import Mapping
 from typing import Callable, Iterable
 
 import torch
@@ -18,35 +19,20 @@ from usc.compiler.report import Report, build_report
 from usc.compiler.trace import is_meta_model, trace
 from usc.dsl import Plan, check_rules_match, parse_plan
 from usc.passes import parallelize
-from usc.passes.pipeline_schedule import build_schedule
+from usc.passes.pipeline_schedule import build_schedule, refuse_unimplemented
 from usc.passes.pipeline_schedule_check import check_schedule
 from usc.runtime.executor import PipelineExecutor, RankExecutor, estimate_activation_bytes
 from usc.planning import estimate_plan
 
+from .model_call import BatchLayout, trainable, with_checkpointed_layers
+
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], "torch.optim.lr_scheduler.LRScheduler"]
 
 
-class _WithLoss(nn.Module):
-    """model + loss_fn as one module whose forward returns the loss; module names stay the model's.
-
-    The batch is ``(*model_inputs, target)`` and the loss is ``loss_fn(model(*model_inputs), target)``.
-    """
-
-    def __init__(self, model: nn.Module, loss_fn: Callable) -> None:
-        super().__init__()
-        for name, child in model.named_children():
-            self.add_module(name, child)
-        for name, param in model.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        for name, buf in model.named_buffers(recurse=False):
-            self.register_buffer(name, buf)
-        self._wrapped = (model,)
-        self._loss_fn = loss_fn
-
-    def forward(self, *batch):
-        *inputs, target = batch
-        return self._loss_fn(self._wrapped[0](*inputs), target)
+def _samples(batch: tuple) -> int | None:
+    return next((v.shape[0] for v in batch if isinstance(v, torch.Tensor) and v.dim() > 0), None)
 
 
 def _source_of(fn) -> str:
@@ -69,7 +55,13 @@ def _as_plan(plan: str | Plan) -> Plan:
 
 
 def as_batch(example_inputs) -> tuple:
-    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    """The flat tuple of a batch as the user holds it (tuple, mapping or one tensor; usc/model_call.py)."""
+    return BatchLayout.of(example_inputs).flatten(example_inputs)
+
+
+def user_batch(args: tuple):
+    """``step(tokens, labels)``, ``step((tokens, labels))``, ``step(batch_dict)``: the batch itself."""
+    return args[0] if len(args) == 1 and isinstance(args[0], (Mapping, tuple, list)) else args
 
 
 def _full_state(model: nn.Module, traced) -> dict[str, torch.Tensor]:
@@ -91,9 +83,15 @@ class _Compiled:
     """What compile and simulate share: the plan, the traced program and its report."""
 
     def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
-                 optimizer: OptimizerFactory | None = None, hardware=None, traced=None) -> None:
-        self.plan = _as_plan(plan)
-        self.model = _WithLoss(model, loss_fn) if loss_fn is not None else model
+                 optimizer: OptimizerFactory | None = None, hardware=None, traced=None,
+                 lr_scheduler: SchedulerFactory | None = None) -> None:
+        self.plan = with_checkpointed_layers(_as_plan(plan), model)
+        self.training = model.training  # torch's default: a module starts in training mode
+        self._scheduler_factory = lr_scheduler
+        self.metrics = None  # the last step's StepMetrics (usc/api.py)
+        self.model = trainable(model, loss_fn)
+        if example_inputs is not None:
+            example_inputs = self.model.flatten(example_inputs)
         if self.plan.auto:
             self.plan = _resolve_auto(self.model, self.plan, example_inputs, hardware)
         self._loss_source = _source_of(loss_fn) if loss_fn is not None else ""
@@ -102,7 +100,7 @@ class _Compiled:
         self._program = None
         self._report: Report | None = None
         if example_inputs is not None:
-            self._build(as_batch(example_inputs), traced=traced)
+            self._build(example_inputs, traced=traced)
 
     def trace(self, batch: tuple, *, stamp: bool = False):
         """The traced model for one global microbatch of ``batch`` (plans with the same mb share it).
@@ -113,8 +111,13 @@ class _Compiled:
         if stamp and not moe_blocks:
             from usc.compiler.stamp import trace_stamped
 
-            return trace_stamped(self.model, microbatch, wrapper_source=self._loss_source)
-        return trace(self.model, microbatch, wrapper_source=self._loss_source, moe_blocks=moe_blocks)
+            traced = trace_stamped(self.model, microbatch, wrapper_source=self._loss_source)
+        else:
+            traced = trace(self.model, microbatch, wrapper_source=self._loss_source, moe_blocks=moe_blocks)
+        if int(self.plan.get("mb")) > 1 and _samples(microbatch) == 1:
+            pair = tuple(v[:2] if isinstance(v, torch.Tensor) and v.dim() else v for v in batch)
+            traced.batch_probe = trace(self.model, pair, wrapper_source=self._loss_source, moe_blocks=moe_blocks)
+        return traced
 
     def _attach_cost(self, batch: tuple, hardware) -> None:
         """The cost model's time breakdown for this plan (and the planner's reasons, if it chose)."""
@@ -127,6 +130,7 @@ class _Compiled:
 
     def _build(self, batch: tuple, *, traced=None) -> None:
         start = time.perf_counter()
+        refuse_unimplemented(self.plan)  # before tracing: nothing else about the model matters
         traced = traced if traced is not None else self.trace(batch)
         check_rules_match(self.plan, list(traced.module_types))
         self._traced = traced
@@ -218,6 +222,10 @@ class _Compiled:
     @property
     def program(self):
         return self._program
+
+    def flat_batch(self, args: tuple) -> tuple:
+        """The program's flat inputs for a step's arguments (see ``user_batch``)."""
+        return self.model.flatten(user_batch(args))
 
     def _ensure_built(self, batch: tuple) -> None:
         if self._program is None:

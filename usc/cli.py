@@ -76,10 +76,11 @@ def parser() -> argparse.ArgumentParser:
 def print_schedule(plan_text: str, as_json: bool, png: str | None = None) -> int:
     """The schedule is data: generated, checked and drawn without running (or tracing) anything."""
     from usc.dsl import parse_plan
-    from usc.passes.pipeline_schedule import build_schedule
+    from usc.passes.pipeline_schedule import build_schedule, refuse_unimplemented
     from usc.passes.pipeline_schedule_check import check_schedule, render_timeline
 
     plan = parse_plan(plan_text)
+    refuse_unimplemented(plan)
     pp, v, mb, name = plan.size("pp"), int(plan.get("v")), int(plan.get("mb")), plan.get("schedule")
     schedule = build_schedule(name, pp, v, mb)
     metrics = check_schedule(schedule)
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.schedule:
             try:
                 return print_schedule(_plan_text(args), args.json, args.schedule_png)
-            except (PlanError, ValueError, NotImplementedError, ImportError) as err:
+            except (PlanError, ValueError, ImportError) as err:
                 print(f"usc-lint: {type(err).__name__}: {err}", file=sys.stderr)
                 return 1
         if args.diff:

@@ -23,11 +23,12 @@ from usc.compiler.pass_runner import pipeline_stages
 from usc.compiler.report import Report
 from usc.dsl import Plan, PlanError
 from usc.passes.mesh_order_check import check_mesh_order, rank_programs
-from usc.passes.pipeline_schedule import build_schedule
+from usc.passes.pipeline_schedule import build_schedule, refuse_unimplemented
 from usc.passes.pipeline_schedule_check import ScheduleError, check_schedule, render_timeline
 from usc.passes.pipeline_split import node_flops
 
-from .build import _as_plan, _Compiled, _resolve_auto, _WithLoss, as_batch
+from .build import _as_plan, _Compiled, _resolve_auto
+from .model_call import trainable
 
 PLAN_ONLY = ("USC100", "USC101")  # what can be said of a plan that does not parse
 
@@ -68,6 +69,7 @@ class LintResult:
 def pipeline_schedule(plan: Plan):
     """(schedule, metrics, bubble_at, picture) of a pp plan; bubble_at(mb) gives the bubble with
     another microbatch count (for the suggestion of USC206)."""
+    refuse_unimplemented(plan)
     pp, v, mb, name = plan.size("pp"), int(plan.get("v")), int(plan.get("mb")), plan.get("schedule")
     schedule = build_schedule(name, pp, v, mb)
 
@@ -93,7 +95,7 @@ def _compiled_input(plan: Plan, compiled: _Compiled, facts, hardware) -> tuple[L
     if plan.size("pp") > 1:
         try:
             schedule, metrics, bubble_at, picture = pipeline_schedule(plan)
-        except (ValueError, NotImplementedError, ScheduleError) as err:
+        except (PlanError, ValueError, ScheduleError) as err:
             errors.append(_as_error(plan, err, "schedule"))
     problems = []
     if plan.size("pp") == 1 or schedule is not None:
@@ -118,7 +120,8 @@ def lint_plan(model, plan, *, example_inputs, loss_fn=None, hardware: str | Hard
     try:
         plan = _as_plan(plan)
         if plan.auto:  # the planner chooses first (for this hardware unless the plan names one); lint checks it
-            plan = _resolve_auto(_WithLoss(model, loss_fn) if loss_fn is not None else model, plan, example_inputs,
+            wrapped = trainable(model, loss_fn)
+            plan = _resolve_auto(wrapped, plan, wrapped.flatten(example_inputs),
                                  None if plan.is_set("hardware") else profile)
     except (PlanError, CompileError) as err:
         return LintResult(text, None, None, run_rules(LintInput(errors=(err,)), select=PLAN_ONLY), profile,
@@ -126,7 +129,7 @@ def lint_plan(model, plan, *, example_inputs, loss_fn=None, hardware: str | Hard
     if profile is not None:
         profile = with_plan_memory(profile, plan)
     compiled = _Compiled(model, plan, loss_fn=loss_fn)
-    batch = as_batch(example_inputs)
+    batch = compiled.flat_batch((example_inputs,))
     try:
         traced = traced if traced is not None else compiled.trace(batch, stamp=stamp)
     except (PlanError, CompileError) as err:

@@ -135,6 +135,19 @@ def test_schedule_json_and_bad_schedule(capsys):
     assert "multiple of pp" in capsys.readouterr().err
 
 
+def test_an_unimplemented_schedule_is_refused_at_its_name(capsys):
+    """schedule=dualpipe parses (the name is reserved) but has no generator: a PlanError with a
+    caret under it and what to write instead, from --schedule and from compile alike."""
+    assert usc.cli.main(["--schedule", "--plan", "pp=2 mb=4 schedule=dualpipe"]) == 1
+    err = capsys.readouterr().err
+    assert "PlanError: line 1, column 11: schedule=dualpipe is not implemented" in err
+    assert "use schedule=zb" in err and "NotImplementedError" not in err
+    from usc.testing.models import TinyLlama, token_batch
+
+    with pytest.raises(usc.PlanError, match="(?s)schedule=dualpipe is not implemented.*schedule=zb"):
+        usc.simulate(TinyLlama(), "pp=2 mb=2 schedule=dualpipe", example_inputs=token_batch(128, 4, 16))
+
+
 def test_findings_carry_codes_and_strict_fails_on_warnings(capsys):
     code, out, _ = run_main(capsys, FACTORY, "--plan", "tp=4")  # 2 kv heads: USC204 warning
     assert code == 0

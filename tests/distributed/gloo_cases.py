@@ -115,9 +115,9 @@ def die_inside_a_step_after_a_checkpoint(rank: int, world_size: int, plan: str, 
 
     ProcessGroupComm._all_reduce = counting
     step.step(*batches[0])
+    per_step = calls["n"]  # step 1's all-reduces (the save below issues its own)
     step.save(path)
     if rank == 1:
-        per_step = calls["n"]
         calls.update(n=0, die_at=per_step // 2 + 1)
     start = time.monotonic()
     try:

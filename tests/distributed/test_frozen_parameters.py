@@ -134,3 +134,39 @@ def test_lora_fine_tuning_on_a_3d_plan_equals_one_device(plan):
     result = assert_equivalent(_lora, plan, _tokens(), optimizer=_momentum, rtol=1e-10, atol=1e-12,
                                param_atol=1e-10)
     assert result.reference_losses[0] != result.reference_losses[-1]  # the adapters did train
+
+
+def fine_tune_on_gloo(rank: int, world_size: int, plan: str) -> list[float]:
+    torch.set_num_threads(1)
+    batches = _tokens()
+    step = usc.compile(_fine_tuned(), f"{plan} timeout=90", example_inputs=batches[0], optimizer=_momentum)
+    return [step.step(*b) for b in batches]
+
+
+def test_a_frozen_first_stage_on_gloo_processes():
+    """Real processes: the pp rank of the frozen stage has nothing to train and steps with the rest."""
+    from harness import run_world
+
+    reference = _fine_tuned()
+    optimizer = _momentum(reference.parameters())
+    expected = []
+    for batch in _tokens():
+        loss = reference(*batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    for losses in run_world(fine_tune_on_gloo, 4, "dp=2 zero=1 pp=2 mb=2", timeout=240):
+        assert losses == pytest.approx(expected, rel=1e-10)
+
+
+def test_a_checkpoint_with_a_frozen_stage_loads_under_another_plan(tmp_path):
+    """The frozen stage holds no optimizer state, yet joins the checkpoint's collectives."""
+    batches = _tokens()
+    sim = usc.simulate(_fine_tuned(), "dp=2 zero=1 pp=2 mb=2", example_inputs=batches[0], optimizer=_momentum)
+    sim.step(*batches[0])
+    sim.save(tmp_path / "ckpt")
+    other = usc.simulate(_fine_tuned(), "dp=2 tp=2", example_inputs=batches[0], optimizer=_momentum)
+    other.load(tmp_path / "ckpt")
+    for batch in batches[1:]:
+        assert other.step(*batch) == pytest.approx(sim.step(*batch), rel=1e-10)

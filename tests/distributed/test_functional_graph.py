@@ -82,6 +82,13 @@ def test_writes_through_views_train_as_on_one_device(plan):
     assert_equivalent(_scan_net, plan, _batches(), optimizer=_sgd, rtol=1e-10, atol=1e-12, param_atol=1e-10)
 
 
+def test_tensor_parallel_splits_the_layers_that_write_through_views():
+    """The tp plans above split up/down (the writes are carried through), not replicate them."""
+    report = usc.lint(_scan_net(True), "dp=2 tp=2", example_inputs=_batches(1)[0])
+    styles = {c.module: c.style for c in report.tp_choices}
+    assert styles["layers.0.up"] == "colwise" and styles["layers.0.down"] == "rowwise"
+
+
 class Counter(nn.Module):
     """A buffer the forward writes (a step counter) that the loss reads, and an input it writes."""
 
@@ -135,6 +142,48 @@ def test_buffer_and_input_writes_persist_as_on_one_device(plan):
     assert any("forward writes its input 'x'" in w for w in sim.report.warnings)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(full[name], value, rtol=1e-10, atol=1e-12)
+
+
+class RunningMean(nn.Module):
+    """A buffer updated under torch.no_grad from a batch statistic (an EMA, as running statistics
+    are kept), read by the loss; a detached copy is read too. No gradient may flow through either."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, D)) for _ in range(2))
+        self.register_buffer("ema", torch.zeros(D, dtype=torch.float64))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = x + layer(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * x.mean((0, 1)))
+            shifted = x * 0.5
+        return ((x - y + self.ema + shifted) ** 2).mean() + (x.detach() * x).mean()
+
+
+def _running_mean() -> nn.Module:
+    torch.manual_seed(0)
+    return RunningMean().double()
+
+
+@pytest.mark.parametrize("plan", ["dp=1", "dp=2", "tp=2", "dp=2 tp=2"])
+def test_no_grad_buffer_updates_from_batch_statistics_as_on_one_device(plan):
+    batches = _counter_batches()
+    reference = _running_mean()
+    expected = _run_reference(reference, batches, 3)
+    sim = usc.simulate(_running_mean(), plan, example_inputs=batches[0], optimizer=_sgd)
+    assert [sim.step(*batches[i % 2]) for i in range(3)] == pytest.approx(expected, rel=1e-10)
+    full = sim.full_state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=1e-10, atol=1e-12)
+
+
+def test_a_buffer_written_from_the_batch_is_refused_under_microbatches():
+    batches = _counter_batches()
+    with pytest.raises(usc.PlanError, match=r"mb=2 .* writes buffer 'ema' \(test_functional_graph.py:\d+\) from a "
+                                            r"value that depends on the batch"):
+        usc.simulate(_running_mean(), "dp=2 mb=2", example_inputs=batches[0], optimizer=_sgd)
 
 
 def test_the_same_tensor_twice_stays_two_inputs():

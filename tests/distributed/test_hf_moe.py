@@ -45,7 +45,17 @@ def _gpt_oss():  # biased experts, interleaved gate/up, clamped SwiGLU; router: 
     return transformers.GptOssForCausalLM(cfg)
 
 
-FAMILIES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "gpt_oss": _gpt_oss}
+def _deepseek_v3():  # sigmoid router, correction bias, 2 groups of which 1 is kept, scaled, shared expert
+    cfg = transformers.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, n_routed_experts=8,
+                                        num_experts_per_tok=2, moe_intermediate_size=20, n_group=2, topk_group=1,
+                                        n_shared_experts=1, first_k_dense_replace=0, q_lora_rank=None,
+                                        kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6,
+                                        routed_scaling_factor=2.5)
+    return transformers.DeepseekV3ForCausalLM(cfg)
+
+
+FAMILIES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "gpt_oss": _gpt_oss,
+            "deepseek_v3": _deepseek_v3}
 
 
 def _wide_routers(model: torch.nn.Module) -> torch.nn.Module:
@@ -57,22 +67,18 @@ def _wide_routers(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-class LossOf(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.m = model
-
-    def forward(self, ids, labels):
-        return self.m(input_ids=ids, labels=labels).loss
-
-
 def family(name: str):
-    return lambda: LossOf(_wide_routers(FAMILIES[name]()))
+    return lambda: _wide_routers(FAMILIES[name]())
 
 
 def batch(seed: int, rows: int = 4, seq: int = 6):
     ids = torch.randint(0, VOCAB, (rows, seq), generator=torch.Generator().manual_seed(seed))
     return ids, ids
+
+
+def collated(seed: int) -> dict:
+    ids, labels = batch(seed)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
 def sgd(params):
@@ -82,7 +88,7 @@ def sgd(params):
 @pytest.mark.parametrize("plan", ["dp=2 ep=2", "dp=2 ep=2 tp=2"])
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_hf_moe_families_equal_one_device(name, plan):
-    result = assert_equivalent(family(name), plan, [batch(s) for s in range(3)], optimizer=sgd)
+    result = assert_equivalent(family(name), plan, [collated(s) for s in range(3)], optimizer=sgd)
     assert result.max_param_diff <= 1e-6
 
 
@@ -100,22 +106,36 @@ def test_experts_and_routers_are_recognised_by_interface(name):
 
 
 def test_expert_weights_are_split_over_ep():
-    sim = usc.simulate(family("qwen3_moe")(), "dp=2 ep=2", example_inputs=batch(0))
-    full = sim.full_state_dict()["m.model.layers.1.mlp.experts.gate_up_proj"]
+    sim = usc.simulate(family("qwen3_moe")(), "dp=2 ep=2", example_inputs=collated(0))
+    full = sim.full_state_dict()["model.layers.1.mlp.experts.gate_up_proj"]
     assert tuple(full.shape) == (4, 40, HIDDEN)
     # dp=2 ep=2 is the mesh ep=2 (2 ranks): rank 1 holds experts 2 and 3
-    assert torch.equal(sim.rank_state(1)["m.model.layers.1.mlp.experts.gate_up_proj"], full[2:])
+    assert torch.equal(sim.rank_state(1)["model.layers.1.mlp.experts.gate_up_proj"], full[2:])
 
 
 def test_load_statistics_count_every_assignment():
-    ids, labels = batch(0)
-    sim = usc.simulate(family("gpt_oss")(), "dp=2 ep=2", example_inputs=(ids, labels))
-    sim.step(ids, labels)
+    ids = collated(0)["input_ids"]
+    sim = usc.simulate(family("gpt_oss")(), "dp=2 ep=2", example_inputs=collated(0))
+    sim.step(collated(0))
     stats = sim.moe_stats()
-    assert sorted(stats) == ["m.model.layers.0.mlp.experts", "m.model.layers.1.mlp.experts"]
+    assert sorted(stats) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     for layer in stats.values():
         assert sum(layer.tokens_per_expert) == ids.numel() * 2  # dropless: every (token, slot)
         assert sum(layer.tokens_per_rank) == ids.numel() * 2
+
+
+def test_mixtral_load_balancing_loss_equals_one_device():
+    """output_router_logits=True: Mixtral adds its auxiliary loss from the router logits it records."""
+    def make():
+        cfg = transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                         output_router_logits=True, router_aux_loss_coef=0.05)
+        return _wide_routers(transformers.MixtralForCausalLM(cfg))
+
+    result = assert_equivalent(make, "dp=2 ep=2", [collated(s) for s in range(2)], optimizer=sgd)
+    assert result.max_param_diff <= 1e-6
+    torch.manual_seed(0)
+    without = _wide_routers(_mixtral())(**collated(0)).loss.item()
+    assert abs(result.losses[0] - without) > 1e-3  # the auxiliary loss is in
 
 
 # ------------------------------------------------- DeepSeek-V3's MoE block (group-limited routing)
@@ -123,7 +143,7 @@ class DeepSeekV3MoEModel(torch.nn.Module):
     """Embedding, HF's DeepseekV3MoE (sigmoid router with correction bias, 4 groups of which 2 are
     kept, top-3 renormalised and scaled by 2.5, one shared expert), lm head.
 
-    DeepSeek-V3's whole model is not used: its attention needs op rules outside the MoE."""
+    More groups and a larger top-k than the whole model's test, with a non-zero correction bias."""
 
     def __init__(self) -> None:
         super().__init__()

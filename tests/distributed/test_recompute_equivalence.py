@@ -35,25 +35,28 @@ def test_recompute_composes_with_every_dimension(plan):
     assert_equivalent(factory, plan, [batch(seed) for seed in range(2)])
 
 
-def _train(plan: str, batches, config: LlamaConfig = LlamaConfig()) -> tuple[list[float], dict]:
+def _train(plan: str, batches, config: LlamaConfig = LlamaConfig(), *, recomputes: bool = False):
     torch.manual_seed(0)
     sim = usc.simulate(TinyLlama(config), plan, example_inputs=batches[0])
+    assert bool(sim.report.recompute) == recomputes, f"{plan}: recompute regions {sim.report.recompute}"
     return [sim.step(*b) for b in batches], sim.full_state_dict()
 
 
-@given(plan=plans(max_ranks=4), mode=st.sampled_from(["selective", "full"]))
+@given(plan=plans(max_ranks=4, dtype=True), mode=st.sampled_from(["selective", "full"]))
 @settings(max_examples=4, deadline=None)
 def test_recompute_changes_no_number_of_any_plan(plan, mode):
     """Recompute runs the same kernels on the same values: losses and parameters are bit-identical
-    to the same plan without it (a stronger check than float32 tolerances against one device)."""
+    to the same plan without it (a stronger check than float32 tolerances against one device).
+    Every plan the strategy draws fits the 2-layer model (batch 8 x 16): a PlanError is a failure."""
     base = re.sub(r" ?recompute=\w+", "", plan).strip() or "dp=1"
     batches = [token_batch(128, 8, 16, seed=s) for s in range(2)]
     config = LlamaConfig(layers=2)
-    try:
-        losses, state = _train(base, batches, config)
-    except usc.PlanError:
-        return  # the plan does not fit the model; test_plan_space covers the error
-    again, state_again = _train(f"{base} recompute={mode}", batches, config)
+    losses, state = _train(base, batches, config)
+    if "schedule=zb" in base:  # zb splits backward in two; recompute is refused with it, by name
+        with pytest.raises(usc.PlanError, match=f"recompute={mode} with schedule=zb is not implemented"):
+            _train(f"{base} recompute={mode}", batches, config)
+        return
+    again, state_again = _train(f"{base} recompute={mode}", batches, config, recomputes=True)
     assert again == losses
     assert all(torch.equal(state[k], state_again[k]) for k in state)
 
@@ -62,7 +65,7 @@ def test_bf16_recompute_computes_exactly_what_bf16_computes():
     batches = [token_batch(128, 4, 16, seed=s) for s in range(2)]
     losses, state = _train("dp=2 dtype=bf16", batches)
     for mode in ("full", "selective"):
-        again, state_again = _train(f"dp=2 dtype=bf16 recompute={mode}", batches)
+        again, state_again = _train(f"dp=2 dtype=bf16 recompute={mode}", batches, recomputes=True)
         assert again == losses
         assert all(torch.equal(state[k], state_again[k]) for k in state)
 

@@ -111,7 +111,7 @@ def test_checkpoint_with_a_missing_piece_names_it(tmp_path):
     sim = usc.simulate(TinyLlama(), "dp=2", example_inputs=batch)
     sim.step(*batch)
     sim.save(tmp_path / "ckpt")
-    piece = next(p for p in os.listdir(tmp_path / "ckpt") if p.endswith(".distcp"))
+    piece = next(p for p in sorted(os.listdir(tmp_path / "ckpt")) if p.endswith(".pt"))
     os.remove(tmp_path / "ckpt" / piece)
     with pytest.raises(usc.CheckpointError) as info:
         sim.load(tmp_path / "ckpt")
@@ -121,13 +121,13 @@ def test_checkpoint_with_a_missing_piece_names_it(tmp_path):
 def test_no_partial_checkpoint_is_left_under_the_name(tmp_path, monkeypatch):
     batch = token_batch(128, 4, 16)
     sim = usc.simulate(TinyLlama(), "dp=2", example_inputs=batch)
-    import torch.distributed.checkpoint as dcp
+    from usc.runtime import checkpoint
 
-    def broken_save(*args, **kwargs):
+    def broken_write(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(dcp, "save", broken_save)
-    with pytest.raises(OSError):
+    monkeypatch.setattr(checkpoint, "write_metadata", broken_write)
+    with pytest.raises(usc.CheckpointError, match="rank 0 could not"):
         sim.save(tmp_path / "ckpt")
     assert os.listdir(tmp_path) == []
     with pytest.raises(usc.CheckpointError):

@@ -34,11 +34,10 @@ def train_like_one_device(factory, plan, *batch):
 
 # ---------------------------------------------------------------- the verifier
 
-CI_OPS = [aten._to_copy.default, aten.to.dtype, aten.amax.default, aten.gather.default, aten.index_select.default,
-          aten.view.default, aten.reshape.default, aten.slice.Tensor, aten.repeat_interleave.self_int,
-          aten.matmul.default, aten.mm.default, aten.linear.default, aten.sum.dim_IntList, aten.mean.dim,
-          aten.mul.Tensor, aten.add.Tensor, aten.relu.default, aten._softmax.default, aten.squeeze.default,
-          aten.cat.default, aten.transpose.int, aten.embedding.default, aten.where.self, aten.expand.default]
+CI_OPS = [aten._to_copy.default, aten.amax.default, aten.gather.default, aten.index_select.default,
+          aten.view.default, aten.slice.Tensor, aten.repeat_interleave.self_int, aten.matmul.default,
+          aten.linear.default, aten.sum.dim_IntList, aten.mul.Tensor, aten.relu.default, aten.squeeze.default,
+          aten.embedding.default, aten.scaled_dot_product_attention.default]
 
 
 def test_every_rule_op_has_samples():
@@ -58,8 +57,8 @@ def test_ci_subset_of_rules_computes_the_op_forward_and_backward():
     results = verify(hand_rules, CI_OPS, sizes=(2, 5), samples_per_info=1)
     failures = [f"{r.op}: {f}" for r in results for f in r.failures]
     assert failures == [], "\n".join(failures[:10])
-    assert sum(r.passed for r in results) > 100
-    assert "| **24 ops**" in table(results)
+    assert sum(r.passed for r in results) > 60
+    assert f"| **{len(CI_OPS)} ops**" in table(results)
 
 
 def test_zigzag_views_are_checked_per_chunk():
@@ -266,3 +265,261 @@ class RepeatFlatSum(nn.Module):
 
 def test_repeat_interleave_without_dim_trains_under_cp():
     train_like_one_device(RepeatFlatSum, "cp=2", torch.randn(2, 6, 5, generator=gen(10), dtype=F64))
+
+
+class Lookup(nn.Module):
+    def __init__(self, **options):
+        super().__init__()
+        self.emb = nn.Embedding(14, 6, **options)
+        self.head = nn.Linear(6, 14)
+
+    def forward(self, ids, y):
+        return F.cross_entropy(self.head(self.emb(ids)).flatten(0, 1), y.flatten())
+
+
+def _ids(seed):
+    ids = torch.randint(0, 14, (4, 6), generator=gen(seed))
+    ids[:, 0] = 0  # padding ids on either half of the table, and repeats for the frequency scaling
+    ids[:, 1] = 9
+    return ids
+
+
+@pytest.mark.parametrize("padding_idx", [0, 9])
+@pytest.mark.parametrize("plan", ["dp=2", "tp=2", "cp=2", "dp=2 mb=2", "tp=2 dp=2"])
+def test_embedding_padding_idx_is_exact(plan, padding_idx):
+    train_like_one_device(lambda: Lookup(padding_idx=padding_idx), plan, _ids(12), _ids(13))
+
+
+def test_embedding_scale_grad_by_freq_is_exact_whole_and_refused_split():
+    train_like_one_device(lambda: Lookup(scale_grad_by_freq=True), "dp=1", _ids(14), _ids(15))
+    for plan in ("dp=2", "cp=2", "dp=1 mb=2", "tp=2"):
+        with pytest.raises(usc.CompileError, match="scale_grad_by_freq"):
+            usc.lint(Lookup(scale_grad_by_freq=True), plan, example_inputs=(_ids(14), _ids(15)))
+
+
+def test_embedding_max_norm_is_refused_even_on_one_device():
+    with pytest.raises(usc.CompileError, match="max_norm"):
+        usc.lint(Lookup(max_norm=1.0), "dp=1", example_inputs=(_ids(16), _ids(17)))
+
+
+def test_embedding_sparse_gradient_is_refused_on_a_mesh():
+    with pytest.raises(usc.CompileError, match="sparse"):
+        usc.lint(Lookup(sparse=True), "dp=2", example_inputs=(_ids(18), _ids(19)))
+
+
+class Unused(nn.Module):
+    """A parameter and a buffer forward never reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.spare = nn.Parameter(torch.randn(3, generator=gen(20)))
+        self.register_buffer("stat", torch.arange(4.0))
+
+    def forward(self, x):
+        return self.b(self.a(x).tanh()).pow(2).mean()
+
+
+@pytest.mark.parametrize("plan", ["pp=2 mb=2", "dp=2", "tp=2", "dp=2 pp=2 mb=2"])
+def test_state_nobody_reads_survives_the_plan(plan, tmp_path):
+    x = torch.randn(4, 6, generator=gen(21), dtype=F64)
+    train_like_one_device(Unused, plan, x)
+    model = Unused().double()
+    sim = usc.simulate(model, plan, example_inputs=(x,), optimizer=sgd)
+    sim.step(x)
+    full = sim.full_state_dict()
+    assert torch.equal(full["spare"], model.spare.detach()) and torch.equal(full["stat"], model.stat)
+    sim.save(tmp_path / "ckpt")
+    other = Unused().double()
+    with torch.no_grad():
+        other.spare.mul_(-3)
+        other.stat.add_(7)
+    restored = usc.simulate(other, plan, example_inputs=(x,), optimizer=sgd)
+    restored.load(tmp_path / "ckpt")
+    again = restored.full_state_dict()
+    assert torch.equal(again["spare"], full["spare"]) and torch.equal(again["stat"], full["stat"])
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 10), nn.Linear(10, 6)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x))).pow(2).mean()
+
+
+def adafactor(params):
+    return torch.optim.Adafactor(params, lr=0.05)
+
+
+def muon(params):
+    params = list(params)
+    return torch.optim.Muon([p for p in params if p.dim() == 2], lr=0.05)
+
+
+@pytest.mark.parametrize("factory, name, plan", [(adafactor, "Adafactor", "tp=2"), (muon, "Muon", "tp=2"),
+                                                 (adafactor, "Adafactor", "dp=2 zero=1"),
+                                                 (adafactor, "Adafactor", "dp=2 zero=3")])
+def test_an_optimizer_that_is_not_element_wise_is_refused_on_slices(factory, name, plan):
+    x = torch.randn(4, 3, 6, generator=gen(22), dtype=F64)
+    with pytest.raises(usc.CompileError) as info:
+        usc.simulate(TwoLayers().double(), plan, example_inputs=(x,), optimizer=factory).step(x)
+    message = str(info.value)
+    assert name in message and plan.split()[-1].split("=")[0] in message and "fc1.weight" in message
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "pp=2 mb=2"])
+def test_an_optimizer_that_is_not_element_wise_trains_on_whole_parameters(plan):
+    x = torch.randn(4, 3, 6, generator=gen(23), dtype=F64)
+    assert_equivalent(lambda: TwoLayers().double(), plan, [(x,)], steps=3, optimizer=adafactor,
+                      rtol=1e-9, atol=1e-10, param_atol=1e-9)
+
+
+class ScaledSGD(torch.optim.SGD):
+    usc_element_wise = False  # pretends to read across elements: refused like Adafactor
+
+
+class Elementwise(torch.optim.Optimizer):
+    usc_element_wise = True
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(group["lr"] * torch.sign(p.grad) * p.grad.abs().sqrt())
+
+
+def test_a_declared_element_wise_optimizer_steps_on_tp_slices():
+    x = torch.randn(4, 3, 6, generator=gen(24), dtype=F64)
+    assert_equivalent(lambda: TwoLayers().double(), "tp=2", [(x,)], steps=3, optimizer=Elementwise,
+                      rtol=1e-9, atol=1e-10, param_atol=1e-9)
+    with pytest.raises(usc.CompileError, match="ScaledSGD"):
+        usc.simulate(TwoLayers().double(), "tp=2", example_inputs=(x,),
+                     optimizer=lambda p: ScaledSGD(p, lr=0.1)).step(x)
+
+
+class InPlaceBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h.mul_(0.5)  # in place on a matmul output that selective recompute would keep
+        out = self.fc2(F.gelu(h))
+        out += x
+        return out
+
+
+class InPlaceNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([InPlaceBlock() for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("plan", ["recompute=selective", "dp=2 recompute=selective", "tp=2 recompute=selective"])
+def test_selective_recompute_over_in_place_ops(plan):
+    train_like_one_device(InPlaceNet, plan, torch.randn(4, 6, 8, generator=gen(25), dtype=F64))
+
+
+class UpcastNorm(nn.Module):
+    """An RMSNorm that computes its statistics in float32 and casts back to the input's dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        v = h.float().pow(2).mean(-1, keepdim=True)
+        h = (h.float() * torch.rsqrt(v + 1e-6)).to(x.dtype)
+        return self.fc2(h).pow(2).mean()
+
+
+@pytest.mark.parametrize("plan", ["dtype=bf16", "dp=2 dtype=bf16", "tp=2 dtype=bf16"])
+def test_bf16_with_a_float32_upcast_and_a_cast_back(plan):
+    torch.manual_seed(0)
+    model = UpcastNorm()
+    reference = UpcastNorm()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(4, 6, 8, generator=gen(26))
+    sim = usc.simulate(model, plan, example_inputs=(x,), optimizer=sgd)
+    losses = [sim.step(x) for _ in range(3)]
+    opt = sgd(reference.parameters())
+    for got in losses:  # bf16 computes to about 3 significant digits of the float32 run
+        loss = reference(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert got == pytest.approx(loss.item(), rel=3e-2)
+
+
+# ---------------------------------------------------------------- collectives keep their stated backward
+
+from usc.testing.verify_collectives import Contract, check, contracts  # noqa: E402
+
+
+@pytest.mark.parametrize("contract", contracts(), ids=str)
+@pytest.mark.parametrize("size", [2, 3])
+def test_every_collective_node_keeps_its_forward_and_backward(contract, size):
+    assert check(contract, size) is None
+
+
+def test_collective_check_fails_a_max_whose_gradient_is_split_evenly():
+    from usc.runtime.collectives import AllReduce, _AllReduceSumFn
+
+    class EvenMax(AllReduce):  # forward max, backward to every rank: the check must see it
+        def forward(self, x):
+            return _AllReduceSumFn.apply(x, self.comm) * 0 + self.comm.all_reduce(x.detach(), "max") + \
+                (x - x.detach()) / self.comm.size
+
+    problem = check(Contract(EvenMax("x", "max"), Partial("max"), "owner", R, "whole"), 2)
+    assert problem is not None and "backward" in problem
+
+
+class TakeAlong(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(6, 13, generator=gen(27)))
+
+    def forward(self, idx):  # per-sample positions into the sample's own row
+        return torch.take_along_dim(self.table, idx, dim=1).sin().pow(2).mean()
+
+
+class ScatterRows(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.w, self.dim = nn.Parameter(torch.randn(6, 4, generator=gen(28))), dim
+
+    def forward(self, idx):
+        shape = (6, 13) if self.dim == 1 else (13, 4)
+        out = torch.zeros(shape, dtype=self.w.dtype).scatter_add(self.dim, idx, self.w)
+        return out.cos().pow(2).mean()
+
+
+@pytest.mark.parametrize("factory, high", [(TakeAlong, 13), (lambda: ScatterRows(1), 13), (lambda: ScatterRows(0), 13)])
+def test_take_along_dim_and_scatter_with_a_batch_of_ids(factory, high):
+    train_like_one_device(factory, "dp=2", torch.randint(0, high, (6, 4), generator=gen(29)))
+
+
+def test_derived_rules_verified_on_a_subset():
+    """The fallback chain (DTensor strategies, decompositions) checked like the hand rules: a norm's
+    partial (DTensor's _NormPartial, a p-norm reduction) is not taken for a partial sum, and a
+    data-dependent op falls back to whole tensors instead of raising."""
+    from usc.testing.verify_rules import derived_rules
+
+    ops = [aten.linalg_vector_norm.default, aten.argwhere.default, aten.cumsum.default, aten.view_as_complex.default]
+    results = verify(derived_rules, ops, sizes=(2, 5), samples_per_info=2)
+    failures = [f"{r.op}: {f}" for r in results for f in r.failures]
+    assert failures == [], "\n".join(failures[:10])
+    assert sum(r.passed for r in results) > 5

@@ -10,10 +10,19 @@ float32 rounding that AdamW amplified (an element whose true gradient is zero --
 the rows of unseen tokens -- gets rounding noise as gradient, and AdamW normalises that into steps
 of up to ``lr``). A float64 run of the same plan tells them apart: rounding shrinks by 2**29 there,
 so the mesh must then equal one device to ``FLOAT64_TOL``; a bug does not shrink.
+
+Two definitions of "one device" differ from the plain model's, and the reference follows them
+(README, "What equal means"):
+
+- a program that draws random numbers (dropout, rand) is compared with usc's own one-device run
+  (``reference="usc"``): usc draws counter-based numbers, the same on every plan, not torch's;
+- a plan with ``batch_coupling=per_microbatch`` defines the step loss as the mean of its microbatch
+  losses: the eager reference computes exactly that (``microbatches`` pieces of dim 0).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -39,12 +48,38 @@ def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params)
 
 
-def reference_run(model: nn.Module, batches: Sequence[tuple], optimizer: OptimizerFactory) -> list[float]:
-    """Per-step losses on one device (``model`` is trained in place)."""
+def reference_loss(model: nn.Module, batch) -> torch.Tensor:
+    """The loss as a user reads it on one device: ``model(**batch)`` for a dict batch, ``model(*batch)``
+    otherwise; the output itself, its ``.loss`` (Hugging Face), or the scalar of a tuple (nanoGPT).
+    Written independently of usc's own loss finding, which it checks."""
+    out = model(**batch) if isinstance(batch, Mapping) else model(*batch)
+    if isinstance(out, tuple):
+        (out,) = [v for v in out if isinstance(v, torch.Tensor) and v.dim() == 0]
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def microbatch_mean_loss(model: nn.Module, batch, microbatches: int) -> torch.Tensor:
+    """Megatron's per-microbatch loss: the mean of the losses of ``microbatches`` pieces of dim 0."""
+    if microbatches == 1:
+        return reference_loss(model, batch)
+    if isinstance(batch, Mapping):
+        pieces = {k: v.chunk(microbatches, 0) if isinstance(v, torch.Tensor) else [v] * microbatches
+                  for k, v in batch.items()}
+        parts = [{k: p[m] for k, p in pieces.items()} for m in range(microbatches)]
+    else:
+        pieces = [v.chunk(microbatches, 0) if isinstance(v, torch.Tensor) else [v] * microbatches for v in batch]
+        parts = [tuple(p[m] for p in pieces) for m in range(microbatches)]
+    return sum(reference_loss(model, part) for part in parts) / microbatches
+
+
+def reference_run(model: nn.Module, batches: Sequence, optimizer: OptimizerFactory, *,
+                  microbatches: int = 1) -> list[float]:
+    """Per-step losses on one device (``model`` is trained in place); with ``microbatches`` the loss
+    is defined per microbatch (batch_coupling=per_microbatch)."""
     opt = optimizer(model.parameters())
     losses = []
     for batch in batches:
-        loss = model(*batch)
+        loss = microbatch_mean_loss(model, batch, microbatches)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -80,32 +115,75 @@ def compare_losses(losses: Sequence[float], expected: Sequence[float], *, rtol: 
             raise AssertionError(f"step {i} loss {a!r} != single-device {b!r} (diff {abs(a - b):.3g})")
 
 
-def as_float64(batch: tuple) -> tuple:
+def as_float64(batch):
     """The batch with its floating-point tensors in float64 (token ids stay integers)."""
+    if isinstance(batch, Mapping):
+        return {k: as_float64((v,))[0] for k, v in batch.items()}
     return tuple(v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in batch)
 
 
+# (model, batches, optimizer) -> (per-step losses, final state dict): one definition of one device
+Reference = Callable[[nn.Module, list, OptimizerFactory], tuple[list[float], dict[str, torch.Tensor]]]
+
+
+def eager_reference(microbatches: int = 1) -> Reference:
+    """The plain model (its loss defined per microbatch when ``microbatches`` > 1)."""
+    def run(model, batches, optimizer):
+        return reference_run(model, batches, optimizer, microbatches=microbatches), model.state_dict()
+    return run
+
+
+def usc_reference(seed: int = 0) -> Reference:
+    """usc's own one-device run (plan ``dp=1``): its random draws are the ones every plan with the
+    same seed makes (runtime/random.py)."""
+    def run(model, batches, optimizer):
+        return usc_reference_run(model, batches, optimizer, seed=seed)
+    return run
+
+
+def usc_reference_run(model: nn.Module, batches: Sequence[tuple], optimizer: OptimizerFactory, *,
+                      seed: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
+    import usc
+
+    sim = usc.simulate(model, f"dp=1 seed={seed}", example_inputs=batches[0], optimizer=optimizer)
+    return [sim.step(*b) for b in batches], sim.full_state_dict()
+
+
+def reference_for(plan, kind: str) -> Reference:
+    """The one-device definition a plan is compared with: ``kind`` "eager" or "usc" (random programs)."""
+    import usc
+
+    parsed = plan if isinstance(plan, usc.Plan) else usc.parse_plan(plan)
+    if kind == "usc":
+        return usc_reference(int(parsed.get("seed")))
+    if kind != "eager":
+        raise ValueError(f"reference must be 'eager' or 'usc', not {kind!r}")
+    per_microbatch = parsed.get("batch_coupling") == "per_microbatch"
+    return eager_reference(int(parsed.get("mb")) if per_microbatch else 1)
+
+
 def _judge(model_factory, batches: list, optimizer, outcome, *, rtol: float, atol: float,
-           param_atol: float) -> EquivalenceResult:
+           param_atol: float, reference: Reference | None = None) -> EquivalenceResult:
     """Compare a mesh run's (losses, full state) with one device trained from the same weights."""
     torch.manual_seed(0)
-    reference = model_factory()
-    expected = reference_run(reference, batches, optimizer)
+    expected, ref_state = (reference or eager_reference())(model_factory(), batches, optimizer)
     losses, full = outcome
     compare_losses(losses, expected, rtol=rtol, atol=atol)
-    worst, name = compare_states(full, reference.state_dict(), atol=param_atol)
+    worst, name = compare_states(full, ref_state, atol=param_atol)
     return EquivalenceResult(expected, list(losses), worst, name)
 
 
 def check_equivalent(model_factory: Callable[[], nn.Module], batches: Sequence[tuple], outcome, *,
                      rerun: MeshRun, optimizer: OptimizerFactory = _adamw, rtol: float = 1e-5,
-                     atol: float = 1e-6, param_atol: float = 1e-5, what: str = "the mesh run") -> EquivalenceResult:
+                     atol: float = 1e-6, param_atol: float = 1e-5, what: str = "the mesh run",
+                     reference: Reference | None = None) -> EquivalenceResult:
     """``outcome`` (losses, full state) of a mesh run from ``model_factory()`` (seeded 0) against one
     device; where it misses, ``rerun(model, batches)`` repeats the mesh run in float64, which must
     then equal one device to FLOAT64_TOL (the float32 miss was rounding) or the check fails."""
     batches = list(batches)
     try:
-        return _judge(model_factory, batches, optimizer, outcome, rtol=rtol, atol=atol, param_atol=param_atol)
+        return _judge(model_factory, batches, optimizer, outcome, rtol=rtol, atol=atol, param_atol=param_atol,
+                      reference=reference)
     except AssertionError as err:
         miss = f"{what}: {err}"
     double = lambda: model_factory().double()  # noqa: E731 - seeded by _judge and by the rerun alike
@@ -113,7 +191,7 @@ def check_equivalent(model_factory: Callable[[], nn.Module], batches: Sequence[t
     torch.manual_seed(0)
     try:
         result = _judge(double, batches64, optimizer, rerun(double(), batches64), rtol=FLOAT64_TOL,
-                        atol=FLOAT64_TOL, param_atol=FLOAT64_TOL)
+                        atol=FLOAT64_TOL, param_atol=FLOAT64_TOL, reference=reference)
     except AssertionError as err:
         raise AssertionError(f"{miss}\nand a float64 run of the same plan misses too (not float32 rounding): "
                              f"{err}") from None
@@ -127,7 +205,7 @@ def simulate_run(plan: str, optimizer: OptimizerFactory = _adamw) -> MeshRun:
 
     def run(model: nn.Module, batches: list):
         sim = usc.simulate(model, plan, example_inputs=batches[0], optimizer=optimizer)
-        return [sim.step(*b) for b in batches], sim.full_state_dict()
+        return [sim.step(b) for b in batches], sim.full_state_dict()
 
     return run
 
@@ -135,10 +213,13 @@ def simulate_run(plan: str, optimizer: OptimizerFactory = _adamw) -> MeshRun:
 def assert_equivalent(model_factory: Callable[[], nn.Module], plan: str, batches: Sequence[tuple], *,
                       steps: int | None = None, optimizer: OptimizerFactory = _adamw, rtol: float = 1e-5,
                       atol: float = 1e-6, param_atol: float = 1e-5,
-                      runner: Callable | None = None, replica_check: int = 1) -> EquivalenceResult:
+                      runner: Callable | None = None, replica_check: int = 1,
+                      reference: str = "eager") -> EquivalenceResult:
     """Train a fresh model from ``model_factory`` for ``steps`` steps on one device and on the mesh
     of ``plan``; assert per-step losses (rtol/atol) and final parameters (param_atol) agree, or,
     where float32 misses, that a float64 run of the same plan agrees to FLOAT64_TOL.
+    ``reference``: "eager" (the plain model; per microbatch under batch_coupling=per_microbatch) or
+    "usc" (usc's one-device run with the plan's seed: for programs that draw random numbers).
 
     >>> from usc.testing.models import TinyLlama, token_batch
     >>> batch = token_batch(128, 4, 16)
@@ -154,7 +235,8 @@ def assert_equivalent(model_factory: Callable[[], nn.Module], plan: str, batches
     torch.manual_seed(0)
     outcome = run(model_factory(), batches)
     return check_equivalent(model_factory, batches, outcome, rerun=run, optimizer=optimizer, rtol=rtol,
-                            atol=atol, param_atol=param_atol, what=f"plan '{plan}'")
+                            atol=atol, param_atol=param_atol, what=f"plan '{plan}'",
+                            reference=reference_for(plan, reference))
 
 
 # bfloat16 keeps 8 significand bits: each rounding is off by at most u = 2**-8 relative.

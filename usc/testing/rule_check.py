@@ -80,7 +80,7 @@ def _combine(out, placement, mesh, axis, order):
     if isinstance(placement, Shard):
         return AllGather(axis, placement.dim, order=order).bind(mesh)(out)
     if isinstance(placement, Partial):
-        if not out.is_floating_point() and placement.reduce_op == "sum":
+        if not (out.is_floating_point() or out.is_complex()) and placement.reduce_op == "sum":
             return AllReduce(axis, "sum").bind(mesh)(out.double()).to(out.dtype)
         return AllReduce(axis, placement.reduce_op).bind(mesh)(out)
     raise Skip(f"output placement {placement}")
@@ -140,6 +140,12 @@ def run_decision(call: Call, inputs, output, *, size: int, order: str = "contigu
         return f"negative dim in {inputs} -> {output}"
     parts = [split_partial(x, size, seed + i) if _is_float(x) else None for i, x in enumerate(call.inputs)]
     grads = _upstream(call, seed) if backward else []
+    want = None
+    if backward:
+        try:
+            want = global_grads(call, grads)
+        except RuntimeError:  # e.g. scale_grad_by_freq with sparse: no backward on one device either
+            backward, grads = False, []
 
     def rank(mesh):
         locals_ = [_local_input(x, p, mesh, axis, order, parts[i]) for i, (x, p) in enumerate(zip(call.inputs, inputs))]
@@ -171,7 +177,6 @@ def run_decision(call: Call, inputs, output, *, size: int, order: str = "contigu
             return f"forward, rank {r}: {problem}"
     if not backward:
         return None
-    want = global_grads(call, grads)
     for i, (p, g) in enumerate(zip(inputs, want)):
         if g is None:
             continue

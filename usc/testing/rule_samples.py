@@ -54,7 +54,7 @@ EXTRA: dict = {
                         (lambda x: aten.amax.default(x, [0], True), (_x(*A),)),
                         (lambda x: aten.amax.default(x, []), (_x(*A),))],
     aten.gather.default: [
-        (lambda t, i: aten.gather.default(t, 0, i), (_x(13, 7), _ids(13, 6, 7))),  # a batch of ids
+        (lambda t, i: aten.gather.default(t, 0, i), (_x(14, 7), _ids(14, 6, 7))),  # a batch of ids
         (lambda t, i: aten.gather.default(t, 1, i), (_x(6, 11), _ids(11, 6, 4))),
         (lambda t, i: aten.gather.default(t, 1, i), (_x(6, 11, 5), _ids(11, 6, 4, 3)))],
     aten.index_select.default: [
@@ -104,3 +104,4 @@ EXTRA[aten.mean.dim] = [(lambda x: aten.mean.dim(x, [1], True), (_x(*A),))]
 EXTRA[aten.scaled_dot_product_attention.default] = [
     (lambda q, k, v: aten.scaled_dot_product_attention.default(q, k, v, is_causal=True),
      (_x(2, 6, 10, 4), _x(2, 6, 10, 4, seed=1), _x(2, 6, 10, 4, seed=2)))]
+EXTRA[aten.fill.Tensor] = [(lambda x, v: aten.fill.Tensor(x, v), (_x(*A), _x(1).squeeze(0)))]

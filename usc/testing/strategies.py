@@ -14,11 +14,14 @@ SIZES = (1, 2, 4)
 
 
 @st.composite
-def plans(draw, *, max_ranks: int = 16, pipeline: bool = True, experts: bool = False, fuse: bool = False) -> str:
-    """Plan text combining dp, tp (+sp), cp (+mode), pp (+schedule, mb), zero, recompute and dtype, with
-    at most ``max_ranks`` ranks; with ``experts`` also ep (carved from dp, so it adds no ranks) for
-    mixture-of-experts models, and with ``fuse`` also fuse=on (off by default: on CPU fused kernels
-    run interpreted, slowly). The text parses; whether it fits a model is the compiler's say."""
+def plans(draw, *, max_ranks: int = 16, pipeline: bool = True, experts: bool = False, fuse: bool = False,
+          dtype: bool = False) -> str:
+    """Plan text combining dp, tp (+sp), cp (+mode), pp (+schedule, mb), zero and recompute, with at
+    most ``max_ranks`` ranks; with ``experts`` also ep (carved from dp, so it adds no ranks) for
+    mixture-of-experts models; with ``fuse`` also fuse=on (off by default: on CPU fused kernels run
+    interpreted, slowly); with ``dtype`` also dtype=bf16 and reduce_dtype=bf16 (off by default: a
+    bf16 run equals one device only within bf16 rounding). The text parses; whether it fits a model
+    is the compiler's say."""
     axes = {}
     for axis in ("dp", "cp", "tp") + (("pp",) if pipeline else ()):
         size = draw(st.sampled_from(SIZES))
@@ -44,6 +47,8 @@ def plans(draw, *, max_ranks: int = 16, pipeline: bool = True, experts: bool = F
         items.append(f"recompute={recompute}")
     if fuse and draw(st.booleans()):
         items.append("fuse=on")
+    if dtype:
+        items.extend(draw(st.sampled_from([[], ["dtype=bf16"], ["dtype=bf16", "reduce_dtype=bf16"]])))
     return " ".join(items) or "dp=1"
 
 

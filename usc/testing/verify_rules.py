@@ -11,6 +11,7 @@ the hand table and any derived table are checked the same way::
     python -m usc.testing.verify_rules            # the full sweep, a table per op
     python -m usc.testing.verify_rules --quick    # the CI subset
     python -m usc.testing.verify_rules --ops sum,gather --sizes 2,3
+    python -m usc.testing.verify_rules --source derived --quick   # the DTensor-derived fallback
 """
 
 from __future__ import annotations
@@ -72,7 +73,17 @@ OPINFO_NAMES: dict[str, tuple[str, ...]] = {
     "detach": ("detach",),
 }
 QUICK_SIZES, QUICK_SAMPLES = (2, 5), 1  # OpInfo's sizes are 5, 10 and 20: 2 alone leaves many dims whole
-RANDOM_OUTPUT = {"dropout", "empty_like"}  # values not reproducible: nothing to compare
+RANDOM_OUTPUT = {"empty_like"}  # values not reproducible: nothing to compare
+
+
+def is_random(call: Call) -> bool:
+    """A call whose values differ run to run: dropout in training, attention with dropout."""
+    name, args = _packet_name(call.node.target), call.node.args
+    if name == "dropout":
+        return args[1] > 0 and args[2]
+    if name == "scaled_dot_product_attention":
+        return bool(args[4] if len(args) > 4 else call.node.kwargs.get("dropout_p", 0.0))
+    return name in RANDOM_OUTPUT
 
 
 @dataclass
@@ -90,6 +101,59 @@ class OpResult:
 def hand_rules(op, view: OpView) -> Decision | None:
     rule = SHARDING_RULES.get(op)
     return None if rule is None else rule(view)
+
+
+def derived_rules(op, view: OpView) -> Decision | None:
+    """The fallback chain after the hand rules (``passes/derived_rules``), as a rule source."""
+    from usc.passes.derived_rules import derived_rule
+
+    rule = derived_rule(op)
+    return None if rule is None else rule(view)
+
+
+def derived_ops(index: dict[str, list], limit: int | None = 1) -> dict:
+    """The aten ops OpInfo samples reach that have no hand rule but a derived one, with the OpInfos
+    whose samples reach them."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    from usc.passes.derived_rules import derived_link, NONE
+
+    found: dict = {}
+    for info in op_db:
+        dtype = _dtype_for(info)
+        if dtype is None:
+            continue
+        try:
+            samples = list(itertools.islice(info.sample_inputs("cpu", dtype, requires_grad=False), limit))
+        except Exception:  # noqa: BLE001 - an OpInfo that cannot make samples here
+            continue
+        for sample in samples:
+            for op in _ops_of(info, sample):
+                if op not in SHARDING_RULES and derived_link(op) != NONE:
+                    found.setdefault(op, []).append(info)
+    return {op: list({id(i): i for i in infos}.values()) for op, infos in found.items()}
+
+
+def _ops_of(info, sample) -> set:
+    leaves, spec = tree_flatten(((sample.input, *sample.args), sample.kwargs))
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    if not positions:
+        return set()
+    try:
+        gm = make_fx(_sample_fn(info, leaves, spec, positions), pre_dispatch=True)(*[leaves[i] for i in positions])
+    except Exception:  # noqa: BLE001 - a sample the tracer cannot take
+        return set()
+    return {n.target for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
+
+
+def _sample_fn(info, leaves, spec, positions):
+    def fn(*tensors):
+        filled = list(leaves)
+        for i, t in zip(positions, tensors):
+            filled[i] = t
+        args, kwargs = tree_unflatten(filled, spec)
+        return info.op(*args, **kwargs)
+    return fn
 
 
 def rule_ops(source_ops: Iterable) -> list[torch._ops.OpOverload]:
@@ -113,7 +177,8 @@ def _packet_name(op) -> str:
 
 def opinfos_for(op, index: dict[str, list]) -> list:
     name = _packet_name(op)
-    names = OPINFO_NAMES.get(name, (name, name.lstrip("_")))
+    dotted = [key for key in index if key.replace(".", "_") == name]  # linalg_vector_norm: linalg.vector_norm
+    names = OPINFO_NAMES.get(name, (name, name.lstrip("_"), *dotted))
     seen, out = set(), []
     for n in names:
         for info in index.get(n, []):
@@ -143,14 +208,7 @@ def calls_of(op, info, limit: int | None) -> Iterable[Call]:
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         if not positions:
             continue
-
-        def fn(*tensors, leaves=leaves, spec=spec, positions=positions):
-            filled = list(leaves)
-            for i, t in zip(positions, tensors):
-                filled[i] = t
-            args, kwargs = tree_unflatten(filled, spec)
-            return info.op(*args, **kwargs)
-
+        fn = _sample_fn(info, leaves, spec, positions)
         for call in traced_calls(op, fn, [leaves[i] for i in positions]):
             yield call
             found += 1
@@ -224,19 +282,18 @@ def decisions(source: RuleSource, call: Call, size: int, axis: str, order: str, 
 
 
 def verify_op(op, source: RuleSource, index: dict[str, list], *, sizes=(2,), orders=("contiguous",),
-              axis: str = "dp", samples_per_info: int | None = None) -> OpResult:
+              axis: str = "dp", samples_per_info: int | None = None, infos=None) -> OpResult:
     result = OpResult(str(op))
-    name = _packet_name(op)
-    infos = opinfos_for(op, index)
+    infos = opinfos_for(op, index) if infos is None else infos
     if not infos:
         result.note = "no OpInfo: usc samples only"
-    backward = name not in RANDOM_OUTPUT
     sources = [(info.name, calls_of(op, info, samples_per_info)) for info in infos]
     sources.append(("usc", extra_calls(op)))
     for label, calls in sources:
         for call in calls:
             result.samples += 1
-            if name in RANDOM_OUTPUT:
+            if is_random(call):
+                result.note = "random (dropout) samples not compared"
                 continue
             for size, order in itertools.product(sizes, orders):
                 for inputs, output in decisions(source, call, size, axis, order, result):
@@ -244,7 +301,7 @@ def verify_op(op, source: RuleSource, index: dict[str, list], *, sizes=(2,), ord
                         continue  # everything whole: every rank runs the one-device op
                     try:
                         problem = run_decision(call, inputs, output, size=size, order=order, axis=axis,
-                                               backward=backward)
+                                               backward=True)
                     except Skip:
                         result.skipped += 1
                         continue
@@ -257,15 +314,14 @@ def verify_op(op, source: RuleSource, index: dict[str, list], *, sizes=(2,), ord
                         shapes = [tuple(x.shape) for x in call.inputs]
                         result.failures.append(f"{label} {shapes} {_args_text(call.node)} size={size} "
                                                f"{order}: {_fmt(inputs)} -> {output}: {problem}")
-    if name in RANDOM_OUTPUT:
-        result.note = "random output: samples traced, values not compared"
     return result
 
 
 def _args_text(node: fx.Node) -> str:
     consts = [a for a in node.args if not isinstance(a, (fx.Node, list, tuple)) or
               (isinstance(a, (list, tuple)) and not any(isinstance(b, fx.Node) for b in a))]
-    return f"args={consts}" if consts else ""
+    kwargs = {k: v for k, v in node.kwargs.items() if not isinstance(v, fx.Node)}
+    return (f"args={consts}" if consts else "") + (f" kwargs={kwargs}" if kwargs else "")
 
 
 def _fmt(placements) -> str:
@@ -273,7 +329,12 @@ def _fmt(placements) -> str:
 
 
 def verify(source: RuleSource = hand_rules, ops=None, **kwargs) -> list[OpResult]:
+    """Verify ``source`` on ``ops`` (default: the hand table's; for the derived rules, the ops
+    OpInfo samples reach that the hand table lacks)."""
     index = _opinfos_by_name()
+    if source is derived_rules and ops is None:
+        reached = derived_ops(index)
+        return [verify_op(op, source, index, infos=reached[op], **kwargs) for op in sorted(reached, key=str)]
     ops = rule_ops(SHARDING_RULES) if ops is None else ops
     return [verify_op(op, source, index, **kwargs) for op in ops]
 
@@ -292,10 +353,15 @@ def table(results: list[OpResult]) -> str:
     return "\n".join(lines)
 
 
-def _select(names: str | None) -> list | None:
+def _select(names: str | None, source) -> list | None:
+    """The ops named (aten packet names or full overload names) among the source's."""
     if not names:
         return None
     wanted = set(names.split(","))
+    if source is derived_rules:
+        ops = [getattr(getattr(torch.ops.aten, n.split(".")[0]), o) for n in wanted
+               for o in (getattr(torch.ops.aten, n.split(".")[0]).overloads())]
+        return [op for op in ops if _packet_name(op) in wanted or str(op) in wanted]
     return [op for op in rule_ops(SHARDING_RULES) if _packet_name(op) in wanted or str(op) in wanted]
 
 
@@ -305,14 +371,14 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="2,3,5", help="mesh axis sizes to simulate")
     parser.add_argument("--zigzag", action="store_true", help="also check the zig-zag chunk order")
     parser.add_argument("--quick", action="store_true", help="one sample per OpInfo, sizes 2 and 5 (the CI subset)")
-    parser.add_argument("--source", default="hand", help="'hand' or 'module:function' of another rule source")
+    parser.add_argument("--source", default="hand", help="'hand', 'derived' or 'module:function' of another rule source")
     parser.add_argument("--failures", type=int, default=5, help="failures printed per op")
     args = parser.parse_args(argv)
     source = _load_source(args.source)
     sizes = QUICK_SIZES if args.quick else tuple(int(s) for s in args.sizes.split(","))
     orders = ("contiguous", "zigzag") if args.zigzag else ("contiguous",)
     start = time.time()
-    results = verify(source, _select(args.ops), sizes=sizes, orders=orders,
+    results = verify(source, _select(args.ops, source), sizes=sizes, orders=orders,
                      samples_per_info=QUICK_SAMPLES if args.quick else None)
     print(table(results))
     for r in results:
@@ -323,11 +389,13 @@ def main(argv=None) -> int:
 
 
 def _load_source(spec: str) -> RuleSource:
-    if spec == "hand":
-        return hand_rules
+    if spec in SOURCES:
+        return SOURCES[spec]
     module, _, name = spec.partition(":")
     return getattr(__import__(module, fromlist=[name]), name)
 
+
+SOURCES = {"hand": hand_rules, "derived": derived_rules}
 
 if __name__ == "__main__":
     sys.exit(main())

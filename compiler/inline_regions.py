@@ -1,0 +1,186 @@
+"""Regions of ``forward`` that ``torch.export`` keeps as higher-order ops, inlined as plain ATen ops.
+
+``with torch.no_grad():`` / ``torch.set_grad_enabled`` become ``wrap_with_set_grad_enabled`` and
+``with torch.autocast(...):`` becomes ``wrap_with_autocast``: one node holding a subgraph. No
+sharding rule can see into such a node ("no sharding rule for wrap_with_autocast"), so the tracer
+inlines them, keeping what each region means:
+
+  * a grad-disabled region's outputs are ``aten.detach``-ed: no gradient flows back through them,
+    as on one device (nested regions are inlined the same way);
+  * an autocast region is traced again under the same ``torch.autocast`` and run through
+    ``run_decompositions({})``, which writes the casts autocast makes (``_to_copy`` to bf16 before a
+    matmul, back to float32 for the ops autocast keeps in float32) as ordinary nodes, keeping
+    composite ops such as ``aten.linear`` whole. A disabled region (``enabled=False``) inlines its ops
+    as written.
+
+``torch.utils.checkpoint`` regions need nothing here: non-strict export traces through them and
+the forward values are the same; recomputation is usc's own ``recompute`` (see README, Recompute).
+
+>>> import torch
+>>> class M(torch.nn.Module):
+...     def forward(self, x):
+...         with torch.no_grad():
+...             y = x * 2
+...         return (x * y).sum()
+>>> exported = torch.export.export(M(), (torch.ones(3),), strict=False)
+>>> inline_regions(exported) is exported and not region_nodes(exported.graph_module)
+True
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+aten = torch.ops.aten
+HOP = torch.ops.higher_order
+
+
+def region_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in REGIONS]
+
+
+def inline_regions(exported):
+    """Inline every region node of an ExportedProgram's graph, in place (outer first; an inlined
+    region's inner regions in later rounds); the same program.
+
+    Requires: an exported program. Establishes: no wrap_with_set_grad_enabled / wrap_with_autocast
+    node; each region's ops in its place, with the region's meaning kept (see the module docstring)."""
+    gm = exported.graph_module
+    if not region_nodes(gm):
+        return exported
+    while nodes := region_nodes(gm):
+        for node in nodes:
+            REGIONS[node.target](gm, node)
+    for node in [n for n in gm.graph.nodes if n.op == "get_attr" and not n.users]:
+        gm.graph.erase_node(node)  # the regions' subgraphs, no longer called
+    gm.graph.lint()
+    gm.recompile()
+    return exported
+
+
+# ------------------------------------------------------------------------------ the regions
+def _grad_region(gm: fx.GraphModule, node: fx.Node) -> None:
+    enabled, submodule, *args = node.args
+    outputs = _inline(gm, node, _submodule(gm, submodule), args)
+    if not enabled:
+        with gm.graph.inserting_before(node):
+            outputs = [_detached(gm, out) for out in outputs]
+    _replace_outputs(gm, node, outputs)
+
+
+def _autocast_region(gm: fx.GraphModule, node: fx.Node) -> None:
+    device, dtype, enabled, cache, submodule, *args = node.args
+    sub = _submodule(gm, submodule)
+    if enabled:
+        sub = _with_autocast_casts(sub, args, device=device, dtype=dtype, cache=cache)
+    _replace_outputs(gm, node, _inline(gm, node, sub, args))
+
+
+# which higher-order op inlines how
+REGIONS = {HOP.wrap_with_set_grad_enabled: _grad_region, HOP.wrap_with_autocast: _autocast_region}
+
+
+# ------------------------------------------------------------------------------ the mechanics
+def _submodule(gm: fx.GraphModule, ref: fx.Node) -> fx.GraphModule:
+    return getattr(gm, ref.target)
+
+
+def _inline(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule, args: list) -> list:
+    """Copy ``sub``'s nodes before ``node`` (its placeholders bound to ``args``); its outputs.
+
+    Nodes without a module path or source line take the region's (the casts autocast adds)."""
+    env: dict[fx.Node, object] = {}
+    placeholders = iter(args)
+    outputs: list = []
+    with gm.graph.inserting_before(node):
+        for inner in sub.graph.nodes:
+            if inner.op == "placeholder":
+                env[inner] = next(placeholders)
+            elif inner.op == "output":
+                outputs = list(fx.node.map_arg(inner.args[0], lambda n: env[n]))
+            elif inner.op == "get_attr":
+                env[inner] = gm.graph.get_attr(_adopt(gm, sub, inner.target))
+            else:
+                env[inner] = _copied(gm, inner, env, node)
+    return outputs
+
+
+def _copied(gm: fx.GraphModule, inner: fx.Node, env: dict, region: fx.Node) -> fx.Node:
+    new = gm.graph.node_copy(inner, lambda n: env[n])
+    for key in ("nn_module_stack", "stack_trace"):
+        if not new.meta.get(key) and region.meta.get(key):
+            new.meta[key] = region.meta[key]
+    return new
+
+
+def _adopt(gm: fx.GraphModule, sub: fx.GraphModule, target: str) -> str:
+    """A submodule or constant of the region registered on ``gm`` under a fresh name."""
+    value = getattr(sub, target)
+    name, i = f"_inlined_{target.replace('.', '_')}", 0
+    while hasattr(gm, f"{name}_{i}"):
+        i += 1
+    if isinstance(value, nn.Module):
+        gm.add_module(f"{name}_{i}", value)
+    else:
+        setattr(gm, f"{name}_{i}", value)
+    return f"{name}_{i}"
+
+
+def _detached(gm: fx.GraphModule, value):
+    if not isinstance(value, fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
+        return value
+    out = gm.graph.call_function(aten.detach.default, (value,))
+    out.meta.update({k: v for k, v in value.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+    return out
+
+
+def _replace_outputs(gm: fx.GraphModule, node: fx.Node, outputs: list) -> None:
+    """The region's ``getitem(node, i)`` users read output i; then the region node goes."""
+    for user in list(node.users):
+        user.replace_all_uses_with(outputs[user.args[1]])
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(node)
+
+
+# ------------------------------------------------------------------------------ autocast casts
+class _AutocastRegion(nn.Module):
+    def __init__(self, sub: fx.GraphModule, device: str, dtype: torch.dtype, cache: bool) -> None:
+        super().__init__()
+        self.sub, self.device, self.dtype, self.cache = sub, device, dtype, cache
+
+    def forward(self, *args):
+        with torch.autocast(self.device, dtype=self.dtype, cache_enabled=self.cache):
+            return tuple(self.sub(*args))
+
+
+def _with_autocast_casts(sub: fx.GraphModule, args: list, *, device: str, dtype: torch.dtype,
+                         cache: bool) -> fx.GraphModule:
+    """``sub`` traced under the region's autocast: the casts autocast makes become graph nodes.
+
+    Traced on empty tensors of the arguments' shapes on the CPU (autocast decides by dtype and op,
+    not by values); the module paths of the ops are carried over by name from ``sub``."""
+    example = tuple(_example(a) for a in args)
+    exported = torch.export.export(_AutocastRegion(sub, device, dtype, cache), example, strict=False)
+    graph = exported.run_decompositions({}).graph_module
+    _carry_module_paths(graph, sub)
+    return graph  # the region holds no parameters of its own: every placeholder is one of its arguments
+
+
+def _example(arg):
+    value = arg.meta["val"] if isinstance(arg, fx.Node) else arg
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty(value.shape, dtype=value.dtype, device="cpu", requires_grad=value.requires_grad)
+
+
+def _carry_module_paths(graph: fx.GraphModule, sub: fx.GraphModule) -> None:
+    by_name = {n.name: n for n in sub.graph.nodes}
+    for node in graph.graph.nodes:
+        original = by_name.get(node.name)
+        for key in ("nn_module_stack", "stack_trace"):
+            node.meta[key] = original.meta.get(key) if original is not None else None
+
+
+__all__ = ["inline_regions", "region_nodes", "REGIONS"]

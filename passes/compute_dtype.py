@@ -1,0 +1,54 @@
+"""dtype=bf16: casts that mean "back to the model's dtype" cast to bfloat16.
+
+The model is traced in float32, so ``h.float()`` and ``h.to(x.dtype)`` both appear as casts to
+float32 (a norm that upcasts for its statistics and casts back, as Hugging Face's RMSNorm does).
+Under dtype=bf16 the program runs in bfloat16, and the cast back must give bfloat16 again, or the
+next matmul meets float32 activations and bfloat16 weights. The pass tells them apart by what
+they cast: a cast to float32 of a value computed from an earlier cast to float32 is a cast back.
+
+Requires: the traced graph (before propagation). Establishes: such casts name the compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+CASTS = {aten.to.dtype: 1, aten._to_copy.default: "dtype"}
+COMPUTE = {"bf16": torch.bfloat16}
+
+
+def compute_dtype_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    dtype = COMPUTE.get(ctx.plan.get("dtype"))
+    if dtype is None:
+        return gm
+    upcast: set[fx.Node] = set()  # values computed in float32 on purpose
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        inputs = [a for a in node.all_input_nodes]
+        if node.target in CASTS and _cast_dtype(node) == torch.float32:
+            if any(a in upcast for a in inputs):
+                _set_cast_dtype(node, dtype)  # the cast back
+            else:
+                upcast.add(node)
+        elif any(a in upcast for a in inputs):
+            upcast.add(node)
+    gm.recompile()
+    return gm
+
+
+def _cast_dtype(node: fx.Node):
+    where = CASTS[node.target]
+    if isinstance(where, int):
+        return node.args[where] if len(node.args) > where else node.kwargs.get("dtype")
+    return node.kwargs.get(where)
+
+
+def _set_cast_dtype(node: fx.Node, dtype: torch.dtype) -> None:
+    where = CASTS[node.target]
+    if isinstance(where, int) and len(node.args) > where:
+        node.args = node.args[:where] + (dtype,) + node.args[where + 1:]
+    else:
+        node.kwargs = {**node.kwargs, "dtype": dtype}

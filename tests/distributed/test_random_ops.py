@@ -1,0 +1,182 @@
+"""Random ops have defined semantics: a draw is a function of (seed, step, global element index).
+
+Replicas draw identical values (tp), shards draw their slice of what one device draws (dp, sp,
+microbatches), recompute never draws twice, and every plan equals usc's own one-device run with the
+same seed (README, "What equal means")."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import usc
+from usc.runtime.random import draw_values, global_index, op_key
+from usc.testing import assert_equivalent
+from usc.testing.equivalence import usc_reference_run
+
+transformers = pytest.importorskip("transformers")
+
+SGD = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.05))
+FLOAT64 = dict(rtol=1e-10, atol=1e-12, param_atol=1e-10, reference="usc", **SGD)
+
+
+# ------------------------------------------------------------------ the generator itself
+
+def test_a_microbatch_draws_its_rows_of_the_full_batch_draw():
+    key = op_key(7, 3, 1)
+    full = draw_values(global_index((6, 5, 3), None, 0, 1, "cpu"), key, torch.float64, "uniform", 0.0, 1.0)
+    for m in range(3):
+        piece = draw_values(global_index((2, 5, 3), 0, m, 3, "cpu"), key, torch.float64, "uniform", 0.0, 1.0)
+        assert torch.equal(piece, full[2 * m: 2 * m + 2])
+
+
+def test_a_microbatch_of_a_flattened_tensor_draws_its_rows():
+    """[B*S, H] with the batch outermost: microbatch m's rows follow m*b*S in the full tensor."""
+    key = op_key(0, 0, 4)
+    full = draw_values(global_index((12, 3), None, 0, 1, "cpu"), key, torch.float32, "keep", 0.3, 0.0)
+    piece = draw_values(global_index((4, 3), 0, 2, 3, "cpu"), key, torch.float32, "keep", 0.3, 0.0)
+    assert torch.equal(piece, full[8:12])
+
+
+def test_draws_are_uniform_and_keep_masks_drop_p():
+    index = global_index((200, 501), None, 0, 1, "cpu")
+    u = draw_values(index, op_key(1, 0, 0), torch.float32, "uniform", 0.0, 1.0)
+    keep = draw_values(index, op_key(1, 0, 0), torch.float64, "keep", 0.1, 0.0)
+    normal = draw_values(index, op_key(1, 0, 1), torch.float64, "normal", 0.0, 1.0)
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    sigma = (0.1 * 0.9 / index.numel()) ** 0.5  # of the dropped fraction; bounds below are 5 sigma
+    assert abs(float(u.double().mean()) - 0.5) < 5 * (1 / 12 / index.numel()) ** 0.5
+    assert abs(float((keep == 0).double().mean()) - 0.1) < 5 * sigma
+    assert set(keep.unique().tolist()) == {0.0, 1.0 / 0.9}
+    assert abs(float(normal.mean())) < 1e-2 and abs(float(normal.std()) - 1.0) < 1e-2
+
+
+def test_keys_differ_by_seed_step_and_op():
+    keys = {op_key(s, t, o) for s in range(3) for t in range(3) for o in range(3)}
+    assert len(keys) == 27
+
+
+def test_a_mask_is_the_same_bits_in_float32_and_float64():
+    index = global_index((33, 7), None, 0, 1, "cpu")
+    a = draw_values(index, op_key(5, 1, 2), torch.float32, "keep", 0.25, 0.0) != 0
+    b = draw_values(index, op_key(5, 1, 2), torch.float64, "keep", 0.25, 0.0) != 0
+    assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ programs with dropout
+
+def gpt2():
+    """Hugging Face GPT-2 with its default-style dropout (0.1 on residuals, embeddings and attention
+    probabilities), eager attention so attention dropout is an nn.Dropout."""
+    cfg = transformers.GPT2Config(vocab_size=96, n_embd=48, n_layer=2, n_head=4, n_positions=32,
+                                  attn_implementation="eager", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
+                                  bos_token_id=0, eos_token_id=0, use_cache=False)
+    torch.manual_seed(0)
+    return LossOf(transformers.GPT2LMHeadModel(cfg)).double()
+
+
+class LossOf(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids, labels):
+        """The causal-LM loss in the model's dtype (Hugging Face's own loss upcasts to float32)."""
+        logits = self.m(input_ids=ids).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+def batches(n: int, batch: int = 4, seq: int = 10):
+    out = []
+    for seed in range(n):
+        ids = torch.randint(0, 96, (batch, seq), generator=torch.Generator().manual_seed(seed))
+        out.append((ids, ids))
+    return out
+
+
+@pytest.mark.parametrize("plan", ["tp=2", "dp=2 tp=2", "pp=2 mb=2", "dp=2 mb=2", "dp=2 tp=2 pp=2 mb=2"])
+def test_gpt2_with_dropout_equals_usc_one_device(plan):
+    assert_equivalent(gpt2, plan, batches(3), **FLOAT64)
+
+
+def test_gpt2_dropout_keeps_tensor_parallel_replicas_identical():
+    """The issue's symptom: replicated LayerNorm weights diverged between the two tp ranks."""
+    sim = usc.simulate(gpt2(), "tp=2", example_inputs=batches(1)[0], **SGD)
+    for b in batches(3):
+        sim.step(*b)
+    a, b = sim.rank_state(0), sim.rank_state(1)
+    for name in ("m.transformer.h.0.ln_1.weight", "m.transformer.h.1.ln_2.bias", "m.transformer.ln_f.weight"):
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_dropout_is_on_and_the_seed_chooses_the_masks():
+    one = usc_reference_run(gpt2(), batches(1), SGD["optimizer"], seed=0)[0]
+    same = usc_reference_run(gpt2(), batches(1), SGD["optimizer"], seed=0)[0]
+    other = usc_reference_run(gpt2(), batches(1), SGD["optimizer"], seed=1)[0]
+    model = gpt2()
+    model.eval()
+    with torch.no_grad():
+        off = float(model(*batches(1)[0]))
+    assert one == same and one != other and one[0] != off
+
+
+class Noisy(nn.Module):
+    """Dropout, bernoulli gates and router-style noise in forward, over a batch of odd size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(23, 12)
+        self.up = nn.Linear(12, 18)
+        self.gate = nn.Linear(12, 5)
+        self.down = nn.Linear(18, 23)
+
+    def forward(self, tokens, labels):
+        x = self.embed(tokens)
+        x = x * torch.empty_like(x).uniform_(0.9, 1.1)  # router noise, as Switch Transformers jitter
+        h = F.dropout(torch.relu(self.up(x)), 0.3)
+        h = h * torch.bernoulli(torch.full_like(h, 0.8))
+        noise = torch.randn_like(self.gate(x)) * 0.1
+        h = h + (self.gate(x) + noise).sum(-1, keepdim=True)
+        return F.cross_entropy(self.down(h).flatten(0, 1), labels.flatten())
+
+
+def noisy():
+    torch.manual_seed(0)
+    return Noisy().double()
+
+
+def noisy_batches(n: int):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 23, (6, 7), generator=g), torch.randint(0, 23, (6, 7), generator=g)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "mb=3", "pp=2 mb=2", "dp=3 mb=2"])
+def test_random_ops_of_every_kind_equal_usc_one_device(plan):
+    assert_equivalent(noisy, plan, noisy_batches(2), **FLOAT64)
+
+
+@pytest.mark.parametrize("plan", ["pp=2 mb=2 recompute=full", "recompute=selective", "dp=2 recompute=full"])
+def test_recompute_never_redraws(plan):
+    assert_equivalent(noisy, plan, noisy_batches(2), **FLOAT64)
+
+
+class Permuted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.lin(x[:, torch.randperm(6)]).pow(2).mean()
+
+
+def test_a_random_op_without_a_counter_form_is_refused():
+    with pytest.raises(usc.CompileError, match=r"(?s)randperm.*draws random numbers.*fix"):
+        usc.simulate(Permuted(), "dp=2", example_inputs=(torch.randn(4, 6),))
+
+
+def test_fused_attention_dropout_is_refused_with_the_fix():
+    cfg = transformers.GPT2Config(vocab_size=96, n_embd=48, n_layer=1, n_head=4, n_positions=32,
+                                  attn_implementation="sdpa", attn_pdrop=0.1, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0, use_cache=False)
+    with pytest.raises(usc.CompileError, match="attn_implementation='eager'"):
+        usc.simulate(LossOf(transformers.GPT2LMHeadModel(cfg)), "tp=2", example_inputs=batches(1)[0])

@@ -1,0 +1,133 @@
+"""The fake-CUDA tier: every plan kind's rank programs on a device this machine does not have.
+
+Each rank of each plan runs on fake tensors (no memory, no GPU) with peerless collectives that
+refuse tensors off the program's device (as NCCL refuses host tensors); the model and the batch
+are built on the CPU, as users build them, so the runtime must move them. A rank fails the test if
+any op mixes devices (FakeTensor raises) or the runtime creates a tensor off the device (the
+DeviceWatch records it, 0-dim tensors included). The ranks run on the Python-registered
+accelerator "fakegpu": in a CPU-only build fake ``cuda`` tensors cannot take part in autograd nor
+be copied (torch asks the missing CUDA device guard); on ``cuda:0`` each rank's bound program is
+checked as a graph. See usc/testing/fake_device.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import usc
+from usc.runtime.errors import CollectiveError
+from usc.runtime import pipeline as pipeline_module
+from usc.runtime.executor import bind_graph
+from usc.runtime.mesh import shape_mesh
+from usc.testing.fake_device import fake_accelerator, run_fake_rank
+from usc.testing.models import MoEConfig, TinyLlama, TinyMixtral, token_batch
+
+# (plan, model kind): every parallelism and every runtime path that makes tensors of its own
+PLANS = [
+    ("dp=2", "llama"),
+    ("tp=2", "llama"),
+    ("dp=3 tp=2 sp=on", "llama"),
+    ("cp=2 cp_mode=ring", "llama"),
+    ("cp=2 cp_mode=zigzag", "llama"),
+    ("cp=2 cp_mode=ulysses", "llama"),
+    ("pp=2 mb=2 schedule=1f1b", "llama"),
+    ("pp=2 mb=4 schedule=interleaved v=2", "llama"),
+    ("pp=2 mb=2 schedule=zb", "llama"),
+    ("dp=2 zero=1", "llama"),
+    ("dp=2 zero=2", "llama"),
+    ("dp=2 zero=3", "llama"),
+    ("dp=2 mb=2 dtype=bf16", "llama"),
+    ("dp=2 recompute=selective", "llama"),
+    ("dp=4 ep=2", "moe"),
+    ("dp=2 ep=2", "moe"),
+]
+
+
+def _model(kind: str):
+    torch.manual_seed(0)
+    if kind == "moe":
+        return TinyMixtral(MoEConfig()), token_batch(MoEConfig().vocab, 4, 12)
+    return TinyLlama(), token_batch(128, 12, 12)
+
+
+_compiled: dict[str, object] = {}
+
+
+def _compile(plan: str, kind: str):
+    if plan not in _compiled:
+        model, batch = _model(kind)
+        _compiled[plan] = usc.compile(model, plan, example_inputs=batch)
+    return _compiled[plan]
+
+
+# Recompute's backward re-runs forward inside torch.utils.checkpoint, which aborts the process on
+# the Python-registered accelerator (a C++ terminate in the autograd device thread): forward only.
+TRAINED = [(p, k) for p, k in PLANS if "recompute" not in p]
+
+
+@pytest.mark.parametrize("plan,kind", TRAINED, ids=[p for p, _ in TRAINED])
+def test_every_rank_trains_on_the_accelerator_without_a_host_tensor(plan, kind):
+    compiled = _compile(plan, kind)
+    device = fake_accelerator()
+    for rank in range(compiled.plan.world_size):
+        report = run_fake_rank(compiled, rank, device=device, steps=2)
+        assert report.steps == 2
+        assert report.wrong == [], f"rank {rank}: " + "; ".join(map(str, report.wrong))
+        assert report.state_devices == {device}
+
+
+@pytest.mark.parametrize("plan,kind", PLANS, ids=[p for p, _ in PLANS])
+def test_every_rank_program_creates_its_tensors_on_cuda(plan, kind):
+    """torch.export bakes the tracing device (the CPU) into the graph's factory calls; each rank's
+    bound program creates them on its device instead (checked on the graph: fake CUDA tensors
+    cannot even be copied in a CPU-only build)."""
+    compiled = _compile(plan, kind)
+    program = compiled.program
+    cuda = torch.device("cuda", 0)
+    traced = _factory_devices(program.gm)
+    bound = _factory_devices(bind_graph(program.gm, shape_mesh(program.mesh.axes, program.mesh.shape, 0, cuda)))
+    assert len(bound) == len(traced)
+    assert set(bound) <= {cuda}, bound
+
+
+def _factory_devices(gm) -> list[torch.device]:
+    graphs = [m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+    return [n.kwargs["device"] for g in graphs for n in g.nodes
+            if n.op == "call_function" and isinstance(n.kwargs.get("device"), torch.device)]
+
+
+def test_a_moe_program_traced_on_the_cpu_has_factories_to_move():
+    """The check above is not vacuous: the MoE program's router builds tensors with arange."""
+    traced = _factory_devices(_compile("dp=2 ep=2", "moe").program.gm)
+    assert traced and set(traced) == {torch.device("cpu")}
+
+
+def test_a_pipeline_buffer_made_on_the_host_is_caught(monkeypatch):
+    """The tier can fail: a receive buffer created without the program's device is reported
+    with the line that made it."""
+    def host_recv(self, message, peer):
+        direction, kind, mb = message
+        shape, dtype, _ = self.specs[kind[0]].outputs[kind[2]]
+        return self._post([(torch.empty(shape, dtype=self._wire(dtype)), peer)])[0]
+
+    monkeypatch.setattr(pipeline_module.PipelineMixin, "_recv", host_recv)
+    compiled = _compile("pp=2 mb=2 schedule=1f1b", "llama")
+    with pytest.raises(CollectiveError, match=r"a cpu tensor \[\d+, 12, \d+\] handed to a collective of a program "
+                                              r"on fakegpu:0"):
+        run_fake_rank(compiled, 1, device=fake_accelerator(), steps=1)
+
+
+def test_a_host_scalar_is_caught(monkeypatch):
+    """A 0-dim tensor on the host mixes silently with device tensors (CUDA allows it), so only the
+    watch sees it: the pipeline's loss count made without the device."""
+    original = pipeline_module.PipelineMixin._pipeline_global
+
+    def host_count(self, total, count):
+        torch.tensor(1.0, dtype=torch.float64)  # what the runtime used to do
+        return original(self, total, count)
+
+    monkeypatch.setattr(pipeline_module.PipelineMixin, "_pipeline_global", host_count)
+    compiled = _compile("pp=2 mb=2 schedule=1f1b", "llama")
+    report = run_fake_rank(compiled, 0, device=fake_accelerator(), steps=1, checkpoint=False)
+    assert [w.op for w in report.wrong] and all("test_fake_cuda.py" in w.where for w in report.wrong)

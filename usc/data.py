@@ -1,0 +1,54 @@
+"""Feeding each rank only its own shard of the data.
+
+Under a plan the global batch's rows are split over the data-parallel ranks (dp, and ep, which is
+carved from dp); tp, cp and pp peers of a rank consume the same rows. So a data pipeline needs
+one shard per dp x ep rank, not one per process:
+
+    step = usc.compile(model, "dp=4 tp=2", example_inputs=global_example)
+    sampler = usc.data.sampler(dataset, step)            # DistributedSampler over the 4 data shards
+    loader = DataLoader(dataset, batch_size=global_batch // usc.data.shard(step)[1], sampler=sampler)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for tokens, labels in loader:
+            step.step(tokens, labels, local=True)        # this rank's rows only
+
+The loss keeps its global meaning: the program sums token counts over every data shard, so the
+step's loss and gradients are those of one device on the union of the shards (with microbatches,
+shard r's microbatch m is its m-th chunk: ``local_slice`` shows which rows of a global batch that is).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+from usc.runtime.training import data_shard
+
+
+def _rank_coord(step) -> tuple:
+    return step._rank().mesh.coord
+
+
+def shard(step, *, coord: tuple | None = None) -> tuple[int, int]:
+    """(index, count): this rank's data shard among the dp x ep shards of the batch."""
+    if step.program is None:
+        raise RuntimeError("compile with example_inputs= first: the batch layout decides the data shards")
+    return data_shard(step.program.inputs[0], step.program.mesh, coord if coord is not None else _rank_coord(step))
+
+
+def sampler(dataset: Dataset, step, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True
+            ) -> DistributedSampler:
+    """A torch DistributedSampler over this rank's data group: replicas = dp x ep shards, rank = this
+    rank's shard (its tp/cp/pp peers get the same samples)."""
+    index, count = shard(step)
+    return DistributedSampler(dataset, num_replicas=count, rank=index, shuffle=shuffle, seed=seed,
+                              drop_last=drop_last)
+
+
+def local_slice(step, *batch, coord: tuple | None = None) -> tuple:
+    """The rows of a global batch that ``step.step(..., local=True)`` on this rank (or the rank at
+    ``coord``) stands for: microbatch by microbatch, this shard's part of each."""
+    index, count = shard(step, coord=coord)
+    mb = int(step.plan.get("mb"))
+    return tuple(torch.cat([m.chunk(count)[index] for m in v.chunk(mb)]) if isinstance(v, torch.Tensor) and v.dim()
+                 else v for v in batch)
