@@ -72,41 +72,60 @@ def functionalize(exported):
     """``exported`` with every write as dataflow; the same object when it writes nothing."""
     if not any(is_mutating(n) for n in _all_nodes(exported.graph_module)):
         return exported  # (bodies of torch.no_grad regions included: an EMA buffer is written there)
-    _detach_no_grad_regions(exported.graph_module)
-    return exported.run_decompositions({})
+    _refuse_overlapping_writes(exported.graph_module)
+    return exported.run_decompositions({})  # no_grad regions are inlined first (compiler/inline_regions.py)
 
 
-def _detach_no_grad_regions(gm: fx.GraphModule) -> None:
-    """Functionalization retraces without autograd and inlines ``torch.no_grad()`` regions, whose
-    results would then carry gradients. Inline each region here instead, on detached inputs: that
-    is what no_grad means (its results take no gradient), a write through a detached alias still
-    reaches the buffer it aliases, and the region's nodes keep their own source lines."""
-    graph = gm.graph
-    for node in list(graph.nodes):
-        if node.target is not torch.ops.higher_order.wrap_with_set_grad_enabled or node.args[0] is not False:
+EXACT_OVERLAP_LIMIT = 2**26  # storage elements up to which overlap is checked element by element
+
+
+class OverlappingWriteError(CompileError):
+    """An in-place op that reads memory it writes: eager's result depends on the visiting order."""
+
+
+def _refuse_overlapping_writes(gm: fx.GraphModule) -> None:
+    """``a.add_(x[:, 0:1])`` where ``a = x[:, 0:2]``: eager PyTorch reads some elements after it
+    wrote them (in an order it does not define), functionalization reads all before writing. Rather
+    than train either silently, such a write is refused (PyTorch itself refuses some of them)."""
+    from .trace import module_path, user_source
+
+    for node in _all_nodes(gm):
+        if not is_mutating(node) or not node.args or not isinstance(node.args[0], fx.Node):
             continue
-        body = getattr(gm, node.args[1].target)
-        with graph.inserting_before(node):
-            inputs = [graph.call_function(torch.ops.aten.detach.default, (a,))
-                      if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) else a
-                      for a in node.args[2:]]
-            for new, old in zip(inputs, node.args[2:]):
-                if new is not old:
-                    new.meta.update(old.meta)
-            outputs = graph.graph_copy(body.graph, dict(zip(_placeholders(body), inputs)))
-        for user in list(node.users):  # getitem(region, i)
-            user.replace_all_uses_with(outputs[user.args[1]])
-            graph.erase_node(user)
-        getter = node.args[1]
-        graph.erase_node(node)
-        if not getter.users:
-            graph.erase_node(getter)
-    graph.lint()
-    gm.recompile()
+        written = node.args[0].meta.get("val")
+        read = [a.meta.get("val") for a in node.all_input_nodes[1:]]
+        if isinstance(written, torch.Tensor) and any(_overlap(written, r) for r in read):
+            src = user_source(node)
+            raise OverlappingWriteError(
+                f"in-place op {node.target} in module '{module_path(node) or '<root>'}'{f' ({src})' if src else ''} "
+                "reads memory it writes (a view of the same tensor): PyTorch's result then depends on the "
+                "order it visits elements\n  fix: read from a copy, e.g. a.add_(b.clone())")
 
 
-def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+def _overlap(a: torch.Tensor, b) -> bool:
+    if not isinstance(b, torch.Tensor) or a.untyped_storage()._cdata != b.untyped_storage()._cdata:
+        return False
+    spans = [_span(t) for t in (a, b)]
+    if spans[0][1] < spans[1][0] or spans[1][1] < spans[0][0]:
+        return False
+    size = max(spans[0][1], spans[1][1]) + 1
+    if size > EXACT_OVERLAP_LIMIT:
+        return True  # too large to check element by element: a shared span is taken as overlap
+    mask = torch.zeros(size, dtype=torch.bool)
+    mask[_offsets(a)] = True
+    return bool(mask[_offsets(b)].any())
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+    return t.storage_offset(), t.storage_offset() + last
+
+
+def _offsets(t: torch.Tensor) -> torch.Tensor:
+    index = torch.full((), t.storage_offset(), dtype=torch.int64)
+    for n, s in zip(t.shape, t.stride()):
+        index = index.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s
+    return index.reshape(-1)
 
 
 def differentiable_copies(gm: fx.GraphModule) -> None:
@@ -210,4 +229,4 @@ def _describe(node: fx.Node, module: str, source: str) -> str:
 
 
 __all__ = ["distinct_inputs", "input_write_warnings", "functionalize", "explicit_writes", "verify_functional", "user_output_specs",
-           "is_mutating", "is_state_write", "HiddenEffectError", "STATE_WRITE", "INPUT_WRITES", "WRITE_KINDS"]
+           "is_mutating", "is_state_write", "HiddenEffectError", "OverlappingWriteError", "STATE_WRITE", "INPUT_WRITES", "WRITE_KINDS"]

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from usc.runtime.op_classes import LINEARS
+
 from .trace import Traced, module_path
 
 aten = torch.ops.aten
-_LINEARS = (aten.linear.default, aten.addmm.default, aten.mm.default)
 _EXPERT = re.compile(r"^(.*?\bexperts)\.(\d+)(\.|$)")
 
 
@@ -46,7 +47,7 @@ def _nearest_linear(start: fx.Node) -> fx.Node | None:
     seen, todo = {start}, deque([start])
     while todo:
         node = todo.popleft()
-        if node.op == "call_function" and node.target in _LINEARS:
+        if node.op == "call_function" and node.target in LINEARS:
             return node
         for x in node.all_input_nodes:
             if x not in seen:

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from .ir import META, MeshSpec
+from usc.runtime.sizes import shape_bytes
 
 SAVED_DECISIONS = ("input", "kept")
 
@@ -64,7 +65,7 @@ def recompute_records(gm: fx.GraphModule, mesh: MeshSpec) -> list[RecomputeRecor
             shape = ann.layout.local_shape(tuple(value.shape), mesh) if ann is not None else tuple(value.shape)
             reason = "saved as the region's input" if decision == "input" else ann.extra.get("recompute_reason", "")
             records.append(RecomputeRecord(label, node.name, _op_name(node), decision, shape,
-                                           str(value.dtype).replace("torch.", ""), _nbytes(shape, value.dtype),
+                                           str(value.dtype).replace("torch.", ""), shape_bytes(shape, value.dtype),
                                            reason))
     return records
 
@@ -96,13 +97,6 @@ def _op_name(node: fx.Node) -> str:
         return type(node.graph.owning_module.get_submodule(node.target)).__name__
     name = getattr(node.target, "__name__", str(node.target))
     return name.split(".")[0]
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * dtype.itemsize
 
 
 def render_recompute(report) -> list[str]:

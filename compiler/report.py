@@ -21,6 +21,7 @@ from .report_cost import cost_dict
 from .program import Program
 from .report_stages import StageRecord, shared_weights, stage_table, state_of_pp_rank
 from .recompute_report import RecomputeRecord, recompute_records, recompute_summary, region_bodies
+from usc.runtime.sizes import shape_bytes
 
 KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send/recv")
 
@@ -154,13 +155,6 @@ class Report:
         return render(self)
 
 
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * dtype.itemsize  # every dtype (bool, complex, float8) knows its size; iinfo refuses bool
-
-
 def _local(node: fx.Node, mesh: MeshSpec) -> tuple[tuple[int, ...], torch.dtype]:
     value = node.meta["val"]
     return node.meta[META].layout.local_shape(tuple(value.shape), mesh), value.dtype
@@ -201,7 +195,7 @@ def pipeline_transfers(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRec
             directions = ["forward"] + (["backward"] if inner.meta[META].needs_grad else [])
             for direction in directions:
                 records.append(CollectiveRecord("send/recv", "pp", mesh.size("pp"), direction, shape,
-                                                str(dtype).replace("torch.", ""), _nbytes(shape, dtype), 1, where,
+                                                str(dtype).replace("torch.", ""), shape_bytes(shape, dtype), 1, where,
                                                 inner.meta[META].source, "pipeline stage boundary", inner.name))
     return records
 
@@ -229,7 +223,7 @@ def _graph_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRec
                 continue
             shape, dtype = _local(shaped, mesh)
             out.append(CollectiveRecord(kind, module.axis, mesh.size(module.axis), direction, shape,
-                                        str(dtype).replace("torch.", ""), _nbytes(shape, dtype), 1,
+                                        str(dtype).replace("torch.", ""), shape_bytes(shape, dtype), 1,
                                         ann.module or "<root>", ann.source, ann.reason, node.name))
     return out
 
@@ -304,7 +298,7 @@ def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: b
             continue
         shape = spec.layout.local_shape(spec.global_shape, program.mesh)
         names, nbytes = open_buckets.get(axes, ([], 0))
-        open_buckets[axes] = (names + [spec.name], nbytes + _nbytes(shape, spec.dtype))
+        open_buckets[axes] = (names + [spec.name], nbytes + shape_bytes(shape, spec.dtype))
         if open_buckets[axes][1] >= bucket_bytes:
             done.append((axes, *open_buckets.pop(axes)))
     return done + [(axes, names, nbytes) for axes, (names, nbytes) in open_buckets.items()]
@@ -346,7 +340,7 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
     optimizer keeps per parameter (2 for Adam/AdamW: exp_avg, exp_avg_sq). Gradients are counted
     at their peak, after the reduction and before the optimizer step.
     """
-    params = sum(_nbytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
+    params = sum(shape_bytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
                  for s in state_of_pp_rank(program) if s.kind == "param" and s.trainable)
     dp = program.mesh.size("dp")
     buckets = [(axes, nbytes) for axes, _, nbytes in _pack_buckets(program, bucket_bytes, graph_reduces_zero3=False)]
@@ -396,7 +390,7 @@ def shared_gradient_records(program: Program) -> list[CollectiveRecord]:
     for spec in shared_weights(program):
         shape = spec.layout.local_shape(spec.global_shape, program.mesh)
         records.append(CollectiveRecord("all-reduce", "pp", program.mesh.size("pp"), "backward", shape,
-                                        str(spec.dtype).replace("torch.", ""), _nbytes(shape, spec.dtype), 1,
+                                        str(spec.dtype).replace("torch.", ""), shape_bytes(shape, spec.dtype), 1,
                                         spec.name, "step()", "a weight stages on two pp ranks use (tied): "
                                         "their gradients summed", "executor"))
     return records

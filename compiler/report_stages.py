@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from .ir import META
 from .program import Program
+from usc.runtime.sizes import shape_bytes
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,6 @@ class StageRecord:
         if self.state_bytes is None:
             return None
         return self.state_bytes + self.in_flight * self.activation_bytes
-
-
-def _bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(shape) * dtype.itemsize
 
 
 def state_of_pp_rank(program: Program, rank: int = 0) -> list:
@@ -100,7 +97,7 @@ def _sends(gm: fx.GraphModule, program: Program, nodes: list[fx.Node]) -> dict[i
             shape = inner.meta[META].layout.local_shape(tuple(value.shape), program.mesh)
             sends[index[producer]].append(StageTransfer(index[consumer], inner.name, shape,
                                                         str(value.dtype).replace("torch.", ""),
-                                                        _bytes(shape, value.dtype), bool(inner.meta[META].needs_grad)))
+                                                        shape_bytes(shape, value.dtype), bool(inner.meta[META].needs_grad)))
     return sends
 
 
@@ -117,7 +114,7 @@ def stage_table(program: Program) -> list[StageRecord]:
     records = []
     for i, (node, cost) in enumerate(zip(nodes, costs)):
         used = {a.name for a in node.args if isinstance(a, fx.Node) and a.op == "placeholder" and a.name in params}
-        nbytes = sum(_bytes(params[p].layout.local_shape(params[p].global_shape, program.mesh), params[p].dtype)
+        nbytes = sum(shape_bytes(params[p].layout.local_shape(params[p].global_shape, program.mesh), params[p].dtype)
                      for p in used)
         records.append(StageRecord(i, i % pp, tuple(cost["modules"]), cost["flops"], nbytes, tuple(sends[i]),
                                    cost.get("state_bytes"), cost.get("activation_bytes"), cost.get("in_flight")))

@@ -228,13 +228,14 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
     with _quiet_torch_logs(), _held_output() as held, patched(model, list(moe_blocks)):
         try:
             # regions first: functionalizing retraces the program, which would drop a no_grad region's meaning
-            exported = functionalize(inline_regions(torch.export.export(model, example_inputs, strict=False)))
+            exported = inline_regions(torch.export.export(model, example_inputs, strict=False))
         except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
             # usc's own errors raised while tracing (no loss in the output, say) already say what to fix
             error = exc if isinstance(exc, TraceError) else _trace_error(exc, model)  # formatting can print: held
     if error is not None:
         raise error from error.__cause__
     held.replay()
+    exported = functionalize(exported)  # writes become dataflow (compiler/functional.py)
     user = [s.arg.name for s in exported.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     outputs = user_output_specs(exported)
     written = [o.target for o in outputs if "PARAMETER_MUTATION" in str(o.kind)]

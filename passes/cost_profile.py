@@ -33,10 +33,10 @@ from usc.passes import parallelize
 from usc.passes.pipeline_split import constant_nodes, node_flops
 from usc.passes.recompute import recompute_regions, reissued_in_backward
 from usc.passes.zero3 import layer_key
+from usc.runtime.op_classes import ATTENTION, MATMULS
+from usc.runtime.sizes import shape_bytes
 
 aten = torch.ops.aten
-MATMULS = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default}
-ATTENTION = {aten.scaled_dot_product_attention.default}
 # Saved tensors made by these survive selective recompute (Korthikanti et al. 2022: keep matmul
 # inputs/outputs, recompute the cheap pointwise work); everything else is recomputed.
 KEPT_BY_SELECTIVE = MATMULS | ATTENTION | {aten.embedding.default}
@@ -320,7 +320,7 @@ def _experts(program, units: list[str]) -> tuple[dict[str, int], int]:
         match = EXPERT.search(spec.name)
         if spec.kind == "param" and spec.trainable and match:
             unit = _param_unit(spec.name, units)
-            nbytes[unit] = nbytes.get(unit, 0) + math.prod(spec.global_shape) * _itemsize(spec.dtype)
+            nbytes[unit] = nbytes.get(unit, 0) + shape_bytes(spec.global_shape, spec.dtype)
             indices.setdefault(unit, set()).add(match.group(2))
     return nbytes, max((len(i) for i in indices.values()), default=0)
 
@@ -328,10 +328,6 @@ def _experts(program, units: list[str]) -> tuple[dict[str, int], int]:
 def _param_unit(name: str, units: list[str]) -> str:
     unit = layer_key(name.rsplit(".", 1)[0]) if "." in name else "<root>"
     return unit if unit in units else units[-1 if unit == "<root>" else 0]
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
 
 
 def _param_bytes(program, units: list[str]) -> dict[str, tuple[int, int, int]]:
@@ -384,7 +380,7 @@ def _dense_params(program, units: list[str]) -> list[tuple]:
 
 def _split_bytes(program, spec) -> tuple[int, int]:
     """(replicated, tp-split) fp32 bytes of a parameter, unsplit: one of them is zero."""
-    nbytes = math.prod(spec.global_shape) * _itemsize(spec.dtype)
+    nbytes = shape_bytes(spec.global_shape, spec.dtype)
     split = any(isinstance(p, Shard) for a, p in zip(program.mesh.axes, spec.layout.placements) if a == "tp")
     return (0, nbytes) if split else (nbytes, 0)
 

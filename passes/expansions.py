@@ -21,6 +21,7 @@ from usc.compiler.errors import CompileError
 from usc.compiler.ir import META, MeshSpec, NodeAnn
 from usc.compiler.trace import module_path, user_source
 from usc.runtime.collectives import AllGather, AllReduce, AllToAll, LocalShard, ReduceScatter
+from usc.runtime.op_classes import RESHAPES
 from usc.runtime.ring_attention import RingAttention
 from usc.runtime.vocab import ShardedGather, VocabParallelEmbedding
 
@@ -190,7 +191,6 @@ def sharded_mean(ctx: ExpansionContext, node: fx.Node):
 
 
 REDISTRIBUTIONS = (AllGather, AllReduce, AllToAll, LocalShard, ReduceScatter)
-VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _underlying(ctx: ExpansionContext, node: fx.Node) -> fx.Node:
@@ -203,7 +203,7 @@ def _underlying(ctx: ExpansionContext, node: fx.Node) -> fx.Node:
 def _peel_flatten(ctx: ExpansionContext, logits: fx.Node, labels: fx.Node) -> tuple[fx.Node, fx.Node]:
     """``loss(x.view(-1, V), y.view(-1))`` is the same loss on ``x`` [..., V] and ``y`` [...]; using
     them avoids a reshape that a sequence shard cannot survive."""
-    if logits.target not in VIEWS or labels.target not in VIEWS:
+    if logits.target not in RESHAPES or labels.target not in RESHAPES:
         return logits, labels
     x, y = _underlying(ctx, logits.args[0]), _underlying(ctx, labels.args[0])
     xs, ys = shape_of(x), shape_of(y)

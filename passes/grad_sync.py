@@ -28,7 +28,7 @@ from usc.runtime.moe import ExpertParallelMoE
 from usc.runtime.vocab import ShardedGather, VocabParallelEmbedding
 
 from .graph_edit import GraphEditor, flat_inputs
-from .saved_values import MULTI_OUTPUT_VIEWS, VIEWS
+from usc.runtime.op_classes import MULTI_OUTPUT_VIEWS, VIEWS
 
 LOCAL_OPS = (VocabParallelEmbedding, ShardedGather, ExpertParallelMoE)
 aten = torch.ops.aten

@@ -12,7 +12,15 @@ Establishes: such a graph returns ``(loss, count)``; the runtime weights microba
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate
+
+from usc.compiler.ir import META
+from usc.runtime.collectives import AllReduce
+
+from .graph_edit import GraphEditor
 
 
 def expose_loss_count_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -20,12 +28,34 @@ def expose_loss_count_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     values = output.args[0]
     loss = values[0] if isinstance(values, (tuple, list)) else values
+    loss = _reduce_non_sum_partials(gm, ctx, output, loss)
     mean = _token_mean(gm, loss)
     if mean is None:
         return gm
     output.args = ((loss, mean.args[1]),)
     gm.recompile()
     return gm
+
+
+def _reduce_non_sum_partials(gm: fx.GraphModule, ctx, output: fx.Node, loss):
+    """A loss left as partial maxima (a max over a split dim) is reduced here: the runtime sums
+    partial losses over their axes, which is right for sums only (a max loss under dp=2 tp=2
+    reported and trained twice the max). The max all-reduce routes the gradient to its owner."""
+    ann = loss.meta.get(META) if isinstance(loss, fx.Node) else None
+    if ann is None:
+        return loss
+    editor, reduced = GraphEditor(gm), loss
+    for i, placement in enumerate(ann.layout.placements):
+        if isinstance(placement, Partial) and placement.reduce_op != "sum":
+            ann = dataclasses.replace(ann, layout=ann.layout.with_axis(i, Replicate()),
+                                      reason=f"the loss is a partial {placement.reduce_op}")
+            reduced = editor.call_module(output, AllReduce(ctx.mesh.axes[i], op=placement.reduce_op), (reduced,),
+                                         ann=ann, stem="all_reduce", same_value_as=reduced)
+    if reduced is not loss:
+        values = output.args[0]
+        output.args = ((reduced, *values[1:]) if isinstance(values, (tuple, list)) else reduced,)
+        gm.recompile()
+    return reduced
 
 
 def _token_mean(gm: fx.GraphModule, loss) -> fx.Node | None:

@@ -29,6 +29,7 @@ from usc.compiler.ir import META
 from usc.compiler.partition import CutError, NoCutFits, balanced_cut, manual_cut
 from usc.compiler.trace import module_path
 from usc.runtime.collectives import CollectiveNode
+from usc.runtime.op_classes import ATTENTION, MATMUL_OPERANDS
 
 from .graph_edit import shape_of
 from .pipeline_schedule import Compute, ComputeOp, build_schedule
@@ -43,12 +44,10 @@ def node_flops(node: fx.Node) -> float:
     out = shape_of(node)
     if out is None:
         return 0.0
-    if node.target in (aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default,
-                       aten.addmm.default):
-        contracted = shape_of(node.args[1] if node.target != aten.addmm.default else node.args[2])
-        k = contracted[-1] if node.target == aten.linear.default else contracted[-2]
-        return 2.0 * math.prod(out) * k
-    if node.target == aten.scaled_dot_product_attention.default:
+    if node.target in MATMUL_OPERANDS:
+        _, right, dim = MATMUL_OPERANDS[node.target]
+        return 2.0 * math.prod(out) * shape_of(node.args[right])[dim]
+    if node.target in ATTENTION:
         b, h, s, d = shape_of(node.args[0])
         return 4.0 * b * h * s * shape_of(node.args[1])[2] * d
     return float(math.prod(out))

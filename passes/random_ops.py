@@ -32,8 +32,8 @@ DRAW = torch.ops.usc.draw.default
 class _Rewriter:
     """Inserts the nodes that replace one random op, carrying its module path and source."""
 
-    def __init__(self, gm: fx.GraphModule, node: fx.Node, op: int) -> None:
-        self.gm, self.node, self.op = gm, node, op
+    def __init__(self, gm: fx.GraphModule, node: fx.Node, op: int, seed: int) -> None:
+        self.gm, self.node, self.op, self.seed = gm, node, op, seed
 
     def _meta(self, new: fx.Node, value) -> fx.Node:
         for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
@@ -51,7 +51,11 @@ class _Rewriter:
              like: fx.Node | None = None) -> fx.Node:
         graph = self.gm.graph
         with graph.inserting_before(self.node):
-            key = self._meta(graph.call_module(KEY_MODULE, ()),
+            # one key module per draw: a recompute region that takes a draw moves its key module along
+            name = f"{KEY_MODULE}_{self.op}"
+            if not hasattr(self.gm, name):
+                self.gm.add_submodule(name, RandomKey(self.seed))
+            key = self._meta(graph.call_module(name, ()),
                              self._fake(lambda: torch.zeros(3, dtype=torch.int64)))
             new = graph.call_function(DRAW, (key, list(shape), self.op, -1, 1, dtype, distribution, float(a),
                                              float(b)))
@@ -207,12 +211,11 @@ def random_ops_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     found = [n for n in gm.graph.nodes if n.op == "call_function" and is_random(n)]
     if not found:
         return gm
-    gm.add_submodule(KEY_MODULE, RandomKey(int(ctx.plan.get("seed"))))
     for op, node in enumerate(found):
         rule = RANDOM_RULES.get(node.target)
         if rule is None:
             raise _no_counter_form(node)
-        new = rule(_Rewriter(gm, node, op))
+        new = rule(_Rewriter(gm, node, op, int(ctx.plan.get("seed"))))
         if node.target in IN_PLACE:
             _read_after(gm, node, node.args[0], new)
         if new is not None:  # None: the rule rewired the op's users itself

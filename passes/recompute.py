@@ -43,6 +43,7 @@ import torch.fx as fx
 from usc.compiler.ir import META, NodeAnn
 from usc.compiler.pass_runner import pipeline_stages
 from usc.compiler.trace import module_path
+from usc.runtime.op_classes import MATMULS
 from usc.runtime.recompute import Recompute
 from usc.runtime.zero3 import ZeroFetch, ZeroGather
 
@@ -50,8 +51,6 @@ from .saved_values import saved_values
 
 aten = torch.ops.aten
 KEPT, RECOMPUTED, BOUNDARY = "kept", "recomputed", "boundary"
-MATMULS = frozenset({aten.linear.default, aten.mm.default, aten.bmm.default, aten.addmm.default,
-                     aten.matmul.default, aten.baddbmm.default, aten.einsum.default})
 
 
 def block_of(path: str) -> str | None:

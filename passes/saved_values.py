@@ -4,18 +4,14 @@ count of the collectives backward re-issues use it."""
 
 from __future__ import annotations
 
-import operator
 
 import torch
 import torch.fx as fx
 
+from usc.runtime.op_classes import VIEWS
+
 aten = torch.ops.aten
 
-# ops whose output reads its input's storage (tuple-valued ones and getitem in MULTI_OUTPUT_VIEWS)
-MULTI_OUTPUT_VIEWS = {aten.chunk.default, aten.unbind.int, aten.split.Tensor, operator.getitem}
-VIEWS = {aten.reshape.default, aten.view.default, aten.permute.default, aten.transpose.int, aten.t.default,
-         aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.slice.Tensor, aten.select.int,
-         aten.expand.default, aten.alias.default, aten.detach.default} | MULTI_OUTPUT_VIEWS
 # ops autograd saves nothing for (their backward needs no values)
 _SAVE_NOTHING = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.cat.default, aten.sum.default,
                  aten.sum.dim_IntList, aten.mean.dim, aten.arange.default, aten.ne.Scalar, aten.eq.Scalar,

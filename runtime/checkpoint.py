@@ -5,9 +5,10 @@ A checkpoint is a directory:
 
     rank00003.pt     this rank's pieces (``torch.save`` of a dict of tensors, read back with
                      ``torch.load(weights_only=True, mmap=True)``: only the pieces touched are read)
-    rank00003.json   this rank's manifest: for each piece, the global tensor it belongs to, the box
-                     of that tensor it covers (offsets and sizes per dim), the range of that box's
-                     flattened elements it holds (ZeRO slices), its dtype and a CRC-32 of its bytes
+    rank00003.json   this rank's manifest: the file's CRC-32 and, for each piece, the global tensor
+                     it belongs to, the box of that tensor it covers (offsets and sizes per dim), the
+                     range of that box's flattened elements it holds (ZeRO slices), its dtype and a
+                     CRC-32 of its bytes
     .metadata        written last, by rank 0: every manifest, the run's metadata (plan, optimizer
                      class, param groups, scheduler state, step) and a CRC-32 of itself
 
@@ -103,8 +104,19 @@ def write_pieces(directory: Path, rank: int, pieces: Sequence[tuple[Piece, torch
         records.append(asdict(Piece(**{**asdict(piece), "file": f"{name}.pt", "key": key,
                                        "crc": crc_of(tensors[key])})))
     _write_durably(directory / f"{name}.pt", lambda f: torch.save(tensors, f))
-    _write_durably(directory / f"{name}.json", lambda f: f.write(json.dumps(records).encode()))
+    manifest = {"file": f"{name}.pt", "crc": file_crc(directory / f"{name}.pt"), "pieces": records}
+    _write_durably(directory / f"{name}.json", lambda f: f.write(json.dumps(manifest).encode()))
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def file_crc(path: Path, chunk: int = 1 << 22) -> int:
+    """CRC-32 of a whole file, read in chunks (torch.save's zip has bytes outside every tensor:
+    headers and alignment padding, which the pieces' own CRCs do not cover)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
 
 
 def _write_durably(path: Path, write: Callable) -> None:
@@ -116,13 +128,16 @@ def _write_durably(path: Path, write: Callable) -> None:
 
 def write_metadata(directory: Path, world: int, meta: dict) -> None:
     """Rank 0, after every rank wrote: ``.metadata`` from the manifests (the completeness mark)."""
-    pieces = []
+    pieces, files = [], {}
     for rank in range(world):
         manifest = directory / f"{rank_file(rank)}.json"
         if not manifest.exists():
             raise CheckpointError(f"rank {rank} reported its pieces written but '{manifest}' is missing")
-        pieces += json.loads(manifest.read_text())
-    body = json.dumps({"format": FORMAT, "time": time.time(), "world": world, "meta": meta, "pieces": pieces})
+        entry = json.loads(manifest.read_text())
+        pieces += entry["pieces"]
+        files[entry["file"]] = entry["crc"]
+    body = json.dumps({"format": FORMAT, "time": time.time(), "world": world, "meta": meta, "files": files,
+                       "pieces": pieces})
     text = f"{zlib.crc32(body.encode())}\n{body}"
     _write_durably(directory / f"{METADATA}.part", lambda f: f.write(text.encode()))
     os.replace(directory / f"{METADATA}.part", directory / METADATA)
@@ -202,8 +217,9 @@ def _read_metadata(directory: Path) -> dict:
 
 
 class Reader:
-    """The pieces of a checkpoint by tensor; ``box`` assembles any region, reading only the pieces
-    that overlap it (files are memory-mapped) and checking each piece's CRC as it is read."""
+    """The pieces of a checkpoint by tensor; ``box`` assembles any region from the pieces that
+    overlap it, opening only the files that hold them (memory-mapped). A file is checked whole
+    (CRC-32) when first opened, and each piece again as it is read."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = resolve(path)
@@ -213,7 +229,8 @@ class Reader:
         for record in header["pieces"]:
             piece = Piece.of(record)
             self.pieces.setdefault(piece.tensor, []).append(piece)
-        for file in sorted({p.file for group in self.pieces.values() for p in group}):
+        self.file_crcs: dict[str, int] = header["files"]
+        for file in sorted(self.file_crcs):
             if not (self.path / file).exists():  # a stat per file: a lost file is named before anything loads
                 raise CheckpointError(f"checkpoint '{self.path}' is missing the piece file '{file}'; it cannot be loaded")
         self._files: dict[str, dict] = {}
@@ -279,6 +296,9 @@ class Reader:
             if not path.exists():
                 raise CheckpointError(f"checkpoint '{self.path}' is missing the piece file '{file}'; it cannot "
                                       "be loaded")
+            if file_crc(path) != self.file_crcs.get(file):
+                raise CheckpointError(f"checkpoint file '{path}' is damaged: its checksum does not match "
+                                      "(changed or truncated since it was written)")
             try:  # weights_only: tensors and plain containers, never arbitrary pickled objects
                 self._files[file] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except Exception as exc:  # noqa: BLE001 - name the file, keep the cause

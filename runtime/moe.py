@@ -200,8 +200,9 @@ class ExpertParallelMoE(CollectiveNode):
         hidden = x.shape[-1]
         flat, w = x.reshape(-1, hidden), weights.reshape(-1, self.top_k)
         expert = indices.reshape(-1)  # assignment a = token * k + slot
-        order, send = self._route(expert)
-        recv = self._exchange_counts(send, expert)
+        order, counts = self._route(expert)
+        send, recv = self._exchange_counts(counts, expert)
+        order = order[: sum(map(sum, send))]  # dropped assignments (capacity) sort last
         rows = flat.index_select(0, torch.div(order, self.top_k, rounding_mode="floor"))
         got = exchange_rows(rows, self.comm, [sum(r) for r in recv], [sum(s) for s in send], self.stats, "dispatch")
         y = self._run_experts(got, recv, experts)
@@ -210,28 +211,29 @@ class ExpertParallelMoE(CollectiveNode):
         out = (slots.view(-1, self.top_k, y.shape[-1]) * w.unsqueeze(-1).to(slots.dtype)).sum(1)
         return out.view(*x.shape[:-1], y.shape[-1]) + self._anchor(experts)
 
-    def _route(self, expert: torch.Tensor) -> tuple[torch.Tensor, list[list[int]]]:
-        """(kept assignments sorted by (expert, token order), rows for [peer][its local expert])."""
-        ep, local = self.comm.size, self.num_experts // self.comm.size
+    def _route(self, expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(assignments sorted by (expert, token order), the kept ones first; kept rows per expert,
+        on the device: None for fake tensors, which have no counts)."""
         if _is_fake(expert):
-            return torch.arange(expert.numel(), device=expert.device), balanced_counts(expert.numel(), ep, local)
+            return torch.arange(expert.numel(), device=expert.device), None
         kept = self._kept(expert)
         key = expert * expert.numel() + torch.arange(expert.numel(), device=expert.device)
         if kept is not None:
             key = torch.where(kept, key, self.num_experts * expert.numel())  # dropped: last
         order = torch.argsort(key, stable=True)
         counts = torch.bincount(expert[kept] if kept is not None else expert, minlength=self.num_experts)
-        send = counts.view(ep, local).tolist()
-        return order[: sum(map(sum, send))], send
+        return order, counts
 
-    def _exchange_counts(self, send: list[list[int]], expert: torch.Tensor) -> list[list[int]]:
-        """How many rows each peer sends me per local expert (the all-to-all of counts)."""
+    def _exchange_counts(self, counts: torch.Tensor | None, expert: torch.Tensor) -> tuple[list, list]:
+        """(rows I send, rows each peer sends me), per [peer][local expert]: the counts are exchanged
+        on the device and read on the host once (the split sizes all-to-all needs)."""
         ep, local = self.comm.size, self.num_experts // self.comm.size
-        if ep == 1 or _is_fake(expert):
-            return send if ep == 1 else balanced_counts(expert.numel(), ep, local)
-        counts = torch.tensor(send, dtype=torch.int64, device=expert.device).reshape(-1)
-        got = self.comm.all_to_all_single(counts, [local] * ep, [local] * ep)
-        return got.view(ep, local).tolist()
+        if counts is None:
+            balanced = balanced_counts(expert.numel(), ep, local)
+            return balanced, balanced
+        got = counts if ep == 1 else self.comm.all_to_all_single(counts, [local] * ep, [local] * ep)
+        send, recv = torch.stack([counts, got]).view(2, ep, local).tolist()
+        return send, recv
 
     def _kept(self, expert: torch.Tensor) -> torch.Tensor | None:
         """Capacity: an assignment is kept if fewer than C assignments to its expert come before it
@@ -255,8 +257,9 @@ class ExpertParallelMoE(CollectiveNode):
     def _run_experts(self, rows: torch.Tensor, recv: list[list[int]], experts) -> torch.Tensor:
         """Group the received rows by local expert, run each expert, restore the received order."""
         local = len(recv[0])
-        segment = torch.tensor([e for per_peer in recv for e, n in enumerate(per_peer) for _ in range(n)],
-                               dtype=torch.int64, device=rows.device) if not _is_fake(rows) \
+        experts_of_rows = torch.arange(local, device=rows.device).repeat(len(recv))  # peer-major, as received
+        segment = torch.repeat_interleave(experts_of_rows, torch.tensor(recv, device=rows.device).reshape(-1),
+                                          output_size=rows.shape[0]) if not _is_fake(rows) \
             else torch.arange(rows.shape[0], device=rows.device) % local
         perm = torch.argsort(segment, stable=True)
         sizes = [sum(per_peer[e] for per_peer in recv) for e in range(local)]

@@ -37,10 +37,9 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-aten = torch.ops.aten
+from .op_classes import MATMUL_KERNELS  # the kernels whose outputs a kept matmul node stores
 
-# the kernels whose outputs a kept matmul node stores (linear/matmul decompose into these)
-MATMUL_KERNELS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
+
 
 _kept_observer: contextvars.ContextVar[Callable[[torch.Tensor], None] | None] = \
     contextvars.ContextVar("usc_kept_observer", default=None)

@@ -26,6 +26,7 @@ import torch
 
 from .collectives import CollectiveNode
 from .reducer import pad_to_multiple
+from .sizes import shape_bytes
 
 
 @dataclass
@@ -175,7 +176,7 @@ class ZeroFetch(CollectiveNode):
         if n == 1:
             return []
         numel = slice_numel(self.shapes, n)
-        return [("forward", "all-gather", (numel,), numel * _itemsize(dtype), 1)]
+        return [("forward", "all-gather", (numel,), shape_bytes((numel,), dtype), 1)]
 
     def extra_repr(self) -> str:
         return f"axis={self.axis!r}, group={self.group!r}"
@@ -239,8 +240,8 @@ class ZeroGather(CollectiveNode):
         if n == 1:
             return []
         padded, mine = slice_numel(self.shapes, n) * n, slice_numel(self.shapes, n)
-        scatter = [("backward", "reduce-scatter", (padded,), padded * _itemsize(dtype), 1)]
-        return scatter + ([("backward", "all-gather", (mine,), mine * _itemsize(dtype), 1)] if self.regather else [])
+        scatter = [("backward", "reduce-scatter", (padded,), shape_bytes((padded,), dtype), 1)]
+        return scatter + ([("backward", "all-gather", (mine,), shape_bytes((mine,), dtype), 1)] if self.regather else [])
 
     def extra_repr(self) -> str:
         return f"axis={self.axis!r}, group={self.group!r}, params={len(self.shapes)}"
@@ -249,10 +250,6 @@ class ZeroGather(CollectiveNode):
 def slice_numel(shapes, n: int) -> int:
     """Elements of one rank's slices of these parameters (each padded to a multiple of n)."""
     return sum(-(-math.prod(shape) // n) for shape in shapes)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def shard_of(local: torch.Tensor, comm) -> torch.Tensor:

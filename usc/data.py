@@ -19,6 +19,8 @@ shard r's microbatch m is its m-th chunk: ``local_slice`` shows which rows of a 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
@@ -45,10 +47,16 @@ def sampler(dataset: Dataset, step, *, shuffle: bool = True, seed: int = 0, drop
                               drop_last=drop_last)
 
 
-def local_slice(step, *batch, coord: tuple | None = None) -> tuple:
+def local_slice(step, *batch, coord: tuple | None = None):
     """The rows of a global batch that ``step.step(..., local=True)`` on this rank (or the rank at
-    ``coord``) stands for: microbatch by microbatch, this shard's part of each."""
+    ``coord``) stands for: microbatch by microbatch, this shard's part of each. A dict batch
+    (``local_slice(step, batch_dict)``) gives a dict of the same keys."""
     index, count = shard(step, coord=coord)
     mb = int(step.plan.get("mb"))
-    return tuple(torch.cat([m.chunk(count)[index] for m in v.chunk(mb)]) if isinstance(v, torch.Tensor) and v.dim()
-                 else v for v in batch)
+
+    def rows(v):
+        return torch.cat([m.chunk(count)[index] for m in v.chunk(mb)]) if isinstance(v, torch.Tensor) and v.dim() \
+            else v
+    if len(batch) == 1 and isinstance(batch[0], Mapping):
+        return {k: rows(v) for k, v in batch[0].items()}
+    return tuple(rows(v) for v in batch)

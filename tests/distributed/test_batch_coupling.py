@@ -99,6 +99,13 @@ def test_a_loss_not_linear_in_the_batch_is_refused_naming_it(loss, plan):
         usc.simulate(model(loss)(), plan, example_inputs=batches(1)[0])
 
 
+@pytest.mark.parametrize("plan", ["dp=2", "tp=2", "dp=2 tp=2"])
+def test_a_max_loss_split_over_ranks_is_reduced_as_a_max(plan):
+    """The runtime sums a partial loss over its axes: a loss left as partial maxima reported and
+    trained twice the max under dp=2 tp=2 (9.42 vs 4.76) before it was reduced in the graph."""
+    assert_equivalent(model("max"), plan, batches(), **FLOAT64)
+
+
 def test_a_sum_divided_by_the_batch_size_is_refused_as_ambiguous():
     with pytest.raises(usc.PlanError, match=r"multiple of the microbatch's batch size 3.*\.mean\(\)"):
         usc.simulate(model("sum/batch")(), "mb=2", example_inputs=batches(1)[0])

@@ -218,7 +218,7 @@ def _saved(tmp_path, plan="dp=2 tp=2", **kwargs):
     return tmp_path / "ckpt"
 
 
-@pytest.mark.parametrize("where", [0.5, 0.9, 0.99])
+@pytest.mark.parametrize("where", [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99])
 def test_a_flipped_byte_is_named(tmp_path, where):
     path = _saved(tmp_path)
     target = path / "rank00000.pt"

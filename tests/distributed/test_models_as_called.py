@@ -294,3 +294,11 @@ def test_only_the_loss_leaves_the_graph():
     (output,) = [n for n in sim._traced.gm.graph.nodes if n.op == "output"]
     values = [v for v in output.args[0] if v is not None]
     assert len(values) == 1 and values[0].meta["val"].dim() == 0
+
+
+def test_local_slice_of_a_dict_batch():
+    batch = collated(0)
+    step = usc.compile(FAMILIES["llama"](), "dp=2", example_inputs=batch)  # compiles in one process
+    second = usc.data.local_slice(step, batch, coord=(1,))
+    assert sorted(second) == sorted(batch)
+    assert all(torch.equal(second[k], batch[k][2:]) for k in batch)

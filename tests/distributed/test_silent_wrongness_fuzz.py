@@ -34,6 +34,7 @@ PATTERNS = [
     (ProgramSpec(coupling="amax"), "dp=2"),
     (ProgramSpec(frozen="first_stage"), "pp=2 mb=2"),
     (ProgramSpec(tied=True, loss="sum+mean"), "tp=2 pp=2 mb=2"),
+    (ProgramSpec(loss="max", frozen="up"), "dp=2 tp=2"),  # found by the fuzzer: a partial max loss summed
 ]
 
 
