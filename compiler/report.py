@@ -77,6 +77,7 @@ class Report:
     _activation_by_recompute: dict[str, int] | None = field(default=None, repr=False)
     traffic: dict = field(default_factory=dict)  # (axis, kind) -> payload bytes per step, every rank's summed
     clipping: list[CollectiveRecord] = field(default_factory=list)  # issued only by step(max_grad_norm=...)
+    op_rules: dict = field(default_factory=dict)  # aten op -> link of the rule chain that placed it
 
     @property
     def activation_bytes(self) -> int | None:
@@ -437,4 +438,19 @@ def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, 
                   kernels=kernel_sources(program.gm, program_parts(program.gm)),
                   traffic=step_traffic(program, bucket_bytes=bucket_bytes, zero_stage=zero_stage,
                                        microbatches=microbatches),
+                  op_rules=op_rules(program.gm),
                   clipping=clipping_records(program))
+
+
+
+def op_rules(gm: fx.GraphModule) -> dict[str, str]:
+    """Each op of the program and the link of the rule chain that placed it (hand rule, DTensor
+    strategy, decomposition, ...), as the propagation pass recorded (an op placed by several links
+    on different nodes lists them all)."""
+    found: dict[str, set[str]] = defaultdict(set)
+    for part in program_parts(gm):
+        for node in part.graph.nodes:
+            link = node.meta.get("usc_rule_link")
+            if link is not None and node.op == "call_function":
+                found[str(node.target)].add(link)
+    return {op: ", ".join(sorted(links)) for op, links in sorted(found.items())}

@@ -88,6 +88,9 @@ def render(report) -> str:
         lines.append(fusion_line(report.fusion))
     if report.exposed_comm_seconds is not None:
         lines.append(f"exposed communication in the last traced step: {report.exposed_comm_seconds * 1e3:.2f} ms")
+    derived = {op: link for op, link in report.op_rules.items() if link != "hand rule"}
+    if derived:
+        lines.append("ops placed without a hand rule: " + ", ".join(f"{op} ({link})" for op, link in derived.items()))
     for w in report.warnings:
         lines.append(f"warning: {w}")
     from .report_cost import cost_sections

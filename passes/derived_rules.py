@@ -6,11 +6,13 @@ Per aten op and mesh axis the chain is:
 2. PyTorch's registered DTensor sharding strategy for the op (``DTensor._op_dispatcher.
    sharding_propagator``: single-dim strategies and op strategies, hundreds of ops), asked on a
    one-axis mesh that has no process group;
-3. for a composite op (``CompositeImplicitAutograd``: rms_norm, flatten, einsum, conv1d/2d ...)
-   its own decomposition, traced once per shape, with placements flowed through it by links 1-2;
-4. replicate on that axis (the propagation pass redistributes first) for any other functional,
+3. for an op that acts along one dim only (``DIM_LOCAL_OPS``: index_add, ...) the shards of the
+   other dims;
+4. for a composite op (``CompositeImplicitAutograd``: rms_norm, einsum, conv1d/2d ...) its own
+   decomposition, traced once per shape, with placements flowed through it by links 1-3;
+5. replicate on that axis (the propagation pass redistributes first) for any other functional,
    deterministic op;
-5. otherwise ``UnsupportedOpError`` (a ``CompileError``) naming op, module, source line and placements.
+6. otherwise ``UnsupportedOpError`` (a ``CompileError``) naming op, module, source line and placements.
 
 Every rule here has the hand rules' shape, ``OpView -> Decision`` (op + input placements on one
 axis -> required input placements + output placement), so the rule verifier checks them the same
@@ -33,14 +35,20 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.utils._pytree import tree_leaves
 
-from usc.compiler.errors import CompileError, ShardingError, UnsupportedOpError
+from usc.compiler.errors import CompileError, ShardingError
 
 from .graph_edit import flat_inputs, shape_of
 from .sharding_rules import SHARDING_RULES, Decision, OpView
 
 R = Replicate()
-HAND, DTENSOR, DECOMPOSED, REPLICATED, IN_PLACE, NONE = (
-    "hand rule", "DTensor strategy", "decomposition", "replicated", "in-place twin", "none")
+HAND, DTENSOR, DIM_LOCAL, DECOMPOSED, REPLICATED, NONE = (
+    "hand rule", "DTensor strategy", "dim-local", "decomposition", "replicated", "none")
+aten = torch.ops.aten
+
+# Ops that act along one dim only (its argument position here): every other dim is independent, so a
+# shard on another dim keeps (the batch under dp). DTensor has no strategy for these today.
+DIM_LOCAL_OPS = {aten.index_add.default: 1, aten.index_copy.default: 1, aten.index_fill.int_Scalar: 1,
+                 aten.index_fill.int_Tensor: 1, aten.scatter_reduce.two: 1, aten.index_reduce.default: 1}
 
 
 def _propagator():
@@ -67,38 +75,27 @@ def _is_pure(op) -> bool:
 
 
 # (test, link) in chain order; the first test an op passes names the link that decides it
-_LINKS = ((_has_dtensor_strategy, DTENSOR), (_is_composite, DECOMPOSED), (lambda op: True, REPLICATED))
+_LINKS = ((_has_dtensor_strategy, DTENSOR), (DIM_LOCAL_OPS.__contains__, DIM_LOCAL), (_is_composite, DECOMPOSED),
+          (lambda op: True, REPLICATED))
 
 
 @lru_cache(maxsize=None)
 def derived_link(op) -> str:
     """The link of the chain after the hand rules that decides ``op`` (``NONE``: it is refused).
     Random ops get none: DTensor would let each shard draw its own numbers, where usc promises one
-    device's draw (they need a hand rule, like dropout). An in-place op (``add_``, ``scatter_``)
-    follows its functional twin's rule, see ``_in_place_decision``."""
-    if not isinstance(op, torch._ops.OpOverload):
-        return NONE
-    if _functional_twin(op) is not None:
-        return IN_PLACE
-    if not _is_pure(op):
+    device's draw (random_ops rewrites them to draws first). In-place ops get none: the graph arrives
+    functionalized, and one that does not is not safe to place by a rule that ignores aliasing."""
+    if not isinstance(op, torch._ops.OpOverload) or not _is_pure(op):
         return NONE
     return next((link for test, link in _LINKS if test(op)), NONE)
 
 
-@lru_cache(maxsize=None)
-def _functional_twin(op):
-    """aten.add_.Tensor -> aten.add.Tensor (same arguments, returns a new tensor instead)."""
-    name = op._schema.name.split("::")[-1]
-    if op.namespace != "aten" or not name.endswith("_") or name.startswith("_"):
-        return None
-    packet = getattr(torch.ops.aten, name[:-1], None)
-    twin = getattr(packet, op._overloadname, None) if packet is not None else None
-    return twin if twin is not None and _is_pure(twin) else None
-
-
 def rule_link(op) -> str:
-    """The link that decides ``op``, hand rules included (what the compile report prints)."""
-    return HAND if op in SHARDING_RULES else derived_link(op)
+    """The link that decides ``op``, hand rules (and hand expansions, like the sharded cross-entropy)
+    included: what the op-coverage figure counts."""
+    from .expansions import EXPANSIONS
+
+    return HAND if op in SHARDING_RULES or op in EXPANSIONS else derived_link(op)
 
 
 @dataclass(frozen=True)
@@ -117,8 +114,6 @@ class DerivedRule:
         return _DECIDED[key]
 
     def decide(self, view: OpView) -> Decision:
-        if self.link == IN_PLACE:
-            return _in_place_decision(view)
         try:
             decision = _DECIDERS[self.link](view)
             agreed = decision is not None and _holdable(decision, view) and _local_shapes_agree(view, decision)
@@ -171,31 +166,6 @@ def replicated(view: OpView) -> Decision:
     return Decision((R,) * len(view.placements), R)
 
 
-def _in_place_decision(view: OpView) -> Decision:
-    """The functional twin's decision. The op writes into its first input: when that input must be
-    redistributed first, the write lands in the copy, which is right only if nothing reads the
-    original after this op (export leaves ``x += y`` on a value nobody reads again, as Falcon does)."""
-    from .sharding_rules import rule_for
-
-    twin = _functional_twin(view.node.target)
-    decision = rule_for(twin)(view)
-    if decision.inputs[0] != view.placements[0] and _read_after(view.node):
-        raise UnsupportedOpError(
-            f"{view.node.target} writes into a tensor placed {view.placements[0]} on '{view.axis}' that must be "
-            f"{decision.inputs[0]} for the op, and the tensor is read again after the write",
-            hint=f"write the out-of-place form ({twin}) in the model")
-    return decision
-
-
-def _read_after(node: fx.Node) -> bool:
-    target = node.args[0]
-    later, cursor = set(), node.next
-    while cursor.op != "root":
-        later.add(cursor)
-        cursor = cursor.next
-    return any(u in later for u in target.users)
-
-
 # ---------------------------------------------------------------- link 2: DTensor's strategies
 
 @lru_cache(maxsize=None)
@@ -228,7 +198,8 @@ def _dtensor_decision(view: OpView) -> Decision | None:
     args = _with_specs(tuple(node.args), specs)
     kwargs = {k: _with_specs(v, specs) for k, v in node.kwargs.items()}
     prop = _propagator()
-    schema = OpSchema(op, args, kwargs, schema_info=prop.op_to_schema_info.get(op))
+    info = prop.op_to_schema_info_for_single_dim_strategy.get(op) or prop.op_to_schema_info.get(op)
+    schema = OpSchema(op, args, kwargs, schema_info=info)  # info says e.g. that index's list holds tensors
     try:
         sharding = prop.propagate_op_sharding_non_cached(schema)
     except Exception:  # noqa: BLE001 - a strategy that cannot place these inputs: the chain goes on
@@ -241,6 +212,19 @@ def _dtensor_decision(view: OpView) -> Decision | None:
     required = [s.placements[0] for s in tree_leaves((wanted.args_schema, wanted.kwargs_schema))
                 if isinstance(s, DTensorSpec)]
     return Decision(tuple(required), placed.pop()) if len(required) == len(view.placements) else None
+
+
+def _dim_local_decision(view: OpView) -> Decision | None:
+    """The first shard on a dim other than the op's: tensors of the output's rank follow it, the rest
+    (index vectors, scalars) stay whole."""
+    out_rank = len(view.out_shape or ())
+    dim = view.arg(DIM_LOCAL_OPS[view.node.target])
+    dim = dim + out_rank if dim < 0 else dim
+    shard = next((p for p in view.placements if isinstance(p, Shard) and p.dim != dim), None)
+    if shard is None:
+        return None
+    inputs = tuple(shard if len(shape) == out_rank else R for shape in view.shapes)
+    return Decision(inputs, shard)
 
 
 # ---------------------------------------------------------------- link 3: the op's decomposition
@@ -297,7 +281,7 @@ def _flow(gm: fx.GraphModule, placements: tuple, outer: OpView):
             ins = tuple(placed[x] for x in flat_inputs(node))
             view = OpView(node, ins, tuple(shape_of(x) or () for x in flat_inputs(node)), shape_of(node),
                           outer.axis, outer.size)
-            decision = _inner_decision(rule_for(node.target), view)
+            decision = _inner_decision(rule_for(_out_of_place(node.target)), view)
             if decision is None or tuple(decision.inputs) != ins:
                 return None
             placed[node] = decision.output
@@ -305,6 +289,15 @@ def _flow(gm: fx.GraphModule, placements: tuple, outer: OpView):
             outs = {placed[x] for x in flat_inputs(node)}
             return outs.pop() if len(outs) == 1 else None
     return None
+
+
+def _out_of_place(op):
+    """A decomposition writes in place into its own temporaries (rms_norm's ``add_`` of eps): only the
+    placements flow here (the composite op itself is what runs), so the out-of-place twin's rule applies."""
+    name = getattr(op, "_schema", None) and op._schema.name.split("::")[-1]
+    if not name or not name.endswith("_") or name.startswith("_"):
+        return op
+    return getattr(getattr(torch.ops.aten, name[:-1], None), op._overloadname, op)
 
 
 def _inner_decision(rule, view: OpView) -> Decision | None:
@@ -354,4 +347,12 @@ def _local_shapes_agree(view: OpView, decision: Decision) -> bool:
     return first is not None and list(first.shape) == list(expected)
 
 
-_DECIDERS = {DTENSOR: _dtensor_decision, DECOMPOSED: _decomposed_decision, REPLICATED: lambda view: None}
+_DECIDERS = {DTENSOR: _dtensor_decision, DIM_LOCAL: _dim_local_decision, DECOMPOSED: _decomposed_decision,
+             REPLICATED: lambda view: None}
+
+
+def derived_source(op, view: OpView) -> Decision | None:
+    """The chain after the hand rules as a rule source for ``usc.testing.verify_rules``:
+    ``python -m usc.testing.verify_rules --source usc.passes.derived_rules:derived_source --ops ...``."""
+    rule = derived_rule(op)
+    return None if rule is None else rule(view)

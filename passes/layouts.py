@@ -15,7 +15,8 @@ from torch.distributed.tensor import Replicate, Shard
 from usc.compiler.ir import Layout, MeshSpec
 from usc.compiler.trace import Traced, module_path
 
-from .tensor_parallel import PairGroup, TPChoice, find_pairs, is_token_embedding, style_layouts
+from .tensor_parallel import (PairGroup, TPChoice, conv1d_as_linear, find_pairs, is_token_embedding, style_layouts,
+                              weight_param)
 
 aten = torch.ops.aten
 R = Replicate()
@@ -71,7 +72,7 @@ def explicit_style(plan, path: str):
 def _weighted_nodes(gm: fx.GraphModule, params: set[str]) -> list[fx.Node]:
     out = []
     for node in gm.graph.nodes:
-        if node.target == aten.linear.default and getattr(node.args[1], "name", None) in params:
+        if node.target == aten.linear.default and weight_param(node)[0].name in params:
             out.append(node)
         elif node.target == aten.embedding.default and getattr(node.args[0], "name", None) in params:
             out.append(node)
@@ -79,6 +80,7 @@ def _weighted_nodes(gm: fx.GraphModule, params: set[str]) -> list[fx.Node]:
 
 
 def _weight_shape(node: fx.Node) -> tuple[int, ...]:
+    """As the op reads it: [out, in] for a linear, also one over a transposed (Conv1D) weight."""
     weight = node.args[1] if node.target == aten.linear.default else node.args[0]
     return tuple(weight.meta["val"].shape)
 
@@ -106,6 +108,7 @@ def tp_layouts(traced: Traced, plan, mesh: MeshSpec, replicated: dict[int, str],
         return result
     params = {s.placeholder for s in traced.state if s.kind == "param"}
     gm = traced.gm
+    conv1d_as_linear(gm, params)
     groups, heads = find_pairs(gm, params)
     result.groups = groups
     auto: dict[fx.Node, tuple[str, str]] = {}

@@ -29,6 +29,7 @@ from .graph_edit import GraphEditor, flat_inputs, is_float, shape_of
 from .sharding_rules import Decision, OpView, is_shard, rule_for
 
 R = Replicate()
+RULE_LINK = "usc_rule_link"  # which link of the rule chain placed the node (the report lists them)
 NO_GRAD_TARGETS = {torch.ops.aten.detach.default}
 
 
@@ -133,6 +134,7 @@ def _differentiable(node: fx.Node) -> bool:
 
 def _decide(state: Propagation, node: fx.Node, inputs, layouts) -> tuple[list[Layout], Layout]:
     rule = rule_for(_op_key(state.gm, node))
+    node.meta[RULE_LINK] = getattr(rule, "link", "hand rule" if rule is not None else "replicated")
     shapes = tuple(shape_of(x) or () for x in inputs)
     required: list[list] = [list(lay.placements) for lay in layouts]
     out = []

@@ -440,14 +440,25 @@ def cat_rule(view: OpView) -> Decision:
     ps = view.placements
     ndim = len(view.out_shape)
     dim = norm_dim(view.arg(1, 0), ndim)
+    stacked = view.node.target == aten.stack.default
+    ps = ps if stacked else _whole_pieces_sliced(view, ps, dim)
     first = ps[0]
     same = all(p == first for p in ps)
-    stacked = view.node.target == aten.stack.default
     if not same or (is_shard(first) and (first.dim == dim and not stacked)) or is_partial(first, "max"):
         return Decision(tuple(R for _ in ps), R)
     if is_shard(first) and stacked and first.dim >= dim:
         return Decision(ps, Shard(first.dim + 1))
     return Decision(ps, first)
+
+
+def _whole_pieces_sliced(view: OpView, ps: tuple, dim: int) -> tuple:
+    """cat of a batch-sharded piece and a whole one along another dim (ViT's class token, expanded
+    to the batch, before the patches): the whole piece is sliced like the other (free) instead of
+    gathering the batch."""
+    shard = next((p for p in ps if is_shard(p) and p.dim != dim), None)
+    if shard is None or not all(p == R or p == shard for p in ps):
+        return ps
+    return tuple(shard for _ in ps)
 
 
 @register(operator.getitem)

@@ -37,10 +37,13 @@ CARRIERS = {
     # complex-number RoPE (torchtitan): pairs of features become one complex feature and back, per head
     aten.view_as_complex.default, aten.view_as_real.default, aten.flatten.using_ints, aten.unflatten.int,
     aten.type_as.default,
+    # GPT-2's tanh-approximated GELU, written out
+    aten.pow.Tensor_Scalar, aten.mul.Scalar, aten.add.Scalar, aten.div.Scalar,
     # writes through views, functionalized (compiler/functional.py); propagation gathers where one
     # writes along the split features
     aten.select_scatter.default, aten.slice_scatter.default, aten.fill.Scalar, aten.fill.Tensor,
 }
+
 # Nodes that only check a value (export's dtype/shape assertions) are not uses of it.
 IGNORED_USERS = {aten._assert_tensor_metadata.default}
 TO_LOSS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor,
@@ -93,12 +96,66 @@ def reach(start: fx.Node) -> tuple[set[fx.Node], set[fx.Node], bool, set[fx.Node
     return rows, losses, escaped, seen
 
 
+def weight_param(node: fx.Node) -> tuple[fx.Node, bool]:
+    """A linear's or embedding's weight placeholder, and whether the linear reads it transposed
+    (``linear(x, W.t())``: GPT-2's Conv1D after ``conv1d_as_linear``)."""
+    weight = node.args[1] if node.target == aten.linear.default else node.args[0]
+    if weight.op == "call_function" and weight.target == aten.t.default:
+        return weight.args[0], True
+    return weight, False
+
+
+def conv1d_as_linear(gm: fx.GraphModule, params: set[str]) -> None:
+    """GPT-2's ``Conv1D`` computes ``addmm(bias, x, W)`` with ``W`` stored [in, out]; rewritten as the
+    same value ``linear(x, W.t(), bias)`` so pairs are found through it and a row-parallel bias is
+    split off by the propagation pass like any linear's. Idempotent."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if not _is_conv1d(node, params):
+            continue
+        bias, x, weight = node.args
+        unflattened = _unflattened_input(node)
+        with gm.graph.inserting_before(node):
+            transposed = gm.graph.call_function(aten.t.default, (weight,))
+            transposed.meta = {**node.meta, "val": weight.meta["val"].t()}
+            linear = gm.graph.call_function(aten.linear.default, (unflattened or x, transposed, bias))
+            linear.meta = dict(node.meta)
+            if unflattened is not None:  # the views back to [..., out] now see that shape already
+                linear.meta["val"] = next(iter(node.users)).meta["val"]
+        node.replace_all_uses_with(linear)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.recompile()
+
+
+def _unflattened_input(node: fx.Node) -> fx.Node | None:
+    """Conv1D flattens [B, S, in] to [B*S, in] for addmm and views the result back to [B, S, out].
+    A linear applies to [B, S, in] directly; without the flatten, a sequence shard (sp) or a batch
+    shard passes through instead of meeting a reshape that merges it into another dim."""
+    x = node.args[1]
+    if x.op != "call_function" or x.target != aten.view.default:
+        return None
+    lead = tuple(x.args[0].meta["val"].shape[:-1])
+    out = node.meta["val"].shape[-1]
+    backs = [u.target == aten.view.default and tuple(u.meta["val"].shape) == lead + (out,) for u in node.users]
+    return x.args[0] if backs and all(backs) and len(lead) > 1 else None
+
+
+def _is_conv1d(node: fx.Node, params: set[str]) -> bool:
+    if node.target != aten.addmm.default or node.kwargs or len(node.args) != 3:
+        return False
+    bias, _, weight = node.args
+    return (getattr(weight, "name", None) in params and getattr(bias, "name", None) in params
+            and bias.meta["val"].dim() == 1)
+
+
 def find_pairs(gm: fx.GraphModule, params: set[str]) -> tuple[list[PairGroup], list[fx.Node]]:
     """Megatron pairs and vocab-parallel lm heads among linears whose weight is a parameter."""
     by_row: dict[fx.Node, PairGroup] = {}
     heads = []
     for node in gm.graph.nodes:
-        if node.target != aten.linear.default or getattr(node.args[1], "name", None) not in params:
+        if node.target != aten.linear.default or weight_param(node)[0].name not in params:
             continue
         if node in by_row:
             continue  # already the row-parallel half of a pair: it cannot also open one
@@ -121,15 +178,16 @@ def style_layouts(style: str, node: fx.Node, n_axes: int, tp_index: int) -> dict
         placements[tp_index] = p
         return tuple(placements)
 
-    weight = node.args[1] if node.target == aten.linear.default else node.args[0]
+    weight, transposed = weight_param(node)
     bias = node.args[2] if node.target == aten.linear.default and len(node.args) > 2 else None
+    rows, cols = (Shard(1), Shard(0)) if transposed else (Shard(0), Shard(1))  # of the stored weight
     out = {}
     if style in ("colwise", "vocab"):
-        out[weight.name] = on_tp(Shard(0))
+        out[weight.name] = on_tp(rows)
         if bias is not None:
             out[bias.name] = on_tp(Shard(0))
     elif style == "rowwise":
-        out[weight.name] = on_tp(Shard(1))
+        out[weight.name] = on_tp(cols)
     if node.target == aten.embedding.default and style == "colwise":
         out[weight.name] = on_tp(Shard(1))
     return out

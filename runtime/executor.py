@@ -485,6 +485,16 @@ class _nothing:
         return False
 
 
+def traced_device(gm) -> torch.device:
+    """The device a program was traced on, as its factory ops name it (``arange(device=...)``): a
+    model built on ``meta`` bakes ``meta`` into them, so its fake run must hold meta tensors too."""
+    for node in gm.graph.nodes:
+        device = node.kwargs.get("device") if node.op == "call_function" else None
+        if isinstance(device, torch.device) and device.type == "meta":
+            return device
+    return torch.device("cpu")
+
+
 @contextlib.contextmanager
 def fake_rank_zero(program, **options):
     """Rank 0 of ``program`` on fake tensors with peerless collectives (ShapeComm), and a batch of
@@ -493,13 +503,14 @@ def fake_rank_zero(program, **options):
 
     from .mesh import shape_mesh
 
-    mesh = shape_mesh(program.mesh.axes, program.mesh.shape, 0)
+    device = traced_device(program.gm)
+    mesh = shape_mesh(program.mesh.axes, program.mesh.shape, 0, device)
     with FakeTensorMode(allow_non_fake_inputs=True):
         state = {}
         for spec in program.state:
-            tensor = torch.zeros(spec.global_shape, dtype=spec.dtype)
+            tensor = torch.zeros(spec.global_shape, dtype=spec.dtype, device=device)
             state[spec.name] = torch.nn.Parameter(tensor) if spec.kind == "param" and spec.trainable else tensor
-        batch = tuple(torch.zeros(spec.global_shape, dtype=spec.dtype) for spec in program.inputs)
+        batch = tuple(torch.zeros(spec.global_shape, dtype=spec.dtype, device=device) for spec in program.inputs)
         yield RankExecutor(program, mesh, state, microbatches=1, **options), batch
 
 

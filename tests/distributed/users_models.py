@@ -25,15 +25,25 @@ def _tf():
 
 
 class LossOf(nn.Module):
-    """The model's own loss from ``labels`` (Hugging Face shifts causal-LM labels inside)."""
+    """The model's own loss from ``labels`` (Hugging Face shifts causal-LM labels inside).
 
-    def __init__(self, model: nn.Module, input_name: str = "input_ids") -> None:
+    ``in_model_dtype``: the same loss computed here in the model's dtype. Hugging Face's losses cast
+    the logits to float32, which would make a float64 second opinion a float32 one at the loss."""
+
+    def __init__(self, model: nn.Module, input_name: str = "input_ids", *, shift: bool = True) -> None:
         super().__init__()
         self.m = model
         self.input_name = input_name
+        self.shift = shift
+        self.in_model_dtype = False
 
     def forward(self, inputs, labels):
-        return self.m(**{self.input_name: inputs}, labels=labels).loss
+        if not self.in_model_dtype:
+            return self.m(**{self.input_name: inputs}, labels=labels).loss
+        logits = self.m(**{self.input_name: inputs}).logits
+        if self.shift:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def _no_dropout(cfg):
@@ -87,13 +97,13 @@ def _bloom():
 def _bert_mlm():
     cfg = _tf().BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                            intermediate_size=FFN, max_position_embeddings=64)
-    return LossOf(_tf().BertForMaskedLM(_no_dropout(cfg)))
+    return LossOf(_tf().BertForMaskedLM(_no_dropout(cfg)), shift=False)
 
 
 def _vit():
     cfg = _tf().ViTConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                           intermediate_size=FFN, image_size=12, patch_size=4, num_channels=3, num_labels=5)
-    return LossOf(_tf().ViTForImageClassification(_no_dropout(cfg)), input_name="pixel_values")
+    return LossOf(_tf().ViTForImageClassification(_no_dropout(cfg)), input_name="pixel_values", shift=False)
 
 
 def _gptj():
@@ -256,6 +266,25 @@ class NanoTrain(nn.Module):
         return self.gpt(idx, targets)[1]
 
 
+def _moe(config_name: str, model_name: str, **extra):
+    """Mixture-of-experts families: 4 experts, top-2, at the dense tier's sizes."""
+    return _causal_lm(config_name, model_name, **extra)
+
+
+MOE_FAMILIES = {
+    "mixtral": _moe("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": _moe("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=40, shared_expert_intermediate_size=40),
+    "qwen3_moe": _moe("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=40, head_dim=8),
+    "deepseek_v3": _moe("DeepseekV3Config", "DeepseekV3ForCausalLM", n_routed_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=40, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                        num_key_value_heads=HEADS),
+    "gpt_oss": _moe("GptOssConfig", "GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+                    sliding_window=32, layer_types=["sliding_attention", "full_attention"]),
+}
+
 FAMILIES = {
     "llama": _causal_lm("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": _causal_lm("Qwen2Config", "Qwen2ForCausalLM"),
@@ -284,6 +313,7 @@ FAMILIES = {
     "vit": _vit,
     "torchtitan_llama": TitanTrain,
     "nanogpt": NanoTrain,
+    **MOE_FAMILIES,
 }
 
 

@@ -164,11 +164,23 @@ class Sorter(nn.Module):
         return torch.sort(x, dim=0).values
 
 
+@torch.library.custom_op("usc_test::halve_", mutates_args={"x"})
+def halve_(x: torch.Tensor) -> None:
+    x.mul_(0.5)
+
+
+@halve_.register_fake
+def _(x):
+    return None
+
+
 class Noise(nn.Module):
-    """A random op no rule places: shards drawing their own numbers would not be one device's draw."""
+    """A custom op that writes its input: no link of the rule chain knows what it does to a shard."""
 
     def forward(self, x):
-        return torch.bernoulli(torch.sigmoid(x)) * x
+        y = x * 2
+        halve_(y)
+        return y + x
 
 
 class Ruleless(nn.Module):
@@ -187,7 +199,8 @@ def test_op_without_rule_on_a_sharded_tensor_names_op_and_module():
         usc.lint(Ruleless(Noise()), "dp=2", example_inputs=(x,))
     message = str(info.value)
     assert not isinstance(info.value, usc.PlanError)
-    assert "bernoulli" in message and "module 'inner'" in message and "'dp'" in message and "S(0)" in message
+    assert "auto_functionalized" in message and "module 'inner'" in message and "'dp'" in message
+    assert "S(0)" in message and "test_sharding_rules.py" in message
     usc.lint(Ruleless(Noise()), "dp=1", example_inputs=(x,))  # whole tensors: no rule needed
 
 
@@ -202,7 +215,7 @@ def test_no_rule_hint_names_the_op_and_the_real_remedies():
     x = torch.randn(4, 16)
     with pytest.raises(usc.CompileError) as info:
         usc.lint(Ruleless(Noise()), "dp=2", example_inputs=(x,))
-    assert "bernoulli" in info.value.hint and "SHARDING_RULES" in info.value.hint
+    assert "auto_functionalized" in info.value.hint and "SHARDING_RULES" in info.value.hint
     assert "replicate" not in info.value.hint
 
 
