@@ -173,10 +173,35 @@ class Trainable(nn.Module):
 
     def forward(self, *flat):
         model, layout = self._wrapped[0], self.layout or BatchLayout("tuple")
-        if self._loss_fn is None:
-            return loss_of(layout.call(model, flat, self._extra), type(model).__name__)
-        inputs, target = _split_target(layout, flat)
-        return self._loss_fn(inputs.call(model, inputs.flat, self._extra), target)
+        with _own_root_state(self, model):
+            if self._loss_fn is None:
+                return loss_of(layout.call(model, flat, self._extra), type(model).__name__)
+            inputs, target = _split_target(layout, flat)
+            return self._loss_fn(inputs.call(model, inputs.flat, self._extra), target)
+
+
+class _own_root_state:
+    """The model's own (root-level) parameters and buffers are this wrapper's during the call: the
+    tracer swaps the wrapper's registered tensors for graph inputs, and a root parameter the model
+    reads as ``self.table`` must be that input, not the original tensor (a constant, never trained).
+    Children are shared modules, so their tensors are swapped already."""
+
+    def __init__(self, wrapper: nn.Module, model: nn.Module) -> None:
+        self.wrapper, self.model, self.saved = wrapper, model, {}
+
+    def __enter__(self):
+        for table in ("_parameters", "_buffers"):
+            mine, theirs = getattr(self.wrapper, table), getattr(self.model, table)
+            for name in theirs:
+                if name in mine and mine[name] is not theirs[name]:
+                    self.saved[(table, name)] = theirs[name]
+                    theirs[name] = mine[name]
+        return self
+
+    def __exit__(self, *exc):
+        for (table, name), value in self.saved.items():
+            getattr(self.model, table)[name] = value
+        return False
 
 
 @dataclass(frozen=True)
