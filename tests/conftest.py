@@ -48,12 +48,6 @@ def ci_seed() -> int:
 def pytest_configure(config):
     if config.getoption("hypothesis_seed", None) is None:
         config.option.hypothesis_seed = str(ci_seed())
-    # The fake-accelerator tier (tests/runtime/test_fake_cuda.py) registers a second device type.
-    # Autograd sizes its per-device queues at the first backward of the process, so the device must
-    # exist before any test runs a backward, or the tier's backward fails an internal assert.
-    from usc.testing.fake_device import fake_accelerator
-
-    fake_accelerator()
 
 
 def pytest_report_header(config):

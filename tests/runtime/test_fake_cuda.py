@@ -12,6 +12,10 @@ checked as a graph. See usc/testing/fake_device.py.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -22,6 +26,22 @@ from usc.runtime.executor import bind_graph
 from usc.runtime.mesh import shape_mesh
 from usc.testing.fake_device import fake_accelerator, run_fake_rank
 from usc.testing.models import MoEConfig, TinyLlama, TinyMixtral, token_batch
+
+# Autograd sizes its per-device queues at the first backward of a process, so the Python-registered
+# accelerator must exist before any backward runs: the tier runs in a fresh pytest process of its own
+# (one test below starts it; inside it, the tier's tests run and that one is skipped).
+IN_FRESH_PROCESS = os.environ.get("USC_FAKE_DEVICE_TIER") == "1"
+_tier = pytest.mark.skipif(not IN_FRESH_PROCESS, reason="runs in its own process (see "
+                           "test_the_tier_passes_in_a_fresh_process)")
+
+
+@pytest.mark.skipif(IN_FRESH_PROCESS, reason="this is the fresh process")
+def test_the_tier_passes_in_a_fresh_process():
+    env = dict(os.environ, USC_FAKE_DEVICE_TIER="1", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout
 
 # (plan, model kind): every parallelism and every runtime path that makes tensors of its own
 PLANS = [
@@ -66,6 +86,7 @@ def _compile(plan: str, kind: str):
 TRAINED = [(p, k) for p, k in PLANS if "recompute" not in p]
 
 
+@_tier
 @pytest.mark.parametrize("plan,kind", TRAINED, ids=[p for p, _ in TRAINED])
 def test_every_rank_trains_on_the_accelerator_without_a_host_tensor(plan, kind):
     compiled = _compile(plan, kind)
@@ -78,6 +99,7 @@ def test_every_rank_trains_on_the_accelerator_without_a_host_tensor(plan, kind):
         assert report.saved_devices <= {device}  # a replica writes nothing (coordinate 0 does)
 
 
+@_tier
 @pytest.mark.parametrize("plan,kind", PLANS, ids=[p for p, _ in PLANS])
 def test_every_rank_program_creates_its_tensors_on_cuda(plan, kind):
     """torch.export bakes the tracing device (the CPU) into the graph's factory calls; each rank's
@@ -98,12 +120,14 @@ def _factory_devices(gm) -> list[torch.device]:
             if n.op == "call_function" and isinstance(n.kwargs.get("device"), torch.device)]
 
 
+@_tier
 def test_a_moe_program_traced_on_the_cpu_has_factories_to_move():
     """The check above is not vacuous: the MoE program's router builds tensors with arange."""
     traced = _factory_devices(_compile("dp=2 ep=2", "moe").program.gm)
     assert traced and set(traced) == {torch.device("cpu")}
 
 
+@_tier
 def test_a_pipeline_buffer_made_on_the_host_is_caught(monkeypatch):
     """The tier can fail: a receive buffer created without the program's device is reported
     with the line that made it."""
@@ -119,6 +143,7 @@ def test_a_pipeline_buffer_made_on_the_host_is_caught(monkeypatch):
         run_fake_rank(compiled, 1, device=fake_accelerator(), steps=1)
 
 
+@_tier
 def test_a_host_scalar_is_caught(monkeypatch):
     """A 0-dim tensor on the host mixes silently with device tensors (CUDA allows it), so only the
     watch sees it: the pipeline's loss count made without the device."""
