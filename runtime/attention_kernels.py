@@ -133,7 +133,7 @@ def _reference(q, k, v, dout, causal, scale):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     s = (q @ k.transpose(-2, -1)) * scale
     if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     out = torch.exp(s - lse) @ v
     grads = torch.autograd.grad(out, (q, k, v), dout)
