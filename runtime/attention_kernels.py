@@ -22,6 +22,7 @@ attention computes its tiles in tensor math instead. Every LSE here is [..., row
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -85,8 +86,33 @@ def kernel_for(device: torch.device, dtype: torch.dtype) -> AttentionKernel | No
         return entry[0]
     key = (device.type, dtype)
     if key not in _checked:
-        _checked[key] = _verified(entry[0], device, dtype)
+        kernel, detail = _apart(_verified, entry[0], device, dtype)
+        if kernel is None:
+            warnings.warn(f"usc: the {entry[0].name} attention kernel on {device.type} {dtype} disagrees with "
+                          f"the reference ({detail}); ring attention computes its tiles in tensor math instead",
+                          stacklevel=2)
+        _checked[key] = kernel
     return _checked[key]
+
+
+def _apart(fn, *args):
+    """Run fn in a thread of its own: the first use is often inside a forward that activation
+    checkpointing records (its saved-tensor hooks and recompute stops are per thread), and the check's
+    own autograd must neither add tensors to that record nor meet its recompute stop."""
+    result: list = []
+
+    def run():
+        try:
+            result.append(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - carried to the caller's thread
+            result.append(exc)
+
+    worker = threading.Thread(target=run, name="usc-kernel-check")
+    worker.start()
+    worker.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
 
 
 def _is_fake(device: torch.device, dtype: torch.dtype) -> bool:
@@ -96,18 +122,17 @@ def _is_fake(device: torch.device, dtype: torch.dtype) -> bool:
     return isinstance(torch.empty(0, device=device, dtype=dtype), FakeTensor)
 
 
-def _verified(kernel: AttentionKernel, device: torch.device, dtype: torch.dtype) -> AttentionKernel | None:
+def _verified(kernel: AttentionKernel, device: torch.device,
+              dtype: torch.dtype) -> tuple[AttentionKernel | None, str]:
+    if device.type == "cuda" and device.index is not None:  # the current device is per thread
+        torch.cuda.set_device(device)
     try:
         error = max(_check(kernel, device, dtype, causal) for causal in (False, True))
     except Exception as exc:  # noqa: BLE001 - any failure means: do not use this kernel
         error, detail = math.inf, f"{type(exc).__name__}: {exc}"
     else:
         detail = f"max error {error:.2e}"
-    if error <= _TOLERANCE[dtype]:
-        return kernel
-    warnings.warn(f"usc: the {kernel.name} attention kernel on {device.type} {dtype} disagrees with the "
-                  f"reference ({detail}); ring attention computes its tiles in tensor math instead", stacklevel=3)
-    return None
+    return (kernel if error <= _TOLERANCE[dtype] else None), detail
 
 
 _TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}

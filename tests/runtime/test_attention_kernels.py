@@ -106,3 +106,24 @@ def test_a_ring_step_allocates_a_block_not_a_score_matrix(monkeypatch):
     tile_math = _largest_in_ring_step(monkeypatch, False)
     assert with_kernels <= block < tile_math
     assert tile_math >= 2 * 96 * 96 * 4
+
+
+@pytest.mark.parametrize("first_use", ["forward", "recompute"])
+def test_the_kernel_check_leaves_activation_checkpointing_untouched(monkeypatch, first_use):
+    """The check's own autograd runs apart from a checkpointed region: the region saves the same
+    tensors in its forward and its recompute, and the check never meets the recompute's stop."""
+    monkeypatch.setattr(attention_kernels, "_checked", {})
+    calls = {"n": 0}
+
+    def region(x):
+        calls["n"] += 1
+        if first_use == "forward" or calls["n"] == 2:  # the check runs in the forward or the recompute
+            assert kernel_for(torch.device("cpu"), torch.float64) is not None
+        return (x.sin() * x).exp().sum()
+
+    x = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(region, x, use_reentrant=False).backward()
+    y = x.detach().clone().requires_grad_()
+    (y.sin() * y).exp().sum().backward()
+    torch.testing.assert_close(x.grad, y.grad)
+    assert attention_kernels._checked[("cpu", torch.float64)] is not None
