@@ -379,17 +379,23 @@ def verify_experts(module: nn.Module, blocks: list[ExpertsModule]) -> ExpertsMod
     """The form whose expert computation reproduces the module's own forward on random routing."""
     if next(module.parameters()).device.type == "meta":  # nothing to run: the first layout that chains
         return blocks[0]
-    scored = []
+    scored, failures = [], []
     for candidate in blocks:
         x, index, weights = _experts_probe(module, candidate)
         try:
             expected = module(x, index, weights)
-        except Exception:  # noqa: BLE001 - a hidden size this layout guessed wrong
+        except Exception as exc:  # noqa: BLE001 - a hidden size this layout guessed wrong
+            failures.append(exc)
             continue
         got = experts_forward(module, candidate)(x, index, weights)
         scored.append((_error(got, expected), len(scored), candidate))
     if scored and min(scored)[0] <= _tolerance(next(module.parameters()).dtype):
         return ExpertsModule(**{**min(scored)[2].__dict__, "verified": True})
+    if not scored and failures:  # the module's own forward refuses every probe: say why, not "no form"
+        dtype = str(next(module.parameters()).dtype).removeprefix("torch.")
+        raise MoEPatternError(blocks[0].path, f"its own forward fails on a probe of its {dtype} weights "
+                                              f"({type(failures[-1]).__name__}: {failures[-1]}), so usc cannot check "
+                                              "which expert form it computes")
     raise MoEPatternError(blocks[0].path, "no expert form usc knows (gate_up / down, concatenated or interleaved "
                                           "halves, an activation of " + ", ".join(ACTIVATIONS)
                                           + " or GPT-OSS's clamped gate) reproduces its forward")

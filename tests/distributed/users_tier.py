@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 import usc
-from usc.testing.equivalence import FLOAT64_TOL, check_equivalent
+from usc.testing.equivalence import check_equivalent
 from users_models import FAMILIES, Family, batches
 
 def user_loss(family: Family, model: torch.nn.Module, batch) -> torch.Tensor:
@@ -93,12 +93,25 @@ def judge(name: str, plan: str, *, steps: int = 2) -> Outcome:
 def _check(family: Family, plan: str, data: list, optimizer, reference):
     run = _mesh(family, plan, optimizer)
     torch.manual_seed(0)
-    return check_equivalent(family.build, data, run(family.build(), data), rerun=run, optimizer=optimizer,
+    outcome = run(family.build(), data)  # a refusal of the plan itself propagates from here
+    return check_equivalent(family.build, data, outcome, rerun=_float64_opinion(run), optimizer=optimizer,
                             what=f"plan '{plan}'", reference=reference)
+
+
+def _float64_opinion(run):
+    """The float64 rerun, where a refusal counts as a miss: Hugging Face's grouped-mm experts refuse
+    float64 weights (torch._grouped_mm takes float32 / bfloat16 / float16 only), so usc cannot check
+    their form in float64, and SGD in float32 decides."""
+    def rerun(model, steps):
+        try:
+            return run(model, steps)
+        except usc.CompileError as err:
+            raise AssertionError(f"the float64 run is refused: {str(err).splitlines()[0]}") from None
+    return rerun
 
 
 def _first_lines(err: Exception) -> str:
     return " / ".join(line.strip() for line in str(err).splitlines()[:3])
 
 
-__all__ = ["FLOAT64_TOL", "Outcome", "judge", "user_loss"]
+__all__ = ["Outcome", "judge", "user_loss"]
