@@ -138,6 +138,15 @@ def test_deepseek_v3_under_tp_equals_one_device_step_by_step():
     assert all(abs(a - b) <= 3e-7 * abs(b) for a, b in zip(got, expected)), (got, expected)
 
 
+def test_moe_experts_that_refuse_float64_are_refused_with_their_own_error():
+    """HF's grouped-mm experts refuse float64 weights: usc names that error instead of claiming the
+    experts compute no form it knows."""
+    from usc.compiler.moe import MoEPatternError, find_blocks
+
+    with pytest.raises(MoEPatternError, match="its own forward fails on a probe of its float64 weights .*Double"):
+        find_blocks(build("mixtral").double())
+
+
 # ---------------------------------------------------------------- the ops the issue names
 
 class OpZoo(torch.nn.Module):
