@@ -74,9 +74,6 @@ KNOWN_FAILURES = {
     "tests/passes/test_rule_verifier.py::test_embedding_scale_grad_by_freq_is_exact_whole_and_refused_split":
         "under mb=2 the batch-coupling proof refuses first (a PlanError at mb naming the embedding), "
         "not the error type the test expects: a refusal either way",
-    "tests/passes/test_stamp.py::test_stamped_report_is_the_full_report":
-        "stamping falls back to the full trace on the merged tree (identical layers are no longer "
-        "traced once): lint at scale is slower, not wrong",
 }
 
 
