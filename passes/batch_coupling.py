@@ -109,8 +109,10 @@ def _virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.Gra
         return propagate_pass(copy, CompileContext(mesh, plan), input_layouts=layouts, grad_inputs=set(params))
     except CompileError as err:  # a rule refused the op, or no rule places it
         hint = getattr(err, "hint", "") or ""
+        # the refusal names the virtual axis (dp=N): say so, or a dp=1 plan reads "under dp=2"
         raise ctx.plan.error_at("mb", f"mb={ctx.plan.get('mb')} runs the batch in microbatches, and usc cannot show "
-                                      f"that the program treats samples independently: {err}",
+                                      f"that the program treats samples independently (split as {mesh} would split "
+                                      f"the batch): {err}",
                                 hint=f"{OPTIONS}{'; ' + hint if hint else ''}") from None
 
 

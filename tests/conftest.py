@@ -71,9 +71,6 @@ KNOWN_FAILURES = {
     "tests/distributed/test_functional_graph.py::test_drawn_writes_through_views_train_as_on_one_device":
         "the strategy draws an add_ that reads the memory it writes, which usc now refuses (a clear "
         "OverlappingWriteError, wrapped in a TraceError whose hint is wrong); the test must accept it",
-    "tests/passes/test_rule_verifier.py::test_embedding_scale_grad_by_freq_is_exact_whole_and_refused_split":
-        "under mb=2 the batch-coupling proof refuses first (a PlanError at mb naming the embedding), "
-        "not the error type the test expects: a refusal either way",
 }
 
 
