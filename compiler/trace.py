@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch import nn
 from torch.export.graph_signature import InputKind
 
-from .errors import TraceError
+from .errors import CompileError, TraceError
 from .functional import distinct_inputs, explicit_writes, functionalize, user_output_specs
 from .inline_regions import inline_regions
 from .moe import MoEBlock, patched
@@ -230,8 +230,9 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
             # regions first: functionalizing retraces the program, which would drop a no_grad region's meaning
             exported = functionalize(inline_regions(torch.export.export(model, example_inputs, strict=False)))
         except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
-            # usc's own errors raised while tracing (no loss in the output, say) already say what to fix
-            error = exc if isinstance(exc, TraceError) else _trace_error(exc, model)  # formatting can print: held
+            # usc's own errors raised while tracing (no loss in the output, a write that reads what it
+            # writes) already say what to fix: wrapped, they would carry the tracer's hint instead
+            error = exc if isinstance(exc, CompileError) else _trace_error(exc, model)  # formatting can print: held
     if error is not None:
         raise error from error.__cause__
     held.replay()

@@ -68,9 +68,6 @@ KNOWN_FAILURES = {
         "name): 481792 measured vs 433152 predicted",
     "tests/distributed/test_expert_parallel.py::test_float64_pipeline_runs_equal_one_device[mixtral-":
         "float64 loss off by 1.9e-9 under pp (cause not found)",
-    "tests/distributed/test_functional_graph.py::test_drawn_writes_through_views_train_as_on_one_device":
-        "the strategy draws an add_ that reads the memory it writes, which usc now refuses (a clear "
-        "OverlappingWriteError, wrapped in a TraceError whose hint is wrong); the test must accept it",
 }
 
 

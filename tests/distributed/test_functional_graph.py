@@ -4,7 +4,7 @@ trains the model one device trains (float64 + SGD: the sharpest check), or refus
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,7 @@ from torch import nn
 
 import usc
 from usc.compiler.errors import CompileError
-from usc.compiler.functional import HiddenEffectError, verify_functional
+from usc.compiler.functional import HiddenEffectError, OverlappingWriteError, verify_functional
 from usc.compiler.pass_runner import CompileContext, PassSpec, run_pipeline
 from usc.compiler.trace import trace
 from usc.testing import assert_equivalent
@@ -320,6 +320,7 @@ class DrawnWrite(nn.Module):
 
 
 @settings(max_examples=8)
+@example(dim=1, kind="add_", start=0, plan="dp=2")  # the overlapping write, refused on every draw of it
 @given(dim=st.sampled_from([0, 1, 2]), kind=st.sampled_from(["mul_", "fill_", "copy_", "add_"]),
        start=st.integers(0, 3), plan=st.sampled_from(["dp=2", "tp=2", "dp=2 tp=2", "pp=2 mb=2", "dp=2 pp=2 mb=2"]))
 def test_drawn_writes_through_views_train_as_on_one_device(dim, kind, start, plan):
@@ -327,6 +328,11 @@ def test_drawn_writes_through_views_train_as_on_one_device(dim, kind, start, pla
         torch.manual_seed(0)
         return DrawnWrite(dim, kind, start).double()
 
+    if kind == "add_" and start == 0:  # the row added is inside the view written: eager's order decides
+        with pytest.raises(OverlappingWriteError, match=r"aten.add_.Tensor .* reads memory it writes.*\n  fix: "
+                                                        r"read from a copy"):
+            assert_equivalent(model, plan, _counter_batches(), optimizer=_sgd)
+        return
     try:
         assert_equivalent(model, plan, _counter_batches(), optimizer=_sgd, rtol=1e-10, atol=1e-12, param_atol=1e-10)
     except usc.PlanError as err:  # a clear refusal is allowed; a different model is not
