@@ -28,6 +28,7 @@ from functools import partial
 from .cost_types import (BYTES_FP32, CollectiveCost, CollectiveEstimate, Estimate, ModelProfile,  # noqa: F401
                          PlanPoint, ScaleKey, UnitCost, tied_once)
 from .hardware import HardwareProfile
+from usc.runtime.sizes import shape_bytes
 from .partition import balanced_cut, manual_cut
 
 # Sustained fraction of the tensor-core peak over a step's matmuls and attention kernels. Large
@@ -469,15 +470,12 @@ def _per_step(comms: list[CollectiveEstimate], m: int) -> list[CollectiveEstimat
 
 
 def loss_value_collectives(profile: ModelProfile, plan: PlanPoint) -> list[CollectiveEstimate]:
-    """What every rank issues once per step to return the loss (runtime/executor.py, pipeline.py):
-    with pp, the last stage's loss sum and token count (two float64) summed over pp; then the loss
-    value summed over the axes it is partial on -- a float32 scalar, float64 with pp (the pipeline
-    executor accumulates the loss in float64)."""
+    """What every rank issues once per step to return the loss: the runtime's own description of it
+    (runtime/loss_value.py) for this plan's pp."""
     sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
-    pipeline = plan.pp > 1
-    out = [CollectiveEstimate("pp", "all-reduce", "forward", plan.pp, 16, 1, 0.0, 0.0)] if pipeline else []
-    return out + [CollectiveEstimate(axis, "all-reduce", "forward", sizes[axis], 8 if pipeline else 4, 1, 0.0, 0.0)
-                  for axis in profile.loss_axes if sizes.get(axis, 1) > 1]
+    reduction = replace(profile.loss_value, pipelined=plan.pp > 1)
+    return [CollectiveEstimate(axis, "all-reduce", "forward", sizes[axis], shape_bytes(shape, dtype), 1, 0.0, 0.0)
+            for axis, shape, dtype, _ in reduction.payloads() if sizes.get(axis, 1) > 1]
 
 
 def _exposed_layer_comm(c: CollectiveEstimate, profile, plan, units, hw) -> float:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, NamedTuple
 
+from usc.runtime.loss_value import LossValueReduction
+
 BYTES_FP32 = 4
 
 
@@ -77,7 +79,8 @@ class ModelProfile:
     cp_possible: bool = True
     layers: int = 0  # numbered layers (what pp cuts between)
     experts: int = 0  # experts per MoE layer (0: dense)
-    loss_axes: tuple[str, ...] = ()  # axes the returned loss value is summed over (4 bytes each, per step)
+    # how the returned loss is summed (axes, dtype), as the runtime does it for the probe's plan
+    loss_value: LossValueReduction = LossValueReduction()
     _stages: dict = field(default_factory=dict, compare=False, repr=False)  # (pp, cuts) -> merged stages (cache)
 
     @property

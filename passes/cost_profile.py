@@ -26,7 +26,7 @@ from torch.distributed.tensor import Shard
 from usc.compiler.cost_model import CollectiveCost, ModelProfile, ScaleKey, UnitCost
 from usc.compiler.errors import CompileError
 from usc.compiler.ir import META
-from usc.compiler.report import graph_collectives, loss_value_records
+from usc.compiler.report import graph_collectives
 from usc.compiler.trace import Traced, module_path, trace
 from usc.dsl import PlanError, parse_plan
 from usc.passes import parallelize
@@ -93,7 +93,7 @@ def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
     layers = sum(1 for u in units if u.rsplit(".", 1)[-1].isdigit())
     return ModelProfile(traced.model_name, batch, seq, tuple(built), tp_divides=_tp_divides(probe_plain, batch, seq),
                         cp_possible="cp" in probe_plain.mesh.axes, layers=layers, experts=experts,
-                        loss_axes=tuple(r.axis for r in loss_value_records(probe_plain)))
+                        loss_value=probe_plain.loss_value)
 
 
 # ------------------------------------------------------------------------------- repeated blocks

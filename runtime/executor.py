@@ -247,10 +247,9 @@ class RankExecutor(ShardedCheckpoint):
         return both
 
     def _global(self, loss: torch.Tensor) -> float:
-        value = loss.detach()
-        if value.dtype in (torch.bfloat16, torch.float16):
-            value = value.float()
-        for axis in self.program.loss_partial_axes:
+        reduction = self.program.loss_value  # what the report and the cost model count as sent
+        value = loss.detach().to(reduction.dtype)
+        for axis in reduction.axes:
             value = self.mesh.comm(axis).all_reduce(value)
         return self._to_host(value)
 

@@ -58,11 +58,6 @@ def pytest_report_header(config):
 # Failures found when the parallel workstreams were merged, not yet fixed; each is listed here with
 # its cause so that it stays visible (pytest reports them as xfailed, and as XPASS once fixed).
 KNOWN_FAILURES = {
-    "tests/distributed/test_cost_model_validation.py::test_report_collective_bytes_equal_counted_bytes":
-        "the runtime's loss/count reductions changed (float64 count on device): the report is 8 bytes "
-        "short per reduced axis",
-    "tests/distributed/test_cost_model_validation.py::test_cost_model_collective_bytes_equal_counted_bytes":
-        "as above, for the cost model's count of the loss reductions",
     "tests/distributed/test_cost_model_validation.py::test_state_bytes_within_5_percent[gpt2-":
         "under pp the first stage now also holds state forward does not read (a tied weight's second "
         "name): 481792 measured vs 433152 predicted",
