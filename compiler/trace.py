@@ -253,7 +253,23 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
     if wrapper_source:
         _attribute_wrapper_frames(gm, wrapper_source)
     types = {name: type(m).__name__ for name, m in model.named_modules()}
-    return Traced(gm, _state_inputs(exported, model), user, types, type(model).__name__, dict(exported.constants))
+    state = _without_unread_aliases(gm, _state_inputs(exported, model))
+    return Traced(gm, state, user, types, type(model).__name__, dict(exported.constants))
+
+
+def _without_unread_aliases(gm: fx.GraphModule, state: list[StateInput]) -> list[StateInput]:
+    """export lifts a tied weight under each of its names and the graph reads one of them; the others
+    are the same parameter, not state of their own: kept, each rank would hold a second copy, never
+    trained, that checkpoints would write under its name. They are dropped (the one read keeps every
+    name in ``aliases``)."""
+    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    read = {s.aliases for s in state if placeholders[s.placeholder].users}
+    unread = [s for s in state if not placeholders[s.placeholder].users and s.aliases in read]
+    for s in unread:
+        gm.graph.erase_node(placeholders[s.placeholder])
+    if unread:
+        gm.recompile()
+    return [s for s in state if s not in unread]
 
 
 def _refuse_data_dependent_shapes(gm: fx.GraphModule, model: nn.Module) -> None:

@@ -199,6 +199,23 @@ def test_each_pipeline_rank_holds_only_its_stages_parameters():
     assert "embed_tokens.weight" in names[0] and "lm_head.weight" in names[1]
 
 
+def test_a_tied_weight_is_held_once_per_rank_that_reads_it():
+    """GPT-2's embedding is its lm head: one parameter under two names. Export lifts it under both and
+    the graph reads one; a rank holds it once (dp=2: exactly the model's parameters), and under pp
+    the first and the last rank each hold it, the others nothing of it."""
+    model = TinyGPT2(GPT2Config(layers=4))
+    unique = sum(p.numel() * 4 for p in model.parameters())  # torch counts the tied weight once
+    tied = model.wte.weight.numel() * 4
+    batch = token_batch(128, 4, 16)
+    sim = usc.simulate(model, "dp=2", example_inputs=batch)
+    assert [s.aliases for s in sim.program.state if "wte.weight" in s.aliases] == [("wte.weight", "lm_head.weight")]
+    assert [rank.memory_bytes()["params"] for rank in sim.ranks] == [unique, unique]
+    sim = usc.simulate(TinyGPT2(GPT2Config(layers=4)), "pp=2 mb=2", example_inputs=batch)
+    sim.step(*batch)
+    assert sum(rank.peak_state_bytes["params"] for rank in sim.ranks) == unique + tied
+    assert sum(rank.peak_state_bytes["grads"] for rank in sim.ranks) == unique + tied
+
+
 @pytest.mark.parametrize("plan", ["pp=2 mb=4 schedule=interleaved v=2", "pp=4 mb=8 schedule=zb"])
 def test_evaluation_runs_the_forwards_only(plan):
     """Calling the compiled model runs every F action and no backward: messages are forward only."""
