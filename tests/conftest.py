@@ -53,21 +53,3 @@ def pytest_configure(config):
 def pytest_report_header(config):
     seed = config.getoption("hypothesis_seed", None)
     return f"hypothesis seed {seed} (replay: pytest --hypothesis-seed={seed})"
-
-
-# Failures found when the parallel workstreams were merged, not yet fixed; each is listed here with
-# its cause so that it stays visible (pytest reports them as xfailed, and as XPASS once fixed).
-KNOWN_FAILURES = {
-    "tests/distributed/test_cost_model_validation.py::test_state_bytes_within_5_percent[gpt2-":
-        "under pp the first stage now also holds state forward does not read (a tied weight's second "
-        "name): 481792 measured vs 433152 predicted",
-    "tests/distributed/test_expert_parallel.py::test_float64_pipeline_runs_equal_one_device[mixtral-":
-        "float64 loss off by 1.9e-9 under pp (cause not found)",
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        reason = next((why for prefix, why in KNOWN_FAILURES.items() if item.nodeid.startswith(prefix)), None)
-        if reason is not None:
-            item.add_marker(pytest.mark.xfail(reason=f"known failure: {reason}", strict=False))
