@@ -156,6 +156,7 @@ class Compiled(_TrainingLoop, _Compiled):
             return value
         finally:
             rank.set_timeline(None)
+            rank.local_batch = False  # evaluation takes the global batch
             if timeline is not None:
                 self._report.exposed_comm_seconds = timeline.exposed_comm_seconds()
                 path = trace if rank.mesh.world_size == 1 else _rank_path(trace, rank.mesh.rank)
@@ -279,25 +280,53 @@ class Simulated(_TrainingLoop, _Compiled):
     def _run(self, fn) -> list:
         return run_in_threads(self.meshes, lambda mesh: fn(self.ranks[mesh.rank]), timeout=self.timeout)
 
-    def step(self, *batch, max_grad_norm: float | None = None, trace: str | None = None) -> float:
-        """As ``Compiled.step``, every rank in this process."""
+    def step(self, *batch, max_grad_norm: float | None = None, local: bool = False, trace: str | None = None) -> float:
+        """As ``Compiled.step``, every rank in this process.
+
+        local=True: ``batch`` is one batch per data shard, in shard order (``usc.data.shard``), each
+        what that shard's ranks pass to ``Compiled.step(..., local=True)``; every rank is fed its own::
+
+            shards = [usc.data.local_slice(sim, *b, coord=c) for c in usc.data.shard_coords(sim)]
+            sim.step(*shards, local=True)
+        """
         timeline = Timeline(0) if trace else None
         for rank in self.ranks:
             rank.set_timeline(timeline)
-            rank.max_grad_norm = max_grad_norm
+            rank.max_grad_norm, rank.local_batch = max_grad_norm, local
         try:
-            batch = self.flat_batch(batch)
-            run = lambda: self._run(lambda rank: self._in_mode(rank.step, batch))[0]  # noqa: E731
-            value = self._measure(self.ranks, self.lr_schedulers, run, batch)
+            shards = self._local_shards(batch) if local else [self.flat_batch(batch)]
+            feed = (lambda rank: shards[self._shard_of(rank)]) if local else (lambda rank: shards[0])
+            run = lambda: self._run(lambda rank: self._in_mode(rank.step, feed(rank)))[0]  # noqa: E731
+            value = self._measure(self.ranks, self.lr_schedulers, run, shards[0], len(shards))
             self.wait_checkpoint()
             return value
         finally:
             for rank in self.ranks:
                 rank.set_timeline(None)
+                rank.local_batch = False  # evaluation takes the global batch
             if timeline is not None:
                 self._report.exposed_comm_seconds = max(
                     timeline.exposed_comm_seconds(rank=r) for r in range(len(self.ranks)))
                 timeline.to_chrome_trace(trace)
+
+    def _shard_of(self, rank) -> int:
+        from usc.runtime.training import data_shard
+
+        return data_shard(self.program.inputs[0], self.program.mesh, rank.mesh.coord)[0]
+
+    def _local_shards(self, shards: tuple) -> list[tuple]:
+        """Each data shard's flat batch (step(..., local=True)): one per dp x ep shard."""
+        count = self._data_shards()
+        if len(shards) != count:
+            raise ValueError(f"step(..., local=True) on the simulator takes one batch per data shard: plan "
+                             f"'{self.plan}' has {count} (dp x ep), got {len(shards)}; build them with "
+                             "usc.data.local_slice(sim, *batch, coord=c) for c in usc.data.shard_coords(sim)")
+        return [self.flat_batch((shard,)) for shard in shards]
+
+    def _data_shards(self) -> int:
+        from usc.runtime.training import data_shard
+
+        return data_shard(self.program.inputs[0], self.program.mesh, self.meshes[0].coord)[1]
 
     def _in_mode(self, fn, batch: tuple, *, evaluating: bool = False):
         with self._mode(evaluating=evaluating):  # mode stacks are per thread: each rank enters its own
