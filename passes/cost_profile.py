@@ -187,6 +187,12 @@ def _units_by_node(gm: fx.GraphModule, units: list[str]) -> dict[str, str]:
     return out
 
 
+def model_forward_flops(gm: fx.GraphModule) -> float:
+    """Matmul and attention FLOPs of one forward at the graph's shapes: what the cost model's model
+    FLOPs (and MFU) count, the sum of every unit's ``flops_matmul + flops_attention``."""
+    return sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in MATMULS | ATTENTION)
+
+
 def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> dict[str, tuple[float, float, float]]:
     """(balance, matmul, attention) forward FLOPs per unit at the example's shapes."""
     where = _units_by_node(gm, units)

@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from usc.compiler.errors import CompileError
+from usc.compiler.hardware import BUILTIN_PROFILES, hardware_profile
 from usc.compiler.report import Report
 from usc.dsl import Plan, PlanError, parse_plan
+from usc.passes.cost_profile import model_forward_flops
 from usc.runtime import checkpoint, checkpoint_state
 from usc.runtime.checkpoint import CheckpointError
 from usc.runtime.checkpoint_state import LoadResult
@@ -67,8 +69,22 @@ class _TrainingLoop:
         labels = batch[-1] if batch and isinstance(batch[-1], torch.Tensor) else None
         self.metrics = StepMetrics(step=ranks[0].steps_done, loss=value, grad_norm=ranks[0].grad_norm, lr=lr,
                                    tokens=labels.numel() * shards if labels is not None else 0, seconds=seconds,
-                                   peak_bytes=int(peak))
+                                   peak_bytes=int(peak), flops=self._step_flops(),
+                                   peak_flops=self._peak_flops(ranks[0].mesh.device))
         return value
+
+    _flops: float | None = None
+
+    def _step_flops(self) -> float:
+        """The model's FLOPs of one step (StepMetrics.mfu): 3 x a forward of every microbatch."""
+        if self._flops is None:
+            self._flops = 3 * model_forward_flops(self._traced.gm) * int(self.plan.get("mb"))
+        return self._flops
+
+    def _peak_flops(self, device: torch.device) -> float:
+        """The mesh's peak: the hardware profile at the plan's dtype, per device, times the devices."""
+        hw = self._hardware or _profile_of_device(device) or self.plan.get("hardware")
+        return hardware_profile(hw).peak_flops(self.plan.get("dtype")) * self.plan.world_size
 
     def _checkpoint_meta(self, rank, schedulers: list) -> dict:
         meta = {**rank.checkpoint_meta(), "plan": str(self.plan)}
@@ -229,6 +245,14 @@ class Compiled(_TrainingLoop, _Compiled):
         return {k: full[k] for k in self._user_model.state_dict() if k in full}
 
 
+def _profile_of_device(device) -> str | None:
+    """The built-in hardware profile a CUDA device is ("NVIDIA H100 80GB HBM3" -> "h100"), if any."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    return next((known for known in BUILTIN_PROFILES if known in name), None)
+
+
 def _save_rank(rank, path, meta: dict) -> CheckpointError | None:
     return _finish(None, lambda: checkpoint_state.save(rank, path, meta))
 
@@ -259,11 +283,11 @@ class Simulated(_TrainingLoop, _Compiled):
 
     def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None,
                  optimizer: OptimizerFactory | None = None, device: str | torch.device = "cpu",
-                 lr_scheduler: SchedulerFactory | None = None) -> None:
+                 lr_scheduler: SchedulerFactory | None = None, hardware=None) -> None:
         if example_inputs is None:
             raise TypeError("usc.simulate needs example_inputs=(...) (the global batch)")
         super().__init__(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                         lr_scheduler=lr_scheduler)
+                         lr_scheduler=lr_scheduler, hardware=hardware)
         self._ensure_built(())
         self.device = device  # every simulated rank computes there (one GPU holds the whole mesh)
         self.meshes = simulated_meshes(tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), timeout=self.timeout,
@@ -389,8 +413,12 @@ class Simulated(_TrainingLoop, _Compiled):
 
 def compile(model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
             optimizer: OptimizerFactory | None = None, device: str | torch.device | None = None,
-            lr_scheduler: SchedulerFactory | None = None) -> Compiled:
+            lr_scheduler: SchedulerFactory | None = None, hardware=None) -> Compiled:
     """Compile ``model`` for the mesh in ``plan`` and return this torchrun process's program.
+
+    ``hardware`` ("h100", "a100", a profile file or a HardwareProfile): the machine ``plan=auto``
+    plans for and ``step.metrics.mfu`` is measured against (default: the CUDA device's profile when
+    it is a built-in one, else the plan's ``hardware``, h100).
 
     >>> import usc, torch
     >>> from usc.testing.models import TinyLlama, token_batch
@@ -400,15 +428,16 @@ def compile(model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=
     True
     """
     compiled = Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                        lr_scheduler=lr_scheduler)
+                        lr_scheduler=lr_scheduler, hardware=hardware)
     compiled.device = device
     return compiled
 
 
 def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None,
              optimizer: OptimizerFactory | None = None, device: str | torch.device = "cpu",
-             lr_scheduler: SchedulerFactory | None = None) -> Simulated:
-    """Compile ``model`` and run every rank of the mesh in this process.
+             lr_scheduler: SchedulerFactory | None = None, hardware=None) -> Simulated:
+    """Compile ``model`` and run every rank of the mesh in this process (``hardware``: as for
+    ``usc.compile``).
 
     >>> import usc
     >>> from usc.testing.models import TinyLlama, token_batch
@@ -418,7 +447,7 @@ def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None
     True
     """
     return Simulated(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer, device=device,
-                     lr_scheduler=lr_scheduler)
+                     lr_scheduler=lr_scheduler, hardware=hardware)
 
 
 def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, hardware=None) -> Report:

@@ -96,6 +96,7 @@ class _Compiled:
             self.plan = _resolve_auto(self.model, self.plan, example_inputs, hardware)
         self._loss_source = _source_of(loss_fn) if loss_fn is not None else ""
         self._user_model = model
+        self._hardware = hardware  # what auto plans for and StepMetrics.mfu is measured against
         self._optimizer = optimizer
         self._program = None
         self._report: Report | None = None
