@@ -1,4 +1,5 @@
-"""Activation bytes counted from outside usc: what a training step really keeps alive for backward.
+"""Memory counted from outside usc: what a training step really keeps alive for backward, and the
+peak a piece of work (a checkpoint save) allocates.
 
 usc's own numbers (the lint's ``activation_bytes``, the cost model's estimate) come from its
 executor's saved-tensor hooks or from the cost model's profile; a test that compares them with
@@ -14,6 +15,9 @@ checkpointing's held inputs, a selective policy's cache) holds them.
   backward recomputes (activation checkpointing). An op runs for recomputation when autograd's
   engine is running (a graph task is active) with grad mode on: the engine runs backward formulas
   with grad mode off, and checkpointing recomputes under ``enable_grad``.
+
+``PeakAllocations`` counts what torch ops allocate inside it (a view of an existing tensor allocates
+nothing), alive at once: its ``peak``.
 """
 
 from __future__ import annotations
@@ -90,6 +94,24 @@ class _StepWatch(TorchDispatchMode):
                     self.live.add(storage)
 
 
+class PeakAllocations(TorchDispatchMode):
+    """Bytes of the storages torch ops allocate inside the mode, alive at once (``peak``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = _LiveStorages()
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor) and value.untyped_storage()._cdata not in inputs:
+                self.live.add(value.untyped_storage())
+        self.peak = max(self.peak, self.live.total)
+        return out
+
+
 def count_step_activations(rank, batch: tuple) -> ActivationCount:
     """Run one training step of an executor rank (``usc.simulate(...).ranks[i]``, on that rank's
     thread) under the counter; the step is real (the optimizer steps)."""
@@ -108,4 +130,4 @@ def count_activations(sim, batch: tuple, *, timeout: float = 120) -> list[Activa
                           timeout=timeout)
 
 
-__all__ = ["ActivationCount", "count_activations", "count_step_activations"]
+__all__ = ["ActivationCount", "PeakAllocations", "count_activations", "count_step_activations"]
