@@ -228,15 +228,12 @@ def _saves_for_backward(gm: fx.GraphModule, node: fx.Node) -> bool:
     return ann is not None and ann.needs_grad and bool(saved_values(gm, node))
 
 
-# ops whose backward needs no saved tensor: recomputing only these frees nothing
-SAVES_NOTHING = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.clone.default,
-                           aten.cat.default, operator.getitem})
-
-
 def worth_recomputing(run: list[fx.Node], decisions: dict) -> bool:
-    """A region frees memory only if a recomputed node would otherwise save a tensor."""
+    """A region frees memory only if a recomputed node would otherwise save a tensor (what autograd
+    keeps, by op class: ``saved_values``, the model the cost profile reads too). A module call
+    counts: what it keeps is its own."""
     return any(decisions[n] == RECOMPUTED and (n.op == "call_module" or (
-        n.target not in SAVES_NOTHING and not getattr(n.target, "is_view", False))) for n in run)
+        bool(saved_values(n.graph.owning_module, n)) and not getattr(n.target, "is_view", False))) for n in run)
 
 
 def convex_runs(gm: fx.GraphModule, decisions: dict) -> list[list[fx.Node]]:
