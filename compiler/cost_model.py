@@ -68,8 +68,8 @@ def scale(key: ScaleKey, amount: float, profile: ModelProfile, plan: PlanPoint) 
     return value
 
 
-def _acts(buckets: dict, profile: ModelProfile, plan: PlanPoint, *, kept_only: bool = False) -> float:
-    return sum(scale(k, a, profile, plan) for k, a in buckets.items() if k.kept or not kept_only)
+def _acts(buckets: dict, profile: ModelProfile, plan: PlanPoint) -> float:
+    return sum(scale(k, a, profile, plan) for k, a in buckets.items())
 
 
 def tokens_per_microbatch(profile: ModelProfile, plan: PlanPoint) -> float:
@@ -130,6 +130,7 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
     sps = {sp for u in units for sp in u.acts}
     tied, extra_rep, extra_tp = tied_once(units)
     largest = {sp: max((u.acts.get(sp, {}) for u in units), key=lambda d: sum(d.values()), default={}) for sp in sps}
+    modes = {m for u in units for m in u.held}
     return UnitCost(units[0].name if len(units) == 1 else f"{units[0].name}..{units[-1].name}",
                     sum(u.balance for u in units), sum(u.flops_matmul for u in units),
                     sum(u.flops_attention for u in units), sum(u.params_rep for u in units) - extra_rep,
@@ -138,6 +139,8 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
                     {sp: add(u.input_bytes.get(sp, {}) for u in units) for sp in sps},
                     {sp: merge_comms(u.collectives.get(sp, ()) for u in units) for sp in sps},
                     blocks=sum(u.blocks for u in units), largest_acts=largest,
+                    held={m: add(u.held.get(m, {}) for u in units) for m in modes},
+                    parts=tuple(p for u in units for p in (u.parts or (u,))),
                     params_expert=sum(u.params_expert for u in units), moe_layers=sum(u.moe_layers for u in units),
                     params_saved=(sum(u.params_saved[0] for u in units), sum(u.params_saved[1] for u in units)),
                     boundary=units[-1].boundary, boundary_grad=units[-1].boundary_grad,
@@ -189,17 +192,27 @@ def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) 
 def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> float:
     """Peak bytes saved for backward: one microbatch's worth times the microbatches in flight."""
     sp = plan.sp and plan.tp > 1
-    if plan.recompute == "full":  # only each unit's input is kept; one unit is live in backward
-        kept = sum(_acts(u.input_bytes.get(sp, {}), profile, plan) for u in units)
-        live = max((_acts(u.largest_acts.get(sp, u.acts.get(sp, {})), profile, plan) for u in units), default=0.0)
-        per_mb = kept
-    else:
-        per_mb = sum(_acts(u.acts.get(sp, {}), profile, plan, kept_only=plan.recompute == "selective")
-                     for u in units)
+    if plan.recompute == "none":
+        per_mb = sum(_acts(u.acts.get(sp, {}), profile, plan) for u in units)
         live = 0.0
+    else:  # what forward holds (region inputs, kept matmul outputs, all outside the blocks), and in
+        # backward the tensors of the one unit being recomputed
+        how = (plan.recompute, plan.cp > 1, sp)
+        per_mb = sum(_acts(u.held.get(how, {}), profile, plan) for u in units)
+        live = max((_recompute_peak(profile, plan, u.parts or (u,), how) for u in units), default=0.0)
     if plan.dtype == "bf16":  # the bf16 copies of the weights that linears save
         per_mb += sum(_params(u, plan) for u in units) / 2
     return per_mb * in_flight(plan) + live
+
+
+def _recompute_peak(profile: ModelProfile, plan: PlanPoint, parts: tuple, key: tuple) -> float:
+    """The most backward adds to what forward held: it recomputes one unit at a time, last first,
+    and by then has freed what the units after it held."""
+    most, freed = 0.0, 0.0
+    for unit in reversed(parts):
+        most = max(most, _acts(unit.recomputed.get(key, {}), profile, plan) - freed)
+        freed += _acts(unit.held.get(key, {}), profile, plan)
+    return most
 
 
 # ------------------------------------------------------------------------------------ communication

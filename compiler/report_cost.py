@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from usc.dsl import parse_plan
+from usc.runtime.sizes import human_bytes
 
 
-def human_bytes(n: float) -> str:
-    from .report_text import human_bytes as text
-    return text(n)
 
 
 def cost_sections(report) -> list[str]:
