@@ -22,7 +22,7 @@ doc/PERFORMANCE.md). They are peak values; the cost model applies its own effici
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 from usc.dsl import OPTIONS
@@ -48,17 +48,18 @@ class HardwareProfile:
     inter_node_bandwidth: float  # per GPU, one direction (the GPU's NIC share)
     inter_node_latency: float  # per collective step across nodes
     gpus_per_node: int
+    # How close a step gets to the peaks above (see docs/cost_model.md, "Calibration"); the defaults
+    # are the datacenter-GPU values, a measured profile (benchmarks/calibrate.py) writes its own.
+    matmul_efficiency: float = 0.6  # sustained fraction of the matmul peak on large per-rank matmuls
+    matmul_half_rows: float = 256.0  # rows per microbatch at which matmuls reach half of that
+    comm_efficiency: float = 0.8  # fraction of the link bandwidth collectives reach on large messages
+    unit_overhead: float = 0.0  # seconds per pipeline unit (layer) per microbatch, forward + backward:
+    #                             kernel launches and the host's Python, paid whatever the size
+    latency_steps: str = "tree"  # "tree": log2(n) latency steps per collective (NCCL); "ring": n-1 (gloo)
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "name":
-                if not isinstance(value, str) or not value:
-                    raise HardwareProfileError("hardware profile: 'name' must be a non-empty string")
-            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise HardwareProfileError(
-                    f"hardware profile {self.name!r}: {f.name!r} must be a positive number, got {value!r}"
-                )
+            _check_field(self.name, f.name, getattr(self, f.name))
         if int(self.gpus_per_node) != self.gpus_per_node:
             raise HardwareProfileError(
                 f"hardware profile {self.name!r}: 'gpus_per_node' must be an integer, got {self.gpus_per_node!r}"
@@ -68,6 +69,11 @@ class HardwareProfile:
         """Matmul peak for the plan's compute dtype ("bf16"/"fp16" on tensor cores, else fp32)."""
         return self.peak_bf16_flops if dtype in ("bf16", "bfloat16", "fp16", "float16") else self.peak_fp32_flops
 
+    @property
+    def has_fast_bf16(self) -> bool:
+        """Whether bf16 matmuls outrun fp32 here: then the planner assumes dtype=bf16 unless told."""
+        return self.peak_bf16_flops > self.peak_fp32_flops
+
     def link(self, *, crosses_node: bool) -> tuple[float, float]:
         """(bandwidth, latency) of the slowest link a group uses: NIC once it spans nodes."""
         if crosses_node:
@@ -76,6 +82,26 @@ class HardwareProfile:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# Fields that may be zero (an overhead nobody measured is no overhead), and the string-valued ones.
+MAY_BE_ZERO = ("unit_overhead",)
+TEXT_FIELDS = {"latency_steps": ("tree", "ring")}
+
+
+def _check_field(profile: str, name: str, value) -> None:
+    """Raise naming the field when ``value`` is not allowed for it."""
+    if name == "name":
+        if not isinstance(value, str) or not value:
+            raise HardwareProfileError("hardware profile: 'name' must be a non-empty string")
+    elif name in TEXT_FIELDS:
+        if value not in TEXT_FIELDS[name]:
+            raise HardwareProfileError(f"hardware profile {profile!r}: {name!r} must be one of "
+                                       f"{list(TEXT_FIELDS[name])}, got {value!r}")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            value > 0 or (name in MAY_BE_ZERO and value == 0)):
+        raise HardwareProfileError(
+            f"hardware profile {profile!r}: {name!r} must be a positive number, got {value!r}")
 
 
 # H100 SXM5 80GB, NVIDIA H100 Tensor Core GPU datasheet (2023): BF16 dense 989.4 TFLOP/s
@@ -164,7 +190,7 @@ def profile_from_dict(data: dict, *, source: str = "<dict>") -> HardwareProfile:
             raise HardwareProfileError(f"{source}: base {base_name!r} is not one of {sorted(BUILTIN_PROFILES)}")
         data.setdefault("name", Path(source).stem)
         return replace(BUILTIN_PROFILES[str(base_name).lower()], **data)
-    missing = sorted(known - set(data))
+    missing = sorted(f.name for f in fields(HardwareProfile) if f.name not in data and f.default is MISSING)
     if missing:
         raise HardwareProfileError(f"{source}: missing field(s) {missing} (or give base = \"h100\")")
     return HardwareProfile(**data)

@@ -42,6 +42,7 @@ class PlanTarget:
     gpus_per_node: int = 8
     dtype: str = "bf16"
     fixed: tuple[tuple[str, object], ...] = ()  # axes/options the user wrote: kept as written
+    assumption: str = ""  # what the planner assumed that the user did not write (printed with the choice)
 
 
 @dataclass(frozen=True)

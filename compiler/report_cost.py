@@ -69,7 +69,7 @@ def render_search(search) -> str:
     t = search.target
     head = (f"planner: {t.gpus} GPUs ({t.gpus_per_node} per node, {search.hardware}), seq {t.seq}, "
             f"global batch {t.global_batch}; {search.evaluated} plans estimated in {search.seconds:.2f} s")
-    lines = [head]
+    lines = [head] + ([f"  {t.assumption}"] if t.assumption else [])
     if search.best is None:
         lines.append("  no plan fits: " + "; ".join(f"{n} x {r} (e.g. {search.rejected_examples[r]})"
                                                     for r, n in search.rejected.items()))

@@ -89,13 +89,36 @@ def test_no_plan_fits_is_a_plan_error():
 def test_auto_in_simulate_runs_the_chosen_plan():
     batch = token_batch(CONFIG.vocab, 8, 32)
     torch.manual_seed(0)
-    # fuse=off kept as written: fused kernels run in Triton's interpreter on CPU, far too slow here
-    sim = usc.simulate(TinyLlama(CONFIG), "auto gpus=2 timeout=60 fuse=off", example_inputs=batch)
+    # fuse=off kept as written: fused kernels run in Triton's interpreter on CPU, far too slow here;
+    # dtype=fp32 written, so the comparison with one fp32 device is exact
+    sim = usc.simulate(TinyLlama(CONFIG), "auto gpus=2 timeout=60 fuse=off dtype=fp32", example_inputs=batch)
     assert sim.plan.world_size == 2 and sim.plan.get("timeout") == 60 and not sim.plan.auto
     assert not sim.plan.get("fuse")
     torch.manual_seed(0)
     one = usc.simulate(TinyLlama(CONFIG), "dp=1", example_inputs=batch)
     assert sim.step(*batch) == pytest.approx(one.step(*batch), rel=1e-5)
+
+
+def test_without_dtype_the_planner_plans_bf16_and_says_so():
+    batch = token_batch(CONFIG.vocab, 8, 32)
+    plan = usc.plan(TinyLlama(CONFIG), "gpus=4", example_inputs=batch, hardware="h100")
+    assert plan.get("dtype") == "bf16"
+    assert "dtype=bf16 assumed" in str(plan.search) and "15x faster than fp32" in str(plan.search)
+    written = usc.plan(TinyLlama(CONFIG), "gpus=4 dtype=fp32", example_inputs=batch, hardware="h100")
+    assert written.get("dtype") == "fp32" and "assumed" not in str(written.search)
+    # a CPU-like profile whose bf16 matmuls are no faster: fp32, and that is said too
+    cpu = replace(H100, name="cpu", peak_bf16_flops=50e9, peak_fp32_flops=100e9)
+    slow_bf16 = usc.plan(TinyLlama(CONFIG), "gpus=4", example_inputs=batch, hardware=cpu)
+    assert slow_bf16.get("dtype") == "fp32" and "dtype=fp32 assumed" in str(slow_bf16.search)
+
+
+def test_global_batch_governs_dp_not_the_example_batch(profile):
+    """An example batch of 2 gives only shapes: global_batch=24 allows dp=8 (and dp=3 for 3 GPUs x 8)."""
+    plan = usc.plan(TinyLlama(CONFIG), "gpus=8 global_batch=24 dp=8 dtype=fp32",
+                    example_inputs=token_batch(CONFIG.vocab, 2, 32))
+    assert plan.size("dp") == 8 and plan.search.target.global_batch == 24
+    refused = search(profile, PlanTarget(gpus=8, seq=32, global_batch=12, fixed=(("dp", 8),)), H100)
+    assert refused.best is None and any("dp=8 does not divide the global batch 12" in r for r in refused.rejected)
 
 
 def test_planner_options_need_auto():
