@@ -273,15 +273,15 @@ PUBLISHED = [
 ]
 
 
-def published_rows() -> list[dict]:
+def published_rows(runs: list = PUBLISHED, profiles: dict = {}) -> list[dict]:  # noqa: B006 - a cache
     """Each publication's configuration estimated by the cost model, beside what was measured."""
     from usc.compiler.cost_model import estimate
     from usc.dsl import parse_plan
     from usc.passes.cost_profile import profile_model
     from usc.planning import point_of
 
-    profiles, rows = {}, []
-    for name, hw_name, plan, batch, seq, tps, mfu, source, complete in PUBLISHED:
+    rows = []
+    for name, hw_name, plan, batch, seq, tps, mfu, source, complete in runs:
         if name not in profiles:
             with torch.device("meta"):
                 model = TinyLlama(SHAPES[name])
@@ -297,6 +297,31 @@ def published_rows() -> list[dict]:
                          predicted_tps=per_gpu, predicted_mfu=mfu_same_count, memory=est.memory_total,
                          source=source, complete=complete))
     return rows
+
+
+# Which published runs the H100 profile's efficiency constants are fitted on (the rest are held out):
+# two nanotron runs of the same model and tokens per step that differ in microbatch size (8 vs 1).
+FITTED_ON = (0, 2)
+
+
+def fit_published(rows_of: list[int] = FITTED_ON) -> tuple[float, float]:
+    """(matmul_efficiency, unit_overhead) of the h100 profile minimising the squared log error of
+    tokens/s/GPU over the published runs ``rows_of`` (a grid: both enter the step time non-linearly)."""
+    import usc.compiler.hardware as hardware
+
+    base = hardware.BUILTIN_PROFILES["h100"]
+    best = (math.inf, None)
+    try:
+        for efficiency in np.arange(0.20, 0.81, 0.01):
+            for overhead in np.arange(0.0, 0.0121, 0.0002):
+                hardware.BUILTIN_PROFILES["h100"] = replace(base, matmul_efficiency=float(efficiency),
+                                                            unit_overhead=float(overhead))
+                rows = published_rows([PUBLISHED[i] for i in rows_of])
+                error = sum(math.log(r["predicted_tps"] / r["published_tps"]) ** 2 for r in rows)
+                best = min(best, (error, (round(float(efficiency), 2), round(float(overhead), 4))))
+    finally:
+        hardware.BUILTIN_PROFILES["h100"] = base
+    return best[1]
 
 
 def print_published(rows: list[dict]) -> None:
@@ -317,7 +342,12 @@ def main() -> None:
     parser.add_argument("--profile", help="an existing profile to validate")
     parser.add_argument("--validate", action="store_true")
     parser.add_argument("--published", action="store_true", help="only the published-vs-predicted table")
+    parser.add_argument("--fit-published", action="store_true",
+                        help="fit the h100 profile's matmul_efficiency and unit_overhead to FITTED_ON")
     args = parser.parse_args()
+    if args.fit_published:
+        return print(f"fitted on {[PUBLISHED[i][2] for i in FITTED_ON]}: matmul_efficiency, unit_overhead = "
+                     f"{fit_published()}")
     if args.published:
         return print_published(published_rows())
     path = args.out or args.profile

@@ -121,6 +121,12 @@ H100 = HardwareProfile(
     inter_node_bandwidth=50e9,
     inter_node_latency=10e-6,
     gpus_per_node=8,
+    # Fitted (benchmarks/calibrate.py --fit-published) to two nanotron Llama-1B runs on one node that
+    # differ only in microbatch size (huggingface.co/nanotron/old_bench, llama-1B/8_GPUS,
+    # dp-2_tp-4_pp-1_mbz-8 and dp-2_tp-2_pp-2_mbz-1); the other published runs are held out
+    # (docs/cost_model.md, "Published vs predicted").
+    matmul_efficiency=0.64,
+    unit_overhead=0.0064,
 )
 
 # A100 SXM4 80GB, NVIDIA A100 Tensor Core GPU datasheet (2021): BF16 dense 312 TFLOP/s,
