@@ -171,3 +171,39 @@ def test_planner_tries_ep_only_for_moe_models(profile):
     tried = [c.plan.ep for c in [moe.best] + moe.alternatives] + [
         int(e.split("ep=")[1].split()[0]) for e in moe.rejected_examples.values() if "ep=" in e]
     assert max(tried) > 1  # ep is enumerated (and proposed or refused by name) for an MoE model
+
+
+def test_explanation_lists_the_best_plan_of_each_family(profile):
+    from usc.compiler.planner import FAMILIES, family
+
+    result = search(profile, PlanTarget(gpus=4, seq=32, global_batch=8, dtype="fp32"), H100, supported=refusal)
+    text = str(result)
+    assert "best of each family" in text
+    tests = dict(FAMILIES)
+    for name, best in result.families.items():
+        assert not isinstance(best, str), (name, best)  # the tiny model fits in every family
+        assert tests[name](best.plan) and family(best.plan) == name
+        assert f"{name:<9} {best.plan.text()}" in text
+    assert {"dp+ZeRO", "dp+tp", "dp+pp", "dp+tp+pp", "+cp"} <= set(result.families)
+    assert min(c.step for c in result.families.values()) == result.best.step
+
+
+def test_a_family_that_does_not_fit_says_how_close_it_came(profile):
+    small = replace(H100, name="small", hbm_bytes=1_500_000)
+    result = search(profile, PlanTarget(gpus=2, seq=32, global_batch=8, dtype="fp32"), small, supported=refusal)
+    misses = {name: why for name, why in result.families.items() if isinstance(why, str)}
+    assert misses and all(why.startswith("none fits; closest ") and "GiB per rank" in why for why in misses.values())
+
+
+def test_a_choice_resting_on_an_unchecked_term_is_flagged_with_the_checked_alternative(profile):
+    from usc.compiler.planner import unchecked_terms
+
+    # two GPUs per node: pp=4 crosses nodes, a term the published runs do not support
+    target = PlanTarget(gpus=4, seq=32, global_batch=8, dtype="fp32", gpus_per_node=2, fixed=(("pp", 4),))
+    result = search(profile, target, H100, supported=refusal)
+    assert unchecked_terms(result.best.plan) and "pp across nodes" in str(result)
+    free = search(profile, replace(target, fixed=()), H100, supported=refusal)
+    if unchecked_terms(free.best.plan):
+        assert free.best_checked is not None and not unchecked_terms(free.best_checked.plan)
+        assert f"best plan relying on none: {free.best_checked.plan.text()}" in str(free)
+    assert not unchecked_terms(PlanPoint(8, 32, dp=2, tp=2, gpus_per_node=8))
