@@ -239,8 +239,24 @@ def collective_seconds(kind: str, nbytes: float, n: int, bandwidth: float, laten
 
 
 def _link(hw: HardwareProfile, plan: PlanPoint, axis: str) -> Link:
-    bandwidth, latency = hw.link(crosses_node=crosses_node(plan, axis))
+    """A group that spans nodes drives every NIC its ranks in a node own: NCCL's rings and trees
+    cross nodes once per node and channel, one channel per NIC, so a group with g ranks in each
+    node moves g NIC shares (2-node H100 all-reduce measures 435 GB/s bus bandwidth at 1 GB, far
+    above one 50 GB/s NIC: docs/cost_model.md, "Published vs predicted"). A pipeline transfer is one
+    rank's send: one NIC."""
+    crosses = crosses_node(plan, axis)
+    bandwidth, latency = hw.link(crosses_node=crosses)
+    if crosses and axis != "pp":
+        bandwidth = min(bandwidth * ranks_per_node(plan, axis), hw.intra_node_bandwidth)
     return Link(bandwidth * hw.comm_efficiency, latency, hw.latency_steps == "ring")
+
+
+def ranks_per_node(plan: PlanPoint, axis: str) -> int:
+    """How many ranks of one group of ``axis`` share a node (row-major mesh, as crosses_node)."""
+    sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
+    order = list(plan.order)
+    stride = math.prod(sizes[a] for a in order[order.index(axis) + 1:])
+    return max(1, min(sizes[axis], plan.gpus_per_node // stride))
 
 
 def layer_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile
