@@ -1,8 +1,8 @@
 """Hardware profiles: the few numbers of a machine that the cost model turns into seconds.
 
 A profile is a frozen value in SI units (FLOP/s, bytes, bytes/s, seconds). Two are built in
-(``h100``: H100 SXM5 80GB in an 8-GPU HGX/DGX node; ``a100``: A100 SXM4 80GB in a DGX A100);
-a user describes their own in a TOML or JSON file with the same field names::
+(``h100``: H100 SXM5 80GB in an 8-GPU HGX/DGX node; ``a100``: A100 SXM4 80GB in a DGX A100), each
+one file in ``profiles/`` with every number's source; a user copies and edits one, or describes their own in a TOML or JSON file with the same field names::
 
     # my_cluster.toml  (every field of HardwareProfile; or `base = "h100"` plus the ones that differ)
     name = "h100-roce"
@@ -104,49 +104,17 @@ def _check_field(profile: str, name: str, value) -> None:
             f"hardware profile {profile!r}: {name!r} must be a positive number, got {value!r}")
 
 
-# H100 SXM5 80GB, NVIDIA H100 Tensor Core GPU datasheet (2023): BF16 dense 989.4 TFLOP/s
-# (1,979 is with 2:4 sparsity), FP32 66.9 TFLOP/s, 80 GB HBM3 at 3.35 TB/s, NVLink 4 at
-# 900 GB/s total = 450 GB/s per direction. Inter-node: DGX H100 user guide, 8x ConnectX-7
-# 400 Gb/s InfiniBand NDR, one NIC per GPU = 50 GB/s per direction. Latencies: order of the
-# per-step base latencies in NCCL's tuning model (src/graph/tuning.cc: a few us on NVLink,
-# more through the NIC and switches); nccl-tests small-message all-reduce times agree.
-H100 = HardwareProfile(
-    name="h100",
-    peak_bf16_flops=989.4e12,
-    peak_fp32_flops=66.9e12,
-    hbm_bytes=80 * 10**9,
-    hbm_bandwidth=3.35e12,
-    intra_node_bandwidth=450e9,
-    intra_node_latency=5e-6,
-    inter_node_bandwidth=50e9,
-    inter_node_latency=10e-6,
-    gpus_per_node=8,
-    # Fitted (benchmarks/calibrate.py --fit-published) to two nanotron Llama-1B runs on one node that
-    # differ only in microbatch size (huggingface.co/nanotron/old_bench, llama-1B/8_GPUS,
-    # dp-2_tp-4_pp-1_mbz-8 and dp-2_tp-2_pp-2_mbz-1); the other published runs are held out
-    # (docs/cost_model.md, "Published vs predicted").
-    matmul_efficiency=0.64,
-    unit_overhead=0.0064,
-)
+# The built-in profiles are files (compiler/profiles/<name>.toml, each number with its source), so a
+# user edits a copy of the one closest to their machine rather than this module.
+PROFILES_DIR = Path(__file__).parent / "profiles"
 
-# A100 SXM4 80GB, NVIDIA A100 Tensor Core GPU datasheet (2021): BF16 dense 312 TFLOP/s,
-# FP32 19.5 TFLOP/s, 80 GB HBM2e at 2,039 GB/s, NVLink 3 at 600 GB/s total = 300 GB/s per
-# direction. Inter-node: DGX A100 user guide, 8x ConnectX-6 200 Gb/s InfiniBand HDR, one per
-# GPU = 25 GB/s per direction. Latencies as for the H100 (same NCCL model, NVSwitch gen 2).
-A100 = HardwareProfile(
-    name="a100",
-    peak_bf16_flops=312e12,
-    peak_fp32_flops=19.5e12,
-    hbm_bytes=80 * 10**9,
-    hbm_bandwidth=2.039e12,
-    intra_node_bandwidth=300e9,
-    intra_node_latency=5e-6,
-    inter_node_bandwidth=25e9,
-    inter_node_latency=10e-6,
-    gpus_per_node=8,
-)
 
-BUILTIN_PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H100, A100)}
+def _builtin(name: str) -> HardwareProfile:
+    path = PROFILES_DIR / f"{name}.toml"
+    return profile_from_dict(_read_table(path), source=str(path))
+
+
+BUILTIN_PROFILES: dict[str, HardwareProfile] = {}  # filled below, once the readers are defined
 
 
 def with_plan_memory(hw: HardwareProfile, plan) -> HardwareProfile:
@@ -219,6 +187,20 @@ def _read_table(path: Path) -> dict:
 def _load_toml(text: str) -> dict:
     try:
         import tomllib  # Python 3.11+
-    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-        raise HardwareProfileError("TOML profiles need Python 3.11+; write the profile as JSON") from None
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10: the flat `key = value` form profiles use
+        return dict(_flat_toml_line(line) for line in text.splitlines() if line.split("#")[0].strip())
     return tomllib.loads(text)
+
+
+def _flat_toml_line(line: str) -> tuple[str, object]:  # pragma: no cover - Python 3.10
+    key, _, value = line.split("#")[0].partition("=")
+    value = value.strip()
+    if value.startswith('"'):
+        return key.strip(), value.strip('"')
+    number = float(value.replace("_", ""))
+    return key.strip(), int(number) if number.is_integer() and "." not in value and "e" not in value else number
+
+
+H100 = _builtin("h100")
+A100 = _builtin("a100")
+BUILTIN_PROFILES.update({p.name: p for p in (H100, A100)})

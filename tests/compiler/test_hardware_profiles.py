@@ -111,3 +111,18 @@ def test_plan_text_takes_a_profile_file(tmp_path):
     path.write_text('base = "h100"\npeak_bf16_flops = 1e12\n')
     plan = usc.parse_plan(f"auto gpus=4 hardware={path}")
     assert plan.get("hardware") == str(path) and hardware_profile(plan.get("hardware")).peak_bf16_flops == 1e12
+
+
+@pytest.mark.parametrize("name", ["h100", "a100"])
+def test_builtin_profiles_are_editable_files(name):
+    """One file per hardware, each number with its source: what `hardware=h100` reads, and what a
+    user copies; the flat reader used without tomllib (Python 3.10) reads it the same."""
+    import tomllib
+
+    from usc.compiler.hardware import PROFILES_DIR, _flat_toml_line
+
+    path = PROFILES_DIR / f"{name}.toml"
+    assert hardware_profile(str(path)) == hardware_profile(name)
+    text = path.read_text()
+    flat = dict(_flat_toml_line(line) for line in text.splitlines() if line.split("#")[0].strip())
+    assert flat == tomllib.loads(text)
