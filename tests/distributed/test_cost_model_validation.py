@@ -32,7 +32,9 @@ PLANS = ["dp=2", "tp=2", "tp=2 sp=on", "cp=2", "cp=2 cp_mode=zigzag", "dp=2 zero
          # its last saving op (checkpointing stops there); selective regions hold none
          "tp=2 recompute=full", "cp=2 recompute=full", "dp=2 tp=2 recompute=selective", "dp=2 tp=2 zero=3",
          # split= cuts by hand: the cost model follows the same cut
-         "pp=2 mb=2 split=layers.1", "dp=2 pp=3 mb=4 split=layers.0|layers.3"]
+         "pp=2 mb=2 split=layers.1", "dp=2 pp=3 mb=4 split=layers.0|layers.3",
+         # bf16 with ZeRO-3: the bf16 weight copies linears save go with the gathered weight
+         "dp=2 zero=3 dtype=bf16"]
 GPT2_PLANS = ["dp=2", "pp=2 mb=2", "dp=2 pp=2 mb=2", "dp=2 zero=3"]
 CASES = [("llama", plan) for plan in PLANS] + [("gpt2", plan) for plan in GPT2_PLANS]
 # The cost model sums every stage's collectives over that stage's ranks: exact on every plan.
