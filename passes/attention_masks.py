@@ -33,9 +33,10 @@ from .graph_edit import val
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
 
-# The largest tensor (elements) the proof evaluates: a [8, 1, 2048, 2048] mask is 2^25. Beyond it
-# the mask stays explicit (correct, without the causal fast path); the cost is compile-time memory.
-MAX_ELEMENTS = 1 << 25
+# The largest tensor the proof evaluates, in bytes: a bool [1, 1, 16384, 16384] mask (or
+# [8, 1, 4096, 4096]) is 2^28. Beyond it the mask stays explicit (correct, without the causal fast
+# path); the cost of the proof is compile-time memory and one pass over the mask.
+MAX_BYTES = 1 << 28
 
 
 def attention_masks_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -128,7 +129,7 @@ def _foldable(n: fx.Node) -> bool:
         return False
     value = val(n)
     values = value if isinstance(value, (tuple, list)) else [value]
-    return all(prod(v.shape) <= MAX_ELEMENTS for v in values if isinstance(v, torch.Tensor))
+    return all(prod(v.shape) * v.element_size() <= MAX_BYTES for v in values if isinstance(v, torch.Tensor))
 
 
 def _on_cpu(kwargs: dict) -> dict:

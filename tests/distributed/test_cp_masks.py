@@ -325,8 +325,31 @@ def test_hugging_face_llama_packed_documents_cross_zigzag_shards():
 @pytest.mark.parametrize("plan", CP_PLANS + ("cp=3",))
 @pytest.mark.parametrize("family", list(HF))
 def test_hugging_face_decoders_train_like_one_device_under_cp(family, plan):
-    """(Gemma2 eager is matmul + softmax: no sdpa to replace, the cp sharding rules run it.)"""
-    train_like_one_device(HF[family], plan, hf_batches())
+    programs: list = []
+    train_like_one_device(HF[family], plan, hf_batches(), programs)
+    if "ulysses" not in plan:
+        assert {(r.causal, r.masked) for r in ring_nodes(programs[0])} == RING_KIND[family]
+
+
+# what each family's attention becomes on the ring: proven causal, an explicit (sliding-window)
+# mask, or no ring at all (Gemma2 eager is matmul + softmax: the cp sharding rules run it as before)
+RING_KIND = {"llama": {(True, False)}, "qwen2": {(True, False)}, "gpt_neox": {(True, False)},
+             "mistral_window4": {(False, True)}, "gemma2_eager": set()}
+
+
+def test_eager_attention_keeps_working_under_cp():
+    programs: list = []
+    train_like_one_device(HF["gemma2_eager"], "cp=2", hf_batches(), programs)
+    assert ring_nodes(programs[0]) == []
+
+
+def test_a_meta_hugging_face_llama_lints_under_cp_with_its_mask_proven_causal():
+    """Plan-only: the mask's constant subgraph is evaluated on the CPU although the model is on meta;
+    causal work grows along the contiguous ring (an explicit mask would cost every rank the same)."""
+    with torch.device("meta"):
+        model = HF["llama"]()
+    flops = usc.lint(model, "cp=3", example_inputs=hf_batches(1)[0]).attention_flops["cp"]
+    assert flops[0] < flops[1] < flops[2]
 
 
 @deep
