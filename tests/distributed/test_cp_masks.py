@@ -253,6 +253,16 @@ def test_packed_documents_by_id_train_like_one_device(plan):
     train_like_one_device(DocumentLM, plan, document_batches())
 
 
+# the vocabulary (37) is odd: tp splits the attention, the embedding and head stay whole
+WHOLE_VOCAB = "; embed: replicate; out: replicate"
+
+
+@pytest.mark.parametrize("plan", ["dp=3 cp=2", "cp=2 recompute=full", "cp=2 pp=2 mb=3", "cp=2 tp=2 sp=on" + WHOLE_VOCAB,
+                                  "cp=2 cp_mode=zigzag tp=2" + WHOLE_VOCAB, "cp=2 cp_mode=ulysses tp=2" + WHOLE_VOCAB])
+def test_a_document_mask_composes_with_the_other_dimensions(plan):
+    train_like_one_device(DocumentLM, plan, document_batches())
+
+
 # ============================================================ Hugging Face decoders
 
 def _hf(config_name: str, model_name: str, **extra):
