@@ -366,3 +366,39 @@ def test_a_meta_hugging_face_llama_lints_under_cp_with_its_mask_proven_causal():
 @pytest.mark.parametrize("plan", CP_PLANS + ("cp=3", "dp=3 cp=2"))
 def test_hugging_face_llama_packed_documents_train_like_one_device(plan):
     train_like_one_device(HF["llama"], plan, packed_batches())
+
+
+# ============================================================ on gloo processes (deep tier)
+
+def _train_documents_on_gloo(rank: int, world_size: int, plans: list[str], float64: bool = False) -> list:
+    """Each rank compiles DocumentLM for each plan and takes SGD steps; rank 0 returns the state."""
+    import io
+
+    torch.set_num_threads(1)
+    out = []
+    for plan in plans:
+        torch.manual_seed(0)
+        model = DocumentLM().double() if float64 else DocumentLM()
+        batches = document_batches()
+        step = usc.compile(model, plan, example_inputs=batches[0], optimizer=_sgd)
+        losses = [step.step(*b) for b in batches]
+        buffer = io.BytesIO()
+        torch.save({k: v.detach().clone() for k, v in step.full_state_dict().items()}, buffer)
+        out.append((losses, buffer.getvalue() if rank == 0 else None))
+    return out
+
+
+@deep
+@pytest.mark.distributed
+def test_document_masks_train_like_one_device_on_gloo():
+    from gloo_cases import outcome
+    from harness import run_world
+    from usc.testing.equivalence import check_equivalent
+
+    plans = list(CP_PLANS)
+    results = run_world(_train_documents_on_gloo, 2, plans, timeout=300)
+    for index, plan in enumerate(plans):
+        def rerun(model, batches, plan=plan):  # the float64 second opinion, on gloo too
+            return outcome(run_world(_train_documents_on_gloo, 2, [plan], True, timeout=300), 0)
+        check_equivalent(DocumentLM, document_batches(), outcome(results, index), rerun=rerun, optimizer=_sgd,
+                         what=f"'{plan}' on gloo")
