@@ -237,34 +237,29 @@ class _Ring:
 
     @classmethod
     def build(cls, comm: Comm, s_local: int, d: int, causal: bool, scale: float | None, layout: Layout,
-              device: torch.device, dtype: torch.dtype, mask: torch.Tensor | None = None):
+              device: torch.device, dtype: torch.dtype, mask: torch.Tensor | None = None,
+              needs_mask_grad: bool = False):
         n, r = comm.size, comm.rank
         chunks = [layout_chunks(layout, b, n, s_local) for b in range(n)]
         schedule = ring_schedule(layout, r, n, s_local, causal=causal)
-        calls = [[tile_calls(t, chunks[r], chunks[(r - s) % n]) for t in tiles] for s, tiles in enumerate(schedule)]
-        return cls(
-            comm,
-            schedule,
-            _positions(chunks[r], device),
-            [_positions(chunks[(r - s) % n], device) for s in range(n)],
-            1.0 / math.sqrt(d) if scale is None else float(scale),
-            calls,
-            # an explicit mask tile goes through tile math: the kernels' only mask is the causal one
-            kernel_for(device, dtype) if mask is None else None,
-            mask,
-        )
+        block_pos = [_positions(chunks[(r - s) % n], device) for s in range(n)]
+        if mask is None:
+            calls = [[tile_calls(t, chunks[r], chunks[(r - s) % n]) for t in tiles] for s, tiles in enumerate(schedule)]
+        else:
+            calls = _mask_calls(mask, schedule, block_pos, kernel_ok=not needs_mask_grad)
+        kernel = kernel_for(device, dtype)
+        if kernel is None:  # every call becomes tile math; a skipped tile ([]) stays skipped
+            calls = [[None if c else c for c in step] for step in calls]
+        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        return cls(comm, schedule, _positions(chunks[r], device), block_pos, scale, calls, kernel, mask)
 
     def work(self, step: int) -> list[tuple[Tile, list[Call] | None]]:
-        """The tiles of a step with their kernel calls (None: computed in tile math)."""
-        calls = self.calls[step] if self.kernel is not None else [None] * len(self.schedule[step])
-        return list(zip(self.schedule[step], calls))
+        """The tiles of a step with their kernel calls (None: computed in tile math; []: skipped)."""
+        return list(zip(self.schedule[step], self.calls[step]))
 
     def mask_tile(self, step: int, tile: Tile) -> torch.Tensor | None:
         """The explicit mask's entries for a tile: its query rows, the block's keys (global columns)."""
-        if self.mask is None:
-            return None
-        rows = self.mask if self.mask.shape[-2] == 1 else self.mask[..., tile.q_lo: tile.q_hi, :]
-        return rows if rows.shape[-1] == 1 else rows.index_select(-1, self.block_pos[step][: tile.k_hi])
+        return None if self.mask is None else _mask_of(self.mask, tile, self.block_pos[step])
 
     def add_mask_grad(self, dmask: torch.Tensor, step: int, tile: Tile, ds: torch.Tensor) -> None:
         """d(loss)/d(additive mask) is the scores' gradient, summed over the dims the mask broadcasts."""
@@ -277,6 +272,43 @@ class _Ring:
             target += g
         else:
             target.index_add_(-1, self.block_pos[step][: tile.k_hi], g)
+
+
+def _mask_of(mask: torch.Tensor, tile: Tile, cols: torch.Tensor) -> torch.Tensor:
+    rows = mask if mask.shape[-2] == 1 else mask[..., tile.q_lo: tile.q_hi, :]
+    return rows if rows.shape[-1] == 1 else rows.index_select(-1, cols[: tile.k_hi])
+
+
+def _mask_calls(mask: torch.Tensor, schedule: list[list[Tile]], block_pos: list[torch.Tensor], *,
+                kernel_ok: bool = True) -> list[list[list[Call] | None]]:
+    """What each tile of an explicit mask needs, read from the mask's values: nothing ([]) where it
+    hides every key (False / -inf: such keys add exactly nothing), one unmasked kernel call where it
+    hides none (True / 0) and the mask needs no gradient (a kernel gives no score gradient), tile
+    math with the mask (None) otherwise. Documents packed in a sequence and sliding windows hide
+    most blocks. One host read for the whole call (none on fake tensors)."""
+    tiles = [(s, t) for s, step in enumerate(schedule) for t in step]
+    if _is_fake(mask):
+        return [[None] * len(step) for step in schedule]
+    flags = []
+    for s, t in tiles:
+        m = _mask_of(mask, t, block_pos[s])
+        hidden, visible = (~m, m) if m.dtype == torch.bool else (torch.isneginf(m), m == 0)
+        flags.append(torch.stack([hidden.all(), visible.all()]))
+    read = iter(torch.stack(flags).tolist())
+    calls = []
+    for step in schedule:
+        calls.append([])
+        for t in step:
+            hidden, visible = next(read)
+            whole = visible and kernel_ok
+            calls[-1].append([] if hidden else [Call(t.q_lo, t.q_hi, 0, t.k_hi, False)] if whole else None)
+    return calls
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "meta" or is_fake(t)
 
 
 def _ring_forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,7 +387,8 @@ class _RingAttentionFn(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, comm: Comm, causal: bool, scale: float | None, layout: Layout):
         qc = q.to(_compute_dtype(q.dtype))
         mc = mask if mask is None or mask.dtype == torch.bool else mask.to(qc.dtype)
-        ring = _Ring.build(comm, q.shape[-2], q.shape[-1], causal, scale, layout, q.device, qc.dtype, mc)
+        ring = _Ring.build(comm, q.shape[-2], q.shape[-1], causal, scale, layout, q.device, qc.dtype, mc,
+                           ctx.needs_input_grad[3])
         out, lse = _ring_forward(ring, qc, k, v)
         ctx.ring, ctx.mask_dtype = ring, None if mask is None else mask.dtype
         ctx.save_for_backward(qc, k, v, out, lse)

@@ -21,7 +21,7 @@ from usc.compiler.ir import MeshSpec
 from usc.passes.attention_masks import attention_masks_pass, equals_causal
 from usc.runtime.layout import zigzag_index
 from usc.runtime.mesh import run_in_threads, simulated_meshes
-from usc.runtime.ring_attention import RingAttention, ring_attention
+from usc.runtime.ring_attention import Call, RingAttention, _mask_calls, ring_attention, ring_schedule
 from usc.testing import assert_equivalent
 
 DEEP = os.environ.get("USC_DEEP_TIER") == "1"
@@ -185,6 +185,28 @@ def test_ring_attention_with_a_random_bool_mask_equals_sdpa(layout):
 def test_ring_attention_with_an_additive_per_head_mask_equals_sdpa_and_its_gradient(layout):
     mask = torch.randn(1, 3, 18, 18, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     assert _ring_with_mask(mask, layout) < 1e-12
+
+
+def _document_mask(docs: list[int]) -> torch.Tensor:
+    doc, pos = torch.tensor(docs), torch.arange(len(docs))
+    return ((doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None]))[None, None]
+
+
+def test_ring_attention_skips_hidden_blocks_and_gives_visible_ones_to_the_kernel():
+    """Documents of 12 and 6 tokens on 3 ranks of 6: rank 1 meets its own block (causal inside one
+    document: tile math with the mask), rank 0's block (all visible: one unmasked kernel call) and
+    rank 2's (the future, another document: skipped)."""
+    mask = _document_mask([0] * 12 + [1] * 6)
+    assert _ring_with_mask(mask, "contiguous") < 1e-12
+    schedule = ring_schedule("contiguous", 1, 3, 6, causal=False)
+    blocks = [torch.arange(6, 12), torch.arange(0, 6), torch.arange(12, 18)]
+    calls = _mask_calls(mask[..., 6:12, :], schedule, blocks)
+    assert calls == [[None], [[Call(0, 6, 0, 6, False)]], [[]]]
+    assert _mask_calls(mask[..., 6:12, :], schedule, blocks, kernel_ok=False) == [[None], [None], [[]]]
+
+
+def test_ring_attention_with_documents_crossing_zigzag_chunks_equals_sdpa():
+    assert _ring_with_mask(_document_mask([0] * 5 + [1] * 9 + [2] * 4), "zigzag") < 1e-12
 
 
 # ============================================================ explicit masks from the batch
