@@ -69,13 +69,19 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Tile:
-    """Query rows [q_lo, q_hi) against the first k_hi keys of a block; `masked`: some row sees
-    only part of those keys, so the causal mask applies."""
+    """Query rows [q_lo, q_hi) against keys [k_lo, k_hi) of a block; `masked`: some row sees
+    only part of those keys, so the causal mask applies. (k_lo > 0 only under an explicit mask,
+    whose tiles are one query chunk against one key chunk.)"""
 
     q_lo: int
     q_hi: int
     k_hi: int
     masked: bool
+    k_lo: int = 0
+
+    @property
+    def keys(self) -> slice:
+        return slice(self.k_lo, self.k_hi)
 
 
 def layout_chunks(layout: Layout, rank: int, n: int, s_local: int) -> tuple[Chunk, ...]:
@@ -128,6 +134,15 @@ def tile_calls(tile: Tile, q_chunks: Sequence[Chunk], k_chunks: Sequence[Chunk])
         return None
     whole = [Call(tile.q_lo, tile.q_hi, 0, split, False)] if split else []
     return whole + [Call(tile.q_lo, tile.q_hi, split, tile.k_hi, True)]
+
+
+def masked_schedule(layout: Layout, rank: int, n: int, s_local: int) -> list[list[Tile]]:
+    """Under an explicit mask: each step's block as one tile per (query chunk, key chunk), so that
+    a zig-zag chunk pair the mask hides or shows whole is classified on its own (``_mask_calls``)."""
+    mine = layout_chunks(layout, rank, n, s_local)
+    blocks = [layout_chunks(layout, (rank - s) % n, n, s_local) for s in range(n)]
+    return [[Tile(qc.start, qc.start + qc.length, kc.start + kc.length, False, kc.start)
+             for qc in mine for kc in block] for block in blocks]
 
 
 def ring_schedule(layout: Layout, rank: int, n: int, s_local: int, *, causal: bool) -> list[list[Tile]]:
@@ -195,9 +210,9 @@ def _pass_on(comm: Comm, t: torch.Tensor, *, async_op: bool = False):
 
 def _tile_scores(q, k, tile: Tile, q_pos, k_pos, scale: float, mask=None) -> torch.Tensor:
     """Scores of a tile; `mask`: the explicit mask's tile (bool: True takes part; float: added)."""
-    s = (q[..., tile.q_lo : tile.q_hi, :] @ k[..., : tile.k_hi, :].transpose(-2, -1)) * scale
+    s = (q[..., tile.q_lo : tile.q_hi, :] @ k[..., tile.keys, :].transpose(-2, -1)) * scale
     if tile.masked:
-        visible = k_pos[: tile.k_hi] <= q_pos[tile.q_lo : tile.q_hi, None]
+        visible = k_pos[tile.keys] <= q_pos[tile.q_lo : tile.q_hi, None]
         s = s.masked_fill(~visible, float("-inf"))
     if mask is None:
         return s
@@ -241,7 +256,8 @@ class _Ring:
               needs_mask_grad: bool = False):
         n, r = comm.size, comm.rank
         chunks = [layout_chunks(layout, b, n, s_local) for b in range(n)]
-        schedule = ring_schedule(layout, r, n, s_local, causal=causal)
+        schedule = ring_schedule(layout, r, n, s_local, causal=causal) if mask is None else \
+            masked_schedule(layout, r, n, s_local)
         block_pos = [_positions(chunks[(r - s) % n], device) for s in range(n)]
         if mask is None:
             calls = [[tile_calls(t, chunks[r], chunks[(r - s) % n]) for t in tiles] for s, tiles in enumerate(schedule)]
@@ -271,12 +287,12 @@ class _Ring:
         if dmask.shape[-1] == 1:
             target += g
         else:
-            target.index_add_(-1, self.block_pos[step][: tile.k_hi], g)
+            target.index_add_(-1, self.block_pos[step][tile.keys], g)
 
 
 def _mask_of(mask: torch.Tensor, tile: Tile, cols: torch.Tensor) -> torch.Tensor:
     rows = mask if mask.shape[-2] == 1 else mask[..., tile.q_lo: tile.q_hi, :]
-    return rows if rows.shape[-1] == 1 else rows.index_select(-1, cols[: tile.k_hi])
+    return rows if rows.shape[-1] == 1 else rows.index_select(-1, cols[tile.keys])
 
 
 def _mask_calls(mask: torch.Tensor, schedule: list[list[Tile]], block_pos: list[torch.Tensor], *,
@@ -301,7 +317,7 @@ def _mask_calls(mask: torch.Tensor, schedule: list[list[Tile]], block_pos: list[
         for t in step:
             hidden, visible = next(read)
             whole = visible and kernel_ok
-            calls[-1].append([] if hidden else [Call(t.q_lo, t.q_hi, 0, t.k_hi, False)] if whole else None)
+            calls[-1].append([] if hidden else [Call(t.q_lo, t.q_hi, t.k_lo, t.k_hi, False)] if whole else None)
     return calls
 
 
@@ -330,7 +346,7 @@ def _ring_forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
                 continue
             s = _tile_scores(q, k_blk, tile, ring.q_pos, ring.block_pos[step], ring.scale, ring.mask_tile(step, tile))
             lse_t = torch.logsumexp(s, dim=-1, keepdim=True)
-            o_t = torch.exp(s - _finite(lse_t)) @ v_blk[..., : tile.k_hi, :]
+            o_t = torch.exp(s - _finite(lse_t)) @ v_blk[..., tile.keys, :]
             _merge(out, lse, slice(tile.q_lo, tile.q_hi), o_t, lse_t)
         if transfer is not None:
             transfer.wait()
@@ -360,7 +376,7 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, dmask=None) -> tuple[to
                     dkv[0, ..., keys, :] += dk_t
                     dkv[1, ..., keys, :] += dv_t
                 continue
-            rows, keys = slice(tile.q_lo, tile.q_hi), slice(0, tile.k_hi)
+            rows, keys = slice(tile.q_lo, tile.q_hi), tile.keys
             s = _tile_scores(q, k_blk, tile, ring.q_pos, ring.block_pos[step], ring.scale, ring.mask_tile(step, tile))
             p = torch.exp(s - _finite(lse[..., rows, :]))
             dkv[1, ..., keys, :] += p.transpose(-2, -1) @ dout[..., rows, :]

@@ -21,7 +21,7 @@ from usc.compiler.ir import MeshSpec
 from usc.passes.attention_masks import attention_masks_pass, equals_causal
 from usc.runtime.layout import zigzag_index
 from usc.runtime.mesh import run_in_threads, simulated_meshes
-from usc.runtime.ring_attention import Call, RingAttention, _mask_calls, ring_attention, ring_schedule
+from usc.runtime.ring_attention import Call, RingAttention, _mask_calls, masked_schedule, ring_attention
 from usc.testing import assert_equivalent
 
 DEEP = os.environ.get("USC_DEEP_TIER") == "1"
@@ -198,7 +198,7 @@ def test_ring_attention_skips_hidden_blocks_and_gives_visible_ones_to_the_kernel
     rank 2's (the future, another document: skipped)."""
     mask = _document_mask([0] * 12 + [1] * 6)
     assert _ring_with_mask(mask, "contiguous") < 1e-12
-    schedule = ring_schedule("contiguous", 1, 3, 6, causal=False)
+    schedule = masked_schedule("contiguous", 1, 3, 6)
     blocks = [torch.arange(6, 12), torch.arange(0, 6), torch.arange(12, 18)]
     calls = _mask_calls(mask[..., 6:12, :], schedule, blocks)
     assert calls == [[None], [[Call(0, 6, 0, 6, False)]], [[]]]
@@ -207,6 +207,19 @@ def test_ring_attention_skips_hidden_blocks_and_gives_visible_ones_to_the_kernel
 
 def test_ring_attention_with_documents_crossing_zigzag_chunks_equals_sdpa():
     assert _ring_with_mask(_document_mask([0] * 5 + [1] * 9 + [2] * 4), "zigzag") < 1e-12
+
+
+def test_zigzag_chunk_pairs_are_classified_one_by_one():
+    """cp=2, S=16, documents [0, 8) and [8, 16): rank 0 holds chunks 0-3 and 12-15; of the other
+    rank's block (4-7, 8-11) only 12-15 against 8-11 is visible, whole; its own block is causal
+    on the diagonal pairs and hidden across documents."""
+    mask = _document_mask([0] * 8 + [1] * 8)
+    rows = zigzag_index(16, 2)[:8]
+    schedule = masked_schedule("zigzag", 0, 2, 8)
+    blocks = [zigzag_index(16, 2)[:8], zigzag_index(16, 2)[8:]]
+    assert _mask_calls(mask[..., rows, :], schedule, blocks) == [
+        [None, [], [], None], [[], [], [], [Call(4, 8, 4, 8, False)]]]
+    assert _ring_with_mask(mask, "zigzag", n=2) < 1e-12
 
 
 # ============================================================ explicit masks from the batch
