@@ -136,13 +136,25 @@ def tile_calls(tile: Tile, q_chunks: Sequence[Chunk], k_chunks: Sequence[Chunk])
     return whole + [Call(tile.q_lo, tile.q_hi, split, tile.k_hi, True)]
 
 
+# An explicit mask's tiles: each chunk is cut into at most MASK_PIECES pieces of at least
+# MIN_PIECE rows, so a mask's structure (the causal diagonal, document boundaries) leaves most tiles
+# hidden or shown whole, while the tiles stay few (at most 64 per chunk pair and step).
+MASK_PIECES, MIN_PIECE = 8, 64
+
+
 def masked_schedule(layout: Layout, rank: int, n: int, s_local: int) -> list[list[Tile]]:
-    """Under an explicit mask: each step's block as one tile per (query chunk, key chunk), so that
-    a zig-zag chunk pair the mask hides or shows whole is classified on its own (``_mask_calls``)."""
-    mine = layout_chunks(layout, rank, n, s_local)
-    blocks = [layout_chunks(layout, (rank - s) % n, n, s_local) for s in range(n)]
-    return [[Tile(qc.start, qc.start + qc.length, kc.start + kc.length, False, kc.start)
-             for qc in mine for kc in block] for block in blocks]
+    """Under an explicit mask: each step's block as tiles of (query piece, key piece) within each
+    (query chunk, key chunk) pair, each classified on its own by the mask (``_mask_calls``)."""
+    mine = [p for c in layout_chunks(layout, rank, n, s_local) for p in _pieces(c)]
+    blocks = [[p for c in layout_chunks(layout, (rank - s) % n, n, s_local) for p in _pieces(c)] for s in range(n)]
+    return [[Tile(q_lo, q_hi, k_hi, False, k_lo) for q_lo, q_hi in mine for k_lo, k_hi in block] for block in blocks]
+
+
+def _pieces(chunk: Chunk) -> list[tuple[int, int]]:
+    """Local [lo, hi) ranges cutting a chunk into near-equal pieces."""
+    count = max(1, min(MASK_PIECES, chunk.length // MIN_PIECE))
+    cuts = [chunk.start + chunk.length * i // count for i in range(count + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 def ring_schedule(layout: Layout, rank: int, n: int, s_local: int, *, causal: bool) -> list[list[Tile]]:
