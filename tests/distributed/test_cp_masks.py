@@ -222,6 +222,19 @@ def test_zigzag_chunk_pairs_are_classified_one_by_one():
     assert _ring_with_mask(mask, "zigzag", n=2) < 1e-12
 
 
+def test_long_chunks_are_cut_into_pieces_each_classified():
+    """S=256 on 2 ranks: each 128-row block is cut into 2 x 2 pieces of 64; documents [0, 40) and
+    [40, 256) make rank 1's own block (positions 128-255, one document) causal: the piece above the
+    diagonal is skipped, the one below runs on the kernel, the two diagonal ones use the mask."""
+    mask = _document_mask([0] * 40 + [1] * 216)
+    assert _ring_with_mask(mask, "contiguous", n=2) < 1e-12
+    schedule = masked_schedule("contiguous", 1, 2, 128)
+    assert [(t.q_lo, t.q_hi, t.k_lo, t.k_hi) for t in schedule[0]] == [
+        (0, 64, 0, 64), (0, 64, 64, 128), (64, 128, 0, 64), (64, 128, 64, 128)]
+    calls = _mask_calls(mask[..., 128:, :], schedule, [torch.arange(128, 256), torch.arange(128)])
+    assert calls[0] == [None, [], [Call(64, 128, 0, 64, False)], None]
+
+
 # ============================================================ explicit masks from the batch
 
 class MaskedAttentionLM(nn.Module):
