@@ -379,6 +379,42 @@ def test_hugging_face_llama_packed_documents_cross_zigzag_shards():
     assert [(r.causal, r.masked) for r in ring_nodes(programs[0])] == [(False, True)] * 2
 
 
+class PaddedLoss(nn.Module):
+    """Hugging Face Llama called with a padding `attention_mask` (padded labels are -100)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = _hf("LlamaConfig", "LlamaForCausalLM")
+
+    def forward(self, ids, attention_mask, labels):
+        return self.m(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
+
+
+def padded_batches(*, left: bool, n: int = 2):
+    """Rows 0 and 1 padded by 5 and 2 tokens (left: the first query rows see no key at all)."""
+    out = []
+    for ids, labels in token_batches(n):
+        keep = torch.ones(BATCH, SEQ, dtype=torch.long)
+        for row, pad in ((0, 5), (1, 2)):
+            keep[row, :pad] = 0 if left else 1
+            keep[row, SEQ - pad:] = 1 if left else 0
+        out.append((ids, keep, labels.masked_fill(keep == 0, -100)))
+    return out
+
+
+def test_hugging_face_left_padding_trains_like_one_device_on_the_zigzag_ring():
+    programs: list = []
+    train_like_one_device(PaddedLoss, "cp=2 cp_mode=zigzag", padded_batches(left=True), programs)
+    assert [(r.causal, r.masked) for r in ring_nodes(programs[0])] == [(False, True)] * 2
+
+
+@deep
+@pytest.mark.parametrize("plan", CP_PLANS + ("cp=3",))
+@pytest.mark.parametrize("left", [False, True])
+def test_hugging_face_padding_trains_like_one_device(plan, left):
+    train_like_one_device(PaddedLoss, plan, padded_batches(left=left))
+
+
 @deep
 @pytest.mark.parametrize("plan", CP_PLANS + ("cp=3",))
 @pytest.mark.parametrize("family", list(HF))
