@@ -328,7 +328,7 @@ def context_parallel_attention(ctx: ExpansionContext, node: fx.Node):
     axis = ctx.mesh.axes[axes[0]]
     _check_cp_attention(node, args)
     b = _Builder(ctx, node)
-    qkv = (args["query"], args["key"], args["value"])
+    qkv = (args["query"], *(_repeat_kv(b, t, shape_of(q)[1]) for t in (args["key"], args["value"])))
     mask = () if args["attn_mask"] is None else (args["attn_mask"],)
     if ctx.cp_mode == "ulysses":
         heads = [b.module(AllToAll(axis, 2, 1, whole_elsewhere=True), t, stem="all_to_all") for t in qkv]
@@ -340,12 +340,23 @@ def context_parallel_attention(ctx: ExpansionContext, node: fx.Node):
     return b.finish(b.module(ring, *qkv, *mask, stem="ring_attention"))
 
 
+def _repeat_kv(b: _Builder, t: fx.Node, heads: int) -> fx.Node:
+    """enable_gqa's grouped key/value heads, repeated to the query's (Hugging Face's ``repeat_kv``:
+    head j serves query heads j*g .. j*g+g-1), so ring and Ulysses see one K/V head per query head."""
+    shape = shape_of(t)
+    if shape[1] == heads:
+        return t
+    groups = heads // shape[1]
+    wide = b.call(aten.expand.default, b.call(aten.unsqueeze.default, t, 2),
+                  [shape[0], shape[1], groups, *shape[2:]])
+    return b.call(aten.reshape.default, wide, [shape[0], heads, *shape[2:]])
+
+
 def _check_cp_attention(node: fx.Node, args: dict) -> None:
     where = module_path(node) or "<root>"
-    if args["dropout_p"] or args["enable_gqa"]:
+    if args["dropout_p"]:
         raise CompileError(f"attention in '{where}': context parallelism supports scaled_dot_product_attention "
-                           "without dropout or enable_gqa (set the attention dropout to 0 and repeat the "
-                           "key/value heads)")
+                           "without dropout (set the attention dropout to 0)")
     mask = args["attn_mask"]
     shape = shape_of(mask) if mask is not None else None
     if mask is not None and (shape is None or not 2 <= len(shape) <= 4):

@@ -311,6 +311,32 @@ def test_a_document_mask_composes_with_the_other_dimensions(plan):
     train_like_one_device(DocumentLM, plan, document_batches())
 
 
+class GroupedQueryLM(nn.Module):
+    """6 query heads sharing 2 key/value heads through sdpa's own enable_gqa, causal."""
+
+    def __init__(self, dim: int = 30, heads: int = 6, kv_heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.kv_heads = heads, kv_heads
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim // heads * kv_heads)
+        self.out = nn.Linear(dim, VOCAB)
+
+    def forward(self, ids, labels):
+        b, s = ids.shape
+        x = self.embed(ids)
+        q = self.q(x).view(b, s, self.heads, -1).transpose(1, 2)
+        k, v = (t.view(b, s, self.kv_heads, -1).transpose(1, 2) for t in self.kv(x).chunk(2, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        logits = self.out(x + y.transpose(1, 2).reshape(b, s, -1))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("plan", CP_PLANS + ("cp=2 tp=2" + WHOLE_VOCAB,))
+def test_grouped_query_attention_trains_like_one_device_under_cp(plan):
+    train_like_one_device(GroupedQueryLM, plan, token_batches())
+
+
 # ============================================================ Hugging Face decoders
 
 def _hf(config_name: str, model_name: str, **extra):
