@@ -1,6 +1,8 @@
-"""Ring attention time (forward + backward) under the mask kinds of context parallelism.
+"""Ring attention time (forward + backward) under the mask kinds of context parallelism, and what
+proving a Hugging Face mask causal costs at compile time.
 
-    python benchmarks/cp_masks.py
+    python benchmarks/cp_masks.py          # ring attention per mask kind
+    python benchmarks/cp_masks.py proof    # lint CPU time of a meta HF Llama, cp=2 against dp=1
 
 cp=2 simulated ranks (threads of this process), B=1, H=4, D=64, S=2048, float32 on the CPU; per
 layout: is_causal (the fast path a proven causal mask takes), the same causal pattern passed as an
@@ -70,5 +72,35 @@ def main() -> None:
             print(f"  {name:<18} {seconds * 1e3:8.1f} ms{detail}")
 
 
+def proof() -> None:
+    """Process CPU time of usc.lint on a 2-layer Hugging Face Llama built on meta, batch 1: the
+    difference between cp=2 and dp=1 is mostly the evaluation of the causal mask's subgraph."""
+    import transformers
+
+    import usc
+
+    class Loss(torch.nn.Module):
+        def __init__(self, config) -> None:
+            super().__init__()
+            self.m = transformers.LlamaForCausalLM(config)
+
+        def forward(self, ids, labels):
+            return self.m(input_ids=ids, labels=labels).loss
+
+    for seq in (4096, 16384):
+        config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+                                          use_cache=False)
+        with torch.device("meta"):
+            model = Loss(config)
+        ids = torch.zeros(1, seq, dtype=torch.long)
+        for plan in ("dp=1", "cp=2"):
+            start = time.process_time()
+            usc.lint(model, plan, example_inputs=(ids, ids))
+            print(f"  S={seq:<6} {plan:<5} lint {time.process_time() - start:6.2f} s CPU")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    proof() if sys.argv[1:] == ["proof"] else main()
