@@ -185,24 +185,50 @@ def test_init_from_a_checkpoint_saved_under_another_plan(tmp_path):
 
 
 def test_a_module_without_initialiser_is_refused_by_name():
-    class Scaled(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-            self.scale = nn.Parameter(torch.ones(4))  # a bare parameter: no reset_parameters covers it
-
-        def forward(self, x, y):
-            return ((self.lin(x) * self.scale - y) ** 2).mean()
-
     with torch.device("meta"):
         model = Scaled()
-    batch = (torch.randn(6, 4), torch.randn(6, 4))
+    batch = _scaled_batch()
     with pytest.raises(usc.InitError, match=r"module '<root>' \(Scaled\) holds meta tensors \(scale\)"):
         usc.simulate(model, "dp=2", example_inputs=batch)
     # an init= function that covers it works; one that leaves it unset is named
     usc.simulate(model, "dp=2", example_inputs=batch, init=lambda m: _fill(m, "scale"))
     with pytest.raises(usc.InitError, match="left 'scale' unset"):
         usc.simulate(model, "dp=2", example_inputs=batch, init=lambda m: _own_reset(m))
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.scale = nn.Parameter(torch.ones(6))  # a bare parameter: no reset_parameters covers it
+
+    def forward(self, x, y):
+        return ((self.lin(x) * self.scale - y) ** 2).mean()
+
+
+def _scaled_batch():
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(6, 4, generator=g), torch.randn(6, 6, generator=g)
+
+
+@pytest.mark.parametrize("how", ["load", "init"])
+def test_compile_fills_a_meta_model_from_a_checkpoint_without_initialising_it(tmp_path, how):
+    """A model no initialiser covers: only the checkpoint can fill it; step.load right after compile
+    and init='path' both do, and training continues as the saved run does."""
+    torch.manual_seed(0)
+    saved = usc.simulate(Scaled(), "dp=2", example_inputs=_scaled_batch(), optimizer=_sgd)
+    saved.step(*_scaled_batch())
+    saved.save(tmp_path / "ckpt")
+    expected = saved.step(*_scaled_batch())
+    with torch.device("meta"):
+        model = Scaled()
+    init = tmp_path / "ckpt" if how == "init" else None
+    step = usc.compile(model, "dp=1", example_inputs=_scaled_batch(), optimizer=_sgd, init=init)
+    if how == "load":
+        step.load(tmp_path / "ckpt")
+    assert step.step(*_scaled_batch()) == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(usc.InitError, match="'<root>' \\(Scaled\\) holds meta tensors \\(scale\\)"):
+        usc.compile(model, "dp=1", example_inputs=_scaled_batch()).step(*_scaled_batch())
 
 
 def _fill(module: nn.Module, name: str) -> None:
