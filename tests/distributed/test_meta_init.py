@@ -104,6 +104,29 @@ def test_meta_model_starts_from_the_one_device_values_and_trains_equal(plan):
     assert _max_diff(sim.full_state_dict(), reference.state_dict()) < 1e-5
 
 
+def test_tied_weights_take_the_last_owners_init_and_dropout_compiles_on_meta():
+    """GPT-2 ties lm_head to wte: both modules' initialisers run on the one tensor, in module order
+    (the last one wins, as model.apply leaves it); its dropout, traced on meta, runs on the CPU."""
+    config = transformers.GPT2Config(vocab_size=62, n_positions=16, n_embd=24, n_layer=2, n_head=4, use_cache=False,
+                                     bos_token_id=0, eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.1, embd_pdrop=0.1)
+    reference = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for path, module in reference.named_modules():
+            torch.manual_seed(_seed_of(3, path))
+            reference._init_weights(module)
+    with torch.device("meta"):
+        meta = transformers.GPT2LMHeadModel(config)
+    batch = _batches()[0]
+    sim = usc.simulate(meta, "dp=2 tp=2", example_inputs=batch, init_seed=3, optimizer=_sgd)
+    full = sim.full_state_dict()
+    assert _max_diff(full, reference.state_dict()) == 0.0
+    assert torch.equal(full["lm_head.weight"], full["transformer.wte.weight"])
+    with torch.no_grad():
+        expected = reference.eval()(**batch).loss.item()
+    assert sim.eval_step(batch) == pytest.approx(expected, rel=1e-5)
+    assert torch.isfinite(torch.tensor(sim.step(batch)))
+
+
 class Mlp(nn.Module):
     """torch built-in modules only: their reset_parameters() are the initialisers."""
 
