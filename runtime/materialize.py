@@ -164,7 +164,6 @@ class MetaState(Mapping):
         self.root, self.state, self.device, self.seed, self.init = root, state, torch.device(device), seed, init
         self.groups = _Groups(root)
         self._cache: dict[int, torch.Tensor] = {}  # the last group's real tensors, by id of the meta tensor
-        self._cached_group: tuple[str, ...] = ()
 
     def __getitem__(self, name: str) -> torch.Tensor:
         tensor = self.state[name]
@@ -178,8 +177,8 @@ class MetaState(Mapping):
                 raise InitError(f"'{name}' is on the meta device but no module holds it (a tensor kept as a plain "
                                 "attribute and captured by forward): register it as a buffer, or build it on a "
                                 "real device")
-            self._cache, self._cached_group = {}, ()  # drop the previous module before making the next
-            self._cache, self._cached_group = self._materialise(group), group
+            self._cache = {}  # drop the previous module before making the next
+            self._cache = self._materialise(group)
         return self._cache[id(tensor)]
 
     def __iter__(self) -> Iterator[str]:
@@ -207,7 +206,7 @@ class MetaState(Mapping):
             for module, name, t in saved:
                 _set_own(module, name, t)
         _check_written(out, real, versions, saved, self.groups.paths)
-        return {key: t.detach().requires_grad_(real[key].requires_grad) for key, t in out.items()}
+        return {key: t.detach().to(self.device).requires_grad_(real[key].requires_grad) for key, t in out.items()}
 
     def _initialise(self, path: str, module: nn.Module) -> None:
         _, call = initialiser(self.root, path, module, None if self.init == "empty" else self.init)
