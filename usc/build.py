@@ -260,7 +260,9 @@ class _Compiled:
         self._state_names = tuple(self._user_model.state_dict())
         self.model = _Released(self.model)
         self._user_model = None
-        self._traced.constants = {}
+        for traced in (self._traced, self._traced.batch_probe, *self._traced.stamped[:2]):
+            if traced is not None:
+                traced.constants = {}  # the model's own constant tensors: each rank holds its copy
 
     def _model_state_names(self) -> tuple[str, ...]:
         return self._state_names if self._user_model is None else tuple(self._user_model.state_dict())
