@@ -69,15 +69,22 @@ def bind_graph(gm: fx.GraphModule, mesh) -> fx.GraphModule:
 
 def _factory_devices(graph: fx.Graph, device: torch.device) -> list[fx.Node]:
     """Nodes that create a tensor on another device than `device`: torch.export bakes the tracing
-    device into factory calls (arange, zeros, full, ...), and the program runs on the mesh's."""
+    device into factory calls (arange, zeros, full, ...) and into moves (``aten.to.device(x, dev)``,
+    from ``x.to(y.device)``: ``meta`` for a model built there), and the program runs on the mesh's."""
     return [n for n in graph.nodes if n.op == "call_function"
-            and isinstance(n.kwargs.get("device"), torch.device) and n.kwargs["device"] != device]
+            and any(_other_device(v, device) for v in (*n.args, n.kwargs.get("device")))]
+
+
+def _other_device(value, device: torch.device) -> bool:
+    return isinstance(value, torch.device) and value != device
 
 
 def _move_factories(graph: fx.Graph, device: torch.device) -> bool:
     nodes = _factory_devices(graph, device)
     for node in nodes:
-        node.kwargs = {**node.kwargs, "device": device}
+        node.args = tuple(device if _other_device(a, device) else a for a in node.args)
+        if _other_device(node.kwargs.get("device"), device):
+            node.kwargs = {**node.kwargs, "device": device}
     return bool(nodes)
 
 
