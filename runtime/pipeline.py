@@ -392,15 +392,16 @@ class PipelineMixin:
     # Which method runs each backward action of a schedule.
     _BACKWARD_STEPS = {"B": _backward, "I": _input_grad, "W": _weight_grad}
 
-    def _pipeline_global(self, total: torch.Tensor, count: float) -> tuple[torch.Tensor, float]:
-        """The last stage's (token-weighted loss sum, count), on every pp rank."""
+    def _pipeline_global(self, total: torch.Tensor, count) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's (token-weighted loss sum, count), on every pp rank, on the device (the
+        step's one host sync is the global loss)."""
         count = count if isinstance(count, torch.Tensor) else torch.full((), count, dtype=torch.float64,
                                                                           device=self.device)
         both = torch.stack([total.double(), count])
         if not self._last:
             both = torch.zeros_like(both)
         both = self.pp.all_reduce(both)
-        return both[0], self._to_host(both[1])
+        return both[0], both[1]
 
     def step(self, batch: tuple) -> float:
         total, count = self._run_schedule(batch, train=True)
@@ -428,7 +429,7 @@ class PipelineMixin:
         total, count = self._pipeline_global(total, count)
         return self._global(total / count)
 
-    def _scale_reduced(self, factor: float) -> None:
+    def _scale_reduced(self, factor) -> None:
         """Scale every reduced gradient: the parameters' and ZeRO-2's slices."""
         self._scale_grads(factor)
         for bucket in self.reducer.buckets:
