@@ -571,6 +571,14 @@ class ThreadGroup:
             self._abort_reason = self._abort_reason or reason
             self._cond.notify_all()
 
+    def reset(self) -> None:
+        """A fresh start after every rank of the group has left a failed run: no abort, no call or
+        message of that run kept (each ThreadComm restarts its own counts)."""
+        with self._cond:
+            self._abort_reason = None
+            self._slots.clear()
+            self._mail.clear()
+
     def exchange(self, rank: int, seq: int, kind: str, payload: Any, timeout: float) -> list[Any]:
         """Deposit this rank's payload for call `seq`; return all ranks' payloads in rank order."""
         with self._cond:
@@ -655,6 +663,13 @@ class ThreadComm(Comm):
 
     def abort(self, reason: str) -> None:
         self.group.abort(reason)
+
+    def reset(self) -> None:
+        """Forget a failed run (see ThreadGroup.reset); every rank of the group resets together."""
+        self.group.reset()
+        self._calls = 0
+        self._sent.clear()
+        self._received.clear()
 
     def _exchange(self, kind: str, payload: Any) -> list[Any]:
         seq, self._calls = self._calls, self._calls + 1

@@ -112,6 +112,12 @@ class Mesh:
         for comm in self.comms.values():
             comm.abort(reason)
 
+    def reset(self) -> None:
+        """Simulated groups usable again after a failed run in which every rank has stopped."""
+        for comm in self.comms.values():
+            if hasattr(comm, "reset"):
+                comm.reset()
+
     def describe(self) -> str:
         """'dp=2 tp=4' — the mesh as the plan language writes it."""
         return " ".join(f"{a}={s}" for a, s in zip(self.axes, self.shape))
@@ -330,12 +336,28 @@ def run_in_threads(meshes: Sequence[Mesh], fn: Callable[[Mesh], Any], *, timeout
         _raise_hung(meshes, threads, timeout)
     if outcomes.first_error is not None:
         rank, exc = outcomes.first_error
+        _settle(meshes, threads)
         if hasattr(exc, "add_note"):  # Python >= 3.11
             exc.add_note(f"(raised on simulated rank {rank} of {len(meshes)})")
         raise exc
     for thread in threads:
         thread.join()
     return outcomes.results
+
+
+# How long the peers of a failed simulated rank get to leave their aborted collectives before the
+# groups are reset for the next call (they wake at once; a rank stuck in its own compute does not).
+SETTLE_SECONDS = 5.0
+
+
+def _settle(meshes: Sequence[Mesh], threads: list[threading.Thread]) -> None:
+    """Once every rank thread has stopped, reset the groups: a failed step leaves the simulator usable
+    (the executors roll their own state back). A thread still running keeps the groups aborted."""
+    for thread in threads:
+        thread.join(SETTLE_SECONDS)
+    if not any(thread.is_alive() for thread in threads):
+        for mesh in meshes:
+            mesh.reset()
 
 
 def _raise_hung(meshes: Sequence[Mesh], threads: list[threading.Thread], timeout: float) -> None:

@@ -154,6 +154,9 @@ class Compiled(_TrainingLoop, _Compiled):
                 value = self._measure([rank], self._schedulers, lambda: rank.step(batch), batch, shards)
             self.wait_checkpoint()  # a background save written while this step computed
             return value
+        except BaseException:
+            rank.rollback()  # a failed step changes nothing (a collective that failed stays failed)
+            raise
         finally:
             rank.set_timeline(None)
             if timeline is not None:
@@ -277,7 +280,12 @@ class Simulated(_TrainingLoop, _Compiled):
         return [rank.torch_optimizer for rank in self.ranks]
 
     def _run(self, fn) -> list:
-        return run_in_threads(self.meshes, lambda mesh: fn(self.ranks[mesh.rank]), timeout=self.timeout)
+        try:
+            return run_in_threads(self.meshes, lambda mesh: fn(self.ranks[mesh.rank]), timeout=self.timeout)
+        except BaseException:
+            for rank in self.ranks:  # a failed call changes nothing: the next one starts clean
+                rank.rollback()
+            raise
 
     def step(self, *batch, max_grad_norm: float | None = None, trace: str | None = None) -> float:
         """As ``Compiled.step``, every rank in this process."""
