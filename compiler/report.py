@@ -356,12 +356,22 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
 
 
 def loss_value_records(program: Program) -> list[CollectiveRecord]:
-    """The runtime sums the partial loss over these axes once per step to return it (no gradient); the
-    pipeline executor accumulates the loss in float64 (runtime/pipeline.py), the others return float32."""
+    """The runtime sums the partial loss over these axes once per step to return it (no gradient), then
+    over the other axes (but pp, whose loss the pipeline already shares) as the finite-loss verdict, so a
+    NaN on any rank stops every rank (runtime/executor.py ``_global``); the pipeline executor accumulates
+    the loss in float64 (runtime/pipeline.py), the others return float32."""
     dtype, nbytes = ("float64", 8) if program.mesh.size("pp") > 1 else ("float32", 4)
+    partial = [a for a in program.loss_partial_axes if program.mesh.size(a) > 1]
+    verdict = [a for a in verdict_axes(program.mesh.axes, program.loss_partial_axes) if program.mesh.size(a) > 1]
+    why = {**{a: "the returned loss is a partial sum on this axis" for a in partial},
+           **{a: "every rank agrees on the finite-loss verdict" for a in verdict}}
     return [CollectiveRecord("all-reduce", axis, program.mesh.size(axis), "forward", (), dtype, nbytes, 1,
-                             "<loss value>", "step()", "the returned loss is a partial sum on this axis", "executor")
-            for axis in program.loss_partial_axes if program.mesh.size(axis) > 1]
+                             "<loss value>", "step()", why[axis], "executor") for axis in partial + verdict]
+
+
+def verdict_axes(axes, partial_axes) -> tuple[str, ...]:
+    """The axes the loss is replicated on, whose ranks still compare their copies (pp shares it already)."""
+    return tuple(a for a in axes if a not in partial_axes and a != "pp")
 
 
 def clipping_records(program: Program) -> list[CollectiveRecord]:

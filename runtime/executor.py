@@ -294,7 +294,16 @@ class RankExecutor(ShardedCheckpoint):
             value = value.float()
         for axis in self.program.loss_partial_axes:
             value = self.mesh.comm(axis).all_reduce(value)
+        for axis in self._verdict_axes():  # the loss is a copy here: only coordinate 0's counts, but a
+            mine = value if self.mesh.coord_of(axis) == 0 else value * 0  # NaN anywhere stays NaN (0 * NaN)
+            value = self.mesh.comm(axis).all_reduce(mine)
         return self._to_host(value)
+
+    def _verdict_axes(self) -> list[str]:
+        """Where ranks hold copies of the loss: summed with every copy but one zeroed, so that all ranks
+        reach one finite-loss verdict and none steps on a NaN another saw (see compiler/report.py)."""
+        partial = self.program.loss_partial_axes
+        return [a for a in self.mesh.axes if a not in partial and a != "pp" and self.mesh.size(a) > 1]
 
     def _to_host(self, value: torch.Tensor, assumed: float = 1.0) -> float:
         """A host sync: the step's one, and the rare checks. `assumed` is what a fake rank, whose

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import is_fake
 
 from .layout import local_chunk, zigzag_permute
 from .vocab import ShardedGather, VocabParallelEmbedding
@@ -192,10 +193,15 @@ def check_ranges(uses: Sequence[IndexUse], micro: Sequence[tuple], view: ShardVi
     for use in uses:
         for piece, coord in itertools.product(micro, view.coords):
             values = dict(zip(order, piece))
-            if not all(isinstance(values[n], torch.Tensor) and values[n].device.type == "cpu" for n in use.inputs):
+            if not all(_on_host(values[n]) for n in use.inputs):
                 break  # a batch on an accelerator: its ops check it there
             index = use.index(*(view.cut(view.specs[n], values[n], coord) for n in use.inputs))
             _raise_outside(use, index, names, rank)
+
+
+def _on_host(value) -> bool:
+    """A real CPU tensor (a fake one, usc-lint's and the fake-device tier's, holds no values)."""
+    return isinstance(value, torch.Tensor) and value.device.type == "cpu" and not is_fake(value)
 
 
 def _raise_outside(use: IndexUse, index: torch.Tensor, names: dict, rank: int) -> None:
