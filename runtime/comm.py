@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import re
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -388,6 +389,38 @@ class Comm(ABC):
             raise ValueError(f"peer {peer} is not in the group along {self.axis!r} (size {self.size})")
 
 
+# The longest a CPU wait sleeps between two looks at its collective: Ctrl-C (a signal Python handles
+# only between bytecodes, never inside one C++ `work.wait(timeout)`) ends the wait within this, and a
+# collective that completes meanwhile is noticed at most this late.
+WAIT_SLICE_SECONDS = 0.01
+
+
+def wait_in_slices(work: Any, timeout: float) -> None:
+    """Wait for a torch Work in short sleeps (growing from 50 us, so a fast collective costs no more
+    than a look or two), raising TimeoutError past `timeout`; a signal handler runs in between."""
+    if not _tracks_completion(work):  # gloo's reduce-scatter: one blocking wait, as before
+        if not work.wait(timeout=datetime.timedelta(seconds=timeout)):
+            raise TimeoutError(f"no completion within {timeout:g}s")
+        return
+    deadline, pause = time.monotonic() + timeout, 5e-5
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no completion within {timeout:g}s")
+        time.sleep(pause)
+        pause = min(pause * 2, WAIT_SLICE_SECONDS)
+    work.wait()  # completed: returns at once, or raises the transfer's error
+
+
+def _tracks_completion(work: Any) -> bool:
+    """Whether is_completed() ever turns true: a Work without a future (gloo's reduce-scatter, built
+    from other collectives) reports False even after it finished."""
+    try:
+        work.get_future()
+    except RuntimeError:
+        return False
+    return True
+
+
 # =============================================================================== torch.distributed
 class ProcessGroupComm(Comm):
     """torch.distributed collectives on one ProcessGroup (gloo on CPU, NCCL on CUDA).
@@ -503,8 +536,7 @@ class ProcessGroupComm(Comm):
         if like is not None and like.is_cuda:
             work.wait()  # stream-ordered; the NCCL watchdog enforces the group timeout
             return
-        if not work.wait(timeout=datetime.timedelta(seconds=self.timeout)):
-            raise TimeoutError(f"no completion within {self.timeout:g}s")
+        wait_in_slices(work, self.timeout)
 
     def _comm_stream(self, device: torch.device) -> Any:
         index = device.index if device.index is not None else torch.cuda.current_device()

@@ -332,7 +332,13 @@ def run_in_threads(meshes: Sequence[Mesh], fn: Callable[[Mesh], Any], *, timeout
     ]
     for thread in threads:
         thread.start()
-    if not outcomes.wait(timeout):
+    try:
+        finished = outcomes.wait(timeout)
+    except BaseException:  # Ctrl-C while the ranks run: wake them out of their collectives too
+        for mesh in meshes:
+            mesh.abort("interrupted")
+        raise
+    if not finished:
         _raise_hung(meshes, threads, timeout)
     if outcomes.first_error is not None:
         rank, exc = outcomes.first_error
