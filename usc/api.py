@@ -15,6 +15,7 @@ from usc.compiler.errors import CompileError
 from usc.compiler.report import Report
 from usc.dsl import Plan, PlanError, parse_plan
 from usc.runtime import checkpoint, checkpoint_state
+from usc.runtime.agreement import agree, fingerprint
 from usc.runtime.checkpoint import CheckpointError
 from usc.runtime.checkpoint_state import LoadResult
 from usc.runtime.executor import RankExecutor
@@ -96,12 +97,26 @@ class Compiled(_TrainingLoop, _Compiled):
     _executor: RankExecutor | None = None
     device: str | torch.device | None = None  # None: cuda:LOCAL_RANK under torchrun with CUDA, else the CPU
 
+    _fingerprint = None  # what this rank was built from, until the ranks agreed on it
+
     def _rank(self) -> RankExecutor:
         if self._executor is None:
-            mesh = self._mesh()
-            self._executor = self._make_executor(mesh, _full_state(self.model, self._traced), self._optimizer)
+            mesh, state = self._mesh(), _full_state(self.model, self._traced)
+            self._executor = self._make_executor(mesh, state, self._optimizer)
             self._schedulers = self._schedulers_for([self._executor])
+            if mesh.world_size > 1:
+                self._fingerprint = fingerprint(plan=str(self.plan), state=state, inputs=self._program.inputs,
+                                                versions=f"usc {usc_version()}")
         return self._executor
+
+    def _agreed_rank(self) -> RankExecutor:
+        """This rank, once every rank of the mesh was found built alike (runtime/agreement.py): the
+        first collective call of the run compares them, and every rank raises RanksDisagree if not."""
+        rank = self._rank()
+        if self._fingerprint is not None:
+            agree(rank.mesh, self._fingerprint)
+            self._fingerprint = None
+        return rank
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -144,7 +159,7 @@ class Compiled(_TrainingLoop, _Compiled):
             raise RuntimeError("step(..., local=True) needs example_inputs= at compile: the global batch's shape")
         batch = self.flat_batch(batch)
         self._ensure_built(batch)
-        rank = self._rank()
+        rank = self._agreed_rank()
         timeline = Timeline(rank.mesh.rank) if trace else None
         rank.set_timeline(timeline)
         rank.max_grad_norm, rank.local_batch = max_grad_norm, local
@@ -170,7 +185,7 @@ class Compiled(_TrainingLoop, _Compiled):
         batch = self.flat_batch(batch)
         self._ensure_built(batch)
         with self._mode():
-            return self._rank().evaluate(batch)
+            return self._agreed_rank().evaluate(batch)
 
     def eval_step(self, *batch) -> float:
         """The global mean loss on ``batch`` in evaluation mode (dropout off, no gradients), whatever
@@ -178,7 +193,7 @@ class Compiled(_TrainingLoop, _Compiled):
         batch = self.flat_batch(batch)
         self._ensure_built(batch)
         with self._mode(evaluating=True):
-            return self._rank().evaluate(batch)
+            return self._agreed_rank().evaluate(batch)
 
     def activation_bytes(self, *batch) -> int:
         """Measured bytes of activations this rank saves for backward in one forward."""
@@ -196,7 +211,7 @@ class Compiled(_TrainingLoop, _Compiled):
         background=True: this rank's pieces are copied and written by a thread while training goes
         on; the commit happens at the end of the next step (or ``wait_checkpoint``, ``save``, ``load``)."""
         self.wait_checkpoint()
-        rank = self._rank()
+        rank = self._agreed_rank()
         meta = self._checkpoint_meta(rank, self._schedulers)
         if not background:
             checkpoint_state.save(rank, path, meta)
@@ -216,7 +231,7 @@ class Compiled(_TrainingLoop, _Compiled):
             raise RuntimeError("compile with example_inputs= (or call step() once) before load()")
         self.wait_checkpoint()
         reader = checkpoint.Reader(path)
-        result = self._rank().load_from(reader, strict=strict)
+        result = self._agreed_rank().load_from(reader, strict=strict)
         self._load_schedulers(reader, self._schedulers)
         return result
 
@@ -227,8 +242,14 @@ class Compiled(_TrainingLoop, _Compiled):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) tensors under the model's own state_dict names (a collective call)."""
-        full = self._rank().full_state_dict()
+        full = self._agreed_rank().full_state_dict()
         return {k: full[k] for k in self._user_model.state_dict() if k in full}
+
+
+def usc_version() -> str:
+    from usc import __version__
+
+    return __version__
 
 
 def _save_rank(rank, path, meta: dict) -> CheckpointError | None:
