@@ -220,3 +220,68 @@ def test_gloo_fault_tier(plan):
         results = _gloo_row(plan, fault, clean)
         row = [r for r in results if r is not None][0]
         print(f"| {plan} | {fault} | {row['error']} | {row['seconds']:.2f} s | world {time.monotonic() - start:.1f} s |")
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+class Crash(BaseException):
+    """A process killed mid-save: no handler runs."""
+
+
+def _largest_piece_file(path):
+    return max((p for p in path.iterdir() if p.suffix == ".pt"), key=lambda p: p.stat().st_size)
+
+
+def _flip(path) -> None:
+    target = _largest_piece_file(path)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+
+
+def _truncate(path) -> None:
+    target = _largest_piece_file(path)
+    target.write_bytes(target.read_bytes()[:100])
+
+
+def _crash_between_renames(sim, path, monkeypatch) -> None:
+    from usc.runtime import checkpoint
+
+    renames, real_rename = {"n": 0}, os.rename
+
+    def dying_rename(src, dst):
+        if renames["n"] == 1:
+            raise Crash()
+        renames["n"] += 1
+        real_rename(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "rename", dying_rename)
+    with pytest.raises(Crash):
+        sim.save(path)
+    monkeypatch.undo()
+
+
+@pytest.mark.parametrize("plan", PLANS if DEEP else ["tp=2"])  # about 4 s a plan: the others in the deep tier
+def test_damaged_checkpoints_are_refused_and_the_run_goes_on_like_the_clean_one(tmp_path, monkeypatch, plan):
+    from usc.testing.models import LlamaConfig
+
+    clean = _clean_run(plan)
+    sim = _simulated(plan)
+    sim.step(*batches()[0])
+    good = tmp_path / "good"
+    sim.save(good)
+    for name, damage in [("flipped", _flip), ("truncated", _truncate)]:
+        path = tmp_path / name
+        sim.save(path)
+        damage(path)
+        before = _snapshot(sim)
+        with pytest.raises(usc.CheckpointError, match="rank"):
+            sim.load(path)
+        assert _same(_snapshot(sim), before), f"a refused {name} checkpoint changed the state"
+    torch.manual_seed(0)
+    other = usc.simulate(TinyLlama(LlamaConfig(layers=3)), plan, example_inputs=batches()[0], optimizer=sgd)
+    other.save(tmp_path / "foreign")
+    with pytest.raises(usc.CheckpointError, match="unexpected"):
+        sim.load(tmp_path / "foreign")
+    _crash_between_renames(sim, good, monkeypatch)  # the second save of `good` dies after one rename
+    sim.load(good)  # the complete copy beside the name
+    _assert_equal_to_clean(sim, clean)
