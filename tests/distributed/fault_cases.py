@@ -159,3 +159,22 @@ def _interrupted(rank: int, step, good: tuple) -> tuple[str | None, str, float]:
     threading.Timer(1.0, interrupt).start()
     error, message, _ = _timed(lambda: step.step(*good))
     return error, message, time.monotonic() - sent.get("at", time.monotonic())
+
+
+def foreign_rank_world(rank: int, world_size: int, plan: str) -> dict:
+    """Three processes on one port: job A's ranks 0 and 1, and process 2, rank 1 of job B. A must train
+    with its own ranks only; B's rank must wait apart and fail with a LaunchError naming its job."""
+    torch.set_num_threads(1)
+    foreign = rank == 2
+    os.environ.update(RANK="1" if foreign else str(rank), WORLD_SIZE="2",
+                      USC_JOB_ID="job-b" if foreign else "job-a")
+    if foreign:
+        time.sleep(0.5)  # job A's rank 0 hosts the rendezvous by now
+    torch.manual_seed(0)
+    step = usc.compile(TinyLlama(), plan, example_inputs=batches()[0], optimizer=sgd)
+    start = time.monotonic()
+    try:
+        losses = [step.step(*b) for b in batches()]
+    except BaseException as exc:  # noqa: BLE001 - the row records what the foreign rank raised
+        return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
+    return {"error": None, "losses": losses}

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import usc
-from fault_cases import BAD_INPUTS, bad_batch, batches, fault_world, nan_on_one_rank, sgd
+from fault_cases import BAD_INPUTS, bad_batch, batches, fault_world, foreign_rank_world, nan_on_one_rank, sgd
 from harness import run_world
 from usc.compiler.program import InputSpec
 from usc.runtime.agreement import Fingerprint, RanksDisagree, agree, fingerprint
@@ -168,7 +168,6 @@ FAULTS = {  # row -> (error of rank 0, error of rank 1: the faulty one, which ma
     "other seed": ("RanksDisagree", "RanksDisagree"),
     "other plan": ("RanksDisagree", "RanksDisagree"),
     "other batch shape": ("RanksDisagree", "RanksDisagree"),
-    "foreign job": ("RanksDisagree", "RanksDisagree"),
     "killed rank": ("CollectiveError", None),  # rank 1 is killed with SIGKILL
     "stuck rank": ("CollectiveTimeout", "CollectiveError"),  # rank 1 wakes after rank 0 left
     "Ctrl-C while blocked": ("KeyboardInterrupt", "CollectiveError"),  # rank 1 is late, rank 0 interrupted
@@ -207,6 +206,20 @@ def test_gloo_ranks_refuse_an_out_of_range_id_alike_and_train_on():
     assert results[0]["loss"] == results[1]["loss"] == pytest.approx(losses[1], rel=1e-5)
     worst, _ = compare_states(torch.load(io.BytesIO(results[0]["state"])), reference.state_dict(), atol=1e-5)
     assert worst <= 1e-5
+
+
+@pytest.mark.skipif(not DEEP, reason="deep tier: set USC_DEEP_TIER=1")
+def test_a_rank_of_another_job_on_the_port_cannot_join():
+    """Job A (2 ranks) and rank 1 of job B start on one port: A trains like one device, B's rank waits
+    apart under its own job id and fails with a LaunchError naming the job."""
+    results = run_world(foreign_rank_world, 3, "dp=2 timeout=8", timeout=240)
+    a0, a1, foreign = results
+    assert a0["error"] is None and a0["losses"] == a1["losses"], (a0, a1)
+    torch.manual_seed(0)
+    reference = reference_run(TinyLlama(), batches(), sgd)
+    assert a0["losses"] == pytest.approx(reference, rel=1e-5)
+    assert foreign["error"] == "LaunchError" and "job job-b" in foreign["message"], foreign
+    print(f"| dp=2 | foreign rank on the port | {foreign['error']} | {foreign['seconds']:.2f} s (timeout=8) |")
 
 
 @pytest.mark.skipif(not DEEP, reason="deep tier: set USC_DEEP_TIER=1")
