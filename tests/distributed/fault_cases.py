@@ -62,14 +62,21 @@ BAD_INPUTS = {  # row -> the error every rank raises
 
 
 def nan_on_one_rank(rank_executor) -> None:
-    """This rank's loss becomes NaN (its peers' stay finite): the verdict must still be every rank's."""
-    original = rank_executor._loss
+    """This rank's loss becomes NaN (its peers' stay finite): the verdict must still be every rank's. A
+    pipeline rank's loss is its schedule's token-weighted sum (the last stage's), others' their forward's."""
+    name = "_run_schedule" if hasattr(rank_executor, "_run_schedule") else "_loss"
+    original = getattr(rank_executor, name)
 
-    def poisoned(batch):
-        loss, n = original(batch)
+    def poisoned(*args, **kwargs):
+        loss, n = original(*args, **kwargs)
         return loss * float("nan"), n
 
-    rank_executor._loss = poisoned
+    setattr(rank_executor, name, poisoned)
+
+
+def heal(rank_executor) -> None:
+    for name in ("_run_schedule", "_loss"):
+        rank_executor.__dict__.pop(name, None)
 
 
 def _state_bytes(step) -> bytes:
@@ -129,7 +136,7 @@ def _inject(rank: int, step, fault: str, good: tuple) -> tuple[str | None, str, 
         if rank == 1:
             nan_on_one_rank(executor)
         result = _timed(lambda: step.step(*good))
-        executor.__dict__.pop("_loss", None)
+        heal(executor)
         return result
     if fault == "killed rank":
         if rank == 1:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import usc
-from fault_cases import BAD_INPUTS, bad_batch, batches, fault_world, foreign_rank_world, nan_on_one_rank, sgd
+from fault_cases import BAD_INPUTS, bad_batch, batches, fault_world, foreign_rank_world, heal, nan_on_one_rank, sgd
 from harness import run_world
 from usc.compiler.program import InputSpec
 from usc.runtime.agreement import Fingerprint, RanksDisagree, agree, fingerprint
@@ -100,7 +100,7 @@ def test_bad_inputs_are_refused_on_every_rank_and_the_next_step_equals_the_clean
     _assert_equal_to_clean(sim, clean)
 
 
-@pytest.mark.parametrize("plan", ["tp=2", "dp=2 tp=2"])
+@pytest.mark.parametrize("plan", ["tp=2", "dp=2 tp=2", "pp=2 mb=2"])
 def test_a_nan_seen_by_one_rank_stops_every_rank(plan):
     """The loss is a copy on every tp rank: one rank's NaN must still be every rank's verdict."""
     clean = _clean_run(plan)
@@ -109,7 +109,7 @@ def test_a_nan_seen_by_one_rank_stops_every_rank(plan):
     nan_on_one_rank(sim.ranks[1])
     error, _ = _refused(sim, batches()[1], usc.NonFiniteLoss)
     assert error.step == 2
-    del sim.ranks[1]._loss
+    heal(sim.ranks[1])
     _assert_equal_to_clean(sim, clean)
 
 
