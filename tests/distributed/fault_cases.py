@@ -79,9 +79,13 @@ def heal(rank_executor) -> None:
         rank_executor.__dict__.pop(name, None)
 
 
-def _state_bytes(step) -> bytes:
+def _state_bytes(step, rank: int) -> bytes | None:
+    """Rank 0's copy of the full state (every rank joins: full_state_dict is a collective)."""
+    full = step.full_state_dict()
+    if rank != 0:
+        return None
     buffer = io.BytesIO()
-    torch.save({k: v.detach().clone() for k, v in step.full_state_dict().items()}, buffer)
+    torch.save({k: v.detach().clone() for k, v in full.items()}, buffer)
     return buffer.getvalue()
 
 
@@ -119,12 +123,12 @@ def fault_world(rank: int, world_size: int, plan: str, fault: str) -> dict:
         return {"error": first[0], "message": first[1], "seconds": first[2]}
     if fault == "clean":  # the run that never saw a fault
         return {"error": None, "message": "", "seconds": 0.0, "loss": step.step(*good[1]),
-                "state": _state_bytes(step) if rank == 0 else None}
+                "state": _state_bytes(step, rank)}
     error = _inject(rank, step, fault, good[1])
     out = {"error": error[0], "message": error[1], "seconds": error[2]}
     if fault in BAD_INPUTS or fault == "NaN on one rank":
         out["loss"] = step.step(*good[1])
-        out["state"] = _state_bytes(step) if rank == 0 else None
+        out["state"] = _state_bytes(step, rank)
     return out
 
 
