@@ -27,6 +27,7 @@ from .reducer import GradReducer
 from .timeline import Timeline
 from .checkpoint_state import ShardedCheckpoint
 from .errors import NonFiniteLoss
+from .vocab import ShardedGather, VocabParallelEmbedding
 from .input_checks import BadInput, ShardView, check_dtypes, check_ranges, cut_for, index_uses, shard_coords
 from .recompute import observe_kept
 from .replica_guard import ReplicaGuard
@@ -419,11 +420,20 @@ class RankExecutor(ShardedCheckpoint):
         step does not count (the next one is keyed and numbered as this one was)."""
         if not math.isfinite(value):
             self.rollback()
-            counted = None if count is None else self._to_host(torch.as_tensor(count).sum(), assumed=1.0)
-            cause = "no token was counted: every label of the batch is the loss's ignore_index (-100), so the " \
-                "mean divides by zero; drop such batches" if counted == 0 else None
-            raise NonFiniteLoss(self.steps_done + 1, self.mesh.rank, value, cause=cause)
+            raise NonFiniteLoss(self.steps_done + 1, self.mesh.rank, value, cause=self._nan_cause(count))
         self.steps_done += 1
+
+    def _nan_cause(self, count) -> str | None:
+        """Why the loss is not finite, when this rank can tell (read only after a step failed)."""
+        counted = None if count is None else self._to_host(torch.as_tensor(count).sum(), assumed=1.0)
+        if counted == 0:
+            return "no token was counted: every label of the batch is the loss's ignore_index (-100), so the " \
+                "mean divides by zero; drop such batches"
+        if any(m.nobody is not None and self._to_host(m.nobody.float(), assumed=0.0)
+               for m in self.gm.modules() if isinstance(m, (VocabParallelEmbedding, ShardedGather))):
+            return "an id or label outside the vocabulary reached a vocabulary-parallel op on this rank (a " \
+                "batch already on the device is checked there, inside the step); fix the data"
+        return None
 
     def _scale_grads(self, factor) -> None:
         """Multiply every gradient by factor (a float, or a 0-dim tensor on the device)."""

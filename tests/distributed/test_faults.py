@@ -113,6 +113,20 @@ def test_a_nan_seen_by_one_rank_stops_every_rank(plan):
     _assert_equal_to_clean(sim, clean)
 
 
+@pytest.mark.parametrize("row", ["id out of range", "label out of range"])
+def test_under_vocabulary_parallelism_an_index_no_rank_holds_stops_the_step_without_the_host_check(row):
+    """A batch on the device skips the host check: the vocabulary-parallel ops themselves turn an index
+    outside every rank's slice into a NaN loss, which every rank refuses (it used to read zeros)."""
+    clean = _clean_run("dp=2 tp=2")
+    sim = _simulated("dp=2 tp=2")
+    sim.step(*batches()[0])
+    for rank in sim.ranks:
+        rank._index_uses = []  # as for a batch already on a GPU
+    error, _ = _refused(sim, bad_batch(row, batches()[1]), usc.NonFiniteLoss)
+    assert "outside the vocabulary" in str(error) or "loss is nan" in str(error)
+    _assert_equal_to_clean(sim, clean)
+
+
 def test_the_simulator_survives_a_rank_failing_mid_step():
     """A rank that raises inside its forward aborts its peers' collectives; the next call starts clean."""
     plan = "dp=2 tp=2"
