@@ -100,7 +100,7 @@ def test_bad_inputs_are_refused_on_every_rank_and_the_next_step_equals_the_clean
     _assert_equal_to_clean(sim, clean)
 
 
-@pytest.mark.parametrize("plan", ["tp=2", "dp=2 tp=2", "pp=2 mb=2"])
+@pytest.mark.parametrize("plan", ["tp=2", "pp=2 mb=2"] + (["dp=2 tp=2", "dp=2 zero=3"] if DEEP else []))
 def test_a_nan_seen_by_one_rank_stops_every_rank(plan):
     """The loss is a copy on every tp rank: one rank's NaN must still be every rank's verdict."""
     clean = _clean_run(plan)
@@ -113,7 +113,7 @@ def test_a_nan_seen_by_one_rank_stops_every_rank(plan):
     _assert_equal_to_clean(sim, clean)
 
 
-@pytest.mark.parametrize("row", ["id out of range", "label out of range"])
+@pytest.mark.parametrize("row", ["label out of range"] + (["id out of range"] if DEEP else []))
 def test_under_vocabulary_parallelism_an_index_no_rank_holds_stops_the_step_without_the_host_check(row):
     """A batch on the device skips the host check: the vocabulary-parallel ops themselves turn an index
     outside every rank's slice into a NaN loss, which every rank refuses (it used to read zeros)."""
