@@ -310,3 +310,29 @@ def test_damaged_checkpoints_are_refused_and_the_run_goes_on_like_the_clean_one(
     _crash_between_renames(sim, good, monkeypatch)  # the second save of `good` dies after one rename
     sim.load(good)  # the complete copy beside the name
     _assert_equal_to_clean(sim, clean)
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "tp=2"])
+def test_nan_and_inf_in_float_inputs_stop_every_rank(plan):
+    """A model of torch's own modules on float features: a NaN or an Inf in one sample (one dp shard)
+    is every rank's NonFiniteLoss, and the run goes on as if it never came."""
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
+        return usc.simulate(model, plan, example_inputs=data[0], loss_fn=torch.nn.functional.mse_loss,
+                            optimizer=sgd)
+
+    generator = torch.Generator().manual_seed(3)
+    data = [(torch.randn(6, 6, generator=generator), torch.randn(6, 3, generator=generator)) for _ in range(2)]
+    clean = build()
+    expected = [clean.step(*b) for b in data]
+    sim = build()
+    assert sim.step(*data[0]) == expected[0]
+    for bad in (float("nan"), float("inf")):
+        x = data[1][0].clone()
+        x[5, 2] = bad
+        error, _ = _refused(sim, (x, data[1][1]), usc.NonFiniteLoss)
+        assert error.step == 2
+    assert sim.step(*data[1]) == expected[1]
+    after, reference = sim.full_state_dict(), clean.full_state_dict()
+    assert all(torch.equal(after[k], reference[k]) for k in reference)
