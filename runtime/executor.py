@@ -27,8 +27,8 @@ from .reducer import GradReducer
 from .timeline import Timeline
 from .checkpoint_state import ShardedCheckpoint
 from .errors import NonFiniteLoss
-from .vocab import ShardedGather, VocabParallelEmbedding
-from .input_checks import BadInput, ShardView, check_dtypes, check_ranges, cut_for, index_uses, shard_coords
+from .vocab import saw_index_no_rank_holds
+from .input_checks import BadInput, check_dtypes, check_ranges, index_uses, shard_view
 from .recompute import observe_kept
 from .replica_guard import ReplicaGuard
 from .state_write import StateWrite, apply_writes
@@ -240,10 +240,7 @@ class RankExecutor(ShardedCheckpoint):
         if self._index_uses is None:
             self._index_uses = index_uses(self.program)
         if self._index_uses:
-            specs = {spec.placeholder: spec for spec in self.program.inputs}
-            coords = [self.mesh.coord] if self.local_batch else shard_coords(self.program.inputs, self.mesh)
-            cut = (lambda spec, value, coord: value) if self.local_batch else cut_for(self.program.mesh, self.mesh)
-            check_ranges(self._index_uses, micro, ShardView(specs, coords, cut), names, rank)
+            check_ranges(self._index_uses, micro, shard_view(self.program, self.mesh, self.local_batch), names, rank)
         return micro
 
     def rollback(self) -> None:
@@ -429,8 +426,7 @@ class RankExecutor(ShardedCheckpoint):
         if counted == 0:
             return "no token was counted: every label of the batch is the loss's ignore_index (-100), so the " \
                 "mean divides by zero; drop such batches"
-        if any(m.nobody is not None and self._to_host(m.nobody.float(), assumed=0.0)
-               for m in self.gm.modules() if isinstance(m, (VocabParallelEmbedding, ShardedGather))):
+        if saw_index_no_rank_holds(self.gm, self._to_host):
             return "an id or label outside the vocabulary reached a vocabulary-parallel op on this rank (a " \
                 "batch already on the device is checked there, inside the step); fix the data"
         return None

@@ -226,6 +226,14 @@ def shard_coords(specs: Sequence, mesh) -> list[tuple[int, ...]]:
     return list(itertools.product(*ranges))
 
 
+def shard_view(program, mesh, local_batch: bool) -> ShardView:
+    """The slices to check: every data shard of a global batch, or this rank's own (local=True)."""
+    specs = {spec.placeholder: spec for spec in program.inputs}
+    if local_batch:
+        return ShardView(specs, [mesh.coord], lambda spec, value, coord: value)
+    return ShardView(specs, shard_coords(program.inputs, mesh), cut_for(program.mesh, mesh))
+
+
 def cut_for(program_mesh, mesh) -> Callable:
     """``cut(spec, value, coord)``: the slice of a global input the rank at `coord` receives (the
     executor's own cut, zigzag permutation of context parallelism included)."""

@@ -95,3 +95,10 @@ class ShardedGather(_Bound):
 
     def extra_repr(self) -> str:
         return f"axis={self.axis!r}, dim={self.dim}"
+
+
+def saw_index_no_rank_holds(gm: nn.Module, to_host) -> bool:
+    """Whether a vocabulary-parallel op of this rank's program met an index outside every rank's slice
+    in its last call (``to_host``: the executor's host read; called only once a step failed)."""
+    return any(m.nobody is not None and to_host(m.nobody.float(), assumed=0.0)
+               for m in gm.modules() if isinstance(m, _Bound))
