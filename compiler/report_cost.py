@@ -105,9 +105,7 @@ def _families(search) -> list[str]:
 
 def _unchecked(search) -> list[str]:
     """Flags a choice that rests on a term no measurement has checked, with the best plan that does not."""
-    from .planner import unchecked_terms
-
-    terms = unchecked_terms(search.best.plan)
+    terms = search.unchecked_terms
     if not terms:
         return []
     lines = [f"  caution: the choice rests on terms no measurement has checked: {'; '.join(terms)}"]
