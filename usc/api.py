@@ -17,6 +17,7 @@ from usc.compiler.report import Report
 from usc.dsl import Plan, PlanError, parse_plan
 from usc.passes.cost_profile import model_forward_flops
 from usc.runtime import checkpoint, checkpoint_state
+from usc.runtime.agreement import agree, fingerprint
 from usc.runtime.checkpoint import CheckpointError
 from usc.runtime.checkpoint_state import LoadResult
 from usc.runtime.executor import RankExecutor
@@ -28,7 +29,7 @@ from usc.training import StepMetrics
 
 from usc.runtime.materialize import InitFn, has_meta_tensors
 
-from .build import OptimizerFactory, SchedulerFactory, _as_plan, _Compiled
+from .build import OptimizerFactory, SchedulerFactory, _as_plan, _Compiled, _full_state
 from .model_call import trainable
 
 
@@ -114,12 +115,17 @@ class Compiled(_TrainingLoop, _Compiled):
     _executor: RankExecutor | None = None
     device: str | torch.device | None = None  # None: cuda:LOCAL_RANK under torchrun with CUDA, else the CPU
 
+    _fingerprint = None  # what this rank was built from, until the ranks agreed on it
+
     def _rank(self, *, loading: str | os.PathLike | None = None) -> RankExecutor:
         """This rank's executor, made on first use from its share of the model (a meta-built model:
         materialised here, or left uninitialised when a checkpoint fills it: ``init='path'``, or
         ``loading``); the user's model is released once the rank holds its state."""
         if self._executor is None:
             mesh = self._mesh()
+            if mesh.world_size > 1:  # from the model as built (a meta model: its structure only)
+                self._fingerprint = fingerprint(plan=str(self.plan), state=_full_state(self.model, self._traced),
+                                                inputs=self._program.inputs, versions=f"usc {usc_version()}")
             fills = [p for p in (self.init_checkpoint, loading) if p is not None]
             executor = self._make_executor(mesh, self._state_source(mesh.device, empty=bool(fills)), self._optimizer)
             schedulers = self._schedulers_for([executor])
@@ -128,6 +134,15 @@ class Compiled(_TrainingLoop, _Compiled):
             self._executor, self._schedulers = executor, schedulers
             self._release_model()
         return self._executor
+
+    def _agreed_rank(self) -> RankExecutor:
+        """This rank, once every rank of the mesh was found built alike (runtime/agreement.py): the
+        first collective call of the run compares them, and every rank raises RanksDisagree if not."""
+        rank = self._rank()
+        if self._fingerprint is not None:
+            agree(rank.mesh, self._fingerprint)
+            self._fingerprint = None
+        return rank
 
     def _load_rank(self, executor, schedulers: list, path, *, strict: bool) -> LoadResult:
         reader = checkpoint.Reader(path)
@@ -182,7 +197,7 @@ class Compiled(_TrainingLoop, _Compiled):
             raise RuntimeError("step(..., local=True) needs example_inputs= at compile: the global batch's shape")
         batch = self.flat_batch(batch)
         self._ensure_built(batch)
-        rank = self._rank()
+        rank = self._agreed_rank()
         timeline = Timeline(rank.mesh.rank) if trace else None
         rank.set_timeline(timeline)
         rank.max_grad_norm, rank.local_batch = max_grad_norm, local
@@ -192,6 +207,9 @@ class Compiled(_TrainingLoop, _Compiled):
                 value = self._measure([rank], self._schedulers, lambda: rank.step(batch), batch, shards)
             self.wait_checkpoint()  # a background save written while this step computed
             return value
+        except BaseException:
+            rank.rollback()  # a failed step changes nothing (a collective that failed stays failed)
+            raise
         finally:
             rank.set_timeline(None)
             rank.local_batch = False  # evaluation takes the global batch
@@ -206,7 +224,7 @@ class Compiled(_TrainingLoop, _Compiled):
         batch = self.flat_batch(batch)
         self._ensure_built(batch)
         with self._mode():
-            return self._rank().evaluate(batch)
+            return self._agreed_rank().evaluate(batch)
 
     def eval_step(self, *batch) -> float:
         """The global mean loss on ``batch`` in evaluation mode (dropout off, no gradients), whatever
@@ -214,7 +232,7 @@ class Compiled(_TrainingLoop, _Compiled):
         batch = self.flat_batch(batch)
         self._ensure_built(batch)
         with self._mode(evaluating=True):
-            return self._rank().evaluate(batch)
+            return self._agreed_rank().evaluate(batch)
 
     def activation_bytes(self, *batch) -> int:
         """Measured bytes of activations this rank saves for backward in one forward."""
@@ -232,7 +250,7 @@ class Compiled(_TrainingLoop, _Compiled):
         background=True: this rank's pieces are copied and written by a thread while training goes
         on; the commit happens at the end of the next step (or ``wait_checkpoint``, ``save``, ``load``)."""
         self.wait_checkpoint()
-        rank = self._rank()
+        rank = self._agreed_rank()
         meta = self._checkpoint_meta(rank, self._schedulers)
         if not background:
             checkpoint_state.save(rank, path, meta)
@@ -253,8 +271,9 @@ class Compiled(_TrainingLoop, _Compiled):
         self.wait_checkpoint()
         if self._executor is None and strict:  # a meta-built model is not initialised only to be overwritten
             self._rank(loading=path)
+            self._agreed_rank()
             return LoadResult()
-        return self._load_rank(self._rank(), self._schedulers, path, strict=strict)
+        return self._load_rank(self._agreed_rank(), self._schedulers, path, strict=strict)
 
     def moe_stats(self) -> dict:
         """This rank's view of each MoE layer over the last step (loads of its own experts, the
@@ -263,7 +282,7 @@ class Compiled(_TrainingLoop, _Compiled):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) tensors under the model's own state_dict names (a collective call)."""
-        full = self._rank().full_state_dict()
+        full = self._agreed_rank().full_state_dict()
         return {k: full[k] for k in self._model_state_names() if k in full}
 
 
@@ -273,6 +292,12 @@ def _profile_of_device(device) -> str | None:
         return None
     name = torch.cuda.get_device_name(device).lower()
     return next((known for known in BUILTIN_PROFILES if known in name), None)
+
+
+def usc_version() -> str:
+    from usc import __version__
+
+    return __version__
 
 
 def _save_rank(rank, path, meta: dict) -> CheckpointError | None:
@@ -328,7 +353,12 @@ class Simulated(_TrainingLoop, _Compiled):
         return [rank.torch_optimizer for rank in self.ranks]
 
     def _run(self, fn) -> list:
-        return run_in_threads(self.meshes, lambda mesh: fn(self.ranks[mesh.rank]), timeout=self.timeout)
+        try:
+            return run_in_threads(self.meshes, lambda mesh: fn(self.ranks[mesh.rank]), timeout=self.timeout)
+        except BaseException:
+            for rank in self.ranks:  # a failed call changes nothing: the next one starts clean
+                rank.rollback()
+            raise
 
     def step(self, *batch, max_grad_norm: float | None = None, local: bool = False, trace: str | None = None) -> float:
         """As ``Compiled.step``, every rank in this process.
