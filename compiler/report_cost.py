@@ -28,7 +28,11 @@ def cost_dict(report) -> dict:
         out["planner"] = {"chosen": s.best.plan.text() if s.best else None,
                           "alternatives": [{"plan": c.plan.text(), "why_lost": s.why_lost(c),
                                             **estimate_dict(c.estimate)} for c in s.alternatives],
-                          "rejected": dict(s.rejected), "evaluated": s.evaluated}
+                          "rejected": dict(s.rejected), "evaluated": s.evaluated,
+                          "families": {name: best if isinstance(best, str) else
+                                       {"plan": best.plan.text(), **estimate_dict(best.estimate)}
+                                       for name, best in s.families.items()},
+                          "unchecked_terms": _unchecked_terms(s)}
     return out
 
 
@@ -101,6 +105,12 @@ def _families(search) -> list[str]:
         lines.append(f"    {name:<9} {best.plan.text():<58} {_ms(best.step):>12}  MFU {est.mfu:5.1%}  "
                      f"{human_bytes(est.memory_total)}")
     return lines
+
+
+def _unchecked_terms(search) -> list[str]:
+    from .planner import unchecked_terms
+
+    return unchecked_terms(search.best.plan) if search.best is not None else []
 
 
 def _unchecked(search) -> list[str]:
