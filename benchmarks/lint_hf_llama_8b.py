@@ -14,17 +14,16 @@ import sys
 import time
 
 import torch
-import transformers
 
 import usc
+from usc.testing.hf import hf_llama
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192)
 
 
 def meta_llama(**shape) -> torch.nn.Module:
-    with torch.device("meta"):
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
+    return hf_llama(device="meta", **shape, attn_implementation=None)
 
 
 def collated(rows: int = 16, seq: int = 4096) -> dict:
