@@ -35,10 +35,10 @@ MOE_PLANS = ("dp=2 ep=2", "dp=2 ep=2 tp=2")
 CP_PLAN = "cp=2"
 DEEP = os.environ.get("USC_DEEP_TIER") == "1"
 
-# (family, plan) -> words the refusal must contain: cases usc refuses today, by name. cp on Hugging
-# Face decoders waits for attention masks under cp (HF passes an explicit mask to attention).
-CP_MASK = "context parallelism supports scaled_dot_product_attention without an explicit mask"
+# (family, plan) -> words the refusal must contain: cases usc refuses today, by name.
 KNOWN_REFUSALS: dict[tuple[str, str], str] = {}
+# cp on a build without attention masks under cp refuses Hugging Face models by this message.
+CP_MASK = "context parallelism supports scaled_dot_product_attention without an explicit mask"
 # family -> words of a refusal under every plan. PhiMoE's sparsemixer router samples its experts
 # while training (``exponential_``), a draw usc has no counter-based form for yet.
 FAMILY_REFUSALS = {"phimoe": "aten.exponential.default .* draws random numbers"}
@@ -91,8 +91,9 @@ def cp_refusal(family: str) -> str:
 
 @pytest.mark.parametrize("family", list(FAMILIES) if DEEP else ["llama", "torchtitan_llama", "nanogpt"])
 def test_context_parallel_equals_one_device_or_names_the_mask(family):
-    """cp=2: models whose attention is ``is_causal`` train equal; Hugging Face models pass an explicit
-    mask and are refused by name until masks are supported under cp (then they must equal)."""
+    """cp=2 equals one device, or is refused by name: ViT (dim 1 of its pixels is channels, no
+    sequence), PhiMoE (its random router), and -- where attention masks under cp are not in the
+    build -- Hugging Face models, which pass an explicit mask."""
     try:
         outcome = judge(family, CP_PLAN)
     except (usc.CompileError, usc.PlanError) as err:
