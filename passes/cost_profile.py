@@ -120,22 +120,26 @@ def _same_structure(blocks) -> bool:
 
 @contextlib.contextmanager
 def _shallow_stacks(model: torch.nn.Module):
-    """Temporarily cut each ModuleList of identical blocks to KEEP_BLOCKS; yields {path: length}."""
-    cut: dict[str, tuple] = {}
+    """Temporarily cut each ModuleList of identical blocks to KEEP_BLOCKS; yields {path: length}.
+
+    The list is shortened in place, not replaced in its parent: the module whose forward runs may
+    hold the same list under another owner (``usc.plan`` traces usc's wrapper, which registers the
+    user's children as its own while the user's forward reads its own attribute). Replacing it in
+    the wrapper traced all the blocks, and the profile cost as much as a full trace."""
+    cut: dict[str, torch.nn.ModuleList] = {}
     for path, module in list(model.named_modules()):
         if isinstance(module, torch.nn.ModuleList) and len(module) > KEEP_BLOCKS and _same_structure(module):
             if any(path.startswith(other + ".") for other in cut):
                 continue
-            parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
-            cut[path] = (parent, path.rsplit(".", 1)[-1], module)
-    stacks = {path: len(module) for path, (_, _, module) in cut.items()}
+            cut[path] = module
+    full = {path: module._modules for path, module in cut.items()}
     try:
-        for parent, name, module in cut.values():
-            setattr(parent, name, torch.nn.ModuleList(list(module)[:KEEP_BLOCKS]))
-        yield stacks
+        for path, module in cut.items():
+            module._modules = type(full[path])(list(full[path].items())[:KEEP_BLOCKS])
+        yield {path: len(modules) for path, modules in full.items()}
     finally:
-        for parent, name, module in cut.values():
-            setattr(parent, name, module)
+        for path, module in cut.items():
+            module._modules = full[path]
 
 
 def _stamp(profile: ModelProfile, stacks: dict[str, int]) -> ModelProfile:
