@@ -337,6 +337,26 @@ def test_grouped_query_attention_trains_like_one_device_under_cp(plan):
     train_like_one_device(GroupedQueryLM, plan, token_batches())
 
 
+class ViewAfterAttention(GroupedQueryLM):
+    """nanoGPT's ``y.transpose(1, 2).contiguous().view(B, T, C)``: export drops the contiguous (the
+    kernel's output is stored [B, S, H, D]), so the view needs the attention output in that layout."""
+
+    def __init__(self) -> None:
+        super().__init__(kv_heads=6)
+
+    def forward(self, ids, labels):
+        b, s = ids.shape
+        x = self.embed(ids)
+        q = self.q(x).view(b, s, self.heads, -1).transpose(1, 2)
+        k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.kv(x).chunk(2, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(b, s, -1)
+        return F.cross_entropy(self.out(x + y).flatten(0, 1), labels.flatten())
+
+
+def test_ulysses_output_keeps_the_attention_kernels_memory_layout():
+    train_like_one_device(ViewAfterAttention, "cp=2 cp_mode=ulysses", token_batches())
+
+
 # ============================================================ Hugging Face decoders
 
 def _hf(config_name: str, model_name: str, **extra):
