@@ -692,10 +692,3 @@ def all_to_all_rule(view: OpView) -> Decision:
         return Decision((R,), R)
     return keep(view, view.placements[0])
 
-
-def rule_for(target) -> Rule | None:
-    """The hand rule, else the rest of the fallback chain (``derived_rules``: DTensor's strategy, the
-    op's decomposition, replicated)."""
-    from .derived_rules import derived_rule  # imports this module
-
-    return SHARDING_RULES.get(target) or derived_rule(target)
