@@ -255,8 +255,9 @@ class MaskedAttentionLM(nn.Module):
 
     def forward(self, ids, mask, labels):
         x = self.embed(ids)
+        mask = mask.unsqueeze(1)  # one [B, 1, S, S] mask for every layer, as Hugging Face builds it
         for qkv in self.layers:
-            x = self.attend(x, mask.unsqueeze(1), qkv)
+            x = self.attend(x, mask, qkv)
         return F.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
 
 
@@ -299,6 +300,23 @@ def document_batches(n: int = 2):
 @pytest.mark.parametrize("plan", CP_PLANS + ("cp=3",))
 def test_packed_documents_by_id_train_like_one_device(plan):
     train_like_one_device(DocumentLM, plan, document_batches())
+
+
+@pytest.mark.parametrize("plan", ["cp=2", "cp=2 cp_mode=zigzag"])
+def test_an_explicit_mask_costs_one_host_read_per_step_not_per_layer(plan):
+    """The tile classification reads the mask on the host once per step, not once per layer (both
+    layers share it). (On the CPU nothing waits; counted as a GPU would sync.)"""
+    from collections import Counter
+
+    from usc.testing.host_syncs import record_host_syncs
+
+    batch = document_batches(1)[0]
+    sim = usc.simulate(DocumentLM(), plan, example_inputs=batch, optimizer=_sgd)
+    sim.step(*batch)
+    with record_host_syncs() as syncs:
+        sim.step(*batch)
+    reads = Counter(s.thread for s in syncs if s.where.startswith("runtime/ring_attention.py"))
+    assert sorted(reads.values()) == [1, 1], "\n".join(map(str, syncs))
 
 
 # the vocabulary (37) is odd: tp splits the attention, the embedding and head stay whole
