@@ -99,6 +99,7 @@ class _Compiled:
             self.plan = _resolve_auto(self.model, self.plan, example_inputs, hardware)
         self._loss_source = _source_of(loss_fn) if loss_fn is not None else ""
         self._user_model = model
+        self._hardware = hardware  # what auto plans for and StepMetrics.mfu is measured against
         self._optimizer = optimizer
         self._program = None
         self._report: Report | None = None
@@ -196,10 +197,20 @@ class _Compiled:
         options = self._executor_options()
         pp = self.plan.size("pp")
         if pp == 1:
-            return RankExecutor(self._program, mesh, state, optimizer=optimizer, **options)
-        schedule = build_schedule(self.plan.get("schedule"), pp, int(self.plan.get("v")), options["microbatches"])
-        check_schedule(schedule)
-        return PipelineExecutor(self._program, mesh, state, optimizer=optimizer, schedule=schedule, **options)
+            rank = RankExecutor(self._program, mesh, state, optimizer=optimizer, **options)
+        else:
+            schedule = build_schedule(self.plan.get("schedule"), pp, int(self.plan.get("v")), options["microbatches"])
+            check_schedule(schedule)
+            rank = PipelineExecutor(self._program, mesh, state, optimizer=optimizer, schedule=schedule, **options)
+        rank.input_names = self._input_names()
+        return rank
+
+    def _input_names(self) -> dict[str, str]:
+        """Each program input as the user names it in errors: 'input_ids' (a mapping's key) or batch[i]."""
+        layout = self.model.layout
+        keys = layout.keys if layout is not None and layout.kind == "mapping" else ()
+        return {spec.placeholder: repr(keys[i]) if i < len(keys) else f"batch[{i}]"
+                for i, spec in enumerate(self._program.inputs)}
 
     def _executor_options(self) -> dict:
         return {"bucket_bytes": self.bucket_bytes, "zero": int(self.plan.get("zero")),
