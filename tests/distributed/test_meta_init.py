@@ -386,7 +386,8 @@ def test_meta_model_larger_than_a_rank_trains_on_gloo_equal_to_one_device(tmp_pa
     for rank, r in enumerate(results):
         print(f"  rank {rank}: peak live tensor bytes: building the model on the CPU {mib(r['built'])}; usc "
               f"materialising its share {mib(r['made'])} ({r['made'] / model_bytes:.2f}x the model), then with "
-              f"{steps} SGD steps {mib(r['whole'])} ({r['whole'] / model_bytes:.2f}x); saving {mib(r['save'])}")
+              f"{steps} SGD steps (momentum 0.9) {mib(r['whole'])} ({r['whole'] / model_bytes:.2f}x); "
+              f"saving {mib(r['save'])}")
     assert model_bytes / held > ratio * 0.9  # the model is about `ratio` times one rank's share
     assert max(r["made"] for r in results) <= held + 2 * largest  # its share and one module at a time
     assert max(r["whole"] for r in results) < model_bytes  # no rank ever held the whole model
