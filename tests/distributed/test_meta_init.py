@@ -297,6 +297,12 @@ def test_the_compiled_object_does_not_keep_the_users_model_alive():
     del meta
     gc.collect()
     assert meta_ref() is None
+    model = Mlp()
+    model_ref = weakref.ref(model)
+    sim = usc.simulate(model, "dp=2", example_inputs=_mlp_batch())
+    del model
+    gc.collect()
+    assert model_ref() is None and isinstance(sim.step(*_mlp_batch()), float)
 
 
 # ---------------------------------------------------------------------------------------- gloo (deep)
