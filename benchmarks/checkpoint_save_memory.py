@@ -8,39 +8,13 @@ rank's save is counted while it lives (views of existing tensors allocate nothin
 over the save is reported per rank.
 """
 
-import weakref
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import usc
+from usc.testing.memory_counters import PeakAllocations
 from usc.testing.models import LlamaConfig, TinyLlama, token_batch
 
 PLAN = "dp=4 tp=2 zero=3"
-
-
-class PeakAllocations(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.live, self.peak, self._alive = 0, 0, {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if not isinstance(t, torch.Tensor) or t.untyped_storage()._cdata in inputs:
-                continue
-            key = t.untyped_storage()._cdata
-            if key not in self._alive:
-                self._alive[key] = t.untyped_storage().nbytes()
-                self.live += self._alive[key]
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(t.untyped_storage(), self._free, key)
-        return out
-
-    def _free(self, key):
-        self.live -= self._alive.pop(key, 0)
 
 
 def measure(sim, save_rank) -> list[int]:

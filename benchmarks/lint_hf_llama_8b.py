@@ -11,26 +11,16 @@ import sys
 import time
 
 import torch
-import transformers
 
 import usc
+from usc.testing.hf import hf_llama
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192)
 
 
-class LossOf(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.m = model
-
-    def forward(self, ids, labels):
-        return self.m(input_ids=ids, labels=labels).loss
-
-
 def meta_llama(**shape) -> torch.nn.Module:
-    with torch.device("meta"):
-        return LossOf(transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, use_cache=False)))
+    return hf_llama(device="meta", **shape, attn_implementation=None)
 
 
 def main() -> None:

@@ -15,13 +15,12 @@ BYTES_FP32 = 4
 
 class ScaleKey(NamedTuple):
     """How an amount scales: with the batch (split by dp*mb), with the sequence (split by cp),
-    split by tp, float (bf16 halves it) and kept by selective recompute."""
+    split by tp, and float (bf16 halves it)."""
 
     batch: bool
     seq: bool
     tp: bool
     is_float: bool = True
-    kept: bool = True
 
 
 @dataclass(frozen=True)
@@ -60,6 +59,11 @@ class UnitCost:
     boundary: dict = field(default_factory=dict)  # sp -> {ScaleKey: bytes} crossing a pipeline cut after this unit
     boundary_grad: dict = field(default_factory=dict)  # sp -> ... of those values that have a gradient
     largest_acts: dict = field(default_factory=dict)  # sp -> acts of the largest merged unit
+    # (recompute mode, cp > 1, sp) -> {ScaleKey: bytes} forward holds for backward under that mode, and
+    # what backward makes again when it recomputes the unit (passes/cost_profile._under_recompute)
+    held: dict = field(default_factory=dict)
+    recomputed: dict = field(default_factory=dict)
+    parts: tuple = ()  # the units merged into this one, in order (empty: a unit of its own)
     # (replicated, tp-split) bytes of parameters whose gradient the graph sums over dp, not a bucket
     params_unreduced: tuple = (0, 0)
     # (name, replicated, tp-split bytes) of parameters other units also use (tied embedding / lm

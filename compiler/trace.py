@@ -25,13 +25,11 @@ from torch import nn
 from torch.export.graph_signature import InputKind
 
 from .errors import CompileError, TraceError
+from .source_info import TORCH_DIR, USC_DIRS, module_path, user_source  # noqa: F401 (re-exported)
 from .functional import distinct_inputs, explicit_writes, functionalize, user_output_specs
 from .inline_regions import inline_regions
 from .moe import MoEBlock, patched
 
-TORCH_DIR = os.path.dirname(torch.__file__)
-USC_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + d + os.sep
-                 for d in ("usc", "compiler", "passes", "runtime", "dsl"))
 
 
 @dataclass(frozen=True)
@@ -61,30 +59,6 @@ class Traced:
 
     def placeholder(self, name: str) -> fx.Node:
         return next(n for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == name)
-
-
-def module_path(node: fx.Node) -> str:
-    """The innermost module path that produced ``node`` ('' for the root)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    return list(stack.values())[-1][0]
-
-
-def user_source(node: fx.Node) -> str:
-    """'file:line' of the deepest frame outside torch itself, e.g. 'model.py:42'."""
-    if node.meta.get("usc_source"):
-        return node.meta["usc_source"]
-    trace = node.meta.get("stack_trace") or ""
-    best = ""
-    for line in trace.splitlines():
-        line = line.strip()
-        if line.startswith('File "'):
-            path = line.split('"')[1]
-            if not path.startswith(TORCH_DIR) and not path.startswith(USC_DIRS):
-                number = line.split("line ")[1].split(",")[0]
-                best = f"{os.path.basename(path)}:{number}"
-    return best
 
 
 def _model_device(model: nn.Module) -> torch.device:

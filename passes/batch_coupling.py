@@ -42,6 +42,7 @@ from usc.compiler.ir import META, Layout, MeshSpec
 from usc.compiler.pass_runner import CompileContext
 from usc.compiler.trace import module_path, user_source
 from usc.runtime.collectives import AllGather, AllReduce, AllToAll, LocalShard, ReduceScatter
+from usc.runtime.op_classes import RESHAPES
 
 from .graph_edit import shape_of, val
 from .propagate import propagate_pass
@@ -370,8 +371,7 @@ def _kind(term: Term, layouts: dict[str, Layout]) -> str:
 
 # Ops that keep the batch outermost: a loss expansion may peel them (``loss(x.view(-1, V), ...)`` is
 # rewritten on ``x``), so the propagated copy no longer holds them; their input's layout decides.
-_BATCH_KEEPING = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
-                  aten.slice.Tensor)
+_BATCH_KEEPING = RESHAPES | {aten.flatten.using_ints, aten.slice.Tensor}
 
 
 def _laid_out_source(root: fx.Node, layouts: dict[str, Layout]) -> fx.Node | None:

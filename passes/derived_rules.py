@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 from usc.compiler.errors import CompileError, ShardingError
 
 from .graph_edit import flat_inputs, shape_of
-from .sharding_rules import SHARDING_RULES, Decision, OpView
+from .sharding_rules import SHARDING_RULES, Decision, OpView, Rule
 
 R = Replicate()
 HAND, DTENSOR, DIM_LOCAL, DECOMPOSED, REPLICATED, NONE = (
@@ -162,6 +162,12 @@ def derived_rule(op) -> DerivedRule | None:
     return None if link == NONE else DerivedRule(op, link)
 
 
+def rule_for(target) -> Rule | None:
+    """The fallback chain for one op: the hand rule (``SHARDING_RULES``), else the derived links
+    (DTensor's strategy, the op's decomposition, replicated)."""
+    return SHARDING_RULES.get(target) or derived_rule(target)
+
+
 def replicated(view: OpView) -> Decision:
     return Decision((R,) * len(view.placements), R)
 
@@ -270,8 +276,6 @@ def _decomposed_decision(view: OpView) -> Decision | None:
 def _flow(gm: fx.GraphModule, placements: tuple, outer: OpView):
     """The output placement when every op of the decomposition accepts its inputs as placed
     (no redistribution inside the op), else None."""
-    from .sharding_rules import rule_for
-
     placed: dict[fx.Node, object] = {}
     inputs = iter(placements)
     for node in gm.graph.nodes:

@@ -16,6 +16,7 @@ from usc.compiler.functional import HiddenEffectError, OverlappingWriteError, ve
 from usc.compiler.pass_runner import CompileContext, PassSpec, run_pipeline
 from usc.compiler.trace import trace
 from usc.testing import assert_equivalent
+from usc.testing.hf import hf_llama
 from usc.testing.models import LlamaConfig, TinyLlama
 
 D, H, T, B = 7, 10, 5, 12  # odd sizes; tp=2 splits H; dp=2 x mb=2 leaves 3 rows
@@ -263,26 +264,15 @@ def test_writes_through_views_on_gloo_processes():
         assert losses == pytest.approx(expected, rel=1e-10)
 
 
-class _CausalLMLoss(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.m = model
-
-    def forward(self, ids, labels):
-        return self.m(input_ids=ids, labels=labels).loss
-
-
 def test_hugging_face_causal_lm_compiled_with_ids_twice():
     """``model(input_ids, labels=input_ids)`` as Hugging Face's examples call it: compiled with the
     same tensor twice, then stepped with tokens and labels that differ."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=46, hidden_size=24, intermediate_size=38, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                                   attn_implementation="eager", use_cache=False)
+    pytest.importorskip("transformers")
 
     def model():
         torch.manual_seed(0)
-        return _CausalLMLoss(transformers.LlamaForCausalLM(cfg)).double()
+        return hf_llama(vocab_size=46, hidden_size=24, intermediate_size=38, num_attention_heads=2,
+                        num_key_value_heads=1, max_position_embeddings=32, attn_implementation="eager").double()
 
     gen = torch.Generator().manual_seed(4)
     ids = torch.randint(0, 46, (6, 11), generator=gen)

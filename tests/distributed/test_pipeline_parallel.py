@@ -1,5 +1,7 @@
 """Pipeline parallelism: stages cut from the traced graph, run by schedule, equal to one device."""
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -224,8 +226,30 @@ def test_evaluation_runs_the_forwards_only(plan):
     expected = usc.simulate(factory(), "dp=1", example_inputs=batch(0))(*batch(0))
     torch.manual_seed(0)
     sim = usc.simulate(factory(), plan, example_inputs=batch(0))
-    assert sim(*batch(0)) == pytest.approx(expected, rel=1e-12)
-    assert sim.step(*batch(0)) == pytest.approx(expected, rel=1e-12)  # nothing changed by evaluating
+    evaluated = _pp_messages(sim, lambda: sim(*batch(0)))
+    assert evaluated.loss == pytest.approx(expected, rel=1e-12)
+    assert not any(p.grad is not None for rank in sim.ranks for p in rank.params)  # no backward ran
+    trained = _pp_messages(sim, lambda: sim.step(*batch(0)))
+    assert trained.loss == pytest.approx(expected, rel=1e-12)  # nothing changed by evaluating
+    # a training step sends each activation forward and its gradient back, same shapes: evaluation
+    # sends exactly the forward half of the bytes (calls pair a send with a receive, so they do not halve)
+    assert evaluated.calls > 0 and 2 * evaluated.bytes == trained.bytes
+
+
+@dataclass
+class _Messages:
+    loss: float
+    calls: int
+    bytes: int
+
+
+def _pp_messages(sim, call) -> _Messages:
+    """The loss of ``call()`` and the point-to-point calls and bytes every pp rank issued for it."""
+    comms = [mesh.comm("pp") for mesh in sim.meshes]
+    for comm in comms:
+        comm.stats.reset()
+    loss = call()
+    return _Messages(loss, sum(c.stats.calls["send/recv"] for c in comms), sum(c.stats.bytes["send/recv"] for c in comms))
 
 
 # ------------------------------------------------------------------ memory check of the automatic split

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import usc
+from usc.testing.hf import CausalLMLoss
 from usc.testing.models import LlamaConfig, TinyDeepSeek, TinyGPT2, TinyLlama, shifted_batch, token_batch
 
 # every plan kind; odd sizes where the plan allows (the batch is 6 sequences of 12 tokens)
@@ -235,22 +236,13 @@ def test_optimizer_is_the_one_that_steps():
     assert not torch.equal(runs[0].full_state_dict()["norm.weight"], a.state_dict()["norm.weight"])
 
 
-class LossOf(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.m = model
-
-    def forward(self, ids, labels):
-        return self.m(input_ids=ids, labels=labels).loss
-
-
 def _hf_gpt2_with_dropout():
     """Hugging Face's GPT-2 with every dropout on (a model not written for usc)."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(vocab_size=32, n_embd=32, n_layer=2, n_head=4, n_positions=16,
                                   attn_implementation="sdpa", resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.0,
                                   bos_token_id=0, eos_token_id=0, use_cache=False)
-    return LossOf(transformers.GPT2LMHeadModel(cfg)).double()
+    return CausalLMLoss(transformers.GPT2LMHeadModel(cfg)).double()
 
 
 def _dropout_reference(batch):

@@ -394,3 +394,12 @@ def shifted_batch(vocab: int, batch: int, seq: int, *, seed: int = 0) -> tuple[t
         if pad:
             labels[row, seq - 1 - pad:] = -100
     return tokens, labels
+
+
+def memory_benchmark_models() -> list[tuple[str, object, tuple]]:
+    """(name, model factory, batch) of the activation-memory benchmarks: a Llama-style and a
+    GPT-2-style model, 4 layers, 2 x 512 tokens."""
+    llama = LlamaConfig(vocab=256, hidden=128, heads=8, kv_heads=4, mlp=256, layers=4, max_seq=512)
+    gpt2 = GPT2Config(vocab=256, hidden=128, heads=8, layers=4, max_seq=512)
+    return [("Llama-style, 4 layers, 2 x 512 tokens", lambda: TinyLlama(llama), token_batch(256, 2, 512)),
+            ("GPT-2-style, 4 layers, 2 x 512 tokens", lambda: TinyGPT2(gpt2), shifted_batch(256, 2, 512))]
