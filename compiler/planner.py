@@ -107,7 +107,7 @@ class PlanSearch:
 
     def __str__(self) -> str:
         from .report_cost import render_search
-        return render_search(self)
+        return render_search(self, unchecked_terms(self.best.plan) if self.best is not None else [])
 
 
 def divisors(n: int) -> list[int]:

@@ -62,8 +62,9 @@ def render_time_breakdown(est) -> list[str]:
     return lines
 
 
-def render_search(search) -> str:
-    """The planner's answer: the choice, its estimate, the runners-up and why each lost."""
+def render_search(search, unchecked: list[str] = ()) -> str:
+    """The planner's answer: the choice, its estimate, the runners-up and why each lost;
+    ``unchecked``: the terms no measurement has checked that the choice rests on (the planner's)."""
     t = search.target
     head = (f"planner: {t.gpus} GPUs ({t.gpus_per_node} per node, {search.hardware}), seq {t.seq}, "
             f"global batch {t.global_batch}; {search.evaluated} plans estimated in {search.seconds:.2f} s")
@@ -80,7 +81,7 @@ def render_search(search) -> str:
         for c in search.alternatives:
             lines.append(f"    {c.plan.text():<58} {c.estimate.tokens_per_second:>12,.0f} tok/s  "
                          f"{search.why_lost(c)}")
-    lines += _families(search) + _unchecked(search)
+    lines += _families(search) + _unchecked(search, unchecked)
     if search.rejected:
         lines.append("  dropped:")
         for reason, n in sorted(search.rejected.items(), key=lambda kv: -kv[1]):
@@ -103,11 +104,8 @@ def _families(search) -> list[str]:
     return lines
 
 
-def _unchecked(search) -> list[str]:
+def _unchecked(search, terms: list[str]) -> list[str]:
     """Flags a choice that rests on a term no measurement has checked, with the best plan that does not."""
-    from .planner import unchecked_terms
-
-    terms = unchecked_terms(search.best.plan)
     if not terms:
         return []
     lines = [f"  caution: the choice rests on terms no measurement has checked: {'; '.join(terms)}"]
