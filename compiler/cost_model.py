@@ -513,7 +513,7 @@ def loss_value_collectives(profile: ModelProfile, plan: PlanPoint) -> list[Colle
     """What every rank issues once per step to return the loss: the runtime's own description of it
     (runtime/loss_value.py) for this plan's pp."""
     sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
-    reduction = replace(profile.loss_value, pipelined=plan.pp > 1)
+    reduction = replace(profile.loss_value, pipelined=plan.pp > 1).over(sizes)
     return [CollectiveEstimate(axis, "all-reduce", "forward", sizes[axis], shape_bytes(shape, dtype), 1, 0.0, 0.0)
             for axis, shape, dtype, _ in reduction.payloads() if sizes.get(axis, 1) > 1]
 

@@ -59,7 +59,8 @@ class Program:
     @property
     def loss_value(self) -> LossValueReduction:
         """How the runtime returns the step's loss (what it sends, which the report counts)."""
-        return LossValueReduction(self.loss_partial_axes, self.loss_dtype, self.loss_counted, self.mesh.size("pp") > 1)
+        return LossValueReduction(self.loss_partial_axes, self.loss_dtype, self.loss_counted,
+                                  self.mesh.size("pp") > 1).over({a: self.mesh.size(a) for a in self.mesh.axes})
 
 
 def build_program(gm: fx.GraphModule, mesh: MeshSpec, state: list[StateInput], user_inputs: list[str],

@@ -364,8 +364,11 @@ def _loss_value_records(program: Program, payloads: list) -> list[CollectiveReco
 
 
 def loss_value_records(program: Program) -> list[CollectiveRecord]:
-    """The runtime sums the partial loss over these axes once per step to return it (no gradient)."""
-    return _loss_value_records(program, program.loss_value.axis_payloads())
+    """The runtime sums the partial loss over these axes once per step to return it (no gradient), then
+    over the other axes (but pp, whose loss the pipeline already shares) as the finite-loss verdict, so a
+    NaN on any rank stops every rank (runtime/loss_value.py)."""
+    reduction = program.loss_value
+    return _loss_value_records(program, reduction.axis_payloads() + reduction.verdict_payloads())
 
 
 def clipping_records(program: Program) -> list[CollectiveRecord]:

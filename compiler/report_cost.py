@@ -28,7 +28,11 @@ def cost_dict(report) -> dict:
         out["planner"] = {"chosen": s.best.plan.text() if s.best else None,
                           "alternatives": [{"plan": c.plan.text(), "why_lost": s.why_lost(c),
                                             **estimate_dict(c.estimate)} for c in s.alternatives],
-                          "rejected": dict(s.rejected), "evaluated": s.evaluated}
+                          "rejected": dict(s.rejected), "evaluated": s.evaluated,
+                          "families": {name: best if isinstance(best, str) else
+                                       {"plan": best.plan.text(), **estimate_dict(best.estimate)}
+                                       for name, best in s.families.items()},
+                          "unchecked_terms": s.unchecked_terms if s.best is not None else []}
     return out
 
 
@@ -62,9 +66,8 @@ def render_time_breakdown(est) -> list[str]:
     return lines
 
 
-def render_search(search, unchecked: list[str] = ()) -> str:
-    """The planner's answer: the choice, its estimate, the runners-up and why each lost;
-    ``unchecked``: the terms no measurement has checked that the choice rests on (the planner's)."""
+def render_search(search) -> str:
+    """The planner's answer: the choice, its estimate, the runners-up and why each lost."""
     t = search.target
     head = (f"planner: {t.gpus} GPUs ({t.gpus_per_node} per node, {search.hardware}), seq {t.seq}, "
             f"global batch {t.global_batch}; {search.evaluated} plans estimated in {search.seconds:.2f} s")
@@ -81,7 +84,7 @@ def render_search(search, unchecked: list[str] = ()) -> str:
         for c in search.alternatives:
             lines.append(f"    {c.plan.text():<58} {c.estimate.tokens_per_second:>12,.0f} tok/s  "
                          f"{search.why_lost(c)}")
-    lines += _families(search) + _unchecked(search, unchecked)
+    lines += _families(search) + _unchecked(search)
     if search.rejected:
         lines.append("  dropped:")
         for reason, n in sorted(search.rejected.items(), key=lambda kv: -kv[1]):
@@ -104,8 +107,9 @@ def _families(search) -> list[str]:
     return lines
 
 
-def _unchecked(search, terms: list[str]) -> list[str]:
+def _unchecked(search) -> list[str]:
     """Flags a choice that rests on a term no measurement has checked, with the best plan that does not."""
+    terms = search.unchecked_terms
     if not terms:
         return []
     lines = [f"  caution: the choice rests on terms no measurement has checked: {'; '.join(terms)}"]

@@ -43,6 +43,7 @@ from .sharding_rules import SHARDING_RULES, Decision, OpView, Rule
 R = Replicate()
 HAND, DTENSOR, DIM_LOCAL, DECOMPOSED, REPLICATED, NONE = (
     "hand rule", "DTensor strategy", "dim-local", "decomposition", "replicated", "none")
+DRAWN = "counter-based draw"  # a random op, rewritten by random_ops before any rule places it
 aten = torch.ops.aten
 
 # Ops that act along one dim only (its argument position here): every other dim is independent, so a
@@ -92,9 +93,13 @@ def derived_link(op) -> str:
 
 def rule_link(op) -> str:
     """The link that decides ``op``, hand rules (and hand expansions, like the sharded cross-entropy)
-    included: what the op-coverage figure counts."""
+    included: what the op-coverage figure counts. A random op random_ops rewrites into a counter-based
+    draw before placement is placed as that draw (``DRAWN``)."""
     from .expansions import EXPANSIONS
+    from .random_ops import RANDOM_RULES
 
+    if op in RANDOM_RULES:
+        return DRAWN
     return HAND if op in SHARDING_RULES or op in EXPANSIONS else derived_link(op)
 
 

@@ -1,17 +1,18 @@
 """Triton lowering: write a readable Triton kernel (forward and backward) from a fused region's ops.
 
-The kernel runs one program per row of the region's row space (``passes/fusion.py``): it loads
-each input once (broadcasting inputs such as norm weights or RoPE tables by stride 0), computes the
-region's ops in float32 registers over a BLOCK of the last dim (masked where the row length is not
-a power of two), and stores each output once. Each ATen op is first lowered to a few primitives
-(``LOWER``); the backward kernel recomputes the primitives and walks them in reverse with one
-gradient rule per primitive (``PRIMS``): reverse-mode differentiation written out as source, so the
-backward is generated, not recomputed in eager mode. A gradient for an input loaded by broadcast
-(a norm weight) is written per row and summed by the launcher (``sum_to_size``).
+Each ATen op is first lowered to a few primitives (``LOWER``); the backward kernel recomputes the
+primitives and walks them in reverse with one gradient rule per primitive (``PRIMS``): reverse-mode
+differentiation written out as source lines, so the backward is generated, not recomputed in eager
+mode. The lines (loads, primitives, gradients, stores) are then scheduled into loops over the tiles
+of a row by ``passes/triton_tiles.py``: a row of any length runs in tiles of BLOCK columns, in
+float32 registers (masked past the row's end), inputs such as norm weights or RoPE tables are
+broadcast by stride 0, and each output is stored once. Programs take rows p, p + P, ...; a
+gradient for an input broadcast over rows (a norm weight) is accumulated per program and summed
+by the launcher, never written per row.
 
-The source depends only on the region's ops, dtypes and broadcast pattern (shapes and strides are
-runtime arguments), so equal regions (every layer's RMSNorm) share one kernel: its name is the hash
-of its body.
+The source depends only on the region's ops, dtypes and broadcast pattern (shapes, strides and the
+block are launch arguments), so equal regions (every layer's RMSNorm) share one kernel: its name
+is the hash of its body.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import torch.fx as fx
 from usc.compiler.ir import META
 from usc.runtime.fused import KernelSource, Load, Store
 
+from .triton_tiles import Effect, Line, row_body
+
 if TYPE_CHECKING:  # fusion.py imports this module
     from .fusion import Region, ShapeFn
 
@@ -35,15 +38,17 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class Prim:
-    """A primitive: its forward expression and its gradient rule per argument (None: no gradient)."""
+    """A primitive: one element's expression and its gradient rule per argument (None: no gradient).
+    A reduction's expression is the value summed (or maxed) over the row's columns."""
 
     expr: str
-    grads: tuple[str | None, ...]  # in terms of g (output grad), o (output), a, b (arguments)
-    reduces: bool = False  # vec -> one value per row
-    grad_vec: bool | None = None  # the gradient is a whole row even when it reads no whole row
+    grads: tuple[str | None, ...]  # in terms of g (output grad), o (output), a, b (arguments), c (count)
+    reduce: str | None = None  # "sum" | "max": vec -> one value per row
+    count: str | None = None  # a row sum the gradient rules read as {c}
 
 
-# Forward expressions and gradient rules of the primitives (d/da, d/db).
+# Forward expressions and gradient rules of the primitives (d/da, d/db). ``cols`` is the column
+# index of each element of the tile.
 PRIMS = {
     "add": Prim("{a} + {b}", ("{g}", "{g}")),
     "sub": Prim("{a} - {b}", ("{g}", "-{g}")),
@@ -60,16 +65,15 @@ PRIMS = {
     "erf": Prim("tl.erf({a})", ("{g} * 1.1283791670955126 * tl.exp(-{a} * {a})",)),
     "relu": Prim("tl.maximum({a}, 0.0)", ("tl.where({a} > 0.0, {g}, 0.0)",)),
     "detach": Prim("{a}", (None,)),
-    "rowsum": Prim("tl.sum(tl.where(mask, {a}, 0.0), axis=0)", ("{g}",), reduces=True),
-    "rowmax": Prim("tl.max(tl.where(mask, {a}, -float('inf')), axis=0)",
-                   ("tl.where(({a} == {o}) & mask, {g}, 0.0) / tl.sum(tl.where(({a} == {o}) & mask, 1.0, 0.0), axis=0)",),
-                   reduces=True),
+    "rowsum": Prim("{a}", ("{g}",), reduce="sum"),
+    # the gradient is shared by the columns holding the max (as torch's amax backward does)
+    "rowmax": Prim("{a}", ("tl.where({a} == {o}, {g}, 0.0) / {c}",), reduce="max",
+                   count="tl.where({a} == {o}, 1.0, 0.0)"),
     # the entry at column b (a label) of each row, and where a label is counted
-    "pick": Prim("tl.sum(tl.where(cols == {b}, {a}, 0.0), axis=0)", ("tl.where(cols == {b}, {g}, 0.0)", None),
-                 reduces=True, grad_vec=True),
+    "pick": Prim("tl.where(cols == {b}, {a}, 0.0)", ("tl.where(cols == {b}, {g}, 0.0)", None), reduce="sum"),
     "counted": Prim("tl.where({a} != {b}, 1.0, 0.0)", (None, None)),
     # softmax's shift: any per-row constant gives the same result, so no gradient flows through it
-    "rowmax_shift": Prim("tl.max(tl.where(mask, {a}, -float('inf')), axis=0)", (None,), reduces=True),
+    "rowmax_shift": Prim("{a}", (None,), reduce="max"),
 }
 
 
@@ -105,7 +109,7 @@ class _Builder:
     note: str = ""
 
     def emit(self, prim: str, *args) -> Var:
-        vec = not PRIMS[prim].reduces and any(isinstance(a, Var) and a.vec for a in args)
+        vec = PRIMS[prim].reduce is None and any(isinstance(a, Var) and a.vec for a in args)
         out = Var(f"v{len(self.lines)}", vec)
         self.lines.append(_Line(out, prim, args, self.note))
         return out
@@ -226,9 +230,10 @@ def _cross_entropy_rows(b: _Builder, n: fx.Node) -> Var:
     The log-probabilities are never written (Liger kernels' fused cross-entropy, Hsu et al. 2024)."""
     x, labels = b.value(n.args[0], n), b.value(n.args[1], n)
     ignore = int(n.args[4]) if len(n.args) > 4 else -100
-    shifted = b.emit("sub", x, b.emit("rowmax_shift", x))
-    log_total = b.emit("log", b.emit("rowsum", b.emit("exp", shifted)))
-    per_row = b.emit("sub", log_total, b.emit("pick", shifted, labels))
+    peak = b.emit("rowmax_shift", x)
+    log_total = b.emit("log", b.emit("rowsum", b.emit("exp", b.emit("sub", x, peak))))
+    # x[label] - max, not (x - max)[label]: the pick then reads x in the pass that finds the max
+    per_row = b.emit("sub", log_total, b.emit("sub", b.emit("pick", x, labels), peak))
     return b.emit("mul", per_row, b.emit("counted", labels, Const(str(ignore))))
 
 
@@ -249,113 +254,159 @@ LOWER: dict = {
 }
 
 
-# ---------------------------------------------------------------- source text
+# ---------------------------------------------------------------- lines of the kernels
 def _text(arg) -> str:
     return arg.name if isinstance(arg, Var) else arg.text
 
 
-def _forward_line(line: _Line) -> str:
-    names = dict(zip("ab", (_text(a) for a in line.args)))
-    return f"    {line.out.name} = {PRIMS[line.prim].expr.format(**names)}  # {line.note}"
-
-
-def _prologue(lead_rank: int) -> list[str]:
-    lines = ["    row = tl.program_id(0).to(tl.int64)"]
-    rest = "row"
-    for d in reversed(range(lead_rank)):
-        lines.append(f"    i{d} = {rest} % D{d}" if d else f"    i{d} = {rest}")
-        if d:
-            lines.append(f"    r{d} = {rest} // D{d}")
-            rest = f"r{d}"
-    lines += ["    cols = tl.arange(0, BLOCK)", "    mask = cols < N"]
-    return lines
-
-
-def _load_args(loads: list[Load], lead_rank: int) -> list[str]:
+def _prim_lines(lines: list[_Line]) -> list[Line]:
     out = []
-    for i, load in enumerate(loads):
-        out += [f"in{i}"] + [f"in{i}_s{d}" for d in range(lead_rank)] + ([f"in{i}_sn"] if load.domain == "vec" else [])
+    for line in lines:
+        prim = PRIMS[line.prim]
+        expr = prim.expr.format(**dict(zip("ab", (_text(a) for a in line.args))))
+        deps = tuple(a.name for a in line.args if isinstance(a, Var))
+        out.append(Line(line.out.name, expr, deps, line.out.vec, prim.reduce, line.note, line.prim))
     return out
 
 
-def _load_lines(loads: list[Load], lead_rank: int) -> list[str]:
-    lines = []
+def _load_lines(loads: list[Load], lead_rank: int) -> list[Line]:
+    """Each input's row offset (once per row), then its values: a tile of columns or one per row.
+    Floats compute in float32 (bf16 math is wrong under the interpreter); labels stay integers."""
+    out = []
     for i, load in enumerate(loads):
         offset = " + ".join([f"i{d} * in{i}_s{d}" for d in range(lead_rank)] or ["0"])
-        # floats compute in float32 (bf16 math is wrong under the interpreter); labels stay integers
         convert = ".to(tl.float32)" if load.is_float else ""
+        out.append(Line(f"o{i}", offset))
         if load.domain == "vec":
-            lines.append(f"    x{i} = tl.load(in{i} + {offset} + cols * in{i}_sn, mask=mask, other=0.0){convert}")
+            out.append(Line(f"x{i}", f"tl.load(in{i} + o{i} + cols * in{i}_sn, mask=mask, other=0.0){convert}",
+                            (f"o{i}",), True))
         else:
-            lines.append(f"    x{i} = tl.load(in{i} + {offset}){convert}")
+            out.append(Line(f"x{i}", f"tl.load(in{i} + o{i}){convert}", (f"o{i}",)))
+    return out
+
+
+def _as_tile(value: str, vec: bool) -> str:
+    return value if vec else f"({value}) + tl.zeros([BLOCK], dtype=tl.float32)"
+
+
+def _output_store(k: int, var: Var, vec: bool, lead_rank: int) -> Effect:
+    """A whole-row output at its own strides, or one value per row (contiguous)."""
+    if not vec:
+        return Effect((f"tl.store(out{k} + row, {var.name}.to(out{k}.dtype.element_ty))",), (var.name,), False)
+    where = " + ".join([f"out{k}"] + [f"i{d} * out{k}_s{d}" for d in range(lead_rank)] + [f"cols * out{k}_sn"])
+    text = f"tl.store({where}, ({_as_tile(var.name, var.vec)}).to(out{k}.dtype.element_ty), mask=mask)"
+    return Effect((text,), (var.name,), True)
+
+
+def _grad_store(i: int, load: Load, grad: str | None, grad_vec: bool, lead_rank: int) -> Effect:
+    """An input's gradient at the buffer's strides (0 along the dims the input is broadcast over):
+    with ACC<i> the program adds to what it wrote for an earlier row (buffer row ``pid``)."""
+    vec = load.domain == "vec"
+    value = (_as_tile(grad, grad_vec) if grad else _as_tile("0.0", False)) if vec else \
+        (grad or "tl.full([], 0.0, tl.float32)")
+    where = " + ".join([f"gin{i}", f"pid * gin{i}_sp"] + [f"i{d} * gin{i}_s{d}" for d in range(lead_rank)]
+                       + ([f"cols * gin{i}_sn"] if vec else []))
+    masked = ", mask=mask" if vec else ""
+    text = (f"d{i} = {value}", f"p{i} = {where}", f"if ACC{i}:",
+            f"    d{i} = d{i} + tl.load(p{i}{masked}{', other=0.0' if vec else ''}).to(tl.float32)",
+            f"tl.store(p{i}, d{i}.to(gin{i}.dtype.element_ty){masked})")
+    return Effect(text, (grad,) if grad else (), vec)
+
+
+@dataclass
+class _Reverse:
+    """Reverse mode over the primitive lines, as new lines: the gradient of v is a line named
+    g_<v>[_k], each use adding to the last (single assignment: the tile scheduler moves lines)."""
+
+    vec_of: dict[str, bool]
+    lines: list[Line] = field(default_factory=list)
+    grad: dict[str, str] = field(default_factory=dict)
+
+    def line(self, base: str, expr: str, deps: tuple[str, ...], reduce: str | None = None, note: str = "") -> str:
+        name, k = base, 0
+        while name in self.vec_of:
+            k += 1
+            name = f"{base}_{k}"
+        vec = reduce is None and (any(self.vec_of[d] for d in deps) or "cols" in expr)
+        self.vec_of[name] = vec
+        self.lines.append(Line(name, expr, deps, vec, reduce, note))
+        return name
+
+    def accumulate(self, target: Var, expr: str, deps: tuple[str, ...], note: str = "") -> None:
+        if not target.vec and (any(self.vec_of[d] for d in deps) or "cols" in expr):
+            # a row value read by every column: its gradient sums the columns' contributions
+            term = self.line(f"g_{target.name}", expr, deps, "sum", note)
+            expr, deps = term, (term,)
+            if target.name not in self.grad:
+                self.grad[target.name] = term
+                return
+        prev = self.grad.get(target.name)
+        if prev is not None:
+            expr, deps = f"{prev} + ({expr})", (prev, *deps)
+        self.grad[target.name] = self.line(f"g_{target.name}", expr, deps, note=note)
+
+
+def _reverse(lines: list[_Line], outputs: list[tuple[Var, bool]], vec_of: dict[str, bool]) -> _Reverse:
+    """The gradient lines: output gradients loaded (contiguous), then each primitive in reverse."""
+    rev = _Reverse(dict(vec_of))
+    for k, (var, vec) in enumerate(outputs):
+        load = f"tl.load(gout{k} + row * N + cols, mask=mask, other=0.0)" if vec else f"tl.load(gout{k} + row)"
+        dy = rev.line(f"dy{k}", f"{load}.to(tl.float32)", ())  # a tile when it reads cols
+        rev.accumulate(var, dy, (dy,))
+    for line in reversed(lines):
+        g = rev.grad.get(line.out.name)
+        if g is None:
+            continue
+        prim = PRIMS[line.prim]
+        names = {"g": g, "o": line.out.name, **{k: _text(a) for k, a in zip("ab", line.args)}}
+        reads = {"g": g, "o": line.out.name, **{k: a.name for k, a in zip("ab", line.args) if isinstance(a, Var)}}
+        if prim.count is not None:
+            names["c"] = reads["c"] = rev.line(f"c_{line.out.name}", prim.count.format(**names),
+                                               _reads(prim.count, reads), "sum", line.note)
+        for arg, rule in zip(line.args, prim.grads):
+            if rule is not None and isinstance(arg, Var):
+                rev.accumulate(arg, rule.format(**names), _reads(rule, reads), line.note)
+    return rev
+
+
+def _reads(rule: str, reads: dict[str, str]) -> tuple[str, ...]:
+    return tuple(name for key, name in reads.items() if "{" + key + "}" in rule)
+
+
+# ---------------------------------------------------------------- source text
+def _row_index(lead_rank: int) -> list[str]:
+    """The row's coordinate along each leading dim (the last varies fastest)."""
+    lines, rest = [], "row"
+    for d in reversed(range(lead_rank)):
+        if d:
+            lines += [f"i{d} = {rest} % D{d}", f"r{d} = {rest} // D{d}"]
+            rest = f"r{d}"
+        else:
+            lines.append(f"i0 = {rest}")
     return lines
 
 
-def _store(pointer: str, value: Var, vec: bool, lead_rank: int | None = None) -> str:
-    """A whole row (at the output's own strides when lead_rank is given, else contiguous), or one
-    value per row (contiguous)."""
-    if not vec:
-        return f"    tl.store({pointer} + row, {value.name}.to({pointer}.dtype.element_ty))"
-    shaped = value.name if value.vec else f"{value.name} + tl.zeros([BLOCK], dtype=tl.float32)"
-    if lead_rank is None:
-        where = f"{pointer} + row * N + cols"
-    else:
-        where = " + ".join([f"{pointer}"] + [f"i{d} * {pointer}_s{d}" for d in range(lead_rank)]
-                           + [f"cols * {pointer}_sn"])
-    return f"    tl.store({where}, ({shaped}).to({pointer}.dtype.element_ty), mask=mask)"
+def _kernel(name: str, groups: list[list[str]], flags: list[str], lead_rank: int, body: list[str]) -> list[str]:
+    """One @triton.jit function: one header line per tensor (its pointer, then its strides), then
+    the sizes; its programs take rows pid, pid + P, ... (P: the grid)."""
+    rows = " * ".join(f"D{d}" for d in range(lead_rank)) or "1"
+    return ["@triton.jit", f"def {name}(", *(f"    {', '.join(group)}," for group in groups),
+            *(f"    {flag}: tl.constexpr," for flag in flags), "    BLOCK: tl.constexpr,", "):",
+            "    pid = tl.program_id(0).to(tl.int64)",
+            f"    for row in range(pid, {rows}, tl.num_programs(0)):",
+            *("        " + s for s in _row_index(lead_rank) + body)]
 
 
-def _header(name: str, args: list[str]) -> list[str]:
-    """One line per tensor (its pointer, then its strides), then the row space's sizes."""
-    groups: dict[str, list[str]] = {}
-    for arg in args:
-        groups.setdefault(arg.split("_")[0] if arg[0] in "iog" else "sizes", []).append(arg)
-    lines = [f"    {', '.join(group)}," for group in groups.values()]
-    return ["@triton.jit", f"def {name}(", *lines, "    BLOCK: tl.constexpr,", "):"]
+def _load_groups(loads: list[Load], lead_rank: int) -> list[list[str]]:
+    lead = [f"_s{d}" for d in range(lead_rank)]
+    return [[f"in{i}"] + [f"in{i}{s}" for s in lead] + ([f"in{i}_sn"] if load.domain == "vec" else [])
+            for i, load in enumerate(loads)]
 
 
-def _backward_lines(lines: list[_Line], outputs: list[tuple[Var, bool]], loads: list[Load]) -> list[str]:
-    """Reverse mode over the primitives: g_<v> holds d(loss)/d(v), summed over every use."""
-    grads: dict[str, Var] = {}
-    body = []
-
-    def accumulate(target: Var, expr: str, vec: bool) -> None:
-        if target.vec and not vec:
-            expr = f"({expr}) + tl.zeros([BLOCK], dtype=tl.float32)"
-        elif not target.vec and vec:
-            expr = f"tl.sum(tl.where(mask, {expr}, 0.0), axis=0)"
-        name = f"g_{target.name}"
-        body.append(f"    {name} = {name} + {expr}" if target.name in grads else f"    {name} = {expr}")
-        grads[target.name] = target
-
-    for k, (var, vec) in enumerate(outputs):
-        load = f"tl.load(gout{k} + row * N + cols, mask=mask, other=0.0)" if vec else f"tl.load(gout{k} + row)"
-        accumulate(var, f"{load}.to(tl.float32)", vec)
-    for line in reversed(lines):
-        if line.out.name not in grads:
-            continue
-        names = {"g": f"g_{line.out.name}", "o": line.out.name}
-        names.update(zip("ab", (_text(a) for a in line.args)))
-        for arg, rule in zip(line.args, PRIMS[line.prim].grads):
-            if rule is None or not isinstance(arg, Var):
-                continue
-            accumulate(arg, rule.format(**names), _rule_is_vec(rule, line))
-    for i, load in enumerate(loads):
-        if not load.grad:
-            continue
-        var = Var(f"x{i}", load.domain == "vec")
-        value = Var(f"g_x{i}", var.vec) if var.name in grads else Var("0.0", False)
-        body.append(_store(f"gin{i}", value, var.vec))
-    return body
-
-
-def _rule_is_vec(rule: str, line: _Line) -> bool:
-    """A gradient expression is a whole row when any value it reads is one."""
-    if PRIMS[line.prim].grad_vec is not None:
-        return PRIMS[line.prim].grad_vec
-    read = [line.out] if "{g}" in rule or "{o}" in rule else []
-    read += [arg for key, arg in zip("ab", line.args) if "{" + key + "}" in rule]
-    return any(isinstance(v, Var) and v.vec for v in read)
+def _grad_groups(loads: list[Load], lead_rank: int) -> list[list[str]]:
+    lead = [f"_s{d}" for d in range(lead_rank)]
+    return [[f"gin{i}", f"gin{i}_sp"] + [f"gin{i}{s}" for s in lead] + ([f"gin{i}_sn"] if load.domain == "vec" else [])
+            for i, load in enumerate(loads) if load.grad]
 
 
 def generate(region: Region, shape_of: ShapeFn, *, dtype_of: Callable[[fx.Node], torch.dtype]) -> KernelSource:
@@ -368,32 +419,33 @@ def generate(region: Region, shape_of: ShapeFn, *, dtype_of: Callable[[fx.Node],
     outputs = [(builder.env[o], region.space.domain(tuple(shape_of(o))) == "vec") for o in region.outputs]
     loads = [Load(load.input, load.domain, load.grad and _needs_grad(region.inputs[load.input]), load.is_float)
              for load in builder.loads]
-    dims = [f"D{d}" for d in range(lead_rank)] + ["N"]
-    forward = [*_prologue(lead_rank), *_load_lines(loads, lead_rank),
-               *(_forward_line(line) for line in builder.lines),
-               *(_store(f"out{k}", var, vec, lead_rank) for k, (var, vec) in enumerate(outputs))]
-    grad_ins = [f"gin{i}" for i, load in enumerate(loads) if load.grad]
-    backward = [*_prologue(lead_rank), *_load_lines(loads, lead_rank),
-                *(_forward_line(line) for line in builder.lines),
-                *_backward_lines(builder.lines, outputs, loads)]
-    load_args = _load_args(loads, lead_rank)
-    out_args = [a for k, (_, vec) in enumerate(outputs)
-                for a in [f"out{k}"] + ([f"out{k}_s{d}" for d in range(lead_rank)] + [f"out{k}_sn"] if vec else [])]
-    grad_out_args = [f"gout{k}" for k in range(len(outputs))]
-    body = "\n".join([*_header("KERNEL_fwd", load_args + out_args + dims), *forward, "", "",
-                      *_header("KERNEL_bwd", load_args + grad_out_args + grad_ins + dims), *backward])
+    lines = _load_lines(loads, lead_rank) + _prim_lines(builder.lines)
+    stores = [_output_store(k, var, vec, lead_rank) for k, (var, vec) in enumerate(outputs)]
+    rev = _reverse(builder.lines, outputs, {line.name: line.vec for line in lines})
+    grad_stores = [_grad_store(i, load, rev.grad.get(f"x{i}"), rev.vec_of.get(rev.grad.get(f"x{i}"), False),
+                               lead_rank) for i, load in enumerate(loads) if load.grad]
+    sizes = [f"D{d}" for d in range(lead_rank)] + ["N"]
+    out_groups = [[f"out{k}"] + ([f"out{k}_s{d}" for d in range(lead_rank)] + [f"out{k}_sn"] if vec else [])
+                  for k, (_, vec) in enumerate(outputs)]
+    forward = _kernel("KERNEL_fwd", _load_groups(loads, lead_rank) + out_groups + [sizes], [], lead_rank,
+                      row_body(lines, stores))
+    backward = _kernel("KERNEL_bwd", _load_groups(loads, lead_rank) + [[f"gout{k}"] for k in range(len(outputs))]
+                       + _grad_groups(loads, lead_rank) + [sizes],
+                       [f"ACC{i}" for i, load in enumerate(loads) if load.grad], lead_rank,
+                       row_body(lines + rev.lines, grad_stores))
+    body = "\n".join([*forward, "", "", *backward])
     wide = any(dtype_of(n) == torch.float64 for n in (*region.inputs, *region.nodes) if _is_float(n))
     if wide:  # float64 models compute in float64 (exact equivalence runs); all else in float32
         body = body.replace("tl.float32", "tl.float64")
     digest = hashlib.sha1(body.encode()).hexdigest()[:12]
     name = f"fused_{digest}"
     ops = ", ".join(str(n.target).replace("aten.", "").split(".")[0] for n in region.nodes)
-    source = "\n".join(["# generated by usc (passes/triton_codegen.py): one program per row",
-                        f"# ops: {ops}", "import triton", "import triton.language as tl", "", "",
+    source = "\n".join(["# generated by usc (passes/triton_codegen.py): rows over programs, each row in tiles of "
+                        "BLOCK columns", f"# ops: {ops}", "import triton", "import triton.language as tl", "", "",
                         body.replace("KERNEL", name), ""])
-    stores = tuple(Store("vec" if vec else region.space.domain(tuple(shape_of(o)))) for (_, vec), o
-                   in zip(outputs, region.outputs))
-    return KernelSource(name, source, digest, tuple(loads), stores, lead_rank, "float64" if wide else "float32")
+    stores_out = tuple(Store("vec" if vec else region.space.domain(tuple(shape_of(o)))) for (_, vec), o
+                       in zip(outputs, region.outputs))
+    return KernelSource(name, source, digest, tuple(loads), stores_out, lead_rank, "float64" if wide else "float32")
 
 
 def _needs_grad(node: fx.Node) -> bool:

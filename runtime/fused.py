@@ -14,6 +14,7 @@ kernel, or the eager ops recomputed under autograd.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import sys
 import threading
@@ -112,8 +113,34 @@ def _row_shape(lead: tuple[int, ...], length: int, domain: str) -> tuple[int, ..
     return {"vec": lead + (length,), "row": lead + (1,), "flat": lead}[domain]
 
 
+# Columns per tile: a longer row loops over tiles, so registers stay bounded at any row length.
+MAX_BLOCK = 8192
+# (smallest tile, warps per program): wider tiles get more warps so each thread holds a bounded
+# number of columns (the table of Liger kernels' ``calculate_settings``).
+WARPS = ((32768, 32), (8192, 16), (2048, 8), (0, 4))
+# Programs when gradients are accumulated per program: a few resident blocks per SM fill the GPU
+# (Liger's RMSNorm backward uses one per SM); the interpreter runs the grid as a Python loop.
+PROGRAMS_PER_SM = 4
+HOST_PROGRAMS = 8
+
+
+def launch_config(length: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for rows of ``length`` columns."""
+    block = min(triton_next_power_of_2(max(length, 1)), MAX_BLOCK)
+    return block, next(warps for least, warps in WARPS if block >= least)
+
+
+def accumulating_programs(device: torch.device, rows: int) -> int:
+    """The grid of a backward that accumulates a broadcast input's gradient per program."""
+    if device.type == "cuda":
+        cap = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        cap = HOST_PROGRAMS
+    return max(min(rows, cap), 1)
+
+
 class _Launch:
-    """Arguments of one launch: broadcast strides of every load, the row space, the grid."""
+    """Arguments of one launch: broadcast strides of every load, the row space, the tile."""
 
     def __init__(self, kernel: KernelSource, inputs: tuple[torch.Tensor, ...], row_shape: tuple[int, ...]) -> None:
         self.kernel = kernel
@@ -128,7 +155,7 @@ class _Launch:
                 else t.broadcast_to(self.lead)
             strides = list(view.stride())
             self.args += [t] + strides[:len(self.lead)] + ([strides[-1]] if load.domain == "vec" else [])
-        self.block = max(triton_next_power_of_2(self.length), 1)
+        self.block, self.warps = launch_config(self.length)
 
     def dims(self) -> list[int]:
         return [*self.lead, self.length]
@@ -143,14 +170,44 @@ class _Launch:
                 args += strides[:len(self.lead)] + [strides[-1]]
         return args
 
-    def run(self, fn, tensors: list) -> None:
+    def run(self, fn, tensors: list, *, programs: int | None = None, flags: dict | None = None) -> None:
         args = [*self.args, *tensors, *self.dims()]
-        grid = (max(self.rows, 1),)
+        grid = (programs or max(self.rows, 1),)
+        options = dict(flags or {}, BLOCK=self.block, num_warps=self.warps)
         if tensors and tensors[0].device.type == "cpu":
             with _INTERPRETER_LOCK:
-                fn[grid](*args, BLOCK=self.block)
+                fn[grid](*args, **options)
         else:
-            fn[grid](*args, BLOCK=self.block)
+            fn[grid](*args, **options)
+
+
+@dataclass
+class _GradBuffer:
+    """Where the backward kernel writes one input's gradient. An input broadcast over rows (a norm
+    weight) gets one float32 copy of its own shape per program, summed here afterwards: never a
+    [rows, length] buffer. Any other input's gradient is written once per element, in its dtype."""
+
+    input: torch.Tensor
+    buffer: torch.Tensor
+    args: list
+    accumulate: bool
+
+    @staticmethod
+    def make(t: torch.Tensor, load: Load, launch: _Launch, programs: int, compute: torch.dtype) -> "_GradBuffer":
+        shape = _row_shape(launch.lead, launch.length, load.domain)
+        accumulate = t.numel() < math.prod(shape)
+        if accumulate:
+            buffer = torch.zeros((programs, *t.shape), dtype=compute, device=t.device)
+            per_program, view = buffer.stride(0), buffer[0].broadcast_to(shape)
+        else:
+            buffer = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            per_program, view = 0, buffer.broadcast_to(shape)
+        strides = list(view.stride())
+        args = [buffer, per_program] + strides[:len(launch.lead)] + ([strides[-1]] if load.domain == "vec" else [])
+        return _GradBuffer(t, buffer, args, accumulate)
+
+    def result(self) -> torch.Tensor:
+        return (self.buffer.sum(0) if self.accumulate else self.buffer).to(self.input.dtype)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -224,17 +281,21 @@ class FusedRegion(torch.nn.Module):
             return self._eager_backward(inputs, grads, needs)
         module = load_kernel(self.kernel)
         launch = _Launch(self.kernel, inputs, self._row_shape(inputs))
-        gouts = [g.contiguous() if g is not None else torch.zeros(self.out_shapes[k], device=tensors[0].device)
+        device = tensors[0].device
+        gouts = [g.contiguous() if g is not None else torch.zeros(self.out_shapes[k], device=device)
                  for k, g in enumerate(grads)]
-        gins = [torch.empty(_row_shape(launch.lead, launch.length, load.domain), dtype=getattr(torch, self.kernel.compute_dtype),
-                            device=tensors[0].device) for load in self.kernel.loads if load.grad]
-        launch.run(getattr(module, self.kernel.backward_name), gouts + gins)
+        indexed = [(i, load) for i, load in enumerate(self.kernel.loads) if load.grad]
+        broadcast = any(inputs[load.input].numel() < math.prod(_row_shape(launch.lead, launch.length, load.domain))
+                        for _, load in indexed)
+        programs = accumulating_programs(device, launch.rows) if broadcast else max(launch.rows, 1)
+        compute = getattr(torch, self.kernel.compute_dtype)
+        buffers = [_GradBuffer.make(inputs[load.input], load, launch, programs, compute) for _, load in indexed]
+        launch.run(getattr(module, self.kernel.backward_name), gouts + [a for b in buffers for a in b.args],
+                   programs=programs, flags={f"ACC{i}": b.accumulate for (i, _), b in zip(indexed, buffers)})
         self.launches["backward"] += 1
         out: list = [None] * len(inputs)
-        grad_loads = [load for load in self.kernel.loads if load.grad]
-        for load, g in zip(grad_loads, gins):
-            t = inputs[load.input]
-            g = g.sum_to_size(t.shape).to(t.dtype)  # broadcast loads (norm weights): summed over rows
+        for (_, load), buffer in zip(indexed, buffers):
+            g = buffer.result()
             out[load.input] = g if out[load.input] is None else out[load.input] + g
         return [g if i in wanted else None for i, g in enumerate(out)]
 

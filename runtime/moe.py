@@ -201,11 +201,11 @@ class ExpertParallelMoE(CollectiveNode):
         flat, w = x.reshape(-1, hidden), weights.reshape(-1, self.top_k)
         expert = indices.reshape(-1)  # assignment a = token * k + slot
         order, counts = self._route(expert)
-        send, recv = self._exchange_counts(counts, expert)
+        send, recv, recv_counts = self._exchange_counts(counts, expert)
         order = order[: sum(map(sum, send))]  # dropped assignments (capacity) sort last
         rows = flat.index_select(0, torch.div(order, self.top_k, rounding_mode="floor"))
         got = exchange_rows(rows, self.comm, [sum(r) for r in recv], [sum(s) for s in send], self.stats, "dispatch")
-        y = self._run_experts(got, recv, experts)
+        y = self._run_experts(got, recv, recv_counts, experts)
         back = exchange_rows(y, self.comm, [sum(s) for s in send], [sum(r) for r in recv], self.stats, "combine")
         slots = flat.new_zeros(expert.numel(), y.shape[-1]).index_add(0, order, back)
         out = (slots.view(-1, self.top_k, y.shape[-1]) * w.unsqueeze(-1).to(slots.dtype)).sum(1)
@@ -221,19 +221,22 @@ class ExpertParallelMoE(CollectiveNode):
         if kept is not None:
             key = torch.where(kept, key, self.num_experts * expert.numel())  # dropped: last
         order = torch.argsort(key, stable=True)
-        counts = torch.bincount(expert[kept] if kept is not None else expert, minlength=self.num_experts)
+        # a scatter, not bincount or boolean indexing: both size their output from the data (a host sync)
+        ones = kept.to(torch.int64) if kept is not None else torch.ones_like(expert)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=expert.device).scatter_add_(0, expert, ones)
         return order, counts
 
-    def _exchange_counts(self, counts: torch.Tensor | None, expert: torch.Tensor) -> tuple[list, list]:
-        """(rows I send, rows each peer sends me), per [peer][local expert]: the counts are exchanged
-        on the device and read on the host once (the split sizes all-to-all needs)."""
+    def _exchange_counts(self, counts: torch.Tensor | None, expert: torch.Tensor) -> tuple[list, list, torch.Tensor]:
+        """(rows I send, rows each peer sends me, per [peer][local expert]; the latter on the device).
+        The counts are exchanged on the device and read on the host once per layer: the uneven
+        all-to-all takes its split sizes on the host (NCCL, as Megatron's all-to-all dispatcher)."""
         ep, local = self.comm.size, self.num_experts // self.comm.size
         if counts is None:
             balanced = balanced_counts(expert.numel(), ep, local)
-            return balanced, balanced
+            return balanced, balanced, None
         got = counts if ep == 1 else self.comm.all_to_all_single(counts, [local] * ep, [local] * ep)
-        send, recv = torch.stack([counts, got]).view(2, ep, local).tolist()
-        return send, recv
+        send, recv = torch.stack([counts, got]).view(2, ep, local).tolist()  # the layer's one host sync
+        return send, recv, got
 
     def _kept(self, expert: torch.Tensor) -> torch.Tensor | None:
         """Capacity: an assignment is kept if fewer than C assignments to its expert come before it
@@ -254,13 +257,14 @@ class ExpertParallelMoE(CollectiveNode):
             mine = mine * comm.size + comm.rank
         return table[:mine].sum(0)
 
-    def _run_experts(self, rows: torch.Tensor, recv: list[list[int]], experts) -> torch.Tensor:
-        """Group the received rows by local expert, run each expert, restore the received order."""
+    def _run_experts(self, rows: torch.Tensor, recv: list[list[int]], recv_counts: torch.Tensor | None,
+                     experts) -> torch.Tensor:
+        """Group the received rows by local expert, run each expert, restore the received order.
+        The row -> expert map is built from the counts on the device (output size known: no sync)."""
         local = len(recv[0])
         experts_of_rows = torch.arange(local, device=rows.device).repeat(len(recv))  # peer-major, as received
-        segment = torch.repeat_interleave(experts_of_rows, torch.tensor(recv, device=rows.device).reshape(-1),
-                                          output_size=rows.shape[0]) if not _is_fake(rows) \
-            else torch.arange(rows.shape[0], device=rows.device) % local
+        segment = torch.repeat_interleave(experts_of_rows, recv_counts.reshape(-1), output_size=rows.shape[0]) \
+            if recv_counts is not None else torch.arange(rows.shape[0], device=rows.device) % local
         perm = torch.argsort(segment, stable=True)
         sizes = [sum(per_peer[e] for per_peer in recv) for e in range(local)]
         self.load = [a + b for a, b in zip(self.load, sizes)] if self.load else sizes

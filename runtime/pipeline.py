@@ -281,6 +281,13 @@ class PipelineMixin:
         self._pending.append(sent)
         return received
 
+    def rollback(self) -> None:
+        """After a failed step, also drop the messages it queued, took early or left in flight."""
+        super().rollback()
+        self._outbox, self._pending, self._inbox = [], [], {}
+        self._early.clear()
+        self._local.clear()
+
     def _wait_sends(self) -> None:
         self._post([])
         for work in self._pending:
@@ -368,7 +375,7 @@ class PipelineMixin:
 
     # ------------------------------------------------------------------------------------ a step
     def _run_schedule(self, batch: tuple, *, train: bool) -> tuple[torch.Tensor, float]:
-        micro = self._split(batch)
+        micro = self.check_batch(batch)
         self._inbox = {peer: list(order) for peer, order in self._orders[train].items()}
         flights: dict[tuple[int, int], InFlight] = {}
         total, count = torch.zeros((), dtype=torch.float64, device=self.device), 0.0
@@ -392,15 +399,16 @@ class PipelineMixin:
     # Which method runs each backward action of a schedule.
     _BACKWARD_STEPS = {"B": _backward, "I": _input_grad, "W": _weight_grad}
 
-    def _pipeline_global(self, total: torch.Tensor, count: float) -> tuple[torch.Tensor, float]:
-        """The last stage's (token-weighted loss sum, count), on every pp rank."""
+    def _pipeline_global(self, total: torch.Tensor, count) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's (token-weighted loss sum, count), on every pp rank, on the device (the
+        step's one host sync is the global loss)."""
         count = count if isinstance(count, torch.Tensor) else torch.full((), count, dtype=torch.float64,
                                                                           device=self.device)
         both = torch.stack([total.double(), count])
         if not self._last:
             both = torch.zeros_like(both)
         both = self.pp.all_reduce(both)
-        return both[0], self._to_host(both[1])
+        return both[0], both[1]
 
     def step(self, batch: tuple) -> float:
         total, count = self._run_schedule(batch, train=True)
@@ -410,10 +418,11 @@ class PipelineMixin:
         # the last backward carry unscaled sums, so every gradient is scaled once reduced
         self._sum_shared_grads()  # before the dp reduction: ZeRO-2 keeps only slices after it
         self.overlapped_buckets = self.reducer.finish()  # launched while backward still ran
-        self._scale_reduced(1.0 / count)
+        if count:  # no counted token: the loss below is NaN and the step is refused
+            self._scale_reduced(1.0 / count)
         self.peak_state_bytes = self.memory_bytes()
         value = self._global(total / count)
-        self._check_finite(value)
+        self._check_finite(value, count)
         self._clip_if_asked()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -428,7 +437,7 @@ class PipelineMixin:
         total, count = self._pipeline_global(total, count)
         return self._global(total / count)
 
-    def _scale_reduced(self, factor: float) -> None:
+    def _scale_reduced(self, factor) -> None:
         """Scale every reduced gradient: the parameters' and ZeRO-2's slices."""
         self._scale_grads(factor)
         for bucket in self.reducer.buckets:

@@ -7,7 +7,8 @@ Here every element's value is a hash of its coordinates in the one-device tensor
 partitionable threefry bits, and Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3"):
 replicas draw identical values, shards draw their slice, a microbatch draws its rows of the full
 batch's tensor, and drawing again gives the same numbers. The hash is Wellons' "lowbias32"
-(three rounds per word), written with int64 torch ops on 32-bit values so CPU and CUDA agree bitwise.
+(three rounds per word), written with int64 torch ops on 32-bit values so CPU and CUDA agree bitwise;
+the key is mixed on the device, so a draw never waits for the host.
 
 ``usc::draw`` is a custom op tagged ``nondeterministic_seeded`` so passes treat it as a random op
 (recompute keeps its output). Its key comes from a :class:`RandomKey` node the executor sets
@@ -38,28 +39,32 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _mix_int(x: int) -> int:
+def _mix(x: int | torch.Tensor) -> int | torch.Tensor:
+    """mix32 of one word: a Python int, or a 0-dim int64 tensor left on its device (no host sync)."""
+    if isinstance(x, torch.Tensor):
+        return mix32(x & MASK32)
     return int(mix32(torch.tensor(x & MASK32, dtype=torch.int64)))
 
 
-def op_key(seed: int, step: int, op: int) -> int:
-    """The 32-bit key of one op's draws in one step."""
-    k = _mix_int(op * GOLDEN + 1)
-    k = _mix_int(k ^ (step & MASK32)) ^ _mix_int((step >> 32) + GOLDEN)
-    return _mix_int(k ^ (seed & MASK32)) ^ _mix_int(((seed >> 32) & MASK32) + 2 * GOLDEN)
+def op_key(seed: int | torch.Tensor, step: int | torch.Tensor, op: int) -> int | torch.Tensor:
+    """The 32-bit key of one op's draws in one step (a tensor when seed and step are: the
+    executor's key stays on the device)."""
+    k = _mix(op * GOLDEN + 1)
+    k = _mix(k ^ (step & MASK32)) ^ _mix((step >> 32) + GOLDEN)
+    return _mix(k ^ (seed & MASK32)) ^ _mix(((seed >> 32) & MASK32) + 2 * GOLDEN)
 
 
-def words(index: torch.Tensor, key: int, count: int) -> list[torch.Tensor]:
+def words(index: torch.Tensor, key: int | torch.Tensor, count: int) -> list[torch.Tensor]:
     """``count`` independent 32-bit words per element index (int64, below 2^63)."""
     lo, hi = index & MASK32, index >> 32
     out = []
     for j in range(count):
-        k = _mix_int(key ^ ((j * GOLDEN) & MASK32))
+        k = _mix(key ^ ((j * GOLDEN) & MASK32))
         out.append(mix32((mix32(mix32(lo ^ k) ^ hi) + k) & MASK32))  # three rounds, keyed twice
     return out
 
 
-def global_index(shape: Sequence[int], batch_dim: int | None, microbatch: int, microbatches: int,
+def global_index(shape: Sequence[int], batch_dim: int | None, microbatch: int | torch.Tensor, microbatches: int,
                  device) -> torch.Tensor:
     """The flat index of every element in the one-device tensor. Under microbatching the program
     sees one microbatch's tensor; along its batch dim microbatch m holds rows m*n .. m*n + n - 1
@@ -88,7 +93,7 @@ def uniform_from(ws: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return ((ws[0] >> (32 - bits)).double() * 2.0**-bits).to(dtype)
 
 
-def draw_values(index: torch.Tensor, key: int, dtype: torch.dtype, distribution: str, a: float,
+def draw_values(index: torch.Tensor, key: int | torch.Tensor, dtype: torch.dtype, distribution: str, a: float,
                 b: float) -> torch.Tensor:
     """The values of one draw at ``index``: uniform [a, b), normal(a, b), keep (0 or 1/(1-a)),
     bernoulli (1 with probability a). Keep and bernoulli compare 32 bits, whatever the dtype, so a
@@ -113,7 +118,7 @@ def draw(key: torch.Tensor, shape: Sequence[int], op: int, batch_dim: int, micro
          dtype: torch.dtype, distribution: str, a: float, b: float) -> torch.Tensor:
     """One op's draw over the (microbatch's) whole tensor. key = [seed, step, microbatch];
     batch_dim -1: the tensor does not depend on the batch (every microbatch draws the same)."""
-    seed, step, microbatch = (int(v) for v in key.tolist())
+    seed, step, microbatch = key.unbind()  # 0-dim views: the key is never read on the host
     index = global_index(shape, batch_dim if batch_dim >= 0 else None, microbatch, microbatches, key.device)
     return draw_values(index, op_key(seed, step, op), dtype, distribution, a, b).contiguous()
 
@@ -136,7 +141,12 @@ class RandomKey(nn.Module):
         self.device = mesh.device
 
     def forward(self) -> torch.Tensor:
-        return torch.tensor([self.seed, self.step, self.microbatch], dtype=torch.int64, device=self.device)
+        # filled on the device (fill_ takes the number as a kernel argument): torch.tensor(list,
+        # device=cuda), or key[i] = number, copy host memory to the device and wait for it
+        key = torch.empty(3, dtype=torch.int64, device=self.device)
+        for i, value in enumerate((self.seed, self.step, self.microbatch)):
+            key.select(0, i).fill_(value)
+        return key
 
 
 def set_random_keys(module: nn.Module, *, step: int | None = None, microbatch: int | None = None) -> None:

@@ -7,7 +7,7 @@ any op mixes devices (FakeTensor raises) or the runtime creates a tensor off the
 DeviceWatch records it, 0-dim tensors included). The ranks run on the Python-registered
 accelerator "fakegpu": in a CPU-only build fake ``cuda`` tensors cannot take part in autograd nor
 be copied (torch asks the missing CUDA device guard); on ``cuda:0`` each rank's bound program is
-checked as a graph. See usc/testing/fake_device.py.
+checked as a graph. See usc/testing/fake_device.py. USC_DEEP_TIER=1 adds heavier plans (DEEP_PLANS).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from usc.runtime import pipeline as pipeline_module
 from usc.runtime.executor import bind_graph
 from usc.runtime.mesh import shape_mesh
 from usc.testing.fake_device import fake_accelerator, run_fake_rank
-from usc.testing.models import MoEConfig, TinyLlama, TinyMixtral, token_batch
+from usc.testing.models import DropoutNet, MoEConfig, TinyLlama, TinyMixtral, token_batch
 
 # Autograd sizes its per-device queues at the first backward of a process, so the Python-registered
 # accelerator must exist before any backward runs: the tier runs in a fresh pytest process of its own
@@ -61,13 +61,26 @@ PLANS = [
     ("dp=2 recompute=selective", "llama"),
     ("dp=4 ep=2", "moe"),
     ("dp=2 ep=2", "moe"),
+    ("dp=2 pp=2 mb=2 schedule=gpipe", "llama"),  # the dp reduction overlapping the pipeline's backward
+    ("dp=2 mb=2", "dropout"),  # random draws keyed on the device, per microbatch
 ]
+# Heavier combinations, run with USC_DEEP_TIER=1 (8 ranks, or paths the plans above already reach)
+DEEP_PLANS = [
+    ("dp=2 fuse=on", "llama"),
+    ("dp=2 pp=2 mb=2 zero=1", "llama"),
+    ("dp=2 ep=2 tp=2", "moe"),
+    ("dp=2 tp=2 cp=2 cp_mode=ring", "llama"),
+]
+if os.environ.get("USC_DEEP_TIER") == "1":
+    PLANS += DEEP_PLANS
 
 
 def _model(kind: str):
     torch.manual_seed(0)
     if kind == "moe":
         return TinyMixtral(MoEConfig()), token_batch(MoEConfig().vocab, 4, 12)
+    if kind == "dropout":
+        return DropoutNet(0.3), token_batch(32, 8, 6)
     return TinyLlama(), token_batch(128, 12, 12)
 
 
