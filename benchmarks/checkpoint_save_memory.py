@@ -1,46 +1,22 @@
 """Peak bytes each rank allocates while saving a checkpoint, against its own share of the state.
 
-    python benchmarks/checkpoint_save_memory.py
+    python benchmarks/checkpoint_save_memory.py                  # usc's 4-layer TinyLlama
+    python benchmarks/checkpoint_save_memory.py --model hf-llama  # Hugging Face Llama, 8 layers, built on meta
 
-A 4-layer Llama under "dp=4 tp=2 zero=3" (8 simulated ranks: each holds 1/8 of parameters and
-AdamW state, the model is 8x one rank's share). Every tensor a torch op allocates inside the
-rank's save is counted while it lives (views of existing tensors allocate nothing); the peak
-over the save is reported per rank.
+Under "dp=4 tp=2 zero=3" (8 simulated ranks: each holds 1/8 of parameters and AdamW state, the
+model is 8x one rank's share). Every tensor a torch op allocates inside the rank's save is counted
+while it lives (views of existing tensors allocate nothing); the peak over the save is reported per
+rank. ``--model hf-llama`` builds the model on the meta device and lets each rank materialise its
+share (a tree without that builds it on the CPU: the save does not depend on how the model was made).
 """
 
-import weakref
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import usc
+from usc.testing.memory_counters import PeakAllocations
 from usc.testing.models import LlamaConfig, TinyLlama, token_batch
 
 PLAN = "dp=4 tp=2 zero=3"
-
-
-class PeakAllocations(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.live, self.peak, self._alive = 0, 0, {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if not isinstance(t, torch.Tensor) or t.untyped_storage()._cdata in inputs:
-                continue
-            key = t.untyped_storage()._cdata
-            if key not in self._alive:
-                self._alive[key] = t.untyped_storage().nbytes()
-                self.live += self._alive[key]
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(t.untyped_storage(), self._free, key)
-        return out
-
-    def _free(self, key):
-        self.live -= self._alive.pop(key, 0)
 
 
 def measure(sim, save_rank) -> list[int]:
@@ -55,17 +31,52 @@ def measure(sim, save_rank) -> list[int]:
     return run_in_threads(sim.meshes, one, timeout=300)
 
 
+class LossOf(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids, labels):
+        return self.m(input_ids=ids, labels=labels).loss
+
+
+def hf_llama(device: str):
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=8,
+                                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    with torch.device(device):
+        return LossOf(transformers.LlamaForCausalLM(config))
+
+
+def simulated(name: str):
+    """(simulated mesh after one step, parameter bytes, largest parameter bytes)."""
+    torch.manual_seed(0)
+    if name == "tiny":
+        batch = token_batch(128, 8, 16)
+        model = TinyLlama(LlamaConfig(layers=4))
+        sim = usc.simulate(model, PLAN, example_inputs=batch)
+    else:
+        batch = token_batch(512, 8, 16)
+        sizes = [p.numel() * 4 for p in hf_llama("meta").parameters()]
+        try:
+            sim = usc.simulate(hf_llama("meta"), PLAN, example_inputs=batch, init_seed=0)
+        except TypeError:  # a tree that cannot materialise a meta-built model
+            sim = usc.simulate(hf_llama("cpu"), PLAN, example_inputs=batch)
+    sim.step(*batch)
+    sizes = [p.numel() * 4 for p in model.parameters()] if name == "tiny" else sizes
+    return sim, sum(sizes), max(sizes)
+
+
 def main() -> None:
+    import argparse
     import tempfile
 
-    torch.manual_seed(0)
-    batch = token_batch(128, 8, 16)
-    model = TinyLlama(LlamaConfig(layers=4))
-    sim = usc.simulate(model, PLAN, example_inputs=batch)
-    sim.step(*batch)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=("tiny", "hf-llama"), default="tiny")
+    sim, params, largest = simulated(parser.parse_args().model)
     share = max(sum(r.memory_bytes().values()) for r in sim.ranks)
-    total = sum(p.numel() * 4 for p in model.parameters()) * 3  # params + exp_avg + exp_avg_sq
-    largest = max(p.numel() * 4 for p in model.parameters())
+    total = params * 3  # params + exp_avg + exp_avg_sq
     path = tempfile.mkdtemp()
     try:
         from usc.runtime import checkpoint_state  # the sharded save

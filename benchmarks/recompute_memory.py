@@ -14,7 +14,7 @@ import time
 import torch
 
 import usc
-from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
+from usc.testing.models import memory_benchmark_models
 
 MODES = ("none", "selective", "full")
 MESHES = ("dp=1", "dp=2 tp=2")
@@ -51,10 +51,8 @@ def measure(name: str, factory, batch) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    llama = LlamaConfig(vocab=256, hidden=128, heads=8, kv_heads=4, mlp=256, layers=4, max_seq=512)
-    measure("Llama-style, 4 layers, 2 x 512 tokens", lambda: TinyLlama(llama), token_batch(256, 2, 512))
-    gpt2 = GPT2Config(vocab=256, hidden=128, heads=8, layers=4, max_seq=512)
-    measure("GPT-2-style, 4 layers, 2 x 512 tokens", lambda: TinyGPT2(gpt2), shifted_batch(256, 2, 512))
+    for name, factory, batch in memory_benchmark_models():
+        measure(name, factory, batch)
 
 
 if __name__ == "__main__":

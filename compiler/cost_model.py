@@ -24,21 +24,17 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from functools import partial
+from typing import NamedTuple
 
 from .cost_types import (BYTES_FP32, CollectiveCost, CollectiveEstimate, Estimate, ModelProfile,  # noqa: F401
                          PlanPoint, ScaleKey, UnitCost, tied_once)
 from .hardware import HardwareProfile
+from usc.runtime.sizes import shape_bytes
 from .partition import balanced_cut, manual_cut
 
-# Sustained fraction of the tensor-core peak over a step's matmuls and attention kernels. Large
-# cuBLAS GEMMs reach 70-80% of peak, FlashAttention less; well-tuned dense runs report 40-55% MFU
-# (Ultra-Scale Playbook; Megatron-LM's tables), so 0.6 before communication and bubbles. Small
-# per-rank matmuls reach less: efficiency falls off with the rows per microbatch as
-# t / (t + MATMUL_HALF_ROWS) (a saturating curve; 256 rows reach half of it).
-MATMUL_EFFICIENCY = 0.6
-MATMUL_HALF_ROWS = 256
-# NCCL reaches ~80% of the link's peak as bus bandwidth at large messages (nccl-tests on DGX H100).
-COMM_EFFICIENCY = 0.8
+# The sustained fraction of the matmul peak (and its fall-off with the rows per microbatch,
+# t / (t + half_rows)), the fraction of link bandwidth collectives reach and the per-layer launch
+# overhead are fields of the hardware profile (compiler/hardware.py), which a calibration measures.
 # Element-wise work is memory bound: each saved activation byte is read/written about 3 times in
 # forward + backward (write in forward, read + gradient write in backward).
 POINTWISE_TRAFFIC = 3.0
@@ -67,8 +63,8 @@ def scale(key: ScaleKey, amount: float, profile: ModelProfile, plan: PlanPoint) 
     return value
 
 
-def _acts(buckets: dict, profile: ModelProfile, plan: PlanPoint, *, kept_only: bool = False) -> float:
-    return sum(scale(k, a, profile, plan) for k, a in buckets.items() if k.kept or not kept_only)
+def _acts(buckets: dict, profile: ModelProfile, plan: PlanPoint) -> float:
+    return sum(scale(k, a, profile, plan) for k, a in buckets.items())
 
 
 def tokens_per_microbatch(profile: ModelProfile, plan: PlanPoint) -> float:
@@ -129,6 +125,7 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
     sps = {sp for u in units for sp in u.acts}
     tied, extra_rep, extra_tp = tied_once(units)
     largest = {sp: max((u.acts.get(sp, {}) for u in units), key=lambda d: sum(d.values()), default={}) for sp in sps}
+    modes = {m for u in units for m in u.held}
     return UnitCost(units[0].name if len(units) == 1 else f"{units[0].name}..{units[-1].name}",
                     sum(u.balance for u in units), sum(u.flops_matmul for u in units),
                     sum(u.flops_attention for u in units), sum(u.params_rep for u in units) - extra_rep,
@@ -137,6 +134,8 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
                     {sp: add(u.input_bytes.get(sp, {}) for u in units) for sp in sps},
                     {sp: merge_comms(u.collectives.get(sp, ()) for u in units) for sp in sps},
                     blocks=sum(u.blocks for u in units), largest_acts=largest,
+                    held={m: add(u.held.get(m, {}) for u in units) for m in modes},
+                    parts=tuple(p for u in units for p in (u.parts or (u,))),
                     params_expert=sum(u.params_expert for u in units), moe_layers=sum(u.moe_layers for u in units),
                     params_saved=(sum(u.params_saved[0] for u in units), sum(u.params_saved[1] for u in units)),
                     boundary=units[-1].boundary, boundary_grad=units[-1].boundary_grad,
@@ -188,17 +187,30 @@ def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) 
 def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> float:
     """Peak bytes saved for backward: one microbatch's worth times the microbatches in flight."""
     sp = plan.sp and plan.tp > 1
-    if plan.recompute == "full":  # only each unit's input is kept; one unit is live in backward
-        kept = sum(_acts(u.input_bytes.get(sp, {}), profile, plan) for u in units)
-        live = max((_acts(u.largest_acts.get(sp, u.acts.get(sp, {})), profile, plan) for u in units), default=0.0)
-        per_mb = kept
-    else:
-        per_mb = sum(_acts(u.acts.get(sp, {}), profile, plan, kept_only=plan.recompute == "selective")
-                     for u in units)
+    if plan.recompute == "none":
+        per_mb = sum(_acts(u.acts.get(sp, {}), profile, plan) for u in units)
         live = 0.0
-    if plan.dtype == "bf16":  # the bf16 copies of the weights that linears save
+    else:  # what forward holds (region inputs, kept matmul outputs, all outside the blocks), and in
+        # backward the tensors of the one unit being recomputed
+        how = (plan.recompute, plan.cp > 1, sp)
+        per_mb = sum(_acts(u.held.get(how, {}), profile, plan) for u in units)
+        live = max((_recompute_peak(profile, plan, u.parts or (u,), how) for u in units), default=0.0)
+    if plan.dtype == "bf16" and not (plan.zero >= 3 and plan.dp > 1):
+        # the bf16 copies of the weights that linears save; ZeRO-3 frees them with the gathered
+        # weight and gathers again in backward (measured: 4-layer Llama dp=2 bf16, 1623816 bytes
+        # saved; with zero=3, 1311368 -- the 312448 bytes of its bf16 matmul weights fewer)
         per_mb += sum(_params(u, plan) for u in units) / 2
     return per_mb * in_flight(plan) + live
+
+
+def _recompute_peak(profile: ModelProfile, plan: PlanPoint, parts: tuple, key: tuple) -> float:
+    """The most backward adds to what forward held: it recomputes one unit at a time, last first,
+    and by then has freed what the units after it held."""
+    most, freed = 0.0, 0.0
+    for unit in reversed(parts):
+        most = max(most, _acts(unit.recomputed.get(key, {}), profile, plan) - freed)
+        freed += _acts(unit.held.get(key, {}), profile, plan)
+    return most
 
 
 # ------------------------------------------------------------------------------------ communication
@@ -211,26 +223,54 @@ def crosses_node(plan: PlanPoint, axis: str) -> bool:
     return stride * sizes[axis] > plan.gpus_per_node
 
 
-def collective_seconds(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
-    """Seconds of one collective; ``nbytes`` is this rank's payload. Bandwidth term of the ring
-    algorithms (Patarasuk & Yuan 2009), which NCCL uses for large messages; latency term of the
-    (double binary) trees NCCL switches to when messages are small: 2*log2(n) steps for all-reduce,
-    log2(n) for the others (Sanders et al. 2009; NCCL's tuning model)."""
+class Link(NamedTuple):
+    """What a group's collectives run over: sustained bandwidth (bytes/s, per rank and direction),
+    latency per algorithm step, and whether steps grow as n-1 (ring: gloo) or log2 n (NCCL's trees)."""
+
+    bandwidth: float
+    latency: float
+    ring: bool = False
+
+
+def collective_seconds(kind: str, nbytes: float, n: int, bandwidth: float, latency: float,
+                       ring: bool = False) -> float:
+    """Seconds of one collective; ``nbytes`` is this rank's payload, ``bandwidth`` what the link
+    sustains. Bandwidth term of the ring algorithms (Patarasuk & Yuan 2009), which NCCL uses for
+    large messages; latency term of the (double binary) trees NCCL switches to when messages are
+    small: 2*log2(n) steps for all-reduce, log2(n) for the others (Sanders et al. 2009; NCCL's tuning
+    model) -- or a ring's n-1 steps per phase (gloo's ring algorithms). The latency term is also what
+    makes the bus bandwidth grow with the message size (busbw = bytes / (bytes/bw + steps*latency))."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    bw = bandwidth * COMM_EFFICIENCY
-    steps = math.ceil(math.log2(n))
+    steps = n - 1 if ring else math.ceil(math.log2(n))
     if kind == "all-reduce":
-        return 2 * (n - 1) / n * nbytes / bw + 2 * steps * latency
+        return 2 * (n - 1) / n * nbytes / bandwidth + 2 * steps * latency
     if kind == "all-gather":  # payload is the local shard; n-1 shards arrive
-        return (n - 1) * nbytes / bw + steps * latency
+        return (n - 1) * nbytes / bandwidth + steps * latency
     if kind in ("reduce-scatter", "all-to-all"):  # payload is the whole input; (n-1)/n leaves
-        return (n - 1) / n * nbytes / bw + steps * latency
-    return nbytes / bw + latency  # send/recv
+        return (n - 1) / n * nbytes / bandwidth + steps * latency
+    return nbytes / bandwidth + latency  # send/recv
 
 
-def _link(hw: HardwareProfile, plan: PlanPoint, axis: str) -> tuple[float, float]:
-    return hw.link(crosses_node=crosses_node(plan, axis))
+def _link(hw: HardwareProfile, plan: PlanPoint, axis: str) -> Link:
+    """A group that spans nodes drives every NIC its ranks in a node own: NCCL's rings and trees
+    cross nodes once per node and channel, one channel per NIC, so a group with g ranks in each
+    node moves g NIC shares (2-node H100 all-reduce measures 435 GB/s bus bandwidth at 1 GB, far
+    above one 50 GB/s NIC: docs/cost_model.md, "Published vs predicted"). A pipeline transfer is one
+    rank's send: one NIC."""
+    crosses = crosses_node(plan, axis)
+    bandwidth, latency = hw.link(crosses_node=crosses)
+    if crosses and axis != "pp":
+        bandwidth = min(bandwidth * ranks_per_node(plan, axis), hw.intra_node_bandwidth)
+    return Link(bandwidth * hw.comm_efficiency, latency, hw.latency_steps == "ring")
+
+
+def ranks_per_node(plan: PlanPoint, axis: str) -> int:
+    """How many ranks of one group of ``axis`` share a node (row-major mesh, as crosses_node)."""
+    sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
+    order = list(plan.order)
+    stride = math.prod(sizes[a] for a in order[order.index(axis) + 1:])
+    return max(1, min(sizes[axis], plan.gpus_per_node // stride))
 
 
 def layer_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile
@@ -250,12 +290,12 @@ def layer_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
             calls = c.count * ((n - 1 if c.direction == "forward" else 2 * n - 1) if c.ring else 1)
             again = c.reissued and plan.recompute == "full"
             issues = [(c.direction, calls)] + ([("backward", calls)] if again else [])
-            bw, lat = _link(hw, plan, c.axis)
+            link = _link(hw, plan, c.axis)
             for direction, k in issues:
                 acc = out.setdefault((c.axis, c.kind, direction, n), [0.0, 0.0, 0.0])
                 acc[0] += per_call * k
                 acc[1] += k
-                acc[2] += k * collective_seconds(c.kind, per_call, n, bw, lat)
+                acc[2] += k * collective_seconds(c.kind, per_call, n, *link)
     return [CollectiveEstimate(axis, kind, direction, n, b, calls, s, s) for (axis, kind, direction, n), (b, calls, s)
             in out.items()]
 
@@ -277,28 +317,28 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
             continue
         kind = "reduce-scatter" if axis == "dp" and plan.zero >= 2 else "all-reduce"
         payload = grad_bytes if axis == "dp" else (dense if axis == "ep" else grad_bytes) / sliced
-        bw, lat = _link(hw, plan, axis)
+        link = _link(hw, plan, axis)
         calls = max(1.0, math.ceil(grad_bytes / (plan.bucket_mb * 2**20)))
-        seconds = collective_seconds(kind, payload, n, bw, lat * calls)
-        last_bucket = collective_seconds(kind, min(payload, plan.bucket_mb * 2**20), n, bw, lat)
+        seconds = collective_seconds(kind, payload, n, link.bandwidth, link.latency * calls, link.ring)
+        last_bucket = collective_seconds(kind, min(payload, plan.bucket_mb * 2**20), n, *link)
         exposed = max(seconds - backward_seconds, last_bucket)
         out.append(CollectiveEstimate(axis, kind, "backward", n, payload, calls, seconds, exposed))
     tp_reduced = sum(u.params_tp_reduced for u in units) / sliced
     if plan.sp and plan.tp > 1 and tp_reduced:  # norm weights see a sequence shard under sp: sum over tp
-        bw, lat = _link(hw, plan, "tp")
-        seconds = collective_seconds("all-reduce", tp_reduced, plan.tp, bw, lat)
+        link = _link(hw, plan, "tp")
+        seconds = collective_seconds("all-reduce", tp_reduced, plan.tp, *link)
         out.append(CollectiveEstimate("tp", "all-reduce", "backward", plan.tp, tp_reduced, 1, seconds, seconds))
     if plan.dp > 1 and plan.zero in (1, 2):  # updated slices gathered after the step: not overlapped
-        bw, lat = _link(hw, plan, "dp")
-        seconds = collective_seconds("all-gather", params / plan.dp, plan.dp, bw, lat)
+        link = _link(hw, plan, "dp")
+        seconds = collective_seconds("all-gather", params / plan.dp, plan.dp, *link)
         out.append(CollectiveEstimate("dp", "all-gather", "optimizer", plan.dp, params / plan.dp, 1, seconds, seconds))
     if plan.dp > 1 and plan.zero == 3:  # per layer gathers in forward and backward (prefetched)
-        bw, lat = _link(hw, plan, "dp")
+        link = _link(hw, plan, "dp")
         layers = max(1, sum(u.blocks for u in units))
         # backward gathers again only the parameters autograd saved (an embedding saves its indices)
         saved = sum(u.params_saved[0] + u.params_saved[1] / plan.tp for u in units)
         payload = (params + saved) / plan.dp
-        seconds = collective_seconds("all-gather", payload / (2 * layers), plan.dp, bw, lat) * 2 * layers
+        seconds = collective_seconds("all-gather", payload / (2 * layers), plan.dp, *link) * 2 * layers
         out.append(CollectiveEstimate("dp", "all-gather", "forward+backward", plan.dp, payload * plan.mb,
                                       2 * layers * plan.mb, seconds * plan.mb, 0.0))
     return out
@@ -317,12 +357,12 @@ def shared_gradient_collectives(profile: ModelProfile, plan: PlanPoint, hw: Hard
     for k, stage in enumerate(merged_stages(profile, chunks, plan.split)):
         for weight in stage.tied:
             ranks.setdefault(weight, set()).add(k % plan.pp)
-    bw, lat = _link(hw, plan, "pp")
+    link = _link(hw, plan, "pp")
     out = []
     for (_, rep, split), held in ranks.items():
         if len(held) > 1:
             nbytes = rep + split / plan.tp
-            seconds = collective_seconds("all-reduce", nbytes, plan.pp, bw, lat)
+            seconds = collective_seconds("all-reduce", nbytes, plan.pp, *link)
             out.append(CollectiveEstimate("pp", "all-reduce", "backward", plan.pp, nbytes, 1, seconds,
                                           seconds))
     return out
@@ -338,8 +378,8 @@ def expert_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitC
     sp = plan.sp and plan.tp > 1
     hidden = sum(_acts(u.input_bytes.get(sp, {}), profile, plan) / u.blocks for u in units) / len(units)
     payload = MOE_TOP_K * hidden * layers
-    bw, lat = _link(hw, plan, "ep")
-    seconds = 2 * layers * collective_seconds("all-to-all", payload / layers, plan.ep, bw, lat)
+    link = _link(hw, plan, "ep")
+    seconds = 2 * layers * collective_seconds("all-to-all", payload / layers, plan.ep, *link)
     return [CollectiveEstimate("ep", "all-to-all", d, plan.ep, 2 * payload, 2 * layers, seconds, seconds)
             for d in ("forward", "backward")]
 
@@ -355,11 +395,11 @@ def pipeline_collectives(profile: ModelProfile, plan: PlanPoint, stages: list[Un
     sp = plan.sp and plan.tp > 1
     cuts = [stages[i] for i in (k - 1, k) if 0 <= i < len(stages) - 1]  # stage i's boundary: the cut after it
     timed = len(cuts) - 1 if k < len(stages) - 1 else 0  # which cut's transfer is on the time
-    bw, lat = _link(hw, plan, "pp")
+    link = _link(hw, plan, "pp")
     out = []
     for direction, crossing in (("forward", lambda cut: cut.boundary), ("backward", lambda cut: cut.boundary_grad)):
         nbytes = [_acts(crossing(cut).get(sp, {}), profile, plan) for cut in cuts]  # the hidden state
-        seconds = collective_seconds("send/recv", nbytes[timed], 2, bw, lat)
+        seconds = collective_seconds("send/recv", nbytes[timed], 2, *link)
         out.append(CollectiveEstimate("pp", "send/recv", direction, plan.pp, sum(nbytes), len(cuts),
                                       seconds, seconds))
     return out
@@ -367,9 +407,9 @@ def pipeline_collectives(profile: ModelProfile, plan: PlanPoint, stages: list[Un
 
 # ---------------------------------------------------------------------------------------- time
 
-def matmul_efficiency(profile: ModelProfile, plan: PlanPoint) -> float:
+def matmul_efficiency(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) -> float:
     rows = tokens_per_microbatch(profile, plan)
-    return MATMUL_EFFICIENCY * rows / (rows + MATMUL_HALF_ROWS)
+    return hw.matmul_efficiency * rows / (rows + hw.matmul_half_rows)
 
 
 def stage_flops(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> float:
@@ -430,12 +470,13 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
                     hw: HardwareProfile):
     units = [stages[k]]
     fwd_flops = stage_flops(profile, plan, units)
-    rate = hw.peak_flops(plan.dtype) * matmul_efficiency(profile, plan)
+    rate = hw.peak_flops(plan.dtype) * matmul_efficiency(profile, plan, hw)
     extra = {"full": 1.0, "selective": 0.0}.get(plan.recompute, 0.0)  # selective: pointwise only
     acts = sum(_acts(u.acts.get(plan.sp and plan.tp > 1, {}), profile, plan) for u in units)
     pointwise = POINTWISE_TRAFFIC * acts / hw.hbm_bandwidth * (FUSED_POINTWISE if plan.fuse else 1.0)
-    forward = fwd_flops / rate + pointwise / 3
-    backward = (2 + extra) * fwd_flops / rate + 2 * pointwise / 3
+    overhead = hw.unit_overhead * units[0].blocks  # launches and Python, per layer, whatever its size
+    forward = fwd_flops / rate + (pointwise + overhead) / 3
+    backward = (2 + extra) * fwd_flops / rate + 2 * (pointwise + overhead) / 3
     per_mb_comms = _microbatch_collectives(profile, plan, stages, k, hw)
     per_mb = forward + backward + sum(c.exposed_seconds for c in per_mb_comms)
     comms = (_per_step(per_mb_comms, plan.mb) + gradient_collectives(plan, units, hw, backward)
@@ -469,15 +510,12 @@ def _per_step(comms: list[CollectiveEstimate], m: int) -> list[CollectiveEstimat
 
 
 def loss_value_collectives(profile: ModelProfile, plan: PlanPoint) -> list[CollectiveEstimate]:
-    """What every rank issues once per step to return the loss (runtime/executor.py, pipeline.py):
-    with pp, the last stage's loss sum and token count (two float64) summed over pp; then the loss
-    value summed over the axes it is partial on -- a float32 scalar, float64 with pp (the pipeline
-    executor accumulates the loss in float64)."""
+    """What every rank issues once per step to return the loss: the runtime's own description of it
+    (runtime/loss_value.py) for this plan's pp."""
     sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
-    pipeline = plan.pp > 1
-    out = [CollectiveEstimate("pp", "all-reduce", "forward", plan.pp, 16, 1, 0.0, 0.0)] if pipeline else []
-    return out + [CollectiveEstimate(axis, "all-reduce", "forward", sizes[axis], 8 if pipeline else 4, 1, 0.0, 0.0)
-                  for axis in profile.loss_axes if sizes.get(axis, 1) > 1]
+    reduction = replace(profile.loss_value, pipelined=plan.pp > 1).over(sizes)
+    return [CollectiveEstimate(axis, "all-reduce", "forward", sizes[axis], shape_bytes(shape, dtype), 1, 0.0, 0.0)
+            for axis, shape, dtype, _ in reduction.payloads() if sizes.get(axis, 1) > 1]
 
 
 def _exposed_layer_comm(c: CollectiveEstimate, profile, plan, units, hw) -> float:
@@ -485,7 +523,7 @@ def _exposed_layer_comm(c: CollectiveEstimate, profile, plan, units, hw) -> floa
     if c.axis == "cp" and c.kind == "send/recv":
         attention = sum(u.flops_attention for u in units) * (3 * tokens_per_microbatch(profile, plan)
                                                             / (profile.batch * profile.seq))
-        attention *= plan.seq / profile.seq / plan.tp / (hw.peak_flops(plan.dtype) * MATMUL_EFFICIENCY)
+        attention *= plan.seq / profile.seq / plan.tp / (hw.peak_flops(plan.dtype) * hw.matmul_efficiency)
         return max(0.0, c.seconds - attention)
     return c.seconds
 
@@ -497,5 +535,4 @@ def _zero3_exposed(grads: list[CollectiveEstimate], compute: float) -> float:
 
 __all__ = ["ScaleKey", "CollectiveCost", "UnitCost", "ModelProfile", "PlanPoint", "Estimate",
            "CollectiveEstimate", "estimate", "scale", "stage_units", "in_flight", "bubble_units",
-           "crosses_node", "collective_seconds", "peak_memory", "shared_gradient_collectives",
-           "MATMUL_EFFICIENCY", "COMM_EFFICIENCY"]
+           "crosses_node", "collective_seconds", "peak_memory", "shared_gradient_collectives", "Link"]

@@ -8,18 +8,19 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, NamedTuple
 
+from usc.runtime.loss_value import LossValueReduction
+
 BYTES_FP32 = 4
 
 
 class ScaleKey(NamedTuple):
     """How an amount scales: with the batch (split by dp*mb), with the sequence (split by cp),
-    split by tp, float (bf16 halves it) and kept by selective recompute."""
+    split by tp, and float (bf16 halves it)."""
 
     batch: bool
     seq: bool
     tp: bool
     is_float: bool = True
-    kept: bool = True
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,11 @@ class UnitCost:
     boundary: dict = field(default_factory=dict)  # sp -> {ScaleKey: bytes} crossing a pipeline cut after this unit
     boundary_grad: dict = field(default_factory=dict)  # sp -> ... of those values that have a gradient
     largest_acts: dict = field(default_factory=dict)  # sp -> acts of the largest merged unit
+    # (recompute mode, cp > 1, sp) -> {ScaleKey: bytes} forward holds for backward under that mode, and
+    # what backward makes again when it recomputes the unit (passes/cost_profile._under_recompute)
+    held: dict = field(default_factory=dict)
+    recomputed: dict = field(default_factory=dict)
+    parts: tuple = ()  # the units merged into this one, in order (empty: a unit of its own)
     # (replicated, tp-split) bytes of parameters whose gradient the graph sums over dp, not a bucket
     params_unreduced: tuple = (0, 0)
     # (name, replicated, tp-split bytes) of parameters other units also use (tied embedding / lm
@@ -77,7 +83,8 @@ class ModelProfile:
     cp_possible: bool = True
     layers: int = 0  # numbered layers (what pp cuts between)
     experts: int = 0  # experts per MoE layer (0: dense)
-    loss_axes: tuple[str, ...] = ()  # axes the returned loss value is summed over (4 bytes each, per step)
+    # how the returned loss is summed (axes, dtype), as the runtime does it for the probe's plan
+    loss_value: LossValueReduction = LossValueReduction()
     _stages: dict = field(default_factory=dict, compare=False, repr=False)  # (pp, cuts) -> merged stages (cache)
 
     @property

@@ -31,6 +31,7 @@ import torch.fx as fx
 from torch.export.graph_signature import OutputKind
 
 from .errors import CompileError
+from .source_info import module_path, user_source
 
 WRITE_KINDS = (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)
 INPUT_WRITES = "usc_input_writes"  # gm.meta key: user inputs the forward writes (names)
@@ -87,8 +88,6 @@ def _refuse_overlapping_writes(gm: fx.GraphModule) -> None:
     """``a.add_(x[:, 0:1])`` where ``a = x[:, 0:2]``: eager PyTorch reads some elements after it
     wrote them (in an order it does not define), functionalization reads all before writing. Rather
     than train either silently, such a write is refused (PyTorch itself refuses some of them)."""
-    from .trace import module_path, user_source
-
     for node in _all_nodes(gm):
         if not is_mutating(node) or not node.args or not isinstance(node.args[0], fx.Node):
             continue
@@ -211,8 +210,6 @@ def _all_nodes(gm: fx.GraphModule):
 
 def verify_functional(gm: fx.GraphModule) -> None:
     """Raise HiddenEffectError at the first mutating op (stages of a pipeline included)."""
-    from .trace import module_path, user_source
-
     for node in _all_nodes(gm):
         if is_mutating(node):
             raise HiddenEffectError(_describe(node, module_path(node), user_source(node)))

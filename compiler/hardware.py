@@ -1,8 +1,8 @@
 """Hardware profiles: the few numbers of a machine that the cost model turns into seconds.
 
 A profile is a frozen value in SI units (FLOP/s, bytes, bytes/s, seconds). Two are built in
-(``h100``: H100 SXM5 80GB in an 8-GPU HGX/DGX node; ``a100``: A100 SXM4 80GB in a DGX A100);
-a user describes their own in a TOML or JSON file with the same field names::
+(``h100``: H100 SXM5 80GB in an 8-GPU HGX/DGX node; ``a100``: A100 SXM4 80GB in a DGX A100), each
+one file in ``profiles/`` with every number's source; a user copies and edits one, or describes their own in a TOML or JSON file with the same field names::
 
     # my_cluster.toml  (every field of HardwareProfile; or `base = "h100"` plus the ones that differ)
     name = "h100-roce"
@@ -22,7 +22,7 @@ doc/PERFORMANCE.md). They are peak values; the cost model applies its own effici
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 from usc.dsl import OPTIONS
@@ -48,17 +48,18 @@ class HardwareProfile:
     inter_node_bandwidth: float  # per GPU, one direction (the GPU's NIC share)
     inter_node_latency: float  # per collective step across nodes
     gpus_per_node: int
+    # How close a step gets to the peaks above (see docs/cost_model.md, "Calibration"); the defaults
+    # are the datacenter-GPU values, a measured profile (benchmarks/calibrate.py) writes its own.
+    matmul_efficiency: float = 0.6  # sustained fraction of the matmul peak on large per-rank matmuls
+    matmul_half_rows: float = 256.0  # rows per microbatch at which matmuls reach half of that
+    comm_efficiency: float = 0.8  # fraction of the link bandwidth collectives reach on large messages
+    unit_overhead: float = 0.0  # seconds per pipeline unit (layer) per microbatch, forward + backward:
+    #                             kernel launches and the host's Python, paid whatever the size
+    latency_steps: str = "tree"  # "tree": log2(n) latency steps per collective (NCCL); "ring": n-1 (gloo)
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "name":
-                if not isinstance(value, str) or not value:
-                    raise HardwareProfileError("hardware profile: 'name' must be a non-empty string")
-            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise HardwareProfileError(
-                    f"hardware profile {self.name!r}: {f.name!r} must be a positive number, got {value!r}"
-                )
+            _check_field(self.name, f.name, getattr(self, f.name))
         if int(self.gpus_per_node) != self.gpus_per_node:
             raise HardwareProfileError(
                 f"hardware profile {self.name!r}: 'gpus_per_node' must be an integer, got {self.gpus_per_node!r}"
@@ -67,6 +68,11 @@ class HardwareProfile:
     def peak_flops(self, dtype: str) -> float:
         """Matmul peak for the plan's compute dtype ("bf16"/"fp16" on tensor cores, else fp32)."""
         return self.peak_bf16_flops if dtype in ("bf16", "bfloat16", "fp16", "float16") else self.peak_fp32_flops
+
+    @property
+    def has_fast_bf16(self) -> bool:
+        """Whether bf16 matmuls outrun fp32 here: then the planner assumes dtype=bf16 unless told."""
+        return self.peak_bf16_flops > self.peak_fp32_flops
 
     def link(self, *, crosses_node: bool) -> tuple[float, float]:
         """(bandwidth, latency) of the slowest link a group uses: NIC once it spans nodes."""
@@ -78,43 +84,37 @@ class HardwareProfile:
         return asdict(self)
 
 
-# H100 SXM5 80GB, NVIDIA H100 Tensor Core GPU datasheet (2023): BF16 dense 989.4 TFLOP/s
-# (1,979 is with 2:4 sparsity), FP32 66.9 TFLOP/s, 80 GB HBM3 at 3.35 TB/s, NVLink 4 at
-# 900 GB/s total = 450 GB/s per direction. Inter-node: DGX H100 user guide, 8x ConnectX-7
-# 400 Gb/s InfiniBand NDR, one NIC per GPU = 50 GB/s per direction. Latencies: order of the
-# per-step base latencies in NCCL's tuning model (src/graph/tuning.cc: a few us on NVLink,
-# more through the NIC and switches); nccl-tests small-message all-reduce times agree.
-H100 = HardwareProfile(
-    name="h100",
-    peak_bf16_flops=989.4e12,
-    peak_fp32_flops=66.9e12,
-    hbm_bytes=80 * 10**9,
-    hbm_bandwidth=3.35e12,
-    intra_node_bandwidth=450e9,
-    intra_node_latency=5e-6,
-    inter_node_bandwidth=50e9,
-    inter_node_latency=10e-6,
-    gpus_per_node=8,
-)
+# Fields that may be zero (an overhead nobody measured is no overhead), and the string-valued ones.
+MAY_BE_ZERO = ("unit_overhead",)
+TEXT_FIELDS = {"latency_steps": ("tree", "ring")}
 
-# A100 SXM4 80GB, NVIDIA A100 Tensor Core GPU datasheet (2021): BF16 dense 312 TFLOP/s,
-# FP32 19.5 TFLOP/s, 80 GB HBM2e at 2,039 GB/s, NVLink 3 at 600 GB/s total = 300 GB/s per
-# direction. Inter-node: DGX A100 user guide, 8x ConnectX-6 200 Gb/s InfiniBand HDR, one per
-# GPU = 25 GB/s per direction. Latencies as for the H100 (same NCCL model, NVSwitch gen 2).
-A100 = HardwareProfile(
-    name="a100",
-    peak_bf16_flops=312e12,
-    peak_fp32_flops=19.5e12,
-    hbm_bytes=80 * 10**9,
-    hbm_bandwidth=2.039e12,
-    intra_node_bandwidth=300e9,
-    intra_node_latency=5e-6,
-    inter_node_bandwidth=25e9,
-    inter_node_latency=10e-6,
-    gpus_per_node=8,
-)
 
-BUILTIN_PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H100, A100)}
+def _check_field(profile: str, name: str, value) -> None:
+    """Raise naming the field when ``value`` is not allowed for it."""
+    if name == "name":
+        if not isinstance(value, str) or not value:
+            raise HardwareProfileError("hardware profile: 'name' must be a non-empty string")
+    elif name in TEXT_FIELDS:
+        if value not in TEXT_FIELDS[name]:
+            raise HardwareProfileError(f"hardware profile {profile!r}: {name!r} must be one of "
+                                       f"{list(TEXT_FIELDS[name])}, got {value!r}")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            value > 0 or (name in MAY_BE_ZERO and value == 0)):
+        raise HardwareProfileError(
+            f"hardware profile {profile!r}: {name!r} must be a positive number, got {value!r}")
+
+
+# The built-in profiles are files (compiler/profiles/<name>.toml, each number with its source), so a
+# user edits a copy of the one closest to their machine rather than this module.
+PROFILES_DIR = Path(__file__).parent / "profiles"
+
+
+def _builtin(name: str) -> HardwareProfile:
+    path = PROFILES_DIR / f"{name}.toml"
+    return profile_from_dict(_read_table(path), source=str(path))
+
+
+BUILTIN_PROFILES: dict[str, HardwareProfile] = {}  # filled below, once the readers are defined
 
 
 def with_plan_memory(hw: HardwareProfile, plan) -> HardwareProfile:
@@ -164,7 +164,7 @@ def profile_from_dict(data: dict, *, source: str = "<dict>") -> HardwareProfile:
             raise HardwareProfileError(f"{source}: base {base_name!r} is not one of {sorted(BUILTIN_PROFILES)}")
         data.setdefault("name", Path(source).stem)
         return replace(BUILTIN_PROFILES[str(base_name).lower()], **data)
-    missing = sorted(known - set(data))
+    missing = sorted(f.name for f in fields(HardwareProfile) if f.name not in data and f.default is MISSING)
     if missing:
         raise HardwareProfileError(f"{source}: missing field(s) {missing} (or give base = \"h100\")")
     return HardwareProfile(**data)
@@ -187,6 +187,20 @@ def _read_table(path: Path) -> dict:
 def _load_toml(text: str) -> dict:
     try:
         import tomllib  # Python 3.11+
-    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-        raise HardwareProfileError("TOML profiles need Python 3.11+; write the profile as JSON") from None
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10: the flat `key = value` form profiles use
+        return dict(_flat_toml_line(line) for line in text.splitlines() if line.split("#")[0].strip())
     return tomllib.loads(text)
+
+
+def _flat_toml_line(line: str) -> tuple[str, object]:  # pragma: no cover - Python 3.10
+    key, _, value = line.split("#")[0].partition("=")
+    value = value.strip()
+    if value.startswith('"'):
+        return key.strip(), value.strip('"')
+    number = float(value.replace("_", ""))
+    return key.strip(), int(number) if number.is_integer() and "." not in value and "e" not in value else number
+
+
+H100 = _builtin("h100")
+A100 = _builtin("a100")
+BUILTIN_PROFILES.update({p.name: p for p in (H100, A100)})

@@ -16,7 +16,7 @@ from usc.dsl import PlanError
 
 from .ir import META
 from .lint_rules import Finding, LintInput, rule
-from .report_text import human_bytes
+from usc.runtime.sizes import human_bytes
 
 # Narayanan et al. 2021 (Megatron-LM at scale) keep the pipeline bubble (p-1)/m small by taking
 # m >> p; a quarter of the step idle is where more microbatches or interleaving clearly pay.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .report import Report
-from .report_text import human_bytes
+from usc.runtime.sizes import human_bytes
 
 AXES = ("dp", "tp", "cp", "pp", "ep")
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
-from .cost_model import Estimate, ModelProfile, PlanPoint, estimate, peak_memory
+from .cost_model import Estimate, ModelProfile, PlanPoint, crosses_node, estimate, peak_memory
 from .hardware import HardwareProfile
 
 # Fraction of HBM a plan may fill: the CUDA context, NCCL buffers and allocator fragmentation take
@@ -32,6 +32,38 @@ INTERLEAVED_V = (2,)
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
 
 
+# The families a user weighs against each other; the explanation shows the best plan of each. A plan
+# belongs to the first family whose test it passes.
+FAMILIES = (
+    ("+ep", lambda p: p.ep > 1),
+    ("+cp", lambda p: p.cp > 1),
+    ("dp+tp+pp", lambda p: p.tp > 1 and p.pp > 1),
+    ("dp+pp", lambda p: p.pp > 1),
+    ("dp+tp", lambda p: p.tp > 1),
+    ("dp+ZeRO", lambda p: True),
+)
+# Terms of the step time that no measurement has checked (docs/cost_model.md, "What is measured
+# where"): a plan that relies on one is flagged, with the best plan that relies on none beside it.
+# Checked: one-node tp/sp, pp with 1F1B inside a node and per-microbatch overhead (nanotron runs),
+# FSDP and FSDP+tp over 8-16 nodes (torchtitan); pp across nodes was measured once and the model
+# missed it by 6x (nanotron, 64 GPUs: 3.2% MFU measured, 19.8% predicted).
+UNCHECKED_TERMS = (
+    (lambda p: p.pp > 1 and crosses_node(p, "pp"), "pp across nodes (the one published run missed 6x)"),
+    (lambda p: p.cp > 1, "the cp ring's overlap with attention"),
+    (lambda p: p.pp > 1 and p.schedule != "1f1b", "the bubble of schedule={schedule}"),
+    (lambda p: p.world > 16 * p.gpus_per_node, "collective bandwidth beyond 16 nodes"),
+)
+
+
+def family(point: PlanPoint) -> str:
+    return next(name for name, test in FAMILIES if test(point))
+
+
+def unchecked_terms(point: PlanPoint) -> list[str]:
+    """The step-time terms this plan's estimate rests on that no measurement has checked."""
+    return [text.format(schedule=point.schedule) for test, text in UNCHECKED_TERMS if test(point)]
+
+
 @dataclass(frozen=True)
 class PlanTarget:
     """What to plan for: the cluster and the training shape (global_batch in sequences)."""
@@ -42,6 +74,7 @@ class PlanTarget:
     gpus_per_node: int = 8
     dtype: str = "bf16"
     fixed: tuple[tuple[str, object], ...] = ()  # axes/options the user wrote: kept as written
+    assumption: str = ""  # what the planner assumed that the user did not write (printed with the choice)
 
 
 @dataclass(frozen=True)
@@ -66,6 +99,8 @@ class PlanSearch:
     rejected_examples: dict[str, str] = field(default_factory=dict)  # reason -> one plan and why
     evaluated: int = 0
     seconds: float = 0.0
+    families: dict = field(default_factory=dict)  # family -> its best Candidate, or why none fits
+    best_checked: Candidate | None = None  # the best plan whose estimate rests on no unchecked term
 
     def why_lost(self, other: Candidate) -> str:
         return why_slower(other, self.best)
@@ -159,6 +194,8 @@ def search(profile: ModelProfile, target: PlanTarget, hw: HardwareProfile, *,
     fits.sort(key=lambda c: c.step)
     result.best = fits[0] if fits else None
     result.alternatives = _distinct(fits, keep + 1)[1:]
+    result.families = _best_of_families(fits, search_state.closest_misses)
+    result.best_checked = next((c for c in fits if not unchecked_terms(c.plan)), None)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -169,6 +206,8 @@ class _Search:
     def __init__(self, profile, target, hw, result, supported) -> None:
         self.profile, self.target, self.hw, self.result = profile, target, hw, result
         self.supported, self.cache = supported, {}
+        self.closest_misses: dict[str, str] = {}  # family -> its plan that came closest to fitting
+        self.least_memory: dict[str, float] = {}
         self.capacity = hw.hbm_bytes * MEMORY_HEADROOM
         self.fixed = dict(target.fixed)
 
@@ -217,9 +256,17 @@ class _Search:
             if sum(memory.values()) <= self.capacity:
                 return Candidate(candidate, estimate(self.profile, candidate, self.hw)), False
             largest = max(memory, key=memory.get)
+            self.note_miss(candidate, sum(memory.values()))
             _reject(self.result, "does not fit in memory", f"{candidate.text()}: {sum(memory.values()) / 2**30:.1f} "
                                                            f"GiB per rank (largest: {largest})")
         return None, refused_all
+
+    def note_miss(self, point: PlanPoint, total: float) -> None:
+        name = family(point)
+        if total < self.least_memory.get(name, float("inf")):
+            self.least_memory[name] = total
+            self.closest_misses[name] = (f"none fits; closest {point.text()}: {total / 2**30:.1f} GiB per rank "
+                                         f"of {self.capacity / 2**30:.1f}")
 
     def refusal(self, point: PlanPoint) -> str | None:
         key = _support_key(point)
@@ -240,6 +287,17 @@ def _reject(result: PlanSearch, reason: str, example: str) -> None:
 
 def _shape_text(sizes: dict) -> str:
     return " ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "dp=1"
+
+
+def _best_of_families(fits: list[Candidate], misses: dict[str, str]) -> dict:
+    """Each family's fastest plan (``fits`` is sorted), or why none of the family fits."""
+    out: dict = {}
+    for c in fits:
+        out.setdefault(family(c.plan), c)
+    for name, _ in FAMILIES:
+        if name not in out and name in misses:
+            out[name] = misses[name]
+    return {name: out[name] for name, _ in reversed(FAMILIES) if name in out}
 
 
 def _distinct(candidates: list[Candidate], keep: int) -> list[Candidate]:
@@ -284,4 +342,5 @@ def _exposed_by_axis(est: Estimate) -> dict[str, float]:
     return out
 
 
-__all__ = ["PlanTarget", "PlanSearch", "Candidate", "search", "why_slower", "MEMORY_HEADROOM"]
+__all__ = ["PlanTarget", "PlanSearch", "Candidate", "search", "why_slower", "MEMORY_HEADROOM", "family",
+           "unchecked_terms", "FAMILIES"]

@@ -10,6 +10,7 @@ from torch.distributed.tensor import Partial
 
 from .ir import META, Layout, MeshSpec
 from .trace import StateInput
+from usc.runtime.loss_value import LossValueReduction
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,18 @@ class Program:
     tp_choices: list = field(default_factory=list)
     timings: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
+    loss_dtype: torch.dtype = torch.float32
+    loss_counted: bool = False  # the graph returns (loss, token count)
 
     @property
     def loss_partial_axes(self) -> tuple[str, ...]:
         return tuple(a for a, p in zip(self.mesh.axes, self.loss_layout.placements) if isinstance(p, Partial))
+
+    @property
+    def loss_value(self) -> LossValueReduction:
+        """How the runtime returns the step's loss (what it sends, which the report counts)."""
+        return LossValueReduction(self.loss_partial_axes, self.loss_dtype, self.loss_counted,
+                                  self.mesh.size("pp") > 1).over({a: self.mesh.size(a) for a in self.mesh.axes})
 
 
 def build_program(gm: fx.GraphModule, mesh: MeshSpec, state: list[StateInput], user_inputs: list[str],
@@ -68,8 +77,10 @@ def build_program(gm: fx.GraphModule, mesh: MeshSpec, state: list[StateInput], u
     inputs = [InputSpec(n, nodes[n].meta[META].layout, tuple(nodes[n].meta["val"].shape), nodes[n].meta["val"].dtype)
               for n in user_inputs]
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]  # (loss[, count])
-    return Program(gm, mesh, specs, inputs, inner_node(gm, loss).meta[META].layout, tp_choices, timings)
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)  # (loss[, count])
+    loss = inner_node(gm, values[0])
+    return Program(gm, mesh, specs, inputs, loss.meta[META].layout, tp_choices, timings,
+                   loss_dtype=loss.meta["val"].dtype, loss_counted=len(values) > 1)
 
 
 def inner_node(gm: fx.GraphModule, node: fx.Node) -> fx.Node:

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from .ir import META, MeshSpec
-from usc.runtime.sizes import shape_bytes
+from usc.runtime.sizes import human_bytes, shape_bytes
 
 SAVED_DECISIONS = ("input", "kept")
 
@@ -101,8 +101,6 @@ def _op_name(node: fx.Node) -> str:
 
 def render_recompute(report) -> list[str]:
     """The usc-lint lines: what regions keep and recompute, and activation bytes per mode."""
-    from .report_text import human_bytes
-
     lines = []
     summary = report.recompute_summary
     if summary:

@@ -355,13 +355,20 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
     }
 
 
+def _loss_value_records(program: Program, payloads: list) -> list[CollectiveRecord]:
+    """The all-reduces that return the step's loss (runtime/loss_value.py: what the runtime sends)."""
+    return [CollectiveRecord("all-reduce", axis, program.mesh.size(axis), "forward", shape,
+                             str(dtype).replace("torch.", ""), shape_bytes(shape, dtype), 1, "<loss value>", "step()",
+                             what, "executor")
+            for axis, shape, dtype, what in payloads if program.mesh.size(axis) > 1]
+
+
 def loss_value_records(program: Program) -> list[CollectiveRecord]:
-    """The runtime sums the partial loss over these axes once per step to return it (no gradient); the
-    pipeline executor accumulates the loss in float64 (runtime/pipeline.py), the others return float32."""
-    dtype, nbytes = ("float64", 8) if program.mesh.size("pp") > 1 else ("float32", 4)
-    return [CollectiveRecord("all-reduce", axis, program.mesh.size(axis), "forward", (), dtype, nbytes, 1,
-                             "<loss value>", "step()", "the returned loss is a partial sum on this axis", "executor")
-            for axis in program.loss_partial_axes if program.mesh.size(axis) > 1]
+    """The runtime sums the partial loss over these axes once per step to return it (no gradient), then
+    over the other axes (but pp, whose loss the pipeline already shares) as the finite-loss verdict, so a
+    NaN on any rank stops every rank (runtime/loss_value.py)."""
+    reduction = program.loss_value
+    return _loss_value_records(program, reduction.axis_payloads() + reduction.verdict_payloads())
 
 
 def clipping_records(program: Program) -> list[CollectiveRecord]:
@@ -376,11 +383,7 @@ def clipping_records(program: Program) -> list[CollectiveRecord]:
 
 def pipeline_loss_records(program: Program) -> list[CollectiveRecord]:
     """With pp, the last stage's loss sum and token count (two float64) reach every pp rank once per step."""
-    if program.mesh.size("pp") == 1:
-        return []
-    return [CollectiveRecord("all-reduce", "pp", program.mesh.size("pp"), "forward", (2,), "float64", 16, 1,
-                             "<loss value>", "step()", "the last stage's loss sum and token count",
-                             "executor")]
+    return _loss_value_records(program, program.loss_value.pipeline_payloads())
 
 
 def shared_gradient_records(program: Program) -> list[CollectiveRecord]:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from usc.dsl import parse_plan
+from usc.runtime.sizes import human_bytes
 
 
-def human_bytes(n: float) -> str:
-    from .report_text import human_bytes as text
-    return text(n)
 
 
 def cost_sections(report) -> list[str]:
@@ -69,7 +67,7 @@ def render_search(search) -> str:
     t = search.target
     head = (f"planner: {t.gpus} GPUs ({t.gpus_per_node} per node, {search.hardware}), seq {t.seq}, "
             f"global batch {t.global_batch}; {search.evaluated} plans estimated in {search.seconds:.2f} s")
-    lines = [head]
+    lines = [head] + ([f"  {t.assumption}"] if t.assumption else [])
     if search.best is None:
         lines.append("  no plan fits: " + "; ".join(f"{n} x {r} (e.g. {search.rejected_examples[r]})"
                                                     for r, n in search.rejected.items()))
@@ -82,8 +80,39 @@ def render_search(search) -> str:
         for c in search.alternatives:
             lines.append(f"    {c.plan.text():<58} {c.estimate.tokens_per_second:>12,.0f} tok/s  "
                          f"{search.why_lost(c)}")
+    lines += _families(search) + _unchecked(search)
     if search.rejected:
         lines.append("  dropped:")
         for reason, n in sorted(search.rejected.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {n:>5} x {reason} (e.g. {search.rejected_examples[reason]})")
     return "\n".join(lines)
+
+
+def _families(search) -> list[str]:
+    """The best plan of each family (pure dp+ZeRO, dp+tp, dp+pp, dp+tp+pp, +cp, +ep) or why none fits."""
+    if not search.families:
+        return []
+    lines = ["  best of each family (step time, MFU, memory per rank):"]
+    for name, best in search.families.items():
+        if isinstance(best, str):
+            lines.append(f"    {name:<9} {best}")
+            continue
+        est = best.estimate
+        lines.append(f"    {name:<9} {best.plan.text():<58} {_ms(best.step):>12}  MFU {est.mfu:5.1%}  "
+                     f"{human_bytes(est.memory_total)}")
+    return lines
+
+
+def _unchecked(search) -> list[str]:
+    """Flags a choice that rests on a term no measurement has checked, with the best plan that does not."""
+    from .planner import unchecked_terms
+
+    terms = unchecked_terms(search.best.plan)
+    if not terms:
+        return []
+    lines = [f"  caution: the choice rests on terms no measurement has checked: {'; '.join(terms)}"]
+    checked = search.best_checked
+    if checked is not None:
+        lines.append(f"    best plan relying on none: {checked.plan.text()} ({_ms(checked.step)}, "
+                     f"{checked.step / search.best.step - 1:+.1%} predicted step time)")
+    return lines

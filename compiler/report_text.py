@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
+from usc.runtime.sizes import human_bytes
+
 from .recompute_report import render_recompute
-
-
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def fusion_line(f: dict) -> str:

@@ -3,7 +3,7 @@
 ``torch.export`` spends its time walking every layer's Python (most of a lint of Llama-3-8B's 32
 layers). Transformers repeat one block: a ``ModuleList`` of identical layers that forward runs in
 order. ``trace_stamped`` traces the model with only the first two, and with the first three, of
-those layers (the ModuleList is swapped for a shorter one for the trace, then restored), stamps
+those layers (the ModuleList is shortened in place for the trace, then restored), stamps
 the two-layer graph to three layers and checks that it equals the three-layer trace node for node
 (ops, arguments, shapes, module paths, names). When it does, the layers grow linearly and the
 two-layer graph is stamped to all N layers: layer i's nodes are layer 1's with layer i's
@@ -52,14 +52,17 @@ def repeated_layers(model: nn.Module) -> tuple[str, int] | None:
 
 
 def _trace_with(model: nn.Module, path: str, keep: int, example_inputs, wrapper_source: str) -> Traced:
-    parent_path, _, name = path.rpartition(".")
-    parent = model.get_submodule(parent_path)
-    full = parent._modules[name]
-    parent._modules[name] = nn.ModuleList(list(full)[:keep])
+    # The list is shortened in place, not replaced in its parent: the module that runs forward may
+    # hold the same list under another owner (usc's tracing wrapper registers the user's children
+    # as its own, and the user's forward reads its own attribute). Replacing it in one owner traced
+    # every layer, the ones left out as lifted constants, and stamping never matched.
+    layers = model.get_submodule(path)
+    full = layers._modules
+    layers._modules = type(full)(list(full.items())[:keep])
     try:
         return trace(model, example_inputs, wrapper_source=wrapper_source)
     finally:
-        parent._modules[name] = full
+        layers._modules = full
 
 
 def _layer_of(node: fx.Node, prefix: str) -> int | None:

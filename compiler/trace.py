@@ -24,14 +24,12 @@ import torch.fx as fx
 from torch import nn
 from torch.export.graph_signature import InputKind
 
-from .errors import TraceError
+from .errors import CompileError, TraceError
+from .source_info import TORCH_DIR, USC_DIRS, module_path, user_source  # noqa: F401 (re-exported)
 from .functional import distinct_inputs, explicit_writes, functionalize, user_output_specs
 from .inline_regions import inline_regions
 from .moe import MoEBlock, patched
 
-TORCH_DIR = os.path.dirname(torch.__file__)
-USC_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + d + os.sep
-                 for d in ("usc", "compiler", "passes", "runtime", "dsl"))
 
 
 @dataclass(frozen=True)
@@ -61,30 +59,6 @@ class Traced:
 
     def placeholder(self, name: str) -> fx.Node:
         return next(n for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == name)
-
-
-def module_path(node: fx.Node) -> str:
-    """The innermost module path that produced ``node`` ('' for the root)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    return list(stack.values())[-1][0]
-
-
-def user_source(node: fx.Node) -> str:
-    """'file:line' of the deepest frame outside torch itself, e.g. 'model.py:42'."""
-    if node.meta.get("usc_source"):
-        return node.meta["usc_source"]
-    trace = node.meta.get("stack_trace") or ""
-    best = ""
-    for line in trace.splitlines():
-        line = line.strip()
-        if line.startswith('File "'):
-            path = line.split('"')[1]
-            if not path.startswith(TORCH_DIR) and not path.startswith(USC_DIRS):
-                number = line.split("line ")[1].split(",")[0]
-                best = f"{os.path.basename(path)}:{number}"
-    return best
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -230,8 +204,9 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
             # regions first: functionalizing retraces the program, which would drop a no_grad region's meaning
             exported = functionalize(inline_regions(torch.export.export(model, example_inputs, strict=False)))
         except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
-            # usc's own errors raised while tracing (no loss in the output, say) already say what to fix
-            error = exc if isinstance(exc, TraceError) else _trace_error(exc, model)  # formatting can print: held
+            # usc's own errors raised while tracing (no loss in the output, a write that reads what it
+            # writes) already say what to fix: wrapped, they would carry the tracer's hint instead
+            error = exc if isinstance(exc, CompileError) else _trace_error(exc, model)  # formatting can print: held
     if error is not None:
         raise error from error.__cause__
     held.replay()
@@ -252,7 +227,23 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
     if wrapper_source:
         _attribute_wrapper_frames(gm, wrapper_source)
     types = {name: type(m).__name__ for name, m in model.named_modules()}
-    return Traced(gm, _state_inputs(exported, model), user, types, type(model).__name__, dict(exported.constants))
+    state = _without_unread_aliases(gm, _state_inputs(exported, model))
+    return Traced(gm, state, user, types, type(model).__name__, dict(exported.constants))
+
+
+def _without_unread_aliases(gm: fx.GraphModule, state: list[StateInput]) -> list[StateInput]:
+    """export lifts a tied weight under each of its names and the graph reads one of them; the others
+    are the same parameter, not state of their own: kept, each rank would hold a second copy, never
+    trained, that checkpoints would write under its name. They are dropped (the one read keeps every
+    name in ``aliases``)."""
+    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    read = {s.aliases for s in state if placeholders[s.placeholder].users}
+    unread = [s for s in state if not placeholders[s.placeholder].users and s.aliases in read]
+    for s in unread:
+        gm.graph.erase_node(placeholders[s.placeholder])
+    if unread:
+        gm.recompile()
+    return [s for s in state if s not in unread]
 
 
 def _refuse_data_dependent_shapes(gm: fx.GraphModule, model: nn.Module) -> None:

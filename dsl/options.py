@@ -161,6 +161,22 @@ class Choice(ValueKind):
 
 
 @dataclass(frozen=True)
+class NameOrFile(Choice):
+    """One word out of a fixed list, or the path of a file with one of ``suffixes`` (a hardware
+    profile a user wrote or a calibration measured); whether the file exists is checked on use."""
+
+    suffixes: tuple[str, ...] = (".toml", ".json")
+
+    def parse(self, name: str, text: str) -> str:
+        if text.lower().endswith(self.suffixes):
+            return text
+        return super().parse(name, text)
+
+    def describe(self) -> str:
+        return super().describe() + "|FILE" + "|FILE".join(self.suffixes)
+
+
+@dataclass(frozen=True)
 class Switch(ValueKind):
     """``on`` or ``off``; stored as a bool so ``if plan.get("sp"):`` reads naturally."""
 
@@ -252,7 +268,8 @@ OPTIONS = _table(
     OptionSpec("gpus", WholeNumber(1), None, "auto: ranks to plan for (default: the launch's world size)"),
     OptionSpec("seq", WholeNumber(1), None, "auto: sequence length to plan for (default: the example's)"),
     OptionSpec("global_batch", WholeNumber(1), None, "auto: sequences per step (default: the example's)"),
-    OptionSpec("hardware", Choice(("h100", "a100")), "h100", "auto: the GPU the cost model assumes"),
+    OptionSpec("hardware", NameOrFile(("h100", "a100")), "h100",
+               "auto: the GPU the cost model assumes (a built-in name or a profile file)"),
     OptionSpec("memory", ByteSize(), None, "device memory per rank the automatic pipeline split must fit "
                                            "(default: the written hardware's, or the CUDA device's)"),
 )

@@ -19,6 +19,7 @@ from usc.compiler.trace import Traced
 from . import functional_rules  # noqa: F401 - registers the rules of functionalized writes
 from .fusion import fusion_pass
 from .expert_parallel import expert_layouts
+from .attention_masks import attention_masks_pass
 from .batch_coupling import batch_coupling_pass
 from .compute_dtype import compute_dtype_pass
 from .grad_sync import grad_sync_pass
@@ -44,6 +45,8 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
     rank, so nothing after it reasons about global shapes in arguments; expose_loss_count and
     zero3 edit the finished per-rank program; pipeline_split cuts it last."""
     return [
+        # first: a mask proven causal (and its constant subgraph) is gone before anything places it
+        PassSpec("attention_masks", attention_masks_pass, annotated=False),
         PassSpec("random_ops", random_ops_pass, annotated=False),
         # before batch_coupling: a buffer written from the batch is named as such
         PassSpec("state_writes", state_writes_pass, {"user_inputs": tuple(user_inputs)}, annotated=False),

@@ -42,6 +42,7 @@ from usc.compiler.ir import META, Layout, MeshSpec
 from usc.compiler.pass_runner import CompileContext
 from usc.compiler.trace import module_path, user_source
 from usc.runtime.collectives import AllGather, AllReduce, AllToAll, LocalShard, ReduceScatter
+from usc.runtime.op_classes import RESHAPES
 
 from .graph_edit import shape_of, val
 from .propagate import propagate_pass
@@ -109,8 +110,10 @@ def _virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.Gra
         return propagate_pass(copy, CompileContext(mesh, plan), input_layouts=layouts, grad_inputs=set(params))
     except CompileError as err:  # a rule refused the op, or no rule places it
         hint = getattr(err, "hint", "") or ""
+        # the refusal names the virtual axis (dp=N): say so, or a dp=1 plan reads "under dp=2"
         raise ctx.plan.error_at("mb", f"mb={ctx.plan.get('mb')} runs the batch in microbatches, and usc cannot show "
-                                      f"that the program treats samples independently: {err}",
+                                      f"that the program treats samples independently (split as {mesh} would split "
+                                      f"the batch): {err}",
                                 hint=f"{OPTIONS}{'; ' + hint if hint else ''}") from None
 
 
@@ -368,8 +371,7 @@ def _kind(term: Term, layouts: dict[str, Layout]) -> str:
 
 # Ops that keep the batch outermost: a loss expansion may peel them (``loss(x.view(-1, V), ...)`` is
 # rewritten on ``x``), so the propagated copy no longer holds them; their input's layout decides.
-_BATCH_KEEPING = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
-                  aten.slice.Tensor)
+_BATCH_KEEPING = RESHAPES | {aten.flatten.using_ints, aten.slice.Tensor}
 
 
 def _laid_out_source(root: fx.Node, layouts: dict[str, Layout]) -> fx.Node | None:

@@ -26,20 +26,26 @@ from torch.distributed.tensor import Shard
 from usc.compiler.cost_model import CollectiveCost, ModelProfile, ScaleKey, UnitCost
 from usc.compiler.errors import CompileError
 from usc.compiler.ir import META
-from usc.compiler.report import graph_collectives, loss_value_records
+from usc.compiler.report import graph_collectives
 from usc.compiler.trace import Traced, module_path, trace
 from usc.dsl import PlanError, parse_plan
 from usc.passes import parallelize
 from usc.passes.pipeline_split import constant_nodes, node_flops
-from usc.passes.recompute import recompute_regions, reissued_in_backward
+from usc.passes.recompute import (KEEP_COLLECTIVE, KEPT, RECOMPUTED, RULES, DecisionRule, recompute_regions,
+                                  reissued_in_backward)
+from usc.runtime.ring_attention import RingAttention
+from usc.passes.saved_values import base_of
 from usc.passes.zero3 import layer_key
 from usc.runtime.op_classes import ATTENTION, MATMULS
 from usc.runtime.sizes import shape_bytes
 
 aten = torch.ops.aten
-# Saved tensors made by these survive selective recompute (Korthikanti et al. 2022: keep matmul
-# inputs/outputs, recompute the cheap pointwise work); everything else is recomputed.
-KEPT_BY_SELECTIVE = MATMULS | ATTENTION | {aten.embedding.default}
+RECOMPUTE_MODES = ("selective", "full")
+# A plan without cp runs, where the probe (cp=2) runs ring attention, the local attention that
+# selective recompute recomputes with the rest of the block: read the probe that way for it.
+_LOCAL_ATTENTION = DecisionRule(lambda w: isinstance(w.module, RingAttention) and w.block is not None
+                                and w.mode == "selective", RECOMPUTED, "attention of a plan without cp")
+RULES_WITHOUT_CP = RULES[:RULES.index(KEEP_COLLECTIVE)] + [_LOCAL_ATTENTION] + RULES[RULES.index(KEEP_COLLECTIVE):]
 
 
 def batch_and_sequence(example_inputs: tuple) -> tuple[int, int]:
@@ -84,6 +90,10 @@ def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
         built.append(UnitCost(name, *flops.get(name, (0.0, 0.0, 0.0)), *params.get(name, (0, 0, 0)),
                               acts={sp: per_sp[sp][0].get(name, {}) for sp in per_sp},
                               input_bytes={sp: per_sp[sp][1].get(name, {}) for sp in per_sp},
+                              held={(*how, sp): held.get(name, {}) for sp in per_sp
+                                    for how, (held, _) in per_sp[sp][5].items()},
+                              recomputed={(*how, sp): again.get(name, {}) for sp in per_sp
+                                          for how, (_, again) in per_sp[sp][5].items()},
                               collectives={sp: tuple(per_sp[sp][2].get(name, ())) for sp in per_sp},
                               params_expert=expert_bytes.get(name, 0), moe_layers=int(name in expert_bytes),
                               params_saved=saved.get(name, (0, 0)),
@@ -93,7 +103,7 @@ def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
     layers = sum(1 for u in units if u.rsplit(".", 1)[-1].isdigit())
     return ModelProfile(traced.model_name, batch, seq, tuple(built), tp_divides=_tp_divides(probe_plain, batch, seq),
                         cp_possible="cp" in probe_plain.mesh.axes, layers=layers, experts=experts,
-                        loss_axes=tuple(r.axis for r in loss_value_records(probe_plain)))
+                        loss_value=probe_plain.loss_value)
 
 
 # ------------------------------------------------------------------------------- repeated blocks
@@ -187,6 +197,12 @@ def _units_by_node(gm: fx.GraphModule, units: list[str]) -> dict[str, str]:
     return out
 
 
+def model_forward_flops(gm: fx.GraphModule) -> float:
+    """Matmul and attention FLOPs of one forward at the graph's shapes: what the cost model's model
+    FLOPs (and MFU) count, the sum of every unit's ``flops_matmul + flops_attention``."""
+    return sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in MATMULS | ATTENTION)
+
+
 def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> dict[str, tuple[float, float, float]]:
     """(balance, matmul, attention) forward FLOPs per unit at the example's shapes."""
     where = _units_by_node(gm, units)
@@ -205,7 +221,7 @@ def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> dict[str, tuple[floa
     return {u: tuple(v) for u, v in out.items()}
 
 
-def _key(node: fx.Node, mesh, *, kept: bool = True, is_float: bool | None = None) -> tuple[ScaleKey, int]:
+def _key(node: fx.Node, mesh, *, is_float: bool | None = None) -> tuple[ScaleKey, int]:
     """How the value of ``node`` scales, and the factor from its probe-local size to unsplit.
     ``is_float``: a float32 value, which dtype=bf16 computes in half the bytes (float64 stays)."""
     if is_float is None:
@@ -214,23 +230,86 @@ def _key(node: fx.Node, mesh, *, kept: bool = True, is_float: bool | None = None
     placements = node.meta[META].layout.placements if META in node.meta else ()
     split = {a for a, p in zip(mesh.axes, placements) if isinstance(p, Shard)}
     factor = math.prod(mesh.size(a) for a in split)
-    return ScaleKey("dp" in split, "cp" in split, "tp" in split, is_float, kept), factor
+    return ScaleKey("dp" in split, "cp" in split, "tp" in split, is_float), factor
 
 
 def _probe_costs(program, units: list[str]):
-    """Per unit: saved activations and unit inputs ({ScaleKey: bytes}) and collectives, unsplit."""
+    """Per unit: saved activations and unit inputs ({ScaleKey: bytes}), collectives, the parameters
+    autograd saves, pipeline-cut crossings and, per recompute mode, what forward holds and what
+    backward recomputes; unsplit."""
     where = _units_by_node(program.gm, units)
     saved, saved_params = _saved_tensors(program)
     acts: dict[str, dict] = {}
     nodes = {n.name: n for n in program.gm.graph.nodes}
     for name, nbytes, is_float in saved:
         node = nodes[name]
-        key, factor = _key(node, program.mesh, kept=node.target in KEPT_BY_SELECTIVE or node.op != "call_function",
-                           is_float=is_float)
+        key, factor = _key(node, program.mesh, is_float=is_float)
         bucket = acts.setdefault(where[name], {})
         bucket[key] = bucket.get(key, 0) + nbytes * factor
+    under_recompute = {(mode, cp): _under_recompute(program, mode, where, saved, RULES if cp else RULES_WITHOUT_CP)
+                       for mode in RECOMPUTE_MODES for cp in (True, False)}
     return acts, _unit_inputs(program, where), _collectives(program, where, nodes), saved_params, \
-        _boundaries(program, where, units)
+        _boundaries(program, where, units), under_recompute
+
+
+def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rules: list) -> tuple[dict, dict]:
+    """Per unit under ``recompute=mode``: ({ScaleKey: bytes} forward holds for backward, those
+    backward makes again when it recomputes the unit). The regions are the recompute pass's own
+    (``recompute_regions``, asked of the probe without cutting). Forward holds what autograd saves
+    for nodes outside the regions (the fake run's storages), each region's inputs (activation
+    checkpointing keeps them; state and the batch are not activations) and, under selective, the
+    outputs of the region's kept matmuls (the selective policy stores them); a region's output
+    that a node outside it saves stays too. Backward recomputes what the region's other nodes
+    would have saved."""
+    gm, mesh = program.gm, program.mesh
+    regions, decisions, _ = recompute_regions(gm, mode, lambda path: False, rules=rules)
+    region_of = {n.name: i for i, run in enumerate(regions) for n in run}
+    nodes = {n.name: n for n in gm.graph.nodes}
+    held: dict[str, tuple[str, ScaleKey, float]] = {}  # value -> (unit, key, bytes), each value once
+    again: dict[str, dict] = {}
+    for name, nbytes, is_float in saved:
+        key, factor = _key(nodes[name], mesh, is_float=is_float)
+        if name not in region_of or _leaves_region(nodes[name], region_of):
+            held[name] = (where[name], key, nbytes * factor)
+        elif decisions[nodes[name]] != KEPT:
+            bucket = again.setdefault(where[name], {})
+            bucket[key] = bucket.get(key, 0) + nbytes * factor
+    for run in regions:
+        inside = set(run)
+        entering = {_held_value(x, mesh) for n in run for x in n.all_input_nodes if x not in inside}
+        kept = {n for n in run if decisions[n] == KEPT} if mode == "selective" else set()
+        for value in entering | kept:
+            if value.op != "placeholder" and value.name not in held and _local_bytes(value, mesh):
+                held[value.name] = (where[run[0].name], *_local_bytes(value, mesh))
+    return _sum_by_unit(held.values()), again
+
+
+def _held_value(node: fx.Node, mesh) -> fx.Node:
+    """The node whose storage holding ``node`` keeps: the base of a view chain (a tensor)."""
+    base = base_of(node)
+    return base if _local_bytes(base, mesh) else node
+
+
+def _leaves_region(node: fx.Node, region_of: dict[str, int]) -> bool:
+    return any(region_of.get(u.name) != region_of[node.name] for u in node.users if u.op != "output")
+
+
+def _local_bytes(node: fx.Node, mesh) -> tuple[ScaleKey, float] | None:
+    """(key, unsplit bytes) of the tensor ``node`` makes, from its layout; None for a non-tensor."""
+    value = node.meta.get("val")
+    if META not in node.meta or not isinstance(value, torch.Tensor):
+        return None
+    key, factor = _key(node, mesh)
+    local = math.prod(node.meta[META].layout.local_shape(tuple(value.shape), mesh)) * value.element_size()
+    return key, local * factor
+
+
+def _sum_by_unit(entries) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for unit, key, amount in entries:
+        bucket = out.setdefault(unit, {})
+        bucket[key] = bucket.get(key, 0) + amount
+    return out
 
 
 def _boundaries(program, where: dict[str, str], units: list[str]) -> dict[str, tuple[dict, dict]]:

@@ -38,11 +38,12 @@ from torch.utils._pytree import tree_leaves
 from usc.compiler.errors import CompileError, ShardingError
 
 from .graph_edit import flat_inputs, shape_of
-from .sharding_rules import SHARDING_RULES, Decision, OpView
+from .sharding_rules import SHARDING_RULES, Decision, OpView, Rule
 
 R = Replicate()
 HAND, DTENSOR, DIM_LOCAL, DECOMPOSED, REPLICATED, NONE = (
     "hand rule", "DTensor strategy", "dim-local", "decomposition", "replicated", "none")
+DRAWN = "counter-based draw"  # a random op, rewritten by random_ops before any rule places it
 aten = torch.ops.aten
 
 # Ops that act along one dim only (its argument position here): every other dim is independent, so a
@@ -92,9 +93,13 @@ def derived_link(op) -> str:
 
 def rule_link(op) -> str:
     """The link that decides ``op``, hand rules (and hand expansions, like the sharded cross-entropy)
-    included: what the op-coverage figure counts."""
+    included: what the op-coverage figure counts. A random op random_ops rewrites into a counter-based
+    draw before placement is placed as that draw (``DRAWN``)."""
     from .expansions import EXPANSIONS
+    from .random_ops import RANDOM_RULES
 
+    if op in RANDOM_RULES:
+        return DRAWN
     return HAND if op in SHARDING_RULES or op in EXPANSIONS else derived_link(op)
 
 
@@ -160,6 +165,12 @@ def derived_rule(op) -> DerivedRule | None:
     """The derived rule for an op with no hand rule, or None when no link accepts it."""
     link = derived_link(op)
     return None if link == NONE else DerivedRule(op, link)
+
+
+def rule_for(target) -> Rule | None:
+    """The fallback chain for one op: the hand rule (``SHARDING_RULES``), else the derived links
+    (DTensor's strategy, the op's decomposition, replicated)."""
+    return SHARDING_RULES.get(target) or derived_rule(target)
 
 
 def replicated(view: OpView) -> Decision:
@@ -270,8 +281,6 @@ def _decomposed_decision(view: OpView) -> Decision | None:
 def _flow(gm: fx.GraphModule, placements: tuple, outer: OpView):
     """The output placement when every op of the decomposition accepts its inputs as placed
     (no redistribution inside the op), else None."""
-    from .sharding_rules import rule_for
-
     placed: dict[fx.Node, object] = {}
     inputs = iter(placements)
     for node in gm.graph.nodes:

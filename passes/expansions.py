@@ -314,25 +314,51 @@ def context_parallel_attention(ctx: ExpansionContext, node: fx.Node):
     ring / zigzag: K/V blocks travel around the ring while each rank attends its queries to them,
     merged by online softmax (Liu et al. 2023); no rank holds the full scores or the full K/V.
     ulysses: all-to-all from sequence shards to head shards, ordinary attention, and back
-    (Jacobs et al. 2023)."""
+    (Jacobs et al. 2023).
+
+    An explicit mask (one ``attention_masks_pass`` did not prove causal) is sliced, not gathered per
+    step: under ring / zigzag each rank keeps its query rows of it (in the axis's chunk order) over
+    all keys, and every ring step reads the columns of the block it holds; under Ulysses the heads
+    are split, so each rank takes the whole mask (its heads of it, for a per-head mask)."""
     args = _sdpa_args(node)
     q = args["query"]
     axes = [i for i, p in enumerate(_layout(q).placements) if isinstance(p, Shard) and p.dim == 2]
     if not axes:
         return None
     axis = ctx.mesh.axes[axes[0]]
-    where = module_path(node) or "<root>"
-    if args["attn_mask"] is not None or args["dropout_p"] or args["enable_gqa"]:
-        raise CompileError(f"attention in '{where}': context parallelism supports scaled_dot_product_attention "
-                           "without an explicit mask, dropout or enable_gqa (use is_causal=True and repeat the "
-                           "key/value heads)")
+    _check_cp_attention(node, args)
     b = _Builder(ctx, node)
-    qkv = (args["query"], args["key"], args["value"])
+    qkv = (args["query"], *(_repeat_kv(b, t, shape_of(q)[1]) for t in (args["key"], args["value"])))
+    mask = () if args["attn_mask"] is None else (args["attn_mask"],)
     if ctx.cp_mode == "ulysses":
         heads = [b.module(AllToAll(axis, 2, 1, whole_elsewhere=True), t, stem="all_to_all") for t in qkv]
-        out = b.call(aten.scaled_dot_product_attention.default, *heads, None, 0.0, args["is_causal"],
+        out = b.call(aten.scaled_dot_product_attention.default, *heads, *(mask or (None,)), 0.0, args["is_causal"],
                      scale=args["scale"])
         return b.finish(b.module(AllToAll(axis, 1, 2), out, stem="all_to_all"))
     layout = "zigzag" if ctx.mesh.order(axis) == "zigzag" else "contiguous"
-    ring = RingAttention(axis, causal=bool(args["is_causal"]), scale=args["scale"], layout=layout)
-    return b.finish(b.module(ring, *qkv, stem="ring_attention"))
+    ring = RingAttention(axis, causal=bool(args["is_causal"]), scale=args["scale"], layout=layout, masked=bool(mask))
+    return b.finish(b.module(ring, *qkv, *mask, stem="ring_attention"))
+
+
+def _repeat_kv(b: _Builder, t: fx.Node, heads: int) -> fx.Node:
+    """enable_gqa's grouped key/value heads, repeated to the query's (Hugging Face's ``repeat_kv``:
+    head j serves query heads j*g .. j*g+g-1), so ring and Ulysses see one K/V head per query head."""
+    shape = shape_of(t)
+    if shape[1] == heads:
+        return t
+    groups = heads // shape[1]
+    wide = b.call(aten.expand.default, b.call(aten.unsqueeze.default, t, 2),
+                  [shape[0], shape[1], groups, *shape[2:]])
+    return b.call(aten.reshape.default, wide, [shape[0], heads, *shape[2:]])
+
+
+def _check_cp_attention(node: fx.Node, args: dict) -> None:
+    where = module_path(node) or "<root>"
+    if args["dropout_p"]:
+        raise CompileError(f"attention in '{where}': context parallelism supports scaled_dot_product_attention "
+                           "without dropout (set the attention dropout to 0)")
+    mask = args["attn_mask"]
+    shape = shape_of(mask) if mask is not None else None
+    if mask is not None and (shape is None or not 2 <= len(shape) <= 4):
+        raise CompileError(f"attention in '{where}': context parallelism takes an attention mask of 2 to 4 dims "
+                           f"([B|1, H|1, S, S]), got shape {shape}; build the mask with its query and key dims last")

@@ -26,7 +26,8 @@ from usc.runtime.vocab import ShardedGather, VocabParallelEmbedding
 
 from .expansions import EXPANSIONS, ExpansionContext, refuse_unsupported
 from .graph_edit import GraphEditor, flat_inputs, is_float, shape_of
-from .sharding_rules import Decision, OpView, is_shard, rule_for
+from .derived_rules import rule_for
+from .sharding_rules import Decision, OpView, is_shard
 
 R = Replicate()
 RULE_LINK = "usc_rule_link"  # which link of the rule chain placed the node (the report lists them)

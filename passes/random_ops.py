@@ -55,11 +55,13 @@ class _Rewriter:
             name = f"{KEY_MODULE}_{self.op}"
             if not hasattr(self.gm, name):
                 self.gm.add_submodule(name, RandomKey(self.seed))
+            # the traced device (meta for a model built there): the runtime makes both on the program's
+            device = val(self.node).device if isinstance(val(self.node), torch.Tensor) else None
             key = self._meta(graph.call_module(name, ()),
-                             self._fake(lambda: torch.zeros(3, dtype=torch.int64)))
+                             self._fake(lambda: torch.zeros(3, dtype=torch.int64, device=device)))
             new = graph.call_function(DRAW, (key, list(shape), self.op, -1, 1, dtype, distribution, float(a),
                                              float(b)))
-        self._meta(new, self._fake(lambda: torch.empty(tuple(shape), dtype=dtype)))
+        self._meta(new, self._fake(lambda: torch.empty(tuple(shape), dtype=dtype, device=device)))
         new.meta["usc_draw_like"] = like.name if like is not None else None
         return new
 

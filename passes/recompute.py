@@ -117,6 +117,8 @@ def communicates_forward(module) -> bool:
     return kind is not None and kind() not in (None, "none")
 
 
+# selective: communicate once, keep the result (cheaper than re-issuing it in backward)
+KEEP_COLLECTIVE = DecisionRule(_communicates_forward, BOUNDARY, "collective: output kept, not re-issued")
 RULES = [
     # placeholders and the output are the region's edges, never inside one
     DecisionRule(lambda w: w.node.op not in ("call_function", "call_module"), None, "not computed"),
@@ -130,19 +132,19 @@ RULES = [
     DecisionRule(lambda w: w.block is None, None, "outside the transformer blocks"),
     DecisionRule(lambda w: w.mode == "full", RECOMPUTED, "recompute=full"),
     DecisionRule(lambda w: w.mode != "selective", None, "recompute=none"),
-    # selective: communicate once, keep the result (cheaper than re-issuing it in backward)
-    DecisionRule(_communicates_forward, BOUNDARY, "collective: output kept, not re-issued"),
+    KEEP_COLLECTIVE,
     DecisionRule(lambda w: w.node.target in MATMULS, KEPT, "matmul output kept"),
     DecisionRule(lambda w: True, RECOMPUTED, "pointwise / norm / attention: recomputed"),
 ]
 
 
-def decide(node: fx.Node, gm: fx.GraphModule, mode: str, marked: Callable[[str], bool]) -> DecisionRule:
-    """The first rule of RULES that applies to ``node`` (the last one always does)."""
+def decide(node: fx.Node, gm: fx.GraphModule, mode: str, marked: Callable[[str], bool], *,
+           rules: list[DecisionRule] = RULES) -> DecisionRule:
+    """The first rule of ``rules`` that applies to ``node`` (the last one always does)."""
     module = gm.get_submodule(node.target) if node.op == "call_module" else None
     path = node_module(node)
     where = Where(node, gm, module, mode, marked(path), block_of(path))
-    return next(rule for rule in RULES if rule.applies(where))
+    return next(rule for rule in rules if rule.applies(where))
 
 
 def rule_marker(plan) -> Callable[[str], bool]:
@@ -182,14 +184,15 @@ def _recompute_graph(gm: fx.GraphModule, mode: str, marked, params: set[str]) ->
     gm.recompile()
 
 
-def recompute_regions(gm: fx.GraphModule, mode: str, marked: Callable[[str], bool]
-                      ) -> tuple[list[list[fx.Node]], dict, dict]:
+def recompute_regions(gm: fx.GraphModule, mode: str, marked: Callable[[str], bool], *,
+                      rules: list[DecisionRule] = RULES) -> tuple[list[list[fx.Node]], dict, dict]:
     """The runs of ``gm`` that become recompute regions, and every considered node's decision and
     reason (a run that frees nothing is turned into boundaries). Reads the graph, changes nothing:
-    the cost model's profile asks it of a probe program."""
+    the cost model's profile asks it of a probe program (with ``rules`` that read the probe's ring
+    attention as the local attention of a plan without cp)."""
     decisions, reasons = {}, {}
     for node in gm.graph.nodes:
-        rule = decide(node, gm, mode, marked)
+        rule = decide(node, gm, mode, marked, rules=rules)
         if rule.decision is not None:
             decisions[node], reasons[node] = rule.decision, rule.why
     regions = []
@@ -225,15 +228,12 @@ def _saves_for_backward(gm: fx.GraphModule, node: fx.Node) -> bool:
     return ann is not None and ann.needs_grad and bool(saved_values(gm, node))
 
 
-# ops whose backward needs no saved tensor: recomputing only these frees nothing
-SAVES_NOTHING = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.clone.default,
-                           aten.cat.default, operator.getitem})
-
-
 def worth_recomputing(run: list[fx.Node], decisions: dict) -> bool:
-    """A region frees memory only if a recomputed node would otherwise save a tensor."""
+    """A region frees memory only if a recomputed node would otherwise save a tensor (what autograd
+    keeps, by op class: ``saved_values``, the model the cost profile reads too). A module call
+    counts: what it keeps is its own."""
     return any(decisions[n] == RECOMPUTED and (n.op == "call_module" or (
-        n.target not in SAVES_NOTHING and not getattr(n.target, "is_view", False))) for n in run)
+        bool(saved_values(n.graph.owning_module, n)) and not getattr(n.target, "is_view", False))) for n in run)
 
 
 def convex_runs(gm: fx.GraphModule, decisions: dict) -> list[list[fx.Node]]:

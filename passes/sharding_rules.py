@@ -670,10 +670,17 @@ def sharded_gather_rule(view: OpView) -> Decision:
 
 @register(RingAttention)
 def ring_attention_rule(view: OpView) -> Decision:
-    """On its own axis q, k, v and the output are sequence shards; elsewhere it is attention."""
+    """On its own axis q, k, v and the output are sequence shards, and an explicit mask holds this
+    rank's query rows (whole when it broadcasts one row) over all keys; elsewhere it is attention."""
     if view.axis == _module(view).axis:
-        return Decision((Shard(2),) * 3, Shard(2))
+        mask = tuple(_mask_rows(shape, view.shapes[0][2]) for shape in view.shapes[3:])
+        return Decision((Shard(2),) * 3 + mask, Shard(2))
     return sdpa_rule(view)
+
+
+def _mask_rows(shape: tuple[int, ...], seq: int) -> Placement:
+    rows = len(shape) - 2
+    return Shard(rows) if rows >= 0 and shape[rows] == seq and seq > 1 else R
 
 
 @register(AllToAll)
@@ -685,10 +692,3 @@ def all_to_all_rule(view: OpView) -> Decision:
         return Decision((R,), R)
     return keep(view, view.placements[0])
 
-
-def rule_for(target) -> Rule | None:
-    """The hand rule, else the rest of the fallback chain (``derived_rules``: DTensor's strategy, the
-    op's decomposition, replicated)."""
-    from .derived_rules import derived_rule  # imports this module
-
-    return SHARDING_RULES.get(target) or derived_rule(target)

@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from usc.compiler.trace import module_path
+from usc.runtime.op_classes import COPIES, RESHAPES
 
 aten = torch.ops.aten
 R = Replicate()
@@ -46,9 +47,8 @@ CARRIERS = {
 
 # Nodes that only check a value (export's dtype/shape assertions) are not uses of it.
 IGNORED_USERS = {aten._assert_tensor_metadata.default}
-TO_LOSS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor,
-           aten.contiguous.default, aten.clone.default, aten._to_copy.default, aten.to.dtype,
-           aten.to.dtype_layout, aten.alias.default}
+# what a loss's logits pass through on their way from the lm head: reshapes, copies, casts, slices
+TO_LOSS = RESHAPES | COPIES | {aten.slice.Tensor}
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import re
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -388,6 +389,38 @@ class Comm(ABC):
             raise ValueError(f"peer {peer} is not in the group along {self.axis!r} (size {self.size})")
 
 
+# The longest a CPU wait sleeps between two looks at its collective: Ctrl-C (a signal Python handles
+# only between bytecodes, never inside one C++ `work.wait(timeout)`) ends the wait within this, and a
+# collective that completes meanwhile is noticed at most this late.
+WAIT_SLICE_SECONDS = 0.01
+
+
+def wait_in_slices(work: Any, timeout: float) -> None:
+    """Wait for a torch Work in short sleeps (growing from 50 us, so a fast collective costs no more
+    than a look or two), raising TimeoutError past `timeout`; a signal handler runs in between."""
+    if not _tracks_completion(work):  # gloo's reduce-scatter: one blocking wait, as before
+        if not work.wait(timeout=datetime.timedelta(seconds=timeout)):
+            raise TimeoutError(f"no completion within {timeout:g}s")
+        return
+    deadline, pause = time.monotonic() + timeout, 5e-5
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no completion within {timeout:g}s")
+        time.sleep(pause)
+        pause = min(pause * 2, WAIT_SLICE_SECONDS)
+    work.wait()  # completed: returns at once, or raises the transfer's error
+
+
+def _tracks_completion(work: Any) -> bool:
+    """Whether is_completed() ever turns true: a Work without a future (gloo's reduce-scatter, built
+    from other collectives) reports False even after it finished."""
+    try:
+        work.get_future()
+    except RuntimeError:
+        return False
+    return True
+
+
 # =============================================================================== torch.distributed
 class ProcessGroupComm(Comm):
     """torch.distributed collectives on one ProcessGroup (gloo on CPU, NCCL on CUDA).
@@ -503,8 +536,7 @@ class ProcessGroupComm(Comm):
         if like is not None and like.is_cuda:
             work.wait()  # stream-ordered; the NCCL watchdog enforces the group timeout
             return
-        if not work.wait(timeout=datetime.timedelta(seconds=self.timeout)):
-            raise TimeoutError(f"no completion within {self.timeout:g}s")
+        wait_in_slices(work, self.timeout)
 
     def _comm_stream(self, device: torch.device) -> Any:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -570,6 +602,14 @@ class ThreadGroup:
         with self._cond:
             self._abort_reason = self._abort_reason or reason
             self._cond.notify_all()
+
+    def reset(self) -> None:
+        """A fresh start after every rank of the group has left a failed run: no abort, no call or
+        message of that run kept (each ThreadComm restarts its own counts)."""
+        with self._cond:
+            self._abort_reason = None
+            self._slots.clear()
+            self._mail.clear()
 
     def exchange(self, rank: int, seq: int, kind: str, payload: Any, timeout: float) -> list[Any]:
         """Deposit this rank's payload for call `seq`; return all ranks' payloads in rank order."""
@@ -655,6 +695,13 @@ class ThreadComm(Comm):
 
     def abort(self, reason: str) -> None:
         self.group.abort(reason)
+
+    def reset(self) -> None:
+        """Forget a failed run (see ThreadGroup.reset); every rank of the group resets together."""
+        self.group.reset()
+        self._calls = 0
+        self._sent.clear()
+        self._received.clear()
 
     def _exchange(self, kind: str, payload: Any) -> list[Any]:
         seq, self._calls = self._calls, self._calls + 1

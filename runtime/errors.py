@@ -71,9 +71,10 @@ class NonFiniteLoss(FloatingPointError):
 
     raised_by_every_rank = True
 
-    def __init__(self, step: int, rank: int, value: float) -> None:
-        super().__init__(
-            f"step {step}: the loss is {value} on rank {rank}; the optimizer step was skipped. Usual causes: a "
-            f"learning rate too high, inputs outside the embedding's range, or a division by a zero token count "
-            f"(every label ignored)")
+    def __init__(self, step: int, rank: int, value: float, *, cause: str | None = None) -> None:
+        causes = f"cause: {cause}" if cause else (
+            "usual causes: a learning rate too high, inputs outside the embedding's range, or a division by a "
+            "zero token count (every label ignored)")
+        super().__init__(f"step {step}: the loss is {value} on rank {rank}; the optimizer step was skipped (no "
+                         f"rank stepped). {causes[0].upper()}{causes[1:]}")
         self.step, self.rank, self.value = step, rank, value

@@ -27,6 +27,8 @@ from .reducer import GradReducer
 from .timeline import Timeline
 from .checkpoint_state import ShardedCheckpoint
 from .errors import NonFiniteLoss
+from .vocab import saw_index_no_rank_holds
+from .input_checks import BadInput, check_dtypes, check_ranges, index_uses, shard_view
 from .recompute import observe_kept
 from .replica_guard import ReplicaGuard
 from .state_write import StateWrite, apply_writes
@@ -69,15 +71,22 @@ def bind_graph(gm: fx.GraphModule, mesh) -> fx.GraphModule:
 
 def _factory_devices(graph: fx.Graph, device: torch.device) -> list[fx.Node]:
     """Nodes that create a tensor on another device than `device`: torch.export bakes the tracing
-    device into factory calls (arange, zeros, full, ...), and the program runs on the mesh's."""
+    device into factory calls (arange, zeros, full, ...) and into moves (``aten.to.device(x, dev)``,
+    from ``x.to(y.device)``: ``meta`` for a model built there), and the program runs on the mesh's."""
     return [n for n in graph.nodes if n.op == "call_function"
-            and isinstance(n.kwargs.get("device"), torch.device) and n.kwargs["device"] != device]
+            and any(_other_device(v, device) for v in (*n.args, n.kwargs.get("device")))]
+
+
+def _other_device(value, device: torch.device) -> bool:
+    return isinstance(value, torch.device) and value != device
 
 
 def _move_factories(graph: fx.Graph, device: torch.device) -> bool:
     nodes = _factory_devices(graph, device)
     for node in nodes:
-        node.kwargs = {**node.kwargs, "device": device}
+        node.args = tuple(device if _other_device(a, device) else a for a in node.args)
+        if _other_device(node.kwargs.get("device"), device):
+            node.kwargs = {**node.kwargs, "device": device}
     return bool(nodes)
 
 
@@ -202,17 +211,55 @@ class RankExecutor(ShardedCheckpoint):
     def _local_input(self, spec, value) -> torch.Tensor:
         if not isinstance(value, torch.Tensor):
             return value
-        placements, shape = data_local(spec, self.program.mesh) if self.local_batch else \
-            (spec.layout.placements, spec.global_shape)
-        if tuple(value.shape) != shape:
-            what = "this rank's data shard" if self.local_batch else "the global batch"
-            raise ValueError(f"input '{spec.placeholder}' has shape {list(value.shape)} but {what} was compiled "
-                             f"as {list(shape)}; pass the same shape on every step (compile again for another)")
+        placements, shape = self._check_shape(spec, value)
         value = value.to(self.device)  # the batch is small: cut and permute it where it is used
         for axis, placement in zip(self.program.mesh.axes, placements):
             if axis in self.program.mesh.zigzag and hasattr(placement, "dim"):
                 value = zigzag_permute(value, placement.dim, self.mesh.size(axis))
         return local_chunk(value, placements, self.mesh.shape, self.mesh.coord)
+
+    def _check_shape(self, spec, value: torch.Tensor) -> tuple:
+        placements, shape = data_local(spec, self.program.mesh) if self.local_batch else \
+            (spec.layout.placements, spec.global_shape)
+        if tuple(value.shape) != shape:
+            what = "this rank's data shard" if self.local_batch else "the global batch"
+            name = self.input_names.get(spec.placeholder, spec.placeholder)
+            raise BadInput(f"input {name} has shape {list(value.shape)} but {what} was compiled as {list(shape)}; "
+                           f"pass the same shape on every step (compile again for another)",
+                           input=name, value=list(value.shape), rank=self.mesh.rank)
+        return placements, shape
+
+    # ------------------------------------------------------------------ the batch, checked (input_checks.py)
+    input_names: dict[str, str] = {}  # placeholder -> how the user names the input (set by usc/api.py)
+    _index_uses = None
+
+    def check_batch(self, batch: tuple) -> list[tuple]:
+        """The batch's microbatches, once every input has the compiled shape and kind and every index
+        lies where its op can look it up; raised before anything runs, alike on every rank."""
+        micro = self._split(batch)
+        rank, names = self.mesh.rank, self.input_names
+        order = [spec.placeholder for spec in self.program.inputs]
+        check_dtypes(self.program.inputs, batch, [names.get(n, n) for n in order], rank)
+        for piece in micro:
+            for spec, value in zip(self.program.inputs, piece):
+                if isinstance(value, torch.Tensor):
+                    self._check_shape(spec, value)
+        if self._index_uses is None:
+            self._index_uses = index_uses(self.program)
+        if self._index_uses:
+            check_ranges(self._index_uses, micro, shard_view(self.program, self.mesh, self.local_batch), names, rank)
+        return micro
+
+    def rollback(self) -> None:
+        """After a failed step: drop what it left half-done (gradients, buffer writes, reductions in
+        flight), so the parameters, the optimizer and the step count are as before and the next step
+        starts clean. Runs no collective."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.reducer.reset()
+        self.reducer.attach_grad_views()
+        self.pending_writes.clear()
+        if self.zero3 is not None:
+            self.zero3.reset()
 
     def _loss(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor | float]:
         """(loss, count): count is the global number of tokens the loss averaged over when the
@@ -247,11 +294,13 @@ class RankExecutor(ShardedCheckpoint):
         return both
 
     def _global(self, loss: torch.Tensor) -> float:
-        value = loss.detach()
-        if value.dtype in (torch.bfloat16, torch.float16):
-            value = value.float()
-        for axis in self.program.loss_partial_axes:
+        reduction = self.program.loss_value  # what the report and the cost model count as sent
+        value = loss.detach().to(reduction.dtype)
+        for axis in reduction.axes:
             value = self.mesh.comm(axis).all_reduce(value)
+        for axis in reduction.verdict:  # the loss is a copy here: only coordinate 0's counts, but a
+            mine = value if self.mesh.coord_of(axis) == 0 else value * 0  # NaN anywhere stays NaN (0 * NaN)
+            value = self.mesh.comm(axis).all_reduce(mine)
         return self._to_host(value)
 
     def _to_host(self, value: torch.Tensor, assumed: float = 1.0) -> float:
@@ -275,7 +324,7 @@ class RankExecutor(ShardedCheckpoint):
         microbatch m contributes sum_m / N where N is the total count, so each backward is scaled
         by count_m / N once N is known (after the last forward); the gradient reduction runs
         once, during the last microbatch's backward."""
-        micro = self._split(batch)
+        micro = self.check_batch(batch)
         for module in self.gm.modules():
             if hasattr(module, "reset_stats"):  # per-step statistics (MoE loads)
                 module.reset_stats()
@@ -299,7 +348,7 @@ class RankExecutor(ShardedCheckpoint):
         self.reducer.finish()
         self.peak_state_bytes = self.memory_bytes()  # gradients are at their peak here
         value = self._global(sum(weighted) / count)
-        self._check_finite(value)
+        self._check_finite(value, count)
         self._clip_if_asked()
         with self._span("optimizer"):
             self.optimizer.step()
@@ -363,13 +412,24 @@ class RankExecutor(ShardedCheckpoint):
         """Random draws are keyed by (seed, step, microbatch): see runtime/random.py."""
         set_random_keys(module, step=self.steps_done, microbatch=microbatch)
 
-    def _check_finite(self, value: float) -> None:
-        """Every rank sees the same global loss, so all of them stop together (no hang)."""
-        self.steps_done += 1
+    def _check_finite(self, value: float, count=None) -> None:
+        """Every rank sees the same global loss, so all of them stop together (no hang); a failed
+        step does not count (the next one is keyed and numbered as this one was)."""
         if not math.isfinite(value):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.reducer.attach_grad_views()
-            raise NonFiniteLoss(self.steps_done, self.mesh.rank, value)
+            self.rollback()
+            raise NonFiniteLoss(self.steps_done + 1, self.mesh.rank, value, cause=self._nan_cause(count))
+        self.steps_done += 1
+
+    def _nan_cause(self, count) -> str | None:
+        """Why the loss is not finite, when this rank can tell (read only after a step failed)."""
+        counted = None if count is None else self._to_host(torch.as_tensor(count).sum(), assumed=1.0)
+        if counted == 0:
+            return "no token was counted: every label of the batch is the loss's ignore_index (-100), so the " \
+                "mean divides by zero; drop such batches"
+        if saw_index_no_rank_holds(self.gm, self._to_host):
+            return "an id or label outside the vocabulary reached a vocabulary-parallel op on this rank (a " \
+                "batch already on the device is checked there, inside the step); fix the data"
+        return None
 
     def _scale_grads(self, factor) -> None:
         """Multiply every gradient by factor (a float, or a 0-dim tensor on the device)."""
@@ -407,7 +467,7 @@ class RankExecutor(ShardedCheckpoint):
     @torch.no_grad()
     def evaluate(self, batch: tuple) -> float:
         pieces = []
-        for m, piece in enumerate(self._split(batch)):
+        for m, piece in enumerate(self.check_batch(batch)):
             self._key_random(self.gm, m)
             pieces.append(self._loss(piece))
         self.pending_writes.clear()  # evaluation updates nothing

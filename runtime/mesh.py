@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Comm, ProcessGroupComm, ShapeComm, ThreadComm, ThreadGroup, solo_comm
+from .agreement import job_id
 from .errors import CollectiveContext, CollectiveTimeout, LaunchError
 from .timeline import Timeline
 
@@ -111,6 +112,12 @@ class Mesh:
         """Wake this rank's pending simulated collectives with a CollectiveError."""
         for comm in self.comms.values():
             comm.abort(reason)
+
+    def reset(self) -> None:
+        """Simulated groups usable again after a failed run in which every rank has stopped."""
+        for comm in self.comms.values():
+            if hasattr(comm, "reset"):
+                comm.reset()
 
     def describe(self) -> str:
         """'dp=2 tp=4' — the mesh as the plan language writes it."""
@@ -217,7 +224,37 @@ def _init_default_group(device: torch.device, rank: int, world: int, timeout: fl
     # NCCL: the group timeout and async error handling let the watchdog abort a hung collective; the
     # waiting rank then sees the error, which Comm reports as a CollectiveError
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # 2: abort the communicators, raise in wait()
-    dist.init_process_group(rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout), **options)
+    store = _job_store(rank, world, timeout)
+    if store is not None:
+        options["store"] = store
+    try:
+        dist.init_process_group(rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout), **options)
+    except dist.DistError as err:  # a store timeout, or the store's host gone (another job's rank 0 left)
+        raise LaunchError(_rendezvous_failed(rank, world, timeout, err)) from err
+
+
+def _job_store(rank: int, world: int, timeout: float):
+    """The rendezvous store of this job alone when the launch names a job (runtime/agreement.py's
+    JOB_ID_VARIABLES): every key lives under the job id, so a rank of another job that finds this port
+    waits apart (and times out) instead of joining. None: torch's env:// rendezvous as it is."""
+    job = job_id()
+    if not job or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    # under torchrun's agent the store already exists: every rank connects to it as a client
+    host = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=host,
+                          timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    return dist.PrefixStore(f"usc-job/{job}/", store)
+
+
+def _rendezvous_failed(rank: int, world: int, timeout: float, err: Exception) -> str:
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    job = job_id() or "(none named)"
+    return (f"rank {rank} of job {job}: not all {world} ranks of this job met at {where} within {timeout:g}s "
+            f"({type(err).__name__}: {str(err).splitlines()[0]}). Likely cause: a rank died or was not launched, "
+            f"or ranks of two jobs share the port (a job's ranks meet only each other when USC_JOB_ID, "
+            f"SLURM_JOB_ID or TORCHELASTIC_RUN_ID names the job); fix: launch every rank with the same job id "
+            f"and a port no other job uses")
 
 
 def _axis_comm(axes: tuple[str, ...], shape: tuple[int, ...], index: int, rank: int, timeout: float) -> Comm:
@@ -326,16 +363,38 @@ def run_in_threads(meshes: Sequence[Mesh], fn: Callable[[Mesh], Any], *, timeout
     ]
     for thread in threads:
         thread.start()
-    if not outcomes.wait(timeout):
+    try:
+        finished = outcomes.wait(timeout)
+    except BaseException:  # Ctrl-C while the ranks run: wake them out of their collectives too
+        for mesh in meshes:
+            mesh.abort("interrupted")
+        raise
+    if not finished:
         _raise_hung(meshes, threads, timeout)
     if outcomes.first_error is not None:
         rank, exc = outcomes.first_error
+        _settle(meshes, threads)
         if hasattr(exc, "add_note"):  # Python >= 3.11
             exc.add_note(f"(raised on simulated rank {rank} of {len(meshes)})")
         raise exc
     for thread in threads:
         thread.join()
     return outcomes.results
+
+
+# How long the peers of a failed simulated rank get to leave their aborted collectives before the
+# groups are reset for the next call (they wake at once; a rank stuck in its own compute does not).
+SETTLE_SECONDS = 5.0
+
+
+def _settle(meshes: Sequence[Mesh], threads: list[threading.Thread]) -> None:
+    """Once every rank thread has stopped, reset the groups: a failed step leaves the simulator usable
+    (the executors roll their own state back). A thread still running keeps the groups aborted."""
+    for thread in threads:
+        thread.join(SETTLE_SECONDS)
+    if not any(thread.is_alive() for thread in threads):
+        for mesh in meshes:
+            mesh.reset()
 
 
 def _raise_hung(meshes: Sequence[Mesh], threads: list[threading.Thread], timeout: float) -> None:

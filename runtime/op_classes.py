@@ -39,3 +39,6 @@ VIEWS = frozenset({aten.reshape.default, aten.view.default, aten.permute.default
                    aten.detach.default}) | MULTI_OUTPUT_VIEWS
 # Views that only change the shape (what a loss's logits and labels pass through).
 RESHAPES = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
+# Ops whose output holds the input's values unchanged: a copy, a cast, an alias.
+COPIES = frozenset({aten.clone.default, aten.contiguous.default, aten._to_copy.default, aten.to.dtype,
+                    aten.to.dtype_layout, aten.alias.default})

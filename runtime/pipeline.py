@@ -281,6 +281,13 @@ class PipelineMixin:
         self._pending.append(sent)
         return received
 
+    def rollback(self) -> None:
+        """After a failed step, also drop the messages it queued, took early or left in flight."""
+        super().rollback()
+        self._outbox, self._pending, self._inbox = [], [], {}
+        self._early.clear()
+        self._local.clear()
+
     def _wait_sends(self) -> None:
         self._post([])
         for work in self._pending:
@@ -368,7 +375,7 @@ class PipelineMixin:
 
     # ------------------------------------------------------------------------------------ a step
     def _run_schedule(self, batch: tuple, *, train: bool) -> tuple[torch.Tensor, float]:
-        micro = self._split(batch)
+        micro = self.check_batch(batch)
         self._inbox = {peer: list(order) for peer, order in self._orders[train].items()}
         flights: dict[tuple[int, int], InFlight] = {}
         total, count = torch.zeros((), dtype=torch.float64, device=self.device), 0.0
@@ -411,10 +418,11 @@ class PipelineMixin:
         # the last backward carry unscaled sums, so every gradient is scaled once reduced
         self._sum_shared_grads()  # before the dp reduction: ZeRO-2 keeps only slices after it
         self.overlapped_buckets = self.reducer.finish()  # launched while backward still ran
-        self._scale_reduced(1.0 / count)
+        if count:  # no counted token: the loss below is NaN and the step is refused
+            self._scale_reduced(1.0 / count)
         self.peak_state_bytes = self.memory_bytes()
         value = self._global(total / count)
-        self._check_finite(value)
+        self._check_finite(value, count)
         self._clip_if_asked()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -316,6 +316,14 @@ class GradReducer:
         if bucket.span is not None and self.timeline is not None:
             self.timeline.end(bucket.span)
 
+    def reset(self) -> None:
+        """After a failed step: forget launched reductions and arrived gradients (waits for nothing;
+        the simulator's groups are reset apart, a real group's pending work is dropped with it)."""
+        self._sync = True
+        for bucket in self.buckets:
+            bucket.shard_grad = None
+        self._reset()
+
     def _reset(self) -> None:
         for bucket in self.buckets:
             bucket.ready.clear()

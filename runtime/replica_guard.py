@@ -53,8 +53,10 @@ def replicated_axes(spec, mesh_axes: tuple[str, ...], sizes: dict[str, int]) -> 
 
 def fingerprint(t: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """[sum, position-weighted sum] in float64: equal copies give equal numbers; a change to one
-    element, or two elements swapped, changes them."""
-    flat = t.detach().reshape(-1).to(torch.float64)
+    element, or two elements swapped, changes them. A complex element (a RoPE table's) counts as
+    the sum of its real and imaginary parts (a plain cast would drop the imaginary part, with a warning)."""
+    flat = t.detach().reshape(-1)
+    flat = (torch.view_as_real(flat).sum(-1) if flat.is_complex() else flat).to(torch.float64)
     if weights is None:
         weights = position_weights(flat.numel(), flat.device)
     return torch.stack([flat.sum(), torch.dot(flat, weights)])

@@ -69,13 +69,19 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Tile:
-    """Query rows [q_lo, q_hi) against the first k_hi keys of a block; `masked`: some row sees
-    only part of those keys, so the causal mask applies."""
+    """Query rows [q_lo, q_hi) against keys [k_lo, k_hi) of a block; `masked`: some row sees
+    only part of those keys, so the causal mask applies. (k_lo > 0 only under an explicit mask,
+    whose tiles are one query chunk against one key chunk.)"""
 
     q_lo: int
     q_hi: int
     k_hi: int
     masked: bool
+    k_lo: int = 0
+
+    @property
+    def keys(self) -> slice:
+        return slice(self.k_lo, self.k_hi)
 
 
 def layout_chunks(layout: Layout, rank: int, n: int, s_local: int) -> tuple[Chunk, ...]:
@@ -128,6 +134,27 @@ def tile_calls(tile: Tile, q_chunks: Sequence[Chunk], k_chunks: Sequence[Chunk])
         return None
     whole = [Call(tile.q_lo, tile.q_hi, 0, split, False)] if split else []
     return whole + [Call(tile.q_lo, tile.q_hi, split, tile.k_hi, True)]
+
+
+# An explicit mask's tiles: each chunk is cut into at most MASK_PIECES pieces of at least
+# MIN_PIECE rows, so a mask's structure (the causal diagonal, document boundaries) leaves most tiles
+# hidden or shown whole, while the tiles stay few (at most 64 per chunk pair and step).
+MASK_PIECES, MIN_PIECE = 8, 64
+
+
+def masked_schedule(layout: Layout, rank: int, n: int, s_local: int) -> list[list[Tile]]:
+    """Under an explicit mask: each step's block as tiles of (query piece, key piece) within each
+    (query chunk, key chunk) pair, each classified on its own by the mask (``_mask_calls``)."""
+    mine = [p for c in layout_chunks(layout, rank, n, s_local) for p in _pieces(c)]
+    blocks = [[p for c in layout_chunks(layout, (rank - s) % n, n, s_local) for p in _pieces(c)] for s in range(n)]
+    return [[Tile(q_lo, q_hi, k_hi, False, k_lo) for q_lo, q_hi in mine for k_lo, k_hi in block] for block in blocks]
+
+
+def _pieces(chunk: Chunk) -> list[tuple[int, int]]:
+    """Local [lo, hi) ranges cutting a chunk into near-equal pieces."""
+    count = max(1, min(MASK_PIECES, chunk.length // MIN_PIECE))
+    cuts = [chunk.start + chunk.length * i // count for i in range(count + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 def ring_schedule(layout: Layout, rank: int, n: int, s_local: int, *, causal: bool) -> list[list[Tile]]:
@@ -193,26 +220,38 @@ def _pass_on(comm: Comm, t: torch.Tensor, *, async_op: bool = False):
     return comm.send_recv(t.contiguous(), nxt, prev, async_op=async_op)
 
 
-def _tile_scores(q, k, tile: Tile, q_pos, k_pos, scale: float) -> torch.Tensor:
-    s = (q[..., tile.q_lo : tile.q_hi, :] @ k[..., : tile.k_hi, :].transpose(-2, -1)) * scale
+def _tile_scores(q, k, tile: Tile, q_pos, k_pos, scale: float, mask=None) -> torch.Tensor:
+    """Scores of a tile; `mask`: the explicit mask's tile (bool: True takes part; float: added)."""
+    s = (q[..., tile.q_lo : tile.q_hi, :] @ k[..., tile.keys, :].transpose(-2, -1)) * scale
     if tile.masked:
-        visible = k_pos[: tile.k_hi] <= q_pos[tile.q_lo : tile.q_hi, None]
+        visible = k_pos[tile.keys] <= q_pos[tile.q_lo : tile.q_hi, None]
         s = s.masked_fill(~visible, float("-inf"))
-    return s
+    if mask is None:
+        return s
+    return s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """The LSE with -inf (a row that sees no key) as 0: exp(scores - it) is then 0, not NaN."""
+    return torch.where(torch.isneginf(lse), 0.0, lse)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o_t, lse_t) -> None:
-    """Fold a tile's normalised output into the running (out, lse) of its rows, in place."""
+    """Fold a tile's normalised output into the running (out, lse) of its rows, in place. A row
+    that has seen no key yet on either side (an explicit mask hides a whole block) stays 0."""
     lse_old = lse[..., rows, :]
-    out[..., rows, :] = (
-        torch.sigmoid(lse_old - lse_t) * out[..., rows, :] + torch.sigmoid(lse_t - lse_old) * o_t
-    )
-    lse[..., rows, :] = torch.logaddexp(lse_old, lse_t)
+    lse_new = torch.logaddexp(lse_old, lse_t)
+    empty = torch.isneginf(lse_new)
+    keep = torch.where(empty, 0.0, torch.sigmoid(lse_old - lse_t))
+    take = torch.where(empty, 0.0, torch.sigmoid(lse_t - lse_old))
+    out[..., rows, :] = keep * out[..., rows, :] + take * o_t
+    lse[..., rows, :] = lse_new
 
 
 @dataclass(frozen=True)
 class _Ring:
-    """What forward and backward share: the group, the schedule, the positions and the kernel."""
+    """What forward and backward share: the group, the schedule, the positions and the kernel.
+    `mask`: this rank's rows of an explicit mask over the whole key sequence (global order), or None."""
 
     comm: Comm
     schedule: list[list[Tile]]
@@ -221,28 +260,83 @@ class _Ring:
     scale: float
     calls: list[list[list[Call] | None]]  # per step, per tile: its kernel calls (None: tile math)
     kernel: AttentionKernel | None
+    mask: torch.Tensor | None = None
 
     @classmethod
     def build(cls, comm: Comm, s_local: int, d: int, causal: bool, scale: float | None, layout: Layout,
-              device: torch.device, dtype: torch.dtype):
+              device: torch.device, dtype: torch.dtype, mask: torch.Tensor | None = None,
+              needs_mask_grad: bool = False):
         n, r = comm.size, comm.rank
         chunks = [layout_chunks(layout, b, n, s_local) for b in range(n)]
-        schedule = ring_schedule(layout, r, n, s_local, causal=causal)
-        calls = [[tile_calls(t, chunks[r], chunks[(r - s) % n]) for t in tiles] for s, tiles in enumerate(schedule)]
-        return cls(
-            comm,
-            schedule,
-            _positions(chunks[r], device),
-            [_positions(chunks[(r - s) % n], device) for s in range(n)],
-            1.0 / math.sqrt(d) if scale is None else float(scale),
-            calls,
-            kernel_for(device, dtype),
-        )
+        schedule = ring_schedule(layout, r, n, s_local, causal=causal) if mask is None else \
+            masked_schedule(layout, r, n, s_local)
+        block_pos = [_positions(chunks[(r - s) % n], device) for s in range(n)]
+        if mask is None:
+            calls = [[tile_calls(t, chunks[r], chunks[(r - s) % n]) for t in tiles] for s, tiles in enumerate(schedule)]
+        else:
+            calls = _mask_calls(mask, schedule, block_pos, kernel_ok=not needs_mask_grad)
+        kernel = kernel_for(device, dtype)
+        if kernel is None:  # every call becomes tile math; a skipped tile ([]) stays skipped
+            calls = [[None if c else c for c in step] for step in calls]
+        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        return cls(comm, schedule, _positions(chunks[r], device), block_pos, scale, calls, kernel, mask)
 
     def work(self, step: int) -> list[tuple[Tile, list[Call] | None]]:
-        """The tiles of a step with their kernel calls (None: computed in tile math)."""
-        calls = self.calls[step] if self.kernel is not None else [None] * len(self.schedule[step])
-        return list(zip(self.schedule[step], calls))
+        """The tiles of a step with their kernel calls (None: computed in tile math; []: skipped)."""
+        return list(zip(self.schedule[step], self.calls[step]))
+
+    def mask_tile(self, step: int, tile: Tile) -> torch.Tensor | None:
+        """The explicit mask's entries for a tile: its query rows, the block's keys (global columns)."""
+        return None if self.mask is None else _mask_of(self.mask, tile, self.block_pos[step])
+
+    def add_mask_grad(self, dmask: torch.Tensor, step: int, tile: Tile, ds: torch.Tensor) -> None:
+        """d(loss)/d(additive mask) is the scores' gradient, summed over the dims the mask broadcasts."""
+        lead = ds.dim() - dmask.dim()
+        g = ds.sum(dim=tuple(range(lead))) if lead else ds
+        dims = [i for i in range(g.dim()) if dmask.shape[i] == 1 and g.shape[i] != 1]
+        g = g.sum(dim=dims, keepdim=True) if dims else g
+        target = dmask if dmask.shape[-2] == 1 else dmask[..., tile.q_lo: tile.q_hi, :]
+        if dmask.shape[-1] == 1:
+            target += g
+        else:
+            target.index_add_(-1, self.block_pos[step][tile.keys], g)
+
+
+def _mask_of(mask: torch.Tensor, tile: Tile, cols: torch.Tensor) -> torch.Tensor:
+    rows = mask if mask.shape[-2] == 1 else mask[..., tile.q_lo: tile.q_hi, :]
+    return rows if rows.shape[-1] == 1 else rows.index_select(-1, cols[tile.keys])
+
+
+def _mask_calls(mask: torch.Tensor, schedule: list[list[Tile]], block_pos: list[torch.Tensor], *,
+                kernel_ok: bool = True) -> list[list[list[Call] | None]]:
+    """What each tile of an explicit mask needs, read from the mask's values: nothing ([]) where it
+    hides every key (False / -inf: such keys add exactly nothing), one unmasked kernel call where it
+    hides none (True / 0) and the mask needs no gradient (a kernel gives no score gradient), tile
+    math with the mask (None) otherwise. Documents packed in a sequence and sliding windows hide
+    most blocks. One host read for the whole call (none on fake tensors)."""
+    tiles = [(s, t) for s, step in enumerate(schedule) for t in step]
+    if _is_fake(mask):
+        return [[None] * len(step) for step in schedule]
+    flags = []
+    for s, t in tiles:
+        m = _mask_of(mask, t, block_pos[s])
+        hidden, visible = (~m, m) if m.dtype == torch.bool else (torch.isneginf(m), m == 0)
+        flags.append(torch.stack([hidden.all(), visible.all()]))
+    read = iter(torch.stack(flags).tolist())
+    calls = []
+    for step in schedule:
+        calls.append([])
+        for t in step:
+            hidden, visible = next(read)
+            whole = visible and kernel_ok
+            calls[-1].append([] if hidden else [Call(t.q_lo, t.q_hi, t.k_lo, t.k_hi, False)] if whole else None)
+    return calls
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "meta" or is_fake(t)
 
 
 def _ring_forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,9 +356,9 @@ def _ring_forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
                                                      v_blk[..., keys, :], c.causal, ring.scale)
                     _merge(out, lse, slice(c.q_lo, c.q_hi), o_t, lse_t)
                 continue
-            s = _tile_scores(q, k_blk, tile, ring.q_pos, ring.block_pos[step], ring.scale)
+            s = _tile_scores(q, k_blk, tile, ring.q_pos, ring.block_pos[step], ring.scale, ring.mask_tile(step, tile))
             lse_t = torch.logsumexp(s, dim=-1, keepdim=True)
-            o_t = torch.exp(s - lse_t) @ v_blk[..., : tile.k_hi, :]
+            o_t = torch.exp(s - _finite(lse_t)) @ v_blk[..., tile.keys, :]
             _merge(out, lse, slice(tile.q_lo, tile.q_hi), o_t, lse_t)
         if transfer is not None:
             transfer.wait()
@@ -272,8 +366,9 @@ def _ring_forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def _ring_backward(ring: _Ring, q, k, v, out, lse, dout) -> tuple[torch.Tensor, ...]:
-    """dQ, dK, dV (compute dtype); dK/dV ride the ring with their block and end on its owner."""
+def _ring_backward(ring: _Ring, q, k, v, out, lse, dout, dmask=None) -> tuple[torch.Tensor, ...]:
+    """dQ, dK, dV (compute dtype); dK/dV ride the ring with their block and end on its owner. `dmask`
+    (an additive mask that needs a gradient) collects the scores' gradient in place."""
     comm, kv = ring.comm, torch.stack([k, v])
     delta = (dout * out).sum(dim=-1, keepdim=True)  # D_i = rowsum(dO * O), FlashAttention-2
     dq = torch.zeros_like(q)
@@ -293,12 +388,13 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, dout) -> tuple[torch.Tensor, 
                     dkv[0, ..., keys, :] += dk_t
                     dkv[1, ..., keys, :] += dv_t
                 continue
-            rows, keys = slice(tile.q_lo, tile.q_hi), slice(0, tile.k_hi)
-            p = torch.exp(
-                _tile_scores(q, k_blk, tile, ring.q_pos, ring.block_pos[step], ring.scale) - lse[..., rows, :]
-            )
+            rows, keys = slice(tile.q_lo, tile.q_hi), tile.keys
+            s = _tile_scores(q, k_blk, tile, ring.q_pos, ring.block_pos[step], ring.scale, ring.mask_tile(step, tile))
+            p = torch.exp(s - _finite(lse[..., rows, :]))
             dkv[1, ..., keys, :] += p.transpose(-2, -1) @ dout[..., rows, :]
             ds = p * (dout[..., rows, :] @ v_blk[..., keys, :].transpose(-2, -1) - delta[..., rows, :])
+            if dmask is not None:
+                ring.add_mask_grad(dmask, step, tile, ds)
             dq[..., rows, :] += (ds @ k_blk[..., keys, :]) * ring.scale
             dkv[0, ..., keys, :] += (ds.transpose(-2, -1) @ q[..., rows, :]) * ring.scale
         if comm.size > 1:
@@ -316,19 +412,23 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _RingAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm: Comm, causal: bool, scale: float | None, layout: Layout):
+    def forward(ctx, q, k, v, mask, comm: Comm, causal: bool, scale: float | None, layout: Layout):
         qc = q.to(_compute_dtype(q.dtype))
-        ring = _Ring.build(comm, q.shape[-2], q.shape[-1], causal, scale, layout, q.device, qc.dtype)
+        mc = mask if mask is None or mask.dtype == torch.bool else mask.to(qc.dtype)
+        ring = _Ring.build(comm, q.shape[-2], q.shape[-1], causal, scale, layout, q.device, qc.dtype, mc,
+                           ctx.needs_input_grad[3])
         out, lse = _ring_forward(ring, qc, k, v)
-        ctx.ring = ring
+        ctx.ring, ctx.mask_dtype = ring, None if mask is None else mask.dtype
         ctx.save_for_backward(qc, k, v, out, lse)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         qc, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.ring, qc, k, v, out, lse, dout.to(qc.dtype))
-        return dq.to(dout.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dmask = torch.zeros_like(ctx.ring.mask) if ctx.needs_input_grad[3] else None
+        dq, dk, dv = _ring_backward(ctx.ring, qc, k, v, out, lse, dout.to(qc.dtype), dmask)
+        dmask = None if dmask is None else dmask.to(ctx.mask_dtype)
+        return dq.to(dout.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask, None, None, None, None
 
 
 def ring_attention(
@@ -340,15 +440,32 @@ def ring_attention(
     causal: bool,
     scale: float | None,
     layout: Layout,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, sharded along `comm`'s axis.
 
     q, k, v: [B, H, S_local, D], this rank's positions in `layout` (see the module docstring).
     Equals torch's scaled_dot_product_attention on the full sequence, restricted to these rows.
-    `scale` None means 1 / sqrt(D).
+    `scale` None means 1 / sqrt(D). `mask` (with causal=False): this rank's query rows of an
+    sdpa mask, [B|1, H|1, S_local|1, S|1] (bool: True takes part; float: added to the scores),
+    its key columns whole and in global order; each step uses the columns of the block it holds.
+    A row that sees no key at all gives 0, as torch's sdpa does.
     """
     _check_inputs(q, k, v, layout)
-    return _RingAttentionFn.apply(q, k, v, comm, causal, scale, layout)
+    if mask is not None:
+        _check_mask(mask, q, comm.size, causal)
+    return _RingAttentionFn.apply(q, k, v, mask, comm, causal, scale, layout)
+
+
+def _check_mask(mask: torch.Tensor, q: torch.Tensor, n: int, causal: bool) -> None:
+    if causal:
+        raise ValueError("ring_attention: an explicit mask and causal=True together (sdpa refuses them too)")
+    rows, cols = (mask.shape[-2] if mask.dim() > 1 else 0), mask.shape[-1]
+    if not 2 <= mask.dim() <= 4 or rows not in (1, q.shape[-2]) or cols not in (1, n * q.shape[-2]):
+        raise ValueError(f"ring_attention: the mask {tuple(mask.shape)} must be [B|1, H|1, S_local|1, S|1] "
+                         f"with S_local={q.shape[-2]} query rows and S={n * q.shape[-2]} keys")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise ValueError(f"ring_attention: the mask must be bool or floating point, got {mask.dtype}")
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> None:
@@ -367,25 +484,29 @@ class RingAttention(CollectiveNode):
     """Context-parallel attention over mesh axis `axis`: send/recv around the ring both ways.
 
     Inputs are the local [B, H, S_local, D] shards in `layout`; on a group of one it is plain
-    attention. `global_fn` is the single-device op it replaces (for shape inference).
+    attention. `global_fn` is the single-device op it replaces (for shape inference). `masked`:
+    a fourth input is an explicit sdpa mask, this rank's query rows over all keys.
     """
 
     kind = "send/recv"
+    traffic_input = 2  # the report's block shape: K/V travel; a mask (input 3) stays put
 
     def __init__(
-        self, axis: str, causal: bool = False, scale: float | None = None, layout: Layout = "contiguous"
+        self, axis: str, causal: bool = False, scale: float | None = None, layout: Layout = "contiguous",
+        masked: bool = False,
     ):
         super().__init__(axis)
         _check_layout(layout, 0)
-        self.causal, self.scale, self.layout = causal, scale, layout
+        self.causal, self.scale, self.layout, self.masked = causal, scale, layout, masked
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return ring_attention(q, k, v, self.comm, causal=self.causal, scale=self.scale, layout=self.layout)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
+        return ring_attention(q, k, v, self.comm, causal=self.causal, scale=self.scale, layout=self.layout,
+                              mask=mask)
 
-    def global_fn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def global_fn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
         """The whole-sequence attention this node computes a shard of (works on fake tensors)."""
         return torch.ops.aten.scaled_dot_product_attention.default(
-            q, k, v, None, 0.0, self.causal, scale=self.scale
+            q, k, v, mask, 0.0, self.causal, scale=self.scale
         )
 
     def traffic(self, local_shape: Sequence[int], dtype: torch.dtype, n: int) -> list[tuple]:
@@ -408,4 +529,5 @@ class RingAttention(CollectiveNode):
         return "send/recv"
 
     def extra_repr(self) -> str:
-        return f"axis={self.axis!r}, causal={self.causal}, scale={self.scale}, layout={self.layout!r}"
+        masked = ", masked=True" if self.masked else ""
+        return f"axis={self.axis!r}, causal={self.causal}, scale={self.scale}, layout={self.layout!r}{masked}"

@@ -80,6 +80,10 @@ class Zero3Registry:
         """The group's backward is done: drop its re-gathered buffer."""
         self.regathered.pop(group, None)
 
+    def reset(self) -> None:
+        """After a failed step: forget the buffers gathered for a backward that never finished."""
+        self.regathered.clear()
+
 
 @dataclass(frozen=True)
 class GroupSource:

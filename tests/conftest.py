@@ -53,35 +53,3 @@ def pytest_configure(config):
 def pytest_report_header(config):
     seed = config.getoption("hypothesis_seed", None)
     return f"hypothesis seed {seed} (replay: pytest --hypothesis-seed={seed})"
-
-
-# Failures found when the parallel workstreams were merged, not yet fixed; each is listed here with
-# its cause so that it stays visible (pytest reports them as xfailed, and as XPASS once fixed).
-KNOWN_FAILURES = {
-    "tests/distributed/test_cost_model_validation.py::test_report_collective_bytes_equal_counted_bytes":
-        "the runtime's loss/count reductions changed (float64 count on device): the report is 8 bytes "
-        "short per reduced axis",
-    "tests/distributed/test_cost_model_validation.py::test_cost_model_collective_bytes_equal_counted_bytes":
-        "as above, for the cost model's count of the loss reductions",
-    "tests/distributed/test_cost_model_validation.py::test_state_bytes_within_5_percent[gpt2-":
-        "under pp the first stage now also holds state forward does not read (a tied weight's second "
-        "name): 481792 measured vs 433152 predicted",
-    "tests/distributed/test_expert_parallel.py::test_float64_pipeline_runs_equal_one_device[mixtral-":
-        "float64 loss off by 1.9e-9 under pp (cause not found)",
-    "tests/distributed/test_functional_graph.py::test_drawn_writes_through_views_train_as_on_one_device":
-        "the strategy draws an add_ that reads the memory it writes, which usc now refuses (a clear "
-        "OverlappingWriteError, wrapped in a TraceError whose hint is wrong); the test must accept it",
-    "tests/passes/test_rule_verifier.py::test_embedding_scale_grad_by_freq_is_exact_whole_and_refused_split":
-        "under mb=2 the batch-coupling proof refuses first (a PlanError at mb naming the embedding), "
-        "not the error type the test expects: a refusal either way",
-    "tests/passes/test_stamp.py::test_stamped_report_is_the_full_report":
-        "stamping falls back to the full trace on the merged tree (identical layers are no longer "
-        "traced once): lint at scale is slower, not wrong",
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        reason = next((why for prefix, why in KNOWN_FAILURES.items() if item.nodeid.startswith(prefix)), None)
-        if reason is not None:
-            item.add_marker(pytest.mark.xfail(reason=f"known failure: {reason}", strict=False))

@@ -8,12 +8,16 @@ from usc.compiler.errors import CompileError, ShardingError, TraceError
 from usc.compiler.report import CollectiveRecord, Report
 from usc.dsl import Plan, PlanError, load_plan, parse_plan
 from usc.runtime.checkpoint import CheckpointError
+from usc.runtime.agreement import RanksDisagree
 from usc.runtime.errors import CollectiveError, CollectiveTimeout, NonFiniteLoss
+from usc.runtime.input_checks import BadInput, InputDtypeError, InputOutOfRange
+from usc.runtime.materialize import InitError, materialize
 
 from . import data, training
 from .api import Compiled, Simulated, compile, lint, plan, simulate
 
 __all__ = ["compile", "simulate", "lint", "plan", "parse_plan", "load_plan", "Plan", "PlanError", "CompileError",
            "TraceError", "ShardingError", "CollectiveError", "CollectiveTimeout", "Compiled", "Simulated",
-           "Report", "CollectiveRecord", "CheckpointError", "NonFiniteLoss"]
+           "Report", "CollectiveRecord", "CheckpointError", "NonFiniteLoss", "BadInput", "InputOutOfRange",
+           "InputDtypeError", "RanksDisagree", "InitError", "materialize"]
 __version__ = "0.1.0"

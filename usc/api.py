@@ -12,9 +12,12 @@ import torch
 from torch import nn
 
 from usc.compiler.errors import CompileError
+from usc.compiler.hardware import BUILTIN_PROFILES, hardware_profile
 from usc.compiler.report import Report
 from usc.dsl import Plan, PlanError, parse_plan
+from usc.passes.cost_profile import model_forward_flops
 from usc.runtime import checkpoint, checkpoint_state
+from usc.runtime.agreement import agree, fingerprint
 from usc.runtime.checkpoint import CheckpointError
 from usc.runtime.checkpoint_state import LoadResult
 from usc.runtime.executor import RankExecutor
@@ -23,6 +26,8 @@ from usc.runtime.moe import summarize
 from usc.runtime.timeline import Timeline
 from usc.runtime.training import EvalMode
 from usc.training import StepMetrics
+
+from usc.runtime.materialize import InitFn, has_meta_tensors
 
 from .build import OptimizerFactory, SchedulerFactory, _as_plan, _Compiled, _full_state
 from .model_call import trainable
@@ -67,8 +72,22 @@ class _TrainingLoop:
         labels = batch[-1] if batch and isinstance(batch[-1], torch.Tensor) else None
         self.metrics = StepMetrics(step=ranks[0].steps_done, loss=value, grad_norm=ranks[0].grad_norm, lr=lr,
                                    tokens=labels.numel() * shards if labels is not None else 0, seconds=seconds,
-                                   peak_bytes=int(peak))
+                                   peak_bytes=int(peak), flops=self._step_flops(),
+                                   peak_flops=self._peak_flops(ranks[0].mesh.device))
         return value
+
+    _flops: float | None = None
+
+    def _step_flops(self) -> float:
+        """The model's FLOPs of one step (StepMetrics.mfu): 3 x a forward of every microbatch."""
+        if self._flops is None:
+            self._flops = 3 * model_forward_flops(self._traced.gm) * int(self.plan.get("mb"))
+        return self._flops
+
+    def _peak_flops(self, device: torch.device) -> float:
+        """The mesh's peak: the hardware profile at the plan's dtype, per device, times the devices."""
+        hw = self._hardware or _profile_of_device(device) or self.plan.get("hardware")
+        return hardware_profile(hw).peak_flops(self.plan.get("dtype")) * self.plan.world_size
 
     def _checkpoint_meta(self, rank, schedulers: list) -> dict:
         meta = {**rank.checkpoint_meta(), "plan": str(self.plan)}
@@ -96,12 +115,46 @@ class Compiled(_TrainingLoop, _Compiled):
     _executor: RankExecutor | None = None
     device: str | torch.device | None = None  # None: cuda:LOCAL_RANK under torchrun with CUDA, else the CPU
 
-    def _rank(self) -> RankExecutor:
+    _fingerprint = None  # what this rank was built from, until the ranks agreed on it
+
+    def _rank(self, *, loading: str | os.PathLike | None = None) -> RankExecutor:
+        """This rank's executor, made on first use from its share of the model (a meta-built model:
+        materialised here, or left uninitialised when a checkpoint fills it: ``init='path'``, or
+        ``loading``); the user's model is released once the rank holds its state."""
         if self._executor is None:
             mesh = self._mesh()
-            self._executor = self._make_executor(mesh, _full_state(self.model, self._traced), self._optimizer)
-            self._schedulers = self._schedulers_for([self._executor])
+            if mesh.world_size > 1:  # from the model as built (a meta model: its structure only)
+                self._fingerprint = fingerprint(plan=str(self.plan), state=_full_state(self.model, self._traced),
+                                                inputs=self._program.inputs, versions=f"usc {usc_version()}")
+            fills = [p for p in (self.init_checkpoint, loading) if p is not None]
+            executor = self._make_executor(mesh, self._state_source(mesh.device, empty=bool(fills)), self._optimizer)
+            schedulers = self._schedulers_for([executor])
+            for path in fills:  # strict: every tensor filled; a failure leaves no half-made rank behind
+                self._load_rank(executor, schedulers, path, strict=True)
+            self._executor, self._schedulers = executor, schedulers
+            self._release_model()
         return self._executor
+
+    def _agreed_rank(self) -> RankExecutor:
+        """This rank, once every rank of the mesh was found built alike (runtime/agreement.py): the
+        first collective call of the run compares them, and every rank raises RanksDisagree if not."""
+        rank = self._rank()
+        if self._fingerprint is not None:
+            agree(rank.mesh, self._fingerprint)
+            self._fingerprint = None
+        return rank
+
+    def _load_rank(self, executor, schedulers: list, path, *, strict: bool) -> LoadResult:
+        reader = checkpoint.Reader(path)
+        result = executor.load_from(reader, strict=strict)
+        self._load_schedulers(reader, schedulers)
+        return result
+
+    def _can_make_rank(self) -> bool:
+        """Whether this process runs a rank of the plan (not a plan-only compile of a larger mesh)."""
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        return self._program is not None and (self.plan.world_size == launched == 1 or
+                                              ("RANK" in os.environ and self.plan.world_size == launched))
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -144,7 +197,7 @@ class Compiled(_TrainingLoop, _Compiled):
             raise RuntimeError("step(..., local=True) needs example_inputs= at compile: the global batch's shape")
         batch = self.flat_batch(batch)
         self._ensure_built(batch)
-        rank = self._rank()
+        rank = self._agreed_rank()
         timeline = Timeline(rank.mesh.rank) if trace else None
         rank.set_timeline(timeline)
         rank.max_grad_norm, rank.local_batch = max_grad_norm, local
@@ -154,8 +207,12 @@ class Compiled(_TrainingLoop, _Compiled):
                 value = self._measure([rank], self._schedulers, lambda: rank.step(batch), batch, shards)
             self.wait_checkpoint()  # a background save written while this step computed
             return value
+        except BaseException:
+            rank.rollback()  # a failed step changes nothing (a collective that failed stays failed)
+            raise
         finally:
             rank.set_timeline(None)
+            rank.local_batch = False  # evaluation takes the global batch
             if timeline is not None:
                 self._report.exposed_comm_seconds = timeline.exposed_comm_seconds()
                 path = trace if rank.mesh.world_size == 1 else _rank_path(trace, rank.mesh.rank)
@@ -167,7 +224,7 @@ class Compiled(_TrainingLoop, _Compiled):
         batch = self.flat_batch(batch)
         self._ensure_built(batch)
         with self._mode():
-            return self._rank().evaluate(batch)
+            return self._agreed_rank().evaluate(batch)
 
     def eval_step(self, *batch) -> float:
         """The global mean loss on ``batch`` in evaluation mode (dropout off, no gradients), whatever
@@ -175,7 +232,7 @@ class Compiled(_TrainingLoop, _Compiled):
         batch = self.flat_batch(batch)
         self._ensure_built(batch)
         with self._mode(evaluating=True):
-            return self._rank().evaluate(batch)
+            return self._agreed_rank().evaluate(batch)
 
     def activation_bytes(self, *batch) -> int:
         """Measured bytes of activations this rank saves for backward in one forward."""
@@ -193,7 +250,7 @@ class Compiled(_TrainingLoop, _Compiled):
         background=True: this rank's pieces are copied and written by a thread while training goes
         on; the commit happens at the end of the next step (or ``wait_checkpoint``, ``save``, ``load``)."""
         self.wait_checkpoint()
-        rank = self._rank()
+        rank = self._agreed_rank()
         meta = self._checkpoint_meta(rank, self._schedulers)
         if not background:
             checkpoint_state.save(rank, path, meta)
@@ -212,10 +269,11 @@ class Compiled(_TrainingLoop, _Compiled):
         if self._program is None:
             raise RuntimeError("compile with example_inputs= (or call step() once) before load()")
         self.wait_checkpoint()
-        reader = checkpoint.Reader(path)
-        result = self._rank().load_from(reader, strict=strict)
-        self._load_schedulers(reader, self._schedulers)
-        return result
+        if self._executor is None and strict:  # a meta-built model is not initialised only to be overwritten
+            self._rank(loading=path)
+            self._agreed_rank()
+            return LoadResult()
+        return self._load_rank(self._agreed_rank(), self._schedulers, path, strict=strict)
 
     def moe_stats(self) -> dict:
         """This rank's view of each MoE layer over the last step (loads of its own experts, the
@@ -224,8 +282,22 @@ class Compiled(_TrainingLoop, _Compiled):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) tensors under the model's own state_dict names (a collective call)."""
-        full = self._rank().full_state_dict()
-        return {k: full[k] for k in self._user_model.state_dict() if k in full}
+        full = self._agreed_rank().full_state_dict()
+        return {k: full[k] for k in self._model_state_names() if k in full}
+
+
+def _profile_of_device(device) -> str | None:
+    """The built-in hardware profile a CUDA device is ("NVIDIA H100 80GB HBM3" -> "h100"), if any."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    return next((known for known in BUILTIN_PROFILES if known in name), None)
+
+
+def usc_version() -> str:
+    from usc import __version__
+
+    return __version__
 
 
 def _save_rank(rank, path, meta: dict) -> CheckpointError | None:
@@ -258,18 +330,22 @@ class Simulated(_TrainingLoop, _Compiled):
 
     def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None,
                  optimizer: OptimizerFactory | None = None, device: str | torch.device = "cpu",
-                 lr_scheduler: SchedulerFactory | None = None) -> None:
+                 lr_scheduler: SchedulerFactory | None = None, hardware=None,
+                 init: InitFn | str | os.PathLike | None = None, init_seed: int | None = None) -> None:
         if example_inputs is None:
             raise TypeError("usc.simulate needs example_inputs=(...) (the global batch)")
         super().__init__(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                         lr_scheduler=lr_scheduler)
+                         lr_scheduler=lr_scheduler, hardware=hardware, init=init, init_seed=init_seed)
         self._ensure_built(())
         self.device = device  # every simulated rank computes there (one GPU holds the whole mesh)
         self.meshes = simulated_meshes(tuple(self.plan.mesh_axes), tuple(self.plan.mesh_shape), timeout=self.timeout,
                                        device=device)
-        state = _full_state(self.model, self._traced)
+        state = self._state_source(torch.device(device))  # one source: a meta module is made once per rank
         self.ranks = [self._make_executor(mesh, state, optimizer) for mesh in self.meshes]
         self.lr_schedulers = self._schedulers_for(self.ranks)  # one per rank, stepped together
+        if self.init_checkpoint is not None:
+            self.load(self.init_checkpoint)
+        self._release_model()
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -277,27 +353,60 @@ class Simulated(_TrainingLoop, _Compiled):
         return [rank.torch_optimizer for rank in self.ranks]
 
     def _run(self, fn) -> list:
-        return run_in_threads(self.meshes, lambda mesh: fn(self.ranks[mesh.rank]), timeout=self.timeout)
+        try:
+            return run_in_threads(self.meshes, lambda mesh: fn(self.ranks[mesh.rank]), timeout=self.timeout)
+        except BaseException:
+            for rank in self.ranks:  # a failed call changes nothing: the next one starts clean
+                rank.rollback()
+            raise
 
-    def step(self, *batch, max_grad_norm: float | None = None, trace: str | None = None) -> float:
-        """As ``Compiled.step``, every rank in this process."""
+    def step(self, *batch, max_grad_norm: float | None = None, local: bool = False, trace: str | None = None) -> float:
+        """As ``Compiled.step``, every rank in this process.
+
+        local=True: ``batch`` is one batch per data shard, in shard order (``usc.data.shard``), each
+        what that shard's ranks pass to ``Compiled.step(..., local=True)``; every rank is fed its own::
+
+            shards = [usc.data.local_slice(sim, *b, coord=c) for c in usc.data.shard_coords(sim)]
+            sim.step(*shards, local=True)
+        """
         timeline = Timeline(0) if trace else None
         for rank in self.ranks:
             rank.set_timeline(timeline)
-            rank.max_grad_norm = max_grad_norm
+            rank.max_grad_norm, rank.local_batch = max_grad_norm, local
         try:
-            batch = self.flat_batch(batch)
-            run = lambda: self._run(lambda rank: self._in_mode(rank.step, batch))[0]  # noqa: E731
-            value = self._measure(self.ranks, self.lr_schedulers, run, batch)
+            shards = self._local_shards(batch) if local else [self.flat_batch(batch)]
+            feed = (lambda rank: shards[self._shard_of(rank)]) if local else (lambda rank: shards[0])
+            run = lambda: self._run(lambda rank: self._in_mode(rank.step, feed(rank)))[0]  # noqa: E731
+            value = self._measure(self.ranks, self.lr_schedulers, run, shards[0], len(shards))
             self.wait_checkpoint()
             return value
         finally:
             for rank in self.ranks:
                 rank.set_timeline(None)
+                rank.local_batch = False  # evaluation takes the global batch
             if timeline is not None:
                 self._report.exposed_comm_seconds = max(
                     timeline.exposed_comm_seconds(rank=r) for r in range(len(self.ranks)))
                 timeline.to_chrome_trace(trace)
+
+    def _shard_of(self, rank) -> int:
+        from usc.runtime.training import data_shard
+
+        return data_shard(self.program.inputs[0], self.program.mesh, rank.mesh.coord)[0]
+
+    def _local_shards(self, shards: tuple) -> list[tuple]:
+        """Each data shard's flat batch (step(..., local=True)): one per dp x ep shard."""
+        count = self._data_shards()
+        if len(shards) != count:
+            raise ValueError(f"step(..., local=True) on the simulator takes one batch per data shard: plan "
+                             f"'{self.plan}' has {count} (dp x ep), got {len(shards)}; build them with "
+                             "usc.data.local_slice(sim, *batch, coord=c) for c in usc.data.shard_coords(sim)")
+        return [self.flat_batch((shard,)) for shard in shards]
+
+    def _data_shards(self) -> int:
+        from usc.runtime.training import data_shard
+
+        return data_shard(self.program.inputs[0], self.program.mesh, self.meshes[0].coord)[1]
 
     def _in_mode(self, fn, batch: tuple, *, evaluating: bool = False):
         with self._mode(evaluating=evaluating):  # mode stacks are per thread: each rank enters its own
@@ -346,7 +455,7 @@ class Simulated(_TrainingLoop, _Compiled):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         full = self._run(lambda rank: rank.full_state_dict())[0]
-        return {k: full[k] for k in self._user_model.state_dict() if k in full}
+        return {k: full[k] for k in self._model_state_names() if k in full}
 
     def moe_stats(self) -> dict:
         """Per MoE layer (module path): tokens per expert and per rank (the load), their imbalance
@@ -360,8 +469,20 @@ class Simulated(_TrainingLoop, _Compiled):
 
 def compile(model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
             optimizer: OptimizerFactory | None = None, device: str | torch.device | None = None,
-            lr_scheduler: SchedulerFactory | None = None) -> Compiled:
+            lr_scheduler: SchedulerFactory | None = None, hardware=None,
+            init: InitFn | str | os.PathLike | None = None, init_seed: int | None = None) -> Compiled:
     """Compile ``model`` for the mesh in ``plan`` and return this torchrun process's program.
+
+    ``hardware`` ("h100", "a100", a profile file or a HardwareProfile): the machine ``plan=auto``
+    plans for and ``step.metrics.mfu`` is measured against (default: the CUDA device's profile when
+    it is a built-in one, else the plan's ``hardware``, h100).
+
+    A model built on the ``meta`` device is made real rank by rank, each rank only its share
+    (runtime/materialize.py): ``init=fn`` calls ``fn(module)`` on each module (as ``model.apply`` does),
+    ``init="path"`` loads a checkpoint, and without ``init=`` the model's own initialisers run
+    (``reset_parameters``, Hugging Face's ``_init_weights``), each module under torch's generator
+    seeded from ``(init_seed, module path)`` (default seed: ``torch.initial_seed()``), so every plan
+    starts from the same values.
 
     >>> import usc, torch
     >>> from usc.testing.models import TinyLlama, token_batch
@@ -371,15 +492,21 @@ def compile(model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=
     True
     """
     compiled = Compiled(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                        lr_scheduler=lr_scheduler)
+                        lr_scheduler=lr_scheduler, hardware=hardware, init=init, init_seed=init_seed)
     compiled.device = device
+    # this rank takes its share now and lets go of the model -- except a meta-built model without init=,
+    # whose first use decides: load(path) fills it from a checkpoint, step() runs its own initialisers
+    if compiled._can_make_rank() and (init is not None or not has_meta_tensors(model)):
+        compiled._rank()
     return compiled
 
 
 def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None,
              optimizer: OptimizerFactory | None = None, device: str | torch.device = "cpu",
-             lr_scheduler: SchedulerFactory | None = None) -> Simulated:
-    """Compile ``model`` and run every rank of the mesh in this process.
+             lr_scheduler: SchedulerFactory | None = None, hardware=None,
+             init: InitFn | str | os.PathLike | None = None, init_seed: int | None = None) -> Simulated:
+    """Compile ``model`` and run every rank of the mesh in this process (``hardware``, ``init``,
+    ``init_seed``: as for ``usc.compile``; ``init`` applies to a model built on the meta device).
 
     >>> import usc
     >>> from usc.testing.models import TinyLlama, token_batch
@@ -389,7 +516,7 @@ def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None
     True
     """
     return Simulated(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer, device=device,
-                     lr_scheduler=lr_scheduler)
+                     lr_scheduler=lr_scheduler, hardware=hardware, init=init, init_seed=init_seed)
 
 
 def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, hardware=None) -> Report:

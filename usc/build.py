@@ -16,12 +16,13 @@ from torch import nn
 from usc.compiler.errors import TraceError
 from usc.compiler.moe import MoEPatternError, find_blocks
 from usc.compiler.report import Report, build_report
-from usc.compiler.trace import is_meta_model, trace
+from usc.compiler.trace import trace
 from usc.dsl import Plan, check_rules_match, parse_plan
 from usc.passes import parallelize
 from usc.passes.pipeline_schedule import build_schedule, refuse_unimplemented
 from usc.passes.pipeline_schedule_check import check_schedule
 from usc.runtime.executor import PipelineExecutor, RankExecutor, estimate_activation_bytes
+from usc.runtime.materialize import InitFn, MetaState, has_meta_tensors
 from usc.planning import estimate_plan
 
 from .model_call import BatchLayout, trainable, with_checkpointed_layers
@@ -84,7 +85,9 @@ class _Compiled:
 
     def __init__(self, model: nn.Module, plan: str | Plan, *, example_inputs=None, loss_fn=None,
                  optimizer: OptimizerFactory | None = None, hardware=None, traced=None,
-                 lr_scheduler: SchedulerFactory | None = None) -> None:
+                 lr_scheduler: SchedulerFactory | None = None, init: InitFn | str | os.PathLike | None = None,
+                 init_seed: int | None = None) -> None:
+        self._init, self._init_seed = _checked_init(model, init, init_seed)
         self.plan = with_checkpointed_layers(_as_plan(plan), model)
         self.training = model.training  # torch's default: a module starts in training mode
         self._scheduler_factory = lr_scheduler
@@ -96,6 +99,7 @@ class _Compiled:
             self.plan = _resolve_auto(self.model, self.plan, example_inputs, hardware)
         self._loss_source = _source_of(loss_fn) if loss_fn is not None else ""
         self._user_model = model
+        self._hardware = hardware  # what auto plans for and StepMetrics.mfu is measured against
         self._optimizer = optimizer
         self._program = None
         self._report: Report | None = None
@@ -193,10 +197,20 @@ class _Compiled:
         options = self._executor_options()
         pp = self.plan.size("pp")
         if pp == 1:
-            return RankExecutor(self._program, mesh, state, optimizer=optimizer, **options)
-        schedule = build_schedule(self.plan.get("schedule"), pp, int(self.plan.get("v")), options["microbatches"])
-        check_schedule(schedule)
-        return PipelineExecutor(self._program, mesh, state, optimizer=optimizer, schedule=schedule, **options)
+            rank = RankExecutor(self._program, mesh, state, optimizer=optimizer, **options)
+        else:
+            schedule = build_schedule(self.plan.get("schedule"), pp, int(self.plan.get("v")), options["microbatches"])
+            check_schedule(schedule)
+            rank = PipelineExecutor(self._program, mesh, state, optimizer=optimizer, schedule=schedule, **options)
+        rank.input_names = self._input_names()
+        return rank
+
+    def _input_names(self) -> dict[str, str]:
+        """Each program input as the user names it in errors: 'input_ids' (a mapping's key) or batch[i]."""
+        layout = self.model.layout
+        keys = layout.keys if layout is not None and layout.kind == "mapping" else ()
+        return {spec.placeholder: repr(keys[i]) if i < len(keys) else f"batch[{i}]"
+                for i, spec in enumerate(self._program.inputs)}
 
     def _executor_options(self) -> dict:
         return {"bucket_bytes": self.bucket_bytes, "zero": int(self.plan.get("zero")),
@@ -230,9 +244,66 @@ class _Compiled:
     def _ensure_built(self, batch: tuple) -> None:
         if self._program is None:
             self._build(batch)
-        if is_meta_model(self.model):
-            raise RuntimeError("the model's weights are on the meta device: it can be compiled and linted, but "
-                               "stepping needs real weights (build the model on 'cpu' or 'cuda')")
+
+    # ------------------------------------------------------------------ the user's model -> rank state
+    @property
+    def init_checkpoint(self) -> str | None:
+        """The checkpoint ``init=`` names (loaded once the rank holds its state), or None."""
+        return os.fspath(self._init) if isinstance(self._init, (str, os.PathLike)) else None
+
+    def _state_source(self, device, *, empty: bool = False):
+        """Full tensors by state name for the executors to cut their shares from: the model's own, or
+        (a meta-built model) made real module by module on ``device`` when a rank reads them
+        (runtime/materialize.py). ``empty``: no initialisation (a checkpoint load fills every tensor)."""
+        if self._user_model is None:
+            raise RuntimeError("the model was released once the ranks held their state; compile it again")
+        state = _full_state(self.model, self._traced)
+        if not has_meta_tensors(self._user_model):
+            return state
+        init = "empty" if empty or self.init_checkpoint else self._init
+        return MetaState(self._user_model, state, device=device, seed=self._init_seed, init=init)
+
+    def _release_model(self) -> None:
+        """Forget the user's model once every rank holds its own copy of its state: the compiled
+        object keeps the batch layout and the state names, not the module or its tensors."""
+        if self._user_model is None:
+            return
+        self._state_names = tuple(self._user_model.state_dict())
+        self.model = _Released(self.model)
+        self._user_model = None
+        for traced in (self._traced, self._traced.batch_probe, *self._traced.stamped[:2]):
+            if traced is not None:
+                traced.constants = {}  # the model's own constant tensors: each rank holds its copy
+
+    def _model_state_names(self) -> tuple[str, ...]:
+        return self._state_names if self._user_model is None else tuple(self._user_model.state_dict())
+
+
+class _Released:
+    """What is left of the traced wrapper once the model is released: the batch layout (the first
+    batch seen fixes it) and the train/eval flag."""
+
+    def __init__(self, model) -> None:
+        self.layout, self.training, self._name = model.layout, model.training, type(model).__name__
+
+    def flatten(self, batch) -> tuple:
+        if self.layout is None:
+            self.layout = BatchLayout.of(batch)
+        return self.layout.flatten(batch)
+
+    def named_modules(self):
+        raise RuntimeError(f"{self._name} was released once the ranks held their state; compile it again")
+
+
+def _checked_init(model: nn.Module, init, seed: int | None) -> tuple:
+    """(init, seed): ``init`` is for models built on the meta device; the seed defaults to torch's."""
+    if init is not None and not has_meta_tensors(model):
+        what = "load(path) after compile" if isinstance(init, (str, os.PathLike)) else "init the model before compile"
+        raise TypeError(f"init= initialises models built on the meta device, but {type(model).__name__} holds no meta "
+                        f"tensors: {what}")
+    if init is not None and not callable(init) and not isinstance(init, (str, os.PathLike)):
+        raise TypeError(f"init= takes a function init(module) or a checkpoint path, not {type(init).__name__}")
+    return init, torch.initial_seed() if seed is None else int(seed)
 
 
 

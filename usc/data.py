@@ -19,6 +19,7 @@ shard r's microbatch m is its m-th chunk: ``local_slice`` shows which rows of a 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 import torch
@@ -28,7 +29,22 @@ from usc.runtime.training import data_shard
 
 
 def _rank_coord(step) -> tuple:
+    if not hasattr(step, "_rank"):  # usc.simulate runs every rank: which one is meant must be said
+        raise TypeError("usc.simulate runs every rank in this process: pass coord= (one of "
+                        "usc.data.shard_coords(sim)) to say which rank's shard")
     return step._rank().mesh.coord
+
+
+def shard_coords(step) -> list[tuple]:
+    """One mesh coordinate per data shard, in shard order: the ranks whose batches a simulated
+    ``step(..., local=True)`` takes (``local_slice(sim, *batch, coord=c)`` for each)."""
+    if step.program is None:
+        raise RuntimeError("compile with example_inputs= first: the batch layout decides the data shards")
+    mesh = step.program.mesh
+    coords = {}
+    for coord in itertools.product(*(range(n) for n in mesh.shape)):
+        coords.setdefault(shard(step, coord=coord)[0], coord)
+    return [coords[i] for i in sorted(coords)]
 
 
 def shard(step, *, coord: tuple | None = None) -> tuple[int, int]:

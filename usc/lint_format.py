@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from usc.compiler.lint_checks import memory_terms
-from usc.compiler.report_text import human_bytes
+from usc.runtime.sizes import human_bytes
 
 from .linting import LintResult
 

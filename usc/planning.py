@@ -32,8 +32,21 @@ def plan_target(plan: Plan, example_inputs: tuple, hw: HardwareProfile) -> PlanT
     fixed = [(name, size) for name, size in plan.axes]
     fixed += [(name, value) for name, value in plan.options if name in CHOSEN_OPTIONS + ("dtype",)]
     per_node = plan.get("gpus_per_node") if plan.is_set("gpus_per_node") else hw.gpus_per_node
+    dtype, assumed = default_dtype(plan, hw)
     return PlanTarget(gpus=gpus, seq=plan.get("seq") or seq, global_batch=plan.get("global_batch") or batch,
-                      gpus_per_node=per_node, dtype=plan.get("dtype"), fixed=tuple(fixed))
+                      gpus_per_node=per_node, dtype=dtype, fixed=tuple(fixed), assumption=assumed)
+
+
+def default_dtype(plan: Plan, hw: HardwareProfile) -> tuple[str, str]:
+    """The compute dtype to plan for, and the assumption to print when the user did not write one:
+    bf16 where the hardware runs it faster than fp32 (what people train in), else fp32."""
+    if plan.is_set("dtype"):
+        return plan.get("dtype"), ""
+    if hw.has_fast_bf16:
+        speedup = hw.peak_bf16_flops / hw.peak_fp32_flops
+        return "bf16", (f"dtype=bf16 assumed: no dtype written and the {hw.name} runs bf16 matmuls "
+                        f"{speedup:.0f}x faster than fp32 (write dtype=fp32 to plan for float32)")
+    return "fp32", f"dtype=fp32 assumed: no dtype written and bf16 is no faster than fp32 on the {hw.name}"
 
 
 def point_of(plan: Plan, *, global_batch: int, seq: int) -> PlanPoint:

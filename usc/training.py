@@ -6,7 +6,7 @@
                        lr_scheduler=usc.training.warmup_cosine(warmup=100, total=10_000))
     for tokens, labels in loader:
         loss = step.step(tokens, labels, max_grad_norm=1.0)
-        print(step.metrics)          # loss, grad_norm, lr, tokens, tokens/s, seconds, peak bytes
+        print(step.metrics)          # loss, grad_norm, lr, tokens, tokens/s, seconds, peak bytes, mfu
 
 ``step.optimizer`` is the torch optimizer that really steps (under ZeRO-1/2 it holds this rank's
 slices), ``step.lr_scheduler`` the scheduler; both take ``state_dict()`` and the usual changes.
@@ -35,7 +35,16 @@ class StepMetrics:
     divides it by the step's wall time; grad_norm is the one-device global norm before clipping
     (None when the step neither clipped nor asked for it: pass ``max_grad_norm=float('inf')`` to
     measure only); peak_bytes: CUDA's peak allocated bytes on a GPU, else the bytes of parameters,
-    gradients and optimizer state this rank held at the step's peak."""
+    gradients and optimizer state this rank held at the step's peak.
+
+    mfu (model FLOPs utilisation, PaLM's definition): ``flops / (seconds * peak_flops)``. flops: the
+    model's FLOPs of the step as the cost model counts them, 3 x (forward matmul and attention
+    FLOPs of the global batch: 2 per multiply-add, a causal attention counted whole), recomputation
+    not included, nor (as in the cost model) the routed experts of a mixture-of-experts block.
+    peak_flops: the hardware profile's peak at the plan's ``dtype`` (fp32 or bf16), per device, times
+    the mesh's devices; the profile is ``usc.compile(..., hardware=...)``'s, else the CUDA device's
+    when it is a built-in one (found by name), else h100. Elsewhere (a CPU), read ``flops / seconds``
+    as the achieved FLOP/s."""
 
     step: int
     loss: float
@@ -44,15 +53,22 @@ class StepMetrics:
     tokens: int
     seconds: float
     peak_bytes: int
+    flops: float = 0.0
+    peak_flops: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def mfu(self) -> float:
+        return self.flops / (self.seconds * self.peak_flops) if self.seconds > 0 and self.peak_flops > 0 else 0.0
+
     def __str__(self) -> str:
         norm = "-" if self.grad_norm is None else f"{self.grad_norm:.3f}"
         return (f"step {self.step:5d}  loss {self.loss:.4f}  grad_norm {norm}  lr {self.lr:.2e}  "
-                f"{self.tokens_per_s:,.0f} tok/s  {self.seconds * 1e3:.0f} ms  peak {self.peak_bytes / 2**20:.1f} MiB")
+                f"{self.tokens_per_s:,.0f} tok/s  {self.seconds * 1e3:.0f} ms  peak {self.peak_bytes / 2**20:.1f} MiB  "
+                f"mfu {self.mfu:.2%}")
 
 
 class param_groups(GroupedOptimizer):

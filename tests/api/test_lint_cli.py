@@ -38,10 +38,11 @@ def test_text_report_lists_collectives_and_per_axis_totals(capsys):
     assert code == 0
     collective_lines = [line for line in out.splitlines() if re.match(r"\s+\d+\s+all-reduce\s", line)]
     # 2 layers x (2 forward + 2 backward) + embedding + lm head + 3 for the loss on tp; on dp the token
-    # count of the loss, one gradient bucket and the sum of the returned loss value.
-    assert len(collective_lines) == 2 * 4 + 1 + 1 + 3 + 3
+    # count of the loss, one gradient bucket and the sum of the returned loss value; on tp the loss
+    # value's finite verdict.
+    assert len(collective_lines) == 2 * 4 + 1 + 1 + 3 + 3 + 1
     assert "totals per axis:" in out
-    assert any(line.strip().startswith("tp: 13 calls/step") for line in out.splitlines())
+    assert any(line.strip().startswith("tp: 14 calls/step") for line in out.splitlines())
     assert any(line.strip().startswith("dp: 3 calls/step") for line in out.splitlines())
 
 
@@ -49,9 +50,9 @@ def test_json_report_parses_and_matches_usc_lint(capsys, expected_report):
     code, out, _ = run_main(capsys, FACTORY, "--plan", "dp=2 tp=2", "--json")
     assert code == 0
     data = json.loads(out)
-    assert len(data["collectives"]) == len(expected_report.collectives) == 16  # 15 in the program + the returned loss value
+    assert len(data["collectives"]) == len(expected_report.collectives) == 17  # 15 in the program + the returned loss value and its verdict on tp
     assert data["world_size"] == 4 and data["mesh"] == {"dp": 2, "tp": 2}
-    assert data["totals_by_axis"]["tp"]["calls"] == 13
+    assert data["totals_by_axis"]["tp"]["calls"] == 14
 
 
 def test_bad_plan_exits_1_with_a_caret(capsys):
@@ -190,7 +191,7 @@ def test_diff_shows_what_changes_and_why(capsys):
     code, out, _ = run_main(capsys, FACTORY, "--diff", "dp=2 tp=2", "tp=2 cp=2", "--json")
     assert code == 0
     rows = {r["name"]: r for r in json.loads(out)["rows"]}
-    assert not rows["tp bytes/step"]["changed"] and rows["tp calls/step"]["left"] == "13"
+    assert not rows["tp bytes/step"]["changed"] and rows["tp calls/step"]["left"] == "14"
     assert not rows["parameters"]["changed"] and not rows["activations"]["changed"]
     assert rows["dp calls/step"]["right"] == "0" and rows["cp calls/step"]["left"] == "0"
     assert int(rows["cp calls/step"]["right"]) > 0 and "cp 1 -> 2" in rows["cp bytes/step"]["why"]

@@ -89,13 +89,36 @@ def test_no_plan_fits_is_a_plan_error():
 def test_auto_in_simulate_runs_the_chosen_plan():
     batch = token_batch(CONFIG.vocab, 8, 32)
     torch.manual_seed(0)
-    # fuse=off kept as written: fused kernels run in Triton's interpreter on CPU, far too slow here
-    sim = usc.simulate(TinyLlama(CONFIG), "auto gpus=2 timeout=60 fuse=off", example_inputs=batch)
+    # fuse=off kept as written: fused kernels run in Triton's interpreter on CPU, far too slow here;
+    # dtype=fp32 written, so the comparison with one fp32 device is exact
+    sim = usc.simulate(TinyLlama(CONFIG), "auto gpus=2 timeout=60 fuse=off dtype=fp32", example_inputs=batch)
     assert sim.plan.world_size == 2 and sim.plan.get("timeout") == 60 and not sim.plan.auto
     assert not sim.plan.get("fuse")
     torch.manual_seed(0)
     one = usc.simulate(TinyLlama(CONFIG), "dp=1", example_inputs=batch)
     assert sim.step(*batch) == pytest.approx(one.step(*batch), rel=1e-5)
+
+
+def test_without_dtype_the_planner_plans_bf16_and_says_so():
+    batch = token_batch(CONFIG.vocab, 8, 32)
+    plan = usc.plan(TinyLlama(CONFIG), "gpus=4", example_inputs=batch, hardware="h100")
+    assert plan.get("dtype") == "bf16"
+    assert "dtype=bf16 assumed" in str(plan.search) and "15x faster than fp32" in str(plan.search)
+    written = usc.plan(TinyLlama(CONFIG), "gpus=4 dtype=fp32", example_inputs=batch, hardware="h100")
+    assert written.get("dtype") == "fp32" and "assumed" not in str(written.search)
+    # a CPU-like profile whose bf16 matmuls are no faster: fp32, and that is said too
+    cpu = replace(H100, name="cpu", peak_bf16_flops=50e9, peak_fp32_flops=100e9)
+    slow_bf16 = usc.plan(TinyLlama(CONFIG), "gpus=4", example_inputs=batch, hardware=cpu)
+    assert slow_bf16.get("dtype") == "fp32" and "dtype=fp32 assumed" in str(slow_bf16.search)
+
+
+def test_global_batch_governs_dp_not_the_example_batch(profile):
+    """An example batch of 2 gives only shapes: global_batch=24 allows dp=8 (and dp=3 for 3 GPUs x 8)."""
+    plan = usc.plan(TinyLlama(CONFIG), "gpus=8 global_batch=24 dp=8 dtype=fp32",
+                    example_inputs=token_batch(CONFIG.vocab, 2, 32))
+    assert plan.size("dp") == 8 and plan.search.target.global_batch == 24
+    refused = search(profile, PlanTarget(gpus=8, seq=32, global_batch=12, fixed=(("dp", 8),)), H100)
+    assert refused.best is None and any("dp=8 does not divide the global batch 12" in r for r in refused.rejected)
 
 
 def test_planner_options_need_auto():
@@ -148,3 +171,39 @@ def test_planner_tries_ep_only_for_moe_models(profile):
     tried = [c.plan.ep for c in [moe.best] + moe.alternatives] + [
         int(e.split("ep=")[1].split()[0]) for e in moe.rejected_examples.values() if "ep=" in e]
     assert max(tried) > 1  # ep is enumerated (and proposed or refused by name) for an MoE model
+
+
+def test_explanation_lists_the_best_plan_of_each_family(profile):
+    from usc.compiler.planner import FAMILIES, family
+
+    result = search(profile, PlanTarget(gpus=4, seq=32, global_batch=8, dtype="fp32"), H100, supported=refusal)
+    text = str(result)
+    assert "best of each family" in text
+    tests = dict(FAMILIES)
+    for name, best in result.families.items():
+        assert not isinstance(best, str), (name, best)  # the tiny model fits in every family
+        assert tests[name](best.plan) and family(best.plan) == name
+        assert f"{name:<9} {best.plan.text()}" in text
+    assert {"dp+ZeRO", "dp+tp", "dp+pp", "dp+tp+pp", "+cp"} <= set(result.families)
+    assert min(c.step for c in result.families.values()) == result.best.step
+
+
+def test_a_family_that_does_not_fit_says_how_close_it_came(profile):
+    small = replace(H100, name="small", hbm_bytes=1_500_000)
+    result = search(profile, PlanTarget(gpus=2, seq=32, global_batch=8, dtype="fp32"), small, supported=refusal)
+    misses = {name: why for name, why in result.families.items() if isinstance(why, str)}
+    assert misses and all(why.startswith("none fits; closest ") and "GiB per rank" in why for why in misses.values())
+
+
+def test_a_choice_resting_on_an_unchecked_term_is_flagged_with_the_checked_alternative(profile):
+    from usc.compiler.planner import unchecked_terms
+
+    # two GPUs per node: pp=4 crosses nodes, a term the published runs do not support
+    target = PlanTarget(gpus=4, seq=32, global_batch=8, dtype="fp32", gpus_per_node=2, fixed=(("pp", 4),))
+    result = search(profile, target, H100, supported=refusal)
+    assert unchecked_terms(result.best.plan) and "pp across nodes" in str(result)
+    free = search(profile, replace(target, fixed=()), H100, supported=refusal)
+    if unchecked_terms(free.best.plan):
+        assert free.best_checked is not None and not unchecked_terms(free.best_checked.plan)
+        assert f"best plan relying on none: {free.best_checked.plan.text()}" in str(free)
+    assert not unchecked_terms(PlanPoint(8, 32, dp=2, tp=2, gpus_per_node=8))

@@ -11,6 +11,7 @@ from torch import nn
 
 import usc
 from usc.testing import assert_equivalent
+from usc.testing.hf import CausalLMLoss
 
 SGD = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.02))
 FLOAT64 = dict(rtol=1e-10, atol=1e-10, param_atol=1e-10, **SGD)
@@ -179,22 +180,13 @@ def test_per_microbatch_option_defines_the_loss_per_microbatch(op):
 transformers = pytest.importorskip("transformers")
 
 
-class RouterLoss(nn.Module):
-    def __init__(self, model) -> None:
-        super().__init__()
-        self.m = model
-
-    def forward(self, ids, labels):
-        return self.m(input_ids=ids, labels=labels).loss
-
-
 def mixtral():
     cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                      num_experts_per_tok=2, max_position_embeddings=32, output_router_logits=True,
                                      router_aux_loss_coef=0.5, attn_implementation="sdpa", use_cache=False)
     torch.manual_seed(0)
-    return RouterLoss(transformers.MixtralForCausalLM(cfg))  # float32: HF's grouped expert matmul has no float64
+    return CausalLMLoss(transformers.MixtralForCausalLM(cfg))  # float32: HF's grouped expert matmul has no float64
 
 
 def qwen2_moe():
@@ -204,7 +196,7 @@ def qwen2_moe():
                                       max_position_embeddings=32, output_router_logits=True, router_aux_loss_coef=0.5,
                                       attn_implementation="sdpa", use_cache=False, decoder_sparse_step=1)
     torch.manual_seed(0)
-    return RouterLoss(transformers.Qwen2MoeForCausalLM(cfg))
+    return CausalLMLoss(transformers.Qwen2MoeForCausalLM(cfg))
 
 
 def tokens(n: int = 2):

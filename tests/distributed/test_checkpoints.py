@@ -7,12 +7,12 @@ import time
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import usc
 from harness import run_world
 from usc.runtime import checkpoint, checkpoint_state
 from usc.testing.equivalence import compare_states, reference_run
+from usc.testing.memory_counters import PeakAllocations
 from usc.testing.models import LlamaConfig, TinyLlama, token_batch
 
 BATCHES = [token_batch(128, 4, 16, seed=s) for s in range(4)]
@@ -73,41 +73,13 @@ def test_each_rank_writes_only_its_share(tmp_path):
     assert max(per_file.values()) <= total / 4 * 1.05
 
 
-class _PeakAllocations(TorchDispatchMode):
-    """Bytes of tensors allocated by torch ops inside the mode, live at once (peak)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.peak, self._alive = 0, 0, {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if not isinstance(t, torch.Tensor) or t.untyped_storage()._cdata in inputs:
-                continue  # a view of an existing tensor allocates nothing
-            if t.untyped_storage()._cdata not in self._alive:
-                key, nbytes = t.untyped_storage()._cdata, t.untyped_storage().nbytes()
-                self._alive[key] = nbytes
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
-                import weakref
-
-                weakref.finalize(t.untyped_storage(), self._free, key)
-        return out
-
-    def _free(self, key):
-        self.live -= self._alive.pop(key, 0)
-
-
 def peak_bytes_while_saving(sim, path) -> list[int]:
     """Each rank's peak of bytes allocated by torch ops during its part of the save."""
     peaks = {}
     original = checkpoint_state.save
 
     def measured(rank, *args):
-        with _PeakAllocations() as mode:
+        with PeakAllocations() as mode:
             original(rank, *args)
         peaks[rank.mesh.rank] = mode.peak
 

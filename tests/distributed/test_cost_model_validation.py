@@ -2,8 +2,8 @@
 
 One profile of a 4-layer tiny Llama (one trace, probe compiles) is rescaled to every plan; each plan
 then runs one step in the simulator, where the executor measures parameters, gradients (at their peak)
-and optimizer state per rank, autograd's saved tensors give the activations, and every Comm counts
-the payload bytes it was handed (``comm.stats``). A 4-layer tiny GPT-2 (lm head tied to the
+and optimizer state per rank, a counter of its own (usc.testing.memory_counters) the activations,
+and every Comm counts the payload bytes it was handed (``comm.stats``). A 4-layer tiny GPT-2 (lm head tied to the
 embedding, learned positions) checks the tied weight: held once per pipeline rank, its gradient
 summed over pp when two ranks hold it, and the position table's gradient summed in the graph.
 """
@@ -18,6 +18,7 @@ from usc.compiler.cost_model import estimate
 from usc.compiler.hardware import H100
 from usc.planning import point_of
 from usc.passes.cost_profile import profile_model
+from usc.testing.memory_counters import count_activations
 from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, token_batch
 
 MODELS = {"llama": (TinyLlama, LlamaConfig(layers=4)), "gpt2": (TinyGPT2, GPT2Config(layers=4))}
@@ -31,26 +32,22 @@ PLANS = ["dp=2", "tp=2", "tp=2 sp=on", "cp=2", "cp=2 cp_mode=zigzag", "dp=2 zero
          # its last saving op (checkpointing stops there); selective regions hold none
          "tp=2 recompute=full", "cp=2 recompute=full", "dp=2 tp=2 recompute=selective", "dp=2 tp=2 zero=3",
          # split= cuts by hand: the cost model follows the same cut
-         "pp=2 mb=2 split=layers.1", "dp=2 pp=3 mb=4 split=layers.0|layers.3"]
+         "pp=2 mb=2 split=layers.1", "dp=2 pp=3 mb=4 split=layers.0|layers.3",
+         # bf16 with ZeRO-3: the bf16 weight copies linears save go with the gathered weight
+         "dp=2 zero=3 dtype=bf16"]
 GPT2_PLANS = ["dp=2", "pp=2 mb=2", "dp=2 pp=2 mb=2", "dp=2 zero=3"]
 CASES = [("llama", plan) for plan in PLANS] + [("gpt2", plan) for plan in GPT2_PLANS]
 # The cost model sums every stage's collectives over that stage's ranks: exact on every plan.
 MODEL_NOT_EXACT: dict[tuple[str, str], set[str]] = {}
-# The rank executor (no pp) also holds a copy of a tied weight under its second name, an input export
-# passes and the graph never reads (never trained, no gradient); the cost model counts the weight
-# once. gpt2 dp=2 zero=3: params 465664 bytes per rank measured, 432896 predicted (the 32768-byte
-# copy is not sharded); without ZeRO-3 the copy is under 5% of the parameters.
-STATE_NOT_WITHIN: dict[tuple[str, str], set[str]] = {("gpt2", "dp=2 zero=3"): {"params"}}
-# Activations under recompute (not yet modelled to 15%): the measurement is what forward saves. For
-# full recompute the model keeps each unit's input -- also for the units outside the blocks, which
-# are not recomputed -- and adds one block's activations, live while backward recomputes it (a peak
-# the measurement does not see): tp=2 411648 + 790528 = 1202176 predicted, 673032 measured; cp=2
-# 800768 vs 437896. For selective it keeps only the tensors matmuls, attention and embeddings make
-# (cost_profile.KEPT_BY_SELECTIVE), the runtime also every region's inputs: dp=2 tp=2 409224 vs 1127048.
-ACTIVATIONS_NOT_WITHIN = {("llama", "tp=2 recompute=full"), ("llama", "cp=2 recompute=full"),
-                          ("llama", "dp=2 tp=2 recompute=selective")}
-
-
+# A tied weight is held once per rank that reads it (its second name, which export also lifts, is
+# no state of its own): every kind of state is within 5% on every case.
+STATE_NOT_WITHIN: dict[tuple[str, str], set[str]] = {}
+# The activation estimate is held to the peak an independent counter sees (usc.testing.memory_counters:
+# every storage a step's ops touch, by weak reference, alive when backward begins or while it
+# recomputes), not to usc's own saved-tensor measurement. One case is over by more than 15%, in the
+# safe direction, cause not pinned down (the profile cuts regions on its dp=2 cp=2 tp=2 probe, whose
+# regions differ from the plan's): dp=2 tp=2 selective, 1,362,432 predicted vs 1,086,648 counted (+25%).
+ACTIVATIONS_OVER = {("llama", "dp=2 tp=2 recompute=selective"): 1.30}
 @pytest.fixture(scope="module")
 def profiles():
     """model -> its profile, made when a test first needs it."""
@@ -85,7 +82,7 @@ def run(model: str, plan: str, runs: dict):
                     counted[(axis, kind)] += nbytes
         state = [dict(rank.peak_state_bytes, optimizer=after["optimizer"])  # AdamW state exists after step 1
                  for rank, after in zip(sim.ranks, sim.memory_bytes())]
-        acts = sim.activation_bytes(*batch) if sim.plan.size("pp") == 1 else None
+        acts = count_activations(sim, batch) if sim.plan.size("pp") == 1 else None
         runs[(model, plan)] = (sim, state, acts, counted)
     return runs[(model, plan)]
 
@@ -104,12 +101,20 @@ def test_state_bytes_within_5_percent(profiles, runs, model, plan):
         assert est.memory[kind] == pytest.approx(measured, rel=0.05), (kind, est.memory[kind], measured)
 
 
-@pytest.mark.parametrize("model, plan",
-                         [c for c in CASES if "pp=" not in c[1] and c not in ACTIVATIONS_NOT_WITHIN])
-def test_activation_bytes_within_15_percent(profiles, runs, model, plan):
-    sim, _, acts, _ = run(model, plan, runs)
+@pytest.mark.parametrize("model, plan", [c for c in CASES if "pp=" not in c[1] and c not in ACTIVATIONS_OVER])
+def test_activation_bytes_within_15_percent_of_an_independent_count(profiles, runs, model, plan):
+    sim, _, counts, _ = run(model, plan, runs)
     est = predicted(profile_of(model, profiles), sim)
-    assert est.memory["activations"] == pytest.approx(max(acts), rel=0.15), (est.memory["activations"], acts)
+    peak = max(c.peak_in_backward for c in counts)
+    assert est.memory["activations"] == pytest.approx(peak, rel=0.15), (est.memory["activations"], counts)
+
+
+@pytest.mark.parametrize("model, plan", sorted(ACTIVATIONS_OVER))
+def test_activation_bytes_over_by_at_most_the_stated_gap(profiles, runs, model, plan):
+    sim, _, counts, _ = run(model, plan, runs)
+    est = predicted(profile_of(model, profiles), sim).memory["activations"]
+    peak = max(c.peak_in_backward for c in counts)
+    assert peak <= est <= ACTIVATIONS_OVER[(model, plan)] * peak, (est, counts)
 
 
 @pytest.mark.parametrize("model, plan", CASES)

@@ -6,33 +6,20 @@ import torch
 
 import usc
 from usc.testing import assert_equivalent
+from usc.testing.hf import CausalLMLoss, hf_llama
 
 transformers = pytest.importorskip("transformers")
 
 
-class LossOf(torch.nn.Module):
-    """The model's own causal-LM loss (labels shifted inside, as Hugging Face does)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.m = model
-
-    def forward(self, ids, labels):
-        return self.m(input_ids=ids, labels=labels).loss
-
-
 def llama():
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   attn_implementation="sdpa", use_cache=False)
-    return LossOf(transformers.LlamaForCausalLM(cfg))
+    return hf_llama()
 
 
 def gpt2():
     cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                                   attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                   bos_token_id=0, eos_token_id=0, use_cache=False)
-    return LossOf(transformers.GPT2LMHeadModel(cfg))
+    return CausalLMLoss(transformers.GPT2LMHeadModel(cfg))
 
 
 def batch(seed: int):
@@ -62,6 +49,8 @@ def test_hf_gpt2_matches_one_device(plan):
     assert result.max_param_diff <= 1e-5
 
 
-def test_hf_attention_with_a_mask_under_cp_is_a_clear_error():
-    with pytest.raises(usc.CompileError, match="context parallelism"):
-        usc.lint(llama(), "cp=2", example_inputs=batch(0))
+def test_hf_attention_mask_under_cp_is_proven_causal():
+    """The mask Llama builds from positions is evaluated at compile time and found causal: ring
+    attention runs causal (rank 1 attends two blocks, rank 0 one; an explicit mask costs both two)."""
+    flops = usc.lint(llama(), "cp=2", example_inputs=batch(0)).attention_flops["cp"]
+    assert flops[1] == 2 * flops[0]

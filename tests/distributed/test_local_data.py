@@ -59,3 +59,35 @@ def test_local_shards_train_like_one_device(plan, shards):
     assert all(samples[i] == by_shard[s] for i, s in enumerate(shards))  # tp peers read the same samples
     assert sorted(sum((by_shard[(i, count)] for i in range(count)), [])) == list(range(40))  # disjoint, complete
     assert all(r[4] == BATCHES[0][1].numel() for r in results)  # metrics count the global batch's tokens
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.5)
+
+
+@pytest.mark.parametrize("plan", ["dp=2 tp=2", "dp=4 mb=2"])
+def test_simulated_local_shards_train_like_one_device(plan):
+    """The simulator feeds each rank its own shard (one batch per data shard): SGD steps in float64
+    equal one device on the global batch, the loss being the global token mean."""
+    torch.manual_seed(0)
+    model = TinyGPT2().double()
+    expected_model = TinyGPT2().double()
+    expected_model.load_state_dict(model.state_dict())
+    sim = usc.simulate(model, plan, example_inputs=BATCHES[0], optimizer=_sgd)
+    coords = usc.data.shard_coords(sim)
+    assert [usc.data.shard(sim, coord=c) for c in coords] == [(i, len(coords)) for i in range(len(coords))]
+    losses = [sim.step(*[usc.data.local_slice(sim, *b, coord=c) for c in coords], local=True) for b in BATCHES]
+    assert losses == pytest.approx(reference_run(expected_model, BATCHES, _sgd), rel=1e-12)
+    assert sim.metrics.tokens == BATCHES[0][1].numel()
+    full = sim.full_state_dict()
+    for name, value in expected_model.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=1e-10, atol=1e-12)
+    assert sim(*BATCHES[0]) == pytest.approx(expected_model(*BATCHES[0]).item(), rel=1e-12)  # global again
+
+
+def test_simulated_local_step_takes_one_batch_per_data_shard():
+    sim = usc.simulate(TinyGPT2(), "dp=2 tp=2", example_inputs=BATCHES[0])
+    with pytest.raises(ValueError, match="one batch per data shard: plan 'dp=2 tp=2' has 2 .* got 1"):
+        sim.step(BATCHES[0], local=True)
+    with pytest.raises(TypeError, match="pass coord="):
+        usc.data.local_slice(sim, *BATCHES[0])

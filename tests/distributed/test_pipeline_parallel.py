@@ -1,5 +1,7 @@
 """Pipeline parallelism: stages cut from the traced graph, run by schedule, equal to one device."""
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -199,6 +201,23 @@ def test_each_pipeline_rank_holds_only_its_stages_parameters():
     assert "embed_tokens.weight" in names[0] and "lm_head.weight" in names[1]
 
 
+def test_a_tied_weight_is_held_once_per_rank_that_reads_it():
+    """GPT-2's embedding is its lm head: one parameter under two names. Export lifts it under both and
+    the graph reads one; a rank holds it once (dp=2: exactly the model's parameters), and under pp
+    the first and the last rank each hold it, the others nothing of it."""
+    model = TinyGPT2(GPT2Config(layers=4))
+    unique = sum(p.numel() * 4 for p in model.parameters())  # torch counts the tied weight once
+    tied = model.wte.weight.numel() * 4
+    batch = token_batch(128, 4, 16)
+    sim = usc.simulate(model, "dp=2", example_inputs=batch)
+    assert [s.aliases for s in sim.program.state if "wte.weight" in s.aliases] == [("wte.weight", "lm_head.weight")]
+    assert [rank.memory_bytes()["params"] for rank in sim.ranks] == [unique, unique]
+    sim = usc.simulate(TinyGPT2(GPT2Config(layers=4)), "pp=2 mb=2", example_inputs=batch)
+    sim.step(*batch)
+    assert sum(rank.peak_state_bytes["params"] for rank in sim.ranks) == unique + tied
+    assert sum(rank.peak_state_bytes["grads"] for rank in sim.ranks) == unique + tied
+
+
 @pytest.mark.parametrize("plan", ["pp=2 mb=4 schedule=interleaved v=2", "pp=4 mb=8 schedule=zb"])
 def test_evaluation_runs_the_forwards_only(plan):
     """Calling the compiled model runs every F action and no backward: messages are forward only."""
@@ -207,8 +226,30 @@ def test_evaluation_runs_the_forwards_only(plan):
     expected = usc.simulate(factory(), "dp=1", example_inputs=batch(0))(*batch(0))
     torch.manual_seed(0)
     sim = usc.simulate(factory(), plan, example_inputs=batch(0))
-    assert sim(*batch(0)) == pytest.approx(expected, rel=1e-12)
-    assert sim.step(*batch(0)) == pytest.approx(expected, rel=1e-12)  # nothing changed by evaluating
+    evaluated = _pp_messages(sim, lambda: sim(*batch(0)))
+    assert evaluated.loss == pytest.approx(expected, rel=1e-12)
+    assert not any(p.grad is not None for rank in sim.ranks for p in rank.params)  # no backward ran
+    trained = _pp_messages(sim, lambda: sim.step(*batch(0)))
+    assert trained.loss == pytest.approx(expected, rel=1e-12)  # nothing changed by evaluating
+    # a training step sends each activation forward and its gradient back, same shapes: evaluation
+    # sends exactly the forward half of the bytes (calls pair a send with a receive, so they do not halve)
+    assert evaluated.calls > 0 and 2 * evaluated.bytes == trained.bytes
+
+
+@dataclass
+class _Messages:
+    loss: float
+    calls: int
+    bytes: int
+
+
+def _pp_messages(sim, call) -> _Messages:
+    """The loss of ``call()`` and the point-to-point calls and bytes every pp rank issued for it."""
+    comms = [mesh.comm("pp") for mesh in sim.meshes]
+    for comm in comms:
+        comm.stats.reset()
+    loss = call()
+    return _Messages(loss, sum(c.stats.calls["send/recv"] for c in comms), sum(c.stats.bytes["send/recv"] for c in comms))
 
 
 # ------------------------------------------------------------------ memory check of the automatic split

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import usc
+from usc.testing.hf import CausalLMLoss
 from usc.testing.models import LlamaConfig, TinyDeepSeek, TinyGPT2, TinyLlama, shifted_batch, token_batch
 
 # every plan kind; odd sizes where the plan allows (the batch is 6 sequences of 12 tokens)
@@ -180,6 +181,45 @@ def test_metrics_of_a_step():
     assert sim.metrics.step == 2
 
 
+class TwoLinears(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+
+def test_mfu_counts_the_model_flops_against_the_hardware_peak():
+    """Two linears (odd sizes), batch 6: a step is 3 x 2 x 6 x (7*13 + 13*5) FLOPs; the peak is the
+    hardware's at the plan's dtype times the ranks (A100 fp32: 19.5 TFLOP/s, datasheet)."""
+    batch = (torch.randn(6, 7), torch.randn(6, 5))
+    sim = usc.simulate(TwoLinears(), "dp=2", example_inputs=batch, hardware="a100")
+    sim.step(*batch)
+    metrics = sim.metrics
+    assert metrics.flops == 3 * 2 * 6 * (7 * 13 + 13 * 5)
+    assert metrics.peak_flops == 2 * 19.5e12
+    assert metrics.mfu == pytest.approx(metrics.flops / (metrics.seconds * 2 * 19.5e12), rel=1e-12)
+    assert f"mfu {metrics.mfu:.2%}" in str(metrics)
+
+
+def test_mfu_of_gpt2_is_the_textbook_count():
+    """GPT-2 (Kaplan et al. 2020, PaLM's MFU): 6 N T for the matmul weights (12 H^2 per layer and the
+    lm head) plus 12 L S H T for causal attention counted whole; a pipeline counts every microbatch
+    once, bf16 plans take the bf16 peak (H100, the default off a known GPU: 989.4 TFLOP/s)."""
+    from usc.testing.models import GPT2Config
+
+    cfg = GPT2Config(vocab=96, hidden=48, heads=3, layers=2)
+    b, s = 6, 10
+    batch = shifted_batch(cfg.vocab, b, s)
+    sim = usc.simulate(TinyGPT2(cfg), "pp=2 mb=3 dtype=bf16", example_inputs=batch)
+    sim.step(*batch)
+    tokens, h = b * s, cfg.hidden
+    weights = cfg.layers * 12 * h * h + h * cfg.vocab
+    assert sim.metrics.flops == 6 * weights * tokens + 12 * cfg.layers * s * h * tokens
+    assert sim.metrics.peak_flops == 2 * 989.4e12
+
+
 def test_optimizer_is_the_one_that_steps():
     """Changing the lr of step.optimizer changes the update (the real optimizer, even under ZeRO)."""
     batch = token_batch(128, 4, 16)
@@ -196,22 +236,13 @@ def test_optimizer_is_the_one_that_steps():
     assert not torch.equal(runs[0].full_state_dict()["norm.weight"], a.state_dict()["norm.weight"])
 
 
-class LossOf(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.m = model
-
-    def forward(self, ids, labels):
-        return self.m(input_ids=ids, labels=labels).loss
-
-
 def _hf_gpt2_with_dropout():
     """Hugging Face's GPT-2 with every dropout on (a model not written for usc)."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(vocab_size=32, n_embd=32, n_layer=2, n_head=4, n_positions=16,
                                   attn_implementation="sdpa", resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.0,
                                   bos_token_id=0, eos_token_id=0, use_cache=False)
-    return LossOf(transformers.GPT2LMHeadModel(cfg)).double()
+    return CausalLMLoss(transformers.GPT2LMHeadModel(cfg)).double()
 
 
 def _dropout_reference(batch):

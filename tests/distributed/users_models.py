@@ -1,10 +1,19 @@
 """Models users bring, built from config objects with random weights (nothing is downloaded): Hugging
 Face families at tiny, odd sizes, plus a torchtitan-style Llama and a nanoGPT-style GPT written here in
-those projects' styles. Each builder returns a module whose forward(*batch) returns the loss."""
+those projects' styles.
+
+Each family is what a user hands ``usc.compile``: the model object itself (no wrapper) and batches
+as the user holds them -- a collator's dict (``input_ids``, ``attention_mask``, ``labels``; pixels
+and class labels for ViT; masked-LM labels with -100 for BERT), nanoGPT's ``(idx, targets)``, or
+torchtitan's ``(tokens, labels)`` with the trainer's ``loss_fn``.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +22,7 @@ from torch import nn
 transformers = None  # imported on first use: the tier is skipped where transformers is missing
 
 VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, SEQ, BATCH = 98, 48, 80, 6, 2, 2, 10, 6
+IMAGE, PATCH, CLASSES = 12, 4, 5
 
 
 def _tf():
@@ -24,27 +34,58 @@ def _tf():
     return transformers
 
 
-class LossOf(nn.Module):
-    """The model's own loss from ``labels`` (Hugging Face shifts causal-LM labels inside).
+@dataclass(frozen=True)
+class Family:
+    """One model family as a user brings it.
 
-    ``in_model_dtype``: the same loss computed here in the model's dtype. Hugging Face's losses cast
-    the logits to float32, which would make a float64 second opinion a float32 one at the loss."""
+    build: the model (random weights; call under ``torch.device("meta")`` for a plan-only model);
+    batch: (seed, rows) -> one batch as the user holds it; loss_fn: the trainer's loss where the
+    model returns logits (torchtitan), passed to usc as ``loss_fn=``; moe: a mixture-of-experts model
+    (its tier adds ep plans)."""
 
-    def __init__(self, model: nn.Module, input_name: str = "input_ids", *, shift: bool = True) -> None:
-        super().__init__()
-        self.m = model
-        self.input_name = input_name
-        self.shift = shift
-        self.in_model_dtype = False
+    build: Callable[[], nn.Module]
+    batch: Callable[[int, int], object]
+    loss_fn: Callable | None = None
+    moe: bool = False
 
-    def forward(self, inputs, labels):
-        if not self.in_model_dtype:
-            return self.m(**{self.input_name: inputs}, labels=labels).loss
-        logits = self.m(**{self.input_name: inputs}).logits
-        if self.shift:
-            logits, labels = logits[:, :-1], labels[:, 1:]
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
+# ---------------------------------------------------------------- batches as users hold them
+
+def _ids(seed: int, rows: int, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (rows, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def causal_lm_batch(seed: int, rows: int = BATCH) -> dict:
+    """A causal-LM collator's batch, no padding (Hugging Face shifts the labels inside the model)."""
+    ids = _ids(seed, rows)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def masked_lm_batch(seed: int, rows: int = BATCH) -> dict:
+    """A masked-LM collator's batch: about a quarter of the tokens replaced by [MASK] (id 1) and
+    labelled, the rest labelled -100 (ignored), so ranks hold different numbers of counted tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (rows, SEQ), generator=g)
+    masked = torch.rand(rows, SEQ, generator=g) < 0.25
+    masked[0, 0] = True  # at least one counted token
+    labels = torch.where(masked, ids, torch.full_like(ids, -100))
+    return {"input_ids": torch.where(masked, torch.ones_like(ids), ids), "token_type_ids": torch.zeros_like(ids),
+            "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def image_batch(seed: int, rows: int = BATCH) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(rows, 3, IMAGE, IMAGE, generator=g),
+            "labels": torch.randint(0, CLASSES, (rows,), generator=g)}
+
+
+def token_pair_batch(seed: int, rows: int = BATCH) -> tuple:
+    """(inputs, next-token targets), as nanoGPT's and torchtitan's data loaders give them."""
+    ids = _ids(seed, rows, SEQ + 1)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+# ---------------------------------------------------------------- Hugging Face families
 
 def _no_dropout(cfg):
     """Training-mode dropout would draw differently on one device and on a mesh; the tier compares
@@ -58,65 +99,64 @@ def _no_dropout(cfg):
 def _decoder_config(name: str, **extra):
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
-                  use_cache=False, tie_word_embeddings=False)
+                  tie_word_embeddings=False)
     common.update(extra)
     return _no_dropout(getattr(_tf(), name)(**common))
 
 
-def _causal_lm(config_name: str, model_name: str, **extra):
-    def build():
-        return LossOf(getattr(_tf(), model_name)(_decoder_config(config_name, **extra)))
-    return build
+def _hf(model_name: str, config: Callable):
+    return lambda: getattr(_tf(), model_name)(config())
 
 
-def _gpt2():
-    cfg = _tf().GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=64,
-                           bos_token_id=0, eos_token_id=0, use_cache=False)
-    return LossOf(_tf().GPT2LMHeadModel(_no_dropout(cfg)))
+def causal_lm(config_name: str, model_name: str, **extra) -> Family:
+    return Family(_hf(model_name, lambda: _decoder_config(config_name, **extra)), causal_lm_batch)
 
 
-def _gpt_neox():
-    cfg = _tf().GPTNeoXConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                              num_attention_heads=HEADS, rotary_pct=0.5, use_parallel_residual=True,
-                              max_position_embeddings=64, use_cache=False, tie_word_embeddings=False)
-    return LossOf(_tf().GPTNeoXForCausalLM(_no_dropout(cfg)))
+def moe(config_name: str, model_name: str, **extra) -> Family:
+    """Mixture-of-experts families: 4 experts, top-2, at the dense tier's sizes, HF's own init."""
+    return Family(_hf(model_name, lambda: _decoder_config(config_name, **extra)), causal_lm_batch, moe=True)
 
 
-def _falcon():
-    cfg = _tf().FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                             num_kv_heads=KV_HEADS, new_decoder_architecture=True, use_cache=False, bias=False,
-                             max_position_embeddings=64)
-    return LossOf(_tf().FalconForCausalLM(_no_dropout(cfg)))
+def _config(name: str, **values):
+    return lambda: _no_dropout(getattr(_tf(), name)(**values))
 
 
-def _bloom():
-    cfg = _tf().BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS, use_cache=False)
-    return LossOf(_tf().BloomForCausalLM(_no_dropout(cfg)))
+def _gpt2_config():
+    return _config("GPT2Config", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=64,
+                   bos_token_id=0, eos_token_id=0)()
 
 
-def _bert_mlm():
-    cfg = _tf().BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                           intermediate_size=FFN, max_position_embeddings=64)
-    return LossOf(_tf().BertForMaskedLM(_no_dropout(cfg)), shift=False)
+OTHER_DECODERS = {
+    "gpt_neox": Family(_hf("GPTNeoXForCausalLM", _config(
+        "GPTNeoXConfig", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, rotary_pct=0.5, use_parallel_residual=True, max_position_embeddings=64,
+        tie_word_embeddings=False)), causal_lm_batch),
+    "falcon": Family(_hf("FalconForCausalLM", _config(
+        "FalconConfig", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_kv_heads=KV_HEADS, new_decoder_architecture=True, bias=False, max_position_embeddings=64)),
+        causal_lm_batch),
+    "bloom": Family(_hf("BloomForCausalLM", _config(
+        "BloomConfig", vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS)), causal_lm_batch),
+    "gpt2": Family(_hf("GPT2LMHeadModel", _gpt2_config), causal_lm_batch),
+    "gptj": Family(_hf("GPTJForCausalLM", _config(
+        "GPTJConfig", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, rotary_dim=4, n_positions=64,
+        tie_word_embeddings=False)), causal_lm_batch),
+    "opt": Family(_hf("OPTForCausalLM", _config(
+        "OPTConfig", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, ffn_dim=FFN,
+        num_attention_heads=HEADS, word_embed_proj_dim=HIDDEN, max_position_embeddings=64)), causal_lm_batch),
+    "phi": Family(_hf("PhiForCausalLM", _config(
+        "PhiConfig", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, partial_rotary_factor=0.5, max_position_embeddings=64)), causal_lm_batch),
+}
 
-
-def _vit():
-    cfg = _tf().ViTConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                          intermediate_size=FFN, image_size=12, patch_size=4, num_channels=3, num_labels=5)
-    return LossOf(_tf().ViTForImageClassification(_no_dropout(cfg)), input_name="pixel_values", shift=False)
-
-
-def _gptj():
-    cfg = _tf().GPTJConfig(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, rotary_dim=4, n_positions=64,
-                           use_cache=False, tie_word_embeddings=False)
-    return LossOf(_tf().GPTJForCausalLM(_no_dropout(cfg)))
-
-
-def _opt():
-    cfg = _tf().OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, ffn_dim=FFN,
-                          num_attention_heads=HEADS, word_embed_proj_dim=HIDDEN, max_position_embeddings=64,
-                          use_cache=False)
-    return LossOf(_tf().OPTForCausalLM(_no_dropout(cfg)))
+ENCODERS = {
+    "bert_mlm": Family(_hf("BertForMaskedLM", _config(
+        "BertConfig", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        intermediate_size=FFN, max_position_embeddings=64)), masked_lm_batch),
+    "vit": Family(_hf("ViTForImageClassification", _config(
+        "ViTConfig", hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN,
+        image_size=IMAGE, patch_size=PATCH, num_channels=3, num_labels=CLASSES)), image_batch),
+}
 
 
 # ---------------------------------------------------------------- written here, in others' styles
@@ -203,15 +243,6 @@ def loss_fn(pred, labels):
     return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
-class TitanTrain(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = TitanLlama()
-
-    def forward(self, tokens, labels):
-        return loss_fn(self.model(tokens), labels)
-
-
 class NanoBlock(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
@@ -257,74 +288,91 @@ class NanoGPT(nn.Module):
         return logits, loss
 
 
-class NanoTrain(nn.Module):
+class TitanTrain(nn.Module):
+    """torchtitan's trainer step on one device: ``loss_fn(model(tokens), labels)``."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.gpt = NanoGPT()
+        self.model = TitanLlama()
 
-    def forward(self, idx, targets):
-        return self.gpt(idx, targets)[1]
+    def forward(self, tokens, labels):
+        return loss_fn(self.model(tokens), labels)
 
 
-def _moe(config_name: str, model_name: str, **extra):
-    """Mixture-of-experts families: 4 experts, top-2, at the dense tier's sizes."""
-    return _causal_lm(config_name, model_name, **extra)
+WRITTEN_HERE = {
+    "torchtitan_llama": Family(TitanLlama, token_pair_batch, loss_fn=loss_fn),
+    "nanogpt": Family(NanoGPT, token_pair_batch),
+}
 
+DENSE_DECODERS = {
+    "llama": causal_lm("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": causal_lm("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": causal_lm("Qwen3Config", "Qwen3ForCausalLM", head_dim=8),
+    "mistral": causal_lm("MistralConfig", "MistralForCausalLM", sliding_window=None),
+    "gemma": causal_lm("GemmaConfig", "GemmaForCausalLM", head_dim=8),
+    "gemma2": causal_lm("Gemma2Config", "Gemma2ForCausalLM", head_dim=8, attn_implementation="eager"),
+    "gemma3": causal_lm("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8),
+    "phi3": causal_lm("Phi3Config", "Phi3ForCausalLM", pad_token_id=0),
+    "olmo": causal_lm("OlmoConfig", "OlmoForCausalLM", pad_token_id=0),
+    "olmo2": causal_lm("Olmo2Config", "Olmo2ForCausalLM", pad_token_id=0),
+    "granite": causal_lm("GraniteConfig", "GraniteForCausalLM"),
+    "cohere": causal_lm("CohereConfig", "CohereForCausalLM", pad_token_id=0),
+    "starcoder2": causal_lm("Starcoder2Config", "Starcoder2ForCausalLM", sliding_window=None),
+    "stablelm": causal_lm("StableLmConfig", "StableLmForCausalLM"),
+    "smollm3": causal_lm("SmolLM3Config", "SmolLM3ForCausalLM", pad_token_id=0),
+    "helium": causal_lm("HeliumConfig", "HeliumForCausalLM", head_dim=8, pad_token_id=0),
+    "glm4": causal_lm("Glm4Config", "Glm4ForCausalLM", head_dim=8, pad_token_id=0),
+    **OTHER_DECODERS,
+}
 
 MOE_FAMILIES = {
-    "mixtral": _moe("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": _moe("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=40, shared_expert_intermediate_size=40),
-    "qwen3_moe": _moe("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=40, head_dim=8),
-    "deepseek_v3": _moe("DeepseekV3Config", "DeepseekV3ForCausalLM", n_routed_experts=4, num_experts_per_tok=2,
-                        moe_intermediate_size=40, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
-                        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
-                        num_key_value_heads=HEADS),
-    "gpt_oss": _moe("GptOssConfig", "GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2, head_dim=8,
-                    sliding_window=32, layer_types=["sliding_attention", "full_attention"]),
+    "mixtral": moe("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": moe("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=40, shared_expert_intermediate_size=40),
+    "qwen3_moe": moe("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=40, head_dim=8),
+    "deepseek_v3": moe("DeepseekV3Config", "DeepseekV3ForCausalLM", n_routed_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=40, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                       q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                       num_key_value_heads=HEADS),
+    "gpt_oss": moe("GptOssConfig", "GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+                   sliding_window=32, layer_types=["sliding_attention", "full_attention"]),
+    "olmoe": moe("OlmoeConfig", "OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2, pad_token_id=0),
+    "granitemoe": moe("GraniteMoeConfig", "GraniteMoeForCausalLM", num_local_experts=4, num_experts_per_tok=2),
+    "phimoe": moe("PhimoeConfig", "PhimoeForCausalLM", num_local_experts=4, num_experts_per_tok=2,
+                  sliding_window=None),
+    "deepseek_v2": moe("DeepseekV2Config", "DeepseekV2ForCausalLM", n_routed_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=40, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None,
+                       kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, head_dim=8,
+                       num_key_value_heads=HEADS),
+    "glm4_moe": moe("Glm4MoeConfig", "Glm4MoeForCausalLM", n_routed_experts=4, num_experts_per_tok=2, head_dim=8,
+                    moe_intermediate_size=40, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                    pad_token_id=0),
 }
 
-FAMILIES = {
-    "llama": _causal_lm("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": _causal_lm("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": _causal_lm("Qwen3Config", "Qwen3ForCausalLM", head_dim=8),
-    "mistral": _causal_lm("MistralConfig", "MistralForCausalLM", sliding_window=None),
-    "gemma": _causal_lm("GemmaConfig", "GemmaForCausalLM", head_dim=8),
-    "gemma2": _causal_lm("Gemma2Config", "Gemma2ForCausalLM", head_dim=8, attn_implementation="eager"),
-    "gemma3": _causal_lm("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8),
-    "phi3": _causal_lm("Phi3Config", "Phi3ForCausalLM", pad_token_id=0),
-    "olmo": _causal_lm("OlmoConfig", "OlmoForCausalLM", pad_token_id=0),
-    "olmo2": _causal_lm("Olmo2Config", "Olmo2ForCausalLM", pad_token_id=0),
-    "granite": _causal_lm("GraniteConfig", "GraniteForCausalLM"),
-    "cohere": _causal_lm("CohereConfig", "CohereForCausalLM", pad_token_id=0),
-    "starcoder2": _causal_lm("Starcoder2Config", "Starcoder2ForCausalLM", sliding_window=None),
-    "stablelm": _causal_lm("StableLmConfig", "StableLmForCausalLM"),
-    "smollm3": _causal_lm("SmolLM3Config", "SmolLM3ForCausalLM", pad_token_id=0),
-    "helium": _causal_lm("HeliumConfig", "HeliumForCausalLM", head_dim=8, pad_token_id=0),
-    "glm4": _causal_lm("Glm4Config", "Glm4ForCausalLM", head_dim=8, pad_token_id=0),
-    "gpt_neox": _gpt_neox,
-    "falcon": _falcon,
-    "bloom": _bloom,
-    "gpt2": _gpt2,
-    "gptj": _gptj,
-    "opt": _opt,
-    "bert_mlm": _bert_mlm,
-    "vit": _vit,
-    "torchtitan_llama": TitanTrain,
-    "nanogpt": NanoTrain,
-    **MOE_FAMILIES,
-}
+FAMILIES: dict[str, Family] = {**DENSE_DECODERS, **ENCODERS, **WRITTEN_HERE, **MOE_FAMILIES}
+HF_DECODERS = [name for name in FAMILIES if name not in ENCODERS and name not in WRITTEN_HERE]
 
 
-def batches(family: str, n: int = 2, batch: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """n batches for the family (images and class labels for ViT, tokens otherwise)."""
-    out = []
-    for seed in range(n):
-        g = torch.Generator().manual_seed(seed)
-        if family == "vit":
-            out.append((torch.randn(batch, 3, 12, 12, generator=g), torch.randint(0, 5, (batch,), generator=g)))
-        else:
-            ids = torch.randint(1, VOCAB, (batch, SEQ), generator=g)
-            out.append((ids, ids))
-    return out
+def batches(family: str, n: int = 2, rows: int = BATCH) -> list:
+    """n batches of the family, as its users hold them."""
+    return [FAMILIES[family].batch(seed, rows) for seed in range(n)]
+
+
+def build(family: str) -> nn.Module:
+    return FAMILIES[family].build()
+
+
+@lru_cache(maxsize=None)
+def traced_ops(family: str) -> frozenset:
+    """The ops of the family's traced training program (the model called as its batch says, its
+    mixture-of-experts layers as plain ops): aten ops and the custom ops a library registers."""
+    from usc.compiler.trace import trace
+    from usc.model_call import trainable
+
+    fam = FAMILIES[family]
+    torch.manual_seed(0)
+    model = trainable(fam.build(), fam.loss_fn)
+    graph = trace(model, model.flatten(fam.batch(0, BATCH))).gm.graph
+    return frozenset(n.target for n in graph.nodes
+                     if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload))

@@ -290,11 +290,22 @@ def test_embedding_padding_idx_is_exact(plan, padding_idx):
     train_like_one_device(lambda: Lookup(padding_idx=padding_idx), plan, _ids(12), _ids(13))
 
 
-def test_embedding_scale_grad_by_freq_is_exact_whole_and_refused_split():
+@pytest.mark.parametrize("plan", ["dp=2", "cp=2", "tp=2"])
+def test_embedding_scale_grad_by_freq_is_refused_split(plan):
+    with pytest.raises(usc.CompileError, match=f"embedding 'emb': scale_grad_by_freq .* under {plan} "):
+        usc.lint(Lookup(scale_grad_by_freq=True), plan, example_inputs=(_ids(14), _ids(15)))
+
+
+def test_embedding_scale_grad_by_freq_is_exact_whole_and_refused_in_microbatches():
+    """Microbatches split the batch the frequencies are counted over: the batch-coupling proof refuses
+    at mb (a plan-vs-model mismatch: PlanError with its caret), naming the embedding and its option."""
     train_like_one_device(lambda: Lookup(scale_grad_by_freq=True), "dp=1", _ids(14), _ids(15))
-    for plan in ("dp=2", "cp=2", "dp=1 mb=2", "tp=2"):
-        with pytest.raises(usc.CompileError, match="scale_grad_by_freq"):
-            usc.lint(Lookup(scale_grad_by_freq=True), plan, example_inputs=(_ids(14), _ids(15)))
+    with pytest.raises(usc.PlanError) as refused:
+        usc.lint(Lookup(scale_grad_by_freq=True), "dp=1 mb=2", example_inputs=(_ids(14), _ids(15)))
+    err = refused.value
+    assert (err.line, err.column, err.width) == (1, 6, 4)  # the caret under mb=2
+    assert "embedding 'emb': scale_grad_by_freq counts each id over the whole batch" in err.message
+    assert "mb=1" in err.hint
 
 
 def test_embedding_max_norm_is_refused_even_on_one_device():

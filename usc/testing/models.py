@@ -209,6 +209,8 @@ class MoEConfig:
     layers: int = 2
     max_seq: int = 64
     aux_loss_coef: float = 0.01
+    # the load-balancing loss is taken in float32 as Mixtral writes it; None: in the model's dtype
+    aux_dtype: torch.dtype | None = torch.float32
     router_std: float = 0.5  # large enough that top-k choices are not near-ties
     rope_theta: float = 10000.0
     eps: float = 1e-6
@@ -249,11 +251,14 @@ class MixtralSparseMoeBlock(nn.Module):
         return out.view(b, s, h), logits
 
 
-def load_balancing_loss(logits: torch.Tensor, experts: int, top_k: int) -> torch.Tensor:
-    """Switch/Mixtral auxiliary loss: E * sum_e (fraction of assignments to e) * (mean prob of e)."""
-    probs = F.softmax(logits, dim=-1, dtype=torch.float)
+def load_balancing_loss(logits: torch.Tensor, experts: int, top_k: int,
+                        dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    """Switch/Mixtral auxiliary loss: E * sum_e (fraction of assignments to e) * (mean prob of e),
+    in ``dtype`` (None: the logits')."""
+    dtype = dtype or logits.dtype
+    probs = F.softmax(logits, dim=-1, dtype=dtype)
     _, selected = torch.topk(probs, top_k, dim=-1)
-    mask = (selected.unsqueeze(-1) == torch.arange(experts, device=logits.device)).float()
+    mask = (selected.unsqueeze(-1) == torch.arange(experts, device=logits.device)).to(dtype)
     return experts * (mask.mean(0) * probs.mean(0).unsqueeze(0)).sum()
 
 
@@ -302,7 +307,7 @@ class _MoEDecoder(nn.Module):
         for layer in self.layers:
             x, logits = layer(x, cos, sin)
             if logits is not None:
-                aux.append(load_balancing_loss(logits, cfg.experts, cfg.top_k))
+                aux.append(load_balancing_loss(logits, cfg.experts, cfg.top_k, cfg.aux_dtype))
         logits = self.lm_head(self.norm(x))
         loss = F.cross_entropy(logits[:, :-1, :].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
         return loss + cfg.aux_loss_coef * sum(aux) / len(aux) if aux else loss
@@ -389,3 +394,12 @@ def shifted_batch(vocab: int, batch: int, seq: int, *, seed: int = 0) -> tuple[t
         if pad:
             labels[row, seq - 1 - pad:] = -100
     return tokens, labels
+
+
+def memory_benchmark_models() -> list[tuple[str, object, tuple]]:
+    """(name, model factory, batch) of the activation-memory benchmarks: a Llama-style and a
+    GPT-2-style model, 4 layers, 2 x 512 tokens."""
+    llama = LlamaConfig(vocab=256, hidden=128, heads=8, kv_heads=4, mlp=256, layers=4, max_seq=512)
+    gpt2 = GPT2Config(vocab=256, hidden=128, heads=8, layers=4, max_seq=512)
+    return [("Llama-style, 4 layers, 2 x 512 tokens", lambda: TinyLlama(llama), token_batch(256, 2, 512)),
+            ("GPT-2-style, 4 layers, 2 x 512 tokens", lambda: TinyGPT2(gpt2), shifted_batch(256, 2, 512))]

@@ -1,0 +1,369 @@
+"""Measure this machine, write a hardware profile the cost model reads, and check it on real plans.
+
+    python benchmarks/calibrate.py --out cpu_here.toml            # measure (4 gloo processes), write the profile
+    python benchmarks/calibrate.py --out cpu_here.toml --validate # then predict vs measure 6 plans' step time
+    python benchmarks/calibrate.py --profile cpu_here.toml --validate   # check an existing profile
+
+What is measured, each on 4 local processes at once (so the cores they share count, as in training):
+- usc's own gloo collectives (runtime Comm: all-reduce, all-gather, reduce-scatter, send/recv) over
+  message sizes, on groups of 2 and 4; a least-squares fit of the cost model's formulas
+  (``collective_seconds`` with ring latency steps) gives the link's bandwidth and per-step latency;
+- matmuls over rows per call at the validation model's widths, fp32 and bf16: the fit
+  ``flops(rows) = peak * rows / (rows + half_rows)`` gives the peak and the fall-off the cost
+  model's matmul efficiency uses (efficiency 1.0: the peak is what was sustained);
+- memory bandwidth (an in-place multiply of 128 MiB: read + write);
+- the executor's cost per layer that does not grow with size (Python, op dispatch): usc steps of a
+  very narrow Llama at 1 and 5 layers, ``dp=4``; the difference per layer is ``unit_overhead``.
+
+--validate then runs each plan of PLANS on 4 gloo processes (wall clock of ``step()`` over STEPS
+steps after WARMUP, the slowest rank's mean) and prints it beside ``usc.lint``'s prediction on the
+profile, with the machine's load average (``uptime``) at the time of each measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+import usc
+from usc.compiler.cost_model import collective_seconds
+from usc.compiler.hardware import hardware_profile
+from usc.runtime.launch import launch_local
+from usc.testing.models import LlamaConfig, TinyLlama, token_batch
+
+WORLD = 4
+SIZES = [2**k for k in range(12, 24, 2)]  # 4 KiB .. 4 MiB payloads
+ROWS = [16, 64, 256, 1024, 4096]
+# The validation model: wide enough that matmuls, not Python, take most of a step's time.
+MODEL = LlamaConfig(vocab=512, hidden=256, heads=8, kv_heads=4, mlp=768, layers=4, max_seq=256)
+BATCH, SEQ = 8, 128
+PLANS = ["dp=4", "dp=2 tp=2", "tp=4", "dp=2 pp=2 mb=4", "dp=4 zero=3", "pp=4 mb=4", "dp=2 cp=2"]
+WARMUP, STEPS = 2, 4
+
+
+def _seconds(fn, repeat: int = 5) -> float:
+    """Median wall clock of ``fn()`` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+# ------------------------------------------------------------------------- measured on every rank
+
+def _collective_calls(comm, n: int, nbytes: int):
+    """(kind, call) with the payload as collective_seconds counts it (what a rank hands over)."""
+    whole = torch.ones(nbytes // 4)
+    peer = (comm.rank + 1) % n, (comm.rank - 1) % n
+    return [("all-reduce", lambda: comm.all_reduce(whole)),
+            ("all-gather", lambda: comm.all_gather(whole, 0)),
+            ("reduce-scatter", lambda: comm.reduce_scatter(whole, 0)),
+            ("send/recv", lambda: comm.send_recv(whole, *peer))]
+
+
+def _measure_collectives(comms: dict) -> list[tuple[str, int, int, float]]:
+    rows = []
+    for n, comm in comms.items():
+        for nbytes in SIZES:
+            for kind, call in _collective_calls(comm, n, nbytes):
+                if kind == "send/recv" and n != 2:
+                    continue
+                comm.barrier()
+                rows.append((kind, n, nbytes, _seconds(call)))
+    return rows
+
+
+def _measure_matmuls(width: int, barrier) -> list[tuple[str, int, float]]:
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        b = torch.randn(width, width * 3, dtype=dtype)
+        for rows in ROWS:
+            a = torch.randn(rows, width, dtype=dtype)
+            barrier()
+            seconds = _seconds(lambda: a @ b, repeat=7)
+            out.append((str(dtype).split(".")[-1], rows, 2 * rows * width * width * 3 / seconds))
+    return out
+
+
+def _measure_memory(barrier) -> float:
+    t = torch.ones(2**25)  # 128 MiB
+    barrier()
+    return 2 * t.numel() * 4 / _seconds(lambda: t.mul_(1.0))
+
+
+def measure_rank() -> dict:
+    """Everything a rank measures (run under launch_local on WORLD processes)."""
+    from usc.runtime.mesh import Mesh
+
+    torch.set_num_threads(1)
+    flat = Mesh.from_environment(("dp",), (WORLD,), timeout=300)
+    pairs = Mesh.from_environment(("dp", "tp"), (WORLD // 2, 2), timeout=300)
+    barrier = flat.comm("dp").barrier
+    return {"collectives": _measure_collectives({WORLD: flat.comm("dp"), 2: pairs.comm("tp")}),
+            "matmuls": _measure_matmuls(MODEL.hidden, barrier), "memory": _measure_memory(barrier),
+            "load": load()}
+
+
+def overhead_rank(layers: int) -> float:
+    """Mean step of a Llama so narrow that its time is the executor's per-op cost, dp=WORLD."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    narrow = LlamaConfig(vocab=64, hidden=16, heads=2, kv_heads=2, mlp=32, layers=layers, max_seq=16)
+    batch = token_batch(narrow.vocab, WORLD, 8)
+    step = usc.compile(TinyLlama(narrow), f"dp={WORLD}", example_inputs=batch)
+    for _ in range(WARMUP):
+        step.step(*batch)
+    return _seconds(lambda: step.step(*batch), repeat=STEPS)
+
+
+# ---------------------------------------------------------------------------------------- fits
+
+def fit_link(rows: list) -> tuple[float, float]:
+    """(bandwidth, latency) minimising the relative error of collective_seconds over the measurements."""
+    a = []
+    for kind, n, nbytes, seconds in rows:
+        # collective_seconds is linear in 1/bandwidth and latency: its value at (1, 0) and (inf, 1)
+        per_byte = collective_seconds(kind, nbytes, n, 1.0, 0.0, ring=True)
+        per_step = collective_seconds(kind, nbytes, n, math.inf, 1.0, ring=True)
+        a.append((per_byte / seconds, per_step / seconds))
+    (inv_bw, latency), *_ = np.linalg.lstsq(np.array(a), np.ones(len(a)), rcond=None)
+    return 1.0 / inv_bw, max(latency, 1e-7)
+
+
+def fit_matmul(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(peak, half_rows) of flops = peak * rows / (rows + half): linear in 1/flops = (1 + half/rows)/peak."""
+    a = np.array([[1.0, 1.0 / r] for r, _ in points])
+    y = np.array([1.0 / f for _, f in points])
+    (c0, c1), *_ = np.linalg.lstsq(a, y, rcond=None)
+    return 1.0 / c0, max(c1 / c0, 1.0)
+
+
+def calibrate() -> dict:
+    ranks = launch_local(measure_rank, WORLD)
+    slowest = {}
+    for r in ranks:  # a collective ends when its slowest rank does
+        for kind, n, nbytes, seconds in r["collectives"]:
+            slowest[(kind, n, nbytes)] = max(seconds, slowest.get((kind, n, nbytes), 0.0))
+    collectives = [(*k, s) for k, s in slowest.items()]
+    bandwidth, latency = fit_link(collectives)
+    matmul = {d: fit_matmul([(rows, min(r2[2] for r in ranks for r2 in r["matmuls"] if r2[:2] == (d, rows)))
+                             for rows in ROWS]) for d in ("float32", "bfloat16")}
+    memory = min(r["memory"] for r in ranks)
+    shallow, deep = (statistics.mean(launch_local(overhead_rank, WORLD, n)) for n in (1, 5))
+    profile = {"name": "cpu-gloo-here", "peak_bf16_flops": matmul["bfloat16"][0], "peak_fp32_flops": matmul["float32"][0],
+               "hbm_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // WORLD,
+               "hbm_bandwidth": memory, "intra_node_bandwidth": bandwidth, "intra_node_latency": latency,
+               "inter_node_bandwidth": bandwidth, "inter_node_latency": latency, "gpus_per_node": WORLD,
+               "matmul_efficiency": 1.0, "matmul_half_rows": matmul["float32"][1], "comm_efficiency": 1.0,
+               "unit_overhead": max(0.0, (deep - shallow) / 4), "latency_steps": "ring"}
+    return {"profile": profile, "collectives": sorted(collectives), "load": [r["load"] for r in ranks][0],
+            "matmul_fits": matmul, "overhead_steps": (shallow, deep)}
+
+
+def write_toml(profile: dict, path: str, comment: str) -> None:
+    lines = [f"# {line}" for line in comment.splitlines()]
+    for key, value in profile.items():
+        lines.append(f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value}" if isinstance(value, int)
+                     else f"{key} = {float(value):.6g}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def print_fit(result: dict) -> None:
+    p = result["profile"]
+    print(f"load average during the measurement: {result['load']}")
+    print(f"link: {p['intra_node_bandwidth'] / 1e9:.3f} GB/s, {p['intra_node_latency'] * 1e6:.1f} us per ring step")
+    print("| collective | ranks | payload | measured | formula with the fit |")
+    print("|---|---|---|---|---|")
+    for kind, n, nbytes, seconds in result["collectives"]:
+        model = collective_seconds(kind, nbytes, n, p["intra_node_bandwidth"], p["intra_node_latency"], ring=True)
+        print(f"| {kind} | {n} | {nbytes / 1024:.0f} KiB | {seconds * 1e3:.2f} ms | {model * 1e3:.2f} ms |")
+    for dtype, (peak, half) in result["matmul_fits"].items():
+        print(f"matmul {dtype}: peak {peak / 1e9:.2f} GFLOP/s per rank, half at {half:.0f} rows")
+    print(f"memory: {p['hbm_bandwidth'] / 1e9:.2f} GB/s per rank; unit overhead {p['unit_overhead'] * 1e3:.2f} ms "
+          f"(steps at 1 and 5 layers: {result['overhead_steps'][0] * 1e3:.1f}, {result['overhead_steps'][1] * 1e3:.1f} ms)")
+
+
+# ---------------------------------------------------------------------------------- validation
+
+def step_rank(plan: str) -> tuple[float, str]:
+    """(mean wall clock of step() after warm-up, load average at the time) on this rank."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    batch = token_batch(MODEL.vocab, BATCH, SEQ)
+    step = usc.compile(TinyLlama(MODEL), plan, example_inputs=batch)
+    for _ in range(WARMUP):
+        step.step(*batch)
+    start = time.perf_counter()
+    for _ in range(STEPS):
+        step.step(*batch)
+    return (time.perf_counter() - start) / STEPS, load()
+
+
+def validate(profile_path: str) -> list[dict]:
+    hw = hardware_profile(profile_path)
+    model, batch = TinyLlama(MODEL), token_batch(MODEL.vocab, BATCH, SEQ)
+    rows = []
+    for plan in PLANS:
+        predicted = usc.lint(model, plan, example_inputs=batch, hardware=hw).cost.time["step"]
+        ranks = launch_local(step_rank, WORLD, plan)
+        measured = max(s for s, _ in ranks)
+        rows.append({"plan": plan, "predicted": predicted, "measured": measured, "load": ranks[0][1]})
+        print(f"| `{plan}` | {predicted * 1e3:.0f} | {measured * 1e3:.0f} | {predicted / measured - 1:+.0%} | "
+              f"{ranks[0][1]} |", flush=True)
+    return rows
+
+
+def ranking_agrees(rows: list[dict]) -> bool:
+    by = lambda key: [r["plan"] for r in sorted(rows, key=lambda r: r[key])]  # noqa: E731
+    print("predicted ranking:", " < ".join(by("predicted")))
+    print("measured ranking: ", " < ".join(by("measured")))
+    return by("predicted") == by("measured")
+
+
+# ---------------------------------------------------------------------- published measurements
+
+# Model shapes of the publications (Llama 3 family, from the model cards' configs). "llama-1B" of the
+# nanotron benchmarks is taken as Llama-3.2-1B's shape: its FLOPs per token (6N + 12*L*h*S, 9.0 GFLOP)
+# equal the logs' model_tflops_per_gpu / tokens_per_sec_per_gpu (251e12 / 27,700 = 9.06 GFLOP).
+SHAPES = {
+    "1B": LlamaConfig(vocab=128256, hidden=2048, heads=32, kv_heads=8, mlp=8192, layers=16, max_seq=8192),
+    "8B": LlamaConfig(vocab=128256, hidden=4096, heads=32, kv_heads=8, mlp=14336, layers=32, max_seq=8192),
+    "70B": LlamaConfig(vocab=128256, hidden=8192, heads=64, kv_heads=8, mlp=28672, layers=80, max_seq=8192),
+    "405B": LlamaConfig(vocab=128256, hidden=16384, heads=128, kv_heads=8, mlp=53248, layers=126, max_seq=8192),
+}
+NANOTRON = "huggingface.co/nanotron/old_bench llama-1B/8_GPUS/{} log_metrics.csv, iterations 8-12"
+TITAN = "pytorch/torchtitan docs/performance.md"
+# (model, hardware, plan as the cost model reads it, global batch, seq, published tokens/s/GPU,
+#  published MFU, source, whether the publication gives the whole setup)
+PUBLISHED = [
+    ("1B", "h100", "dp=2 tp=4 sp=on mb=64 dtype=bf16", 1024, 4096, 27_700, 0.254,
+     NANOTRON.format("dp-2_tp-4_pp-1_mbz-8"), True),
+    ("1B", "h100", "tp=4 pp=2 sp=on mb=128 dtype=bf16", 1024, 4096, 25_900, 0.238,
+     NANOTRON.format("dp-1_tp-4_pp-2_mbz-8"), True),
+    ("1B", "h100", "dp=2 tp=2 pp=2 sp=on mb=510 dtype=bf16", 1020, 4096, 11_200, 0.103,
+     NANOTRON.format("dp-2_tp-2_pp-2_mbz-1"), True),
+    ("1B", "h100", "tp=8 pp=8 sp=on mb=64 dtype=bf16", 1024, 4096, 3_470, 0.032,
+     "huggingface.co/nanotron/bench_cluster llama-1B/64_GPUS/dp-1_tp-8_pp-8_mbz-16", True),
+    ("8B", "h100", "dp=8 zero=3 recompute=selective dtype=bf16", 16, 8192, 5_762, None,
+     TITAN + " (Llama 3.1 8B, 8 H100 96GB 500W, FSDP, local batch 2)", False),
+    ("8B", "a100", "dp=64 zero=3 recompute=selective dtype=bf16", 64, 8192, 2_973, 0.582,
+     TITAN + " (Llama 3 8B, 64 A100, FSDP2, local batch 1)", False),
+    ("70B", "a100", "dp=64 zero=3 recompute=full dtype=bf16", 64, 8192, 331, 0.517,
+     TITAN + " (Llama 3 70B, 64 A100, FSDP2, full AC)", False),
+    ("405B", "h100", "dp=16 tp=8 sp=on zero=3 recompute=full mb=2 dtype=bf16", 32, 8192, 109, 0.29,
+     TITAN + " (Llama 3.1 405B, 128 H100, FSDP2+TP, local batch 2)", False),
+    ("405B", "h100", "dp=64 pp=16 tp=8 sp=on zero=1 mb=32 schedule=interleaved v=2 dtype=bf16", 2048, 8192,
+     None, 0.43, "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4 (8,192 GPUs)", False),
+]
+
+
+def published_rows(runs: list = PUBLISHED, profiles: dict = {}) -> list[dict]:  # noqa: B006 - a cache
+    """Each publication's configuration estimated by the cost model, beside what was measured."""
+    from usc.compiler.cost_model import estimate
+    from usc.dsl import parse_plan
+    from usc.passes.cost_profile import profile_model
+    from usc.planning import point_of
+
+    rows = []
+    for name, hw_name, plan, batch, seq, tps, mfu, source, complete in runs:
+        if name not in profiles:
+            with torch.device("meta"):
+                model = TinyLlama(SHAPES[name])
+            tokens = torch.zeros(8, 4096, dtype=torch.long, device="meta")
+            profiles[name] = profile_model(model, (tokens, tokens))
+        hw = hardware_profile(hw_name)
+        point = point_of(parse_plan(plan), global_batch=batch, seq=seq)
+        est = estimate(profiles[name], replace(point, gpus_per_node=hw.gpus_per_node), hw)
+        per_gpu = est.tokens_per_second / point.world
+        # the publication's own FLOPs per token where it gives tokens/s and MFU; else usc's count
+        mfu_same_count = mfu * per_gpu / tps if (tps and mfu) else est.mfu
+        rows.append(dict(model=name, hw=hw_name, plan=plan, gpus=point.world, published_tps=tps, published_mfu=mfu,
+                         predicted_tps=per_gpu, predicted_mfu=mfu_same_count, memory=est.memory_total,
+                         source=source, complete=complete))
+    return rows
+
+
+# Which published runs the H100 profile's efficiency constants are fitted on (the rest are held out):
+# two nanotron runs of the same model and tokens per step that differ in microbatch size (8 vs 1).
+FITTED_ON = (0, 2)
+
+
+def fit_published(rows_of: list[int] = FITTED_ON) -> tuple[float, float]:
+    """(matmul_efficiency, unit_overhead) of the h100 profile minimising the squared log error of
+    tokens/s/GPU over the published runs ``rows_of`` (a grid: both enter the step time non-linearly)."""
+    import usc.compiler.hardware as hardware
+
+    base = hardware.BUILTIN_PROFILES["h100"]
+    best = (math.inf, None)
+    try:
+        for efficiency in np.arange(0.20, 0.81, 0.01):
+            for overhead in np.arange(0.0, 0.0121, 0.0002):
+                hardware.BUILTIN_PROFILES["h100"] = replace(base, matmul_efficiency=float(efficiency),
+                                                            unit_overhead=float(overhead))
+                rows = published_rows([PUBLISHED[i] for i in rows_of])
+                error = sum(math.log(r["predicted_tps"] / r["published_tps"]) ** 2 for r in rows)
+                best = min(best, (error, (round(float(efficiency), 2), round(float(overhead), 4))))
+    finally:
+        hardware.BUILTIN_PROFILES["h100"] = base
+    return best[1]
+
+
+def print_published(rows: list[dict]) -> None:
+    print("| model | GPUs | plan | tokens/s/GPU published | predicted | MFU published | predicted | "
+          "memory/rank (GiB) | setup complete | source |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        tps = f"{r['published_tps']:,}" if r["published_tps"] else "not given"
+        mfu = f"{r['published_mfu']:.1%}" if r["published_mfu"] else "not given"
+        print(f"| {r['model']} ({r['hw']}) | {r['gpus']} | `{r['plan']}` | {tps} | {r['predicted_tps']:,.0f} | {mfu} | "
+              f"{r['predicted_mfu']:.1%} | {r['memory'] / 2**30:.1f} | {'yes' if r['complete'] else 'partly'} | "
+              f"{r['source']} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="measure and write the profile here (.toml)")
+    parser.add_argument("--profile", help="an existing profile to validate")
+    parser.add_argument("--validate", action="store_true")
+    parser.add_argument("--published", action="store_true", help="only the published-vs-predicted table")
+    parser.add_argument("--fit-published", action="store_true",
+                        help="fit the h100 profile's matmul_efficiency and unit_overhead to FITTED_ON")
+    args = parser.parse_args()
+    if args.fit_published:
+        return print(f"fitted on {[PUBLISHED[i][2] for i in FITTED_ON]}: matmul_efficiency, unit_overhead = "
+                     f"{fit_published()}")
+    if args.published:
+        return print_published(published_rows())
+    path = args.out or args.profile
+    if not path:
+        parser.error("give --out (measure) or --profile (validate an existing one)")
+    if args.out:
+        result = calibrate()
+        print_fit(result)
+        write_toml(result["profile"], args.out, f"measured by benchmarks/calibrate.py on {time.strftime('%Y-%m-%d %H:%M')}"
+                   f" UTC, {WORLD} gloo processes, load average {result['load']}")
+        print(f"wrote {args.out}")
+    if args.validate:
+        print(f"\n| plan | predicted (ms) | measured (ms) | error | load (1/5/15 min) |\n|---|---|---|---|---|")
+        rows = validate(path)
+        print("ranking agrees" if ranking_agrees(rows) else "ranking differs")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

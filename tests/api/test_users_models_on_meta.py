@@ -1,0 +1,45 @@
+"""Plan-only use on the models users bring, as they bring them: Hugging Face models from the tier's
+configs built under ``torch.device("meta")`` (no weights), passed to usc as the model object with a
+collator's dict batch, lint, compile plan-only and plan -- no device mismatch, no wrapper."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+import usc
+
+pytest.importorskip("transformers")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
+
+from users_models import FAMILIES  # noqa: E402
+
+
+def on_meta(family: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = FAMILIES[family].build()
+    assert all(p.device.type == "meta" for p in model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("family, plan", [("llama", "dp=2 tp=2"), ("qwen2_moe", "dp=2 ep=2 tp=2"),
+                                          ("gemma2", "tp=2 pp=2 mb=2")])
+def test_meta_models_lint_as_users_hold_them(family, plan):
+    report = usc.lint(on_meta(family), plan, example_inputs=FAMILIES[family].batch(0, 6))
+    assert report.mesh.world_size == 4
+    assert report.stages if "pp" in plan else report.activation_bytes > 0
+
+
+def test_meta_model_compiles_plan_only_and_says_so_when_stepped():
+    batch = FAMILIES["gemma2"].batch(0, 6)
+    step = usc.compile(on_meta("gemma2"), "dp=2 tp=2", example_inputs=batch)
+    assert step.report.mesh.world_size == 4
+    with pytest.raises(RuntimeError, match="meta device"):
+        step(batch)
+
+
+def test_plan_of_a_meta_model_takes_the_global_batch_not_the_examples():
+    """A collator batch of one row gives shapes only: global_batch=48 lets the planner use dp > 1."""
+    chosen = usc.plan(on_meta("qwen2_moe"), "gpus=4 global_batch=48", example_inputs=FAMILIES["qwen2_moe"].batch(0, 1))
+    assert chosen.size("dp") > 1 and chosen.world_size == 4

@@ -1,0 +1,133 @@
+"""Memory counted from outside usc: what a training step really keeps alive for backward, and the
+peak a piece of work (a checkpoint save) allocates.
+
+usc's own numbers (the lint's ``activation_bytes``, the cost model's estimate) come from its
+executor's saved-tensor hooks or from the cost model's profile; a test that compares them with
+each other proves nothing. This counter shares nothing with them: a ``TorchDispatchMode`` on the
+rank's thread sees every ATen op of one step, holds each storage an op reads or makes by weak
+reference (so it keeps nothing alive) and sums the bytes of those still alive -- the allocator's
+view of activation memory, whatever mechanism (autograd's saved tensors, activation
+checkpointing's held inputs, a selective policy's cache) holds them.
+
+- ``held_after_forward``: bytes of the storages forward touched (model state and the batch
+  excluded) still alive when backward begins;
+- ``peak_in_backward``: the most bytes alive at once during backward of those plus the tensors
+  backward recomputes (activation checkpointing). An op runs for recomputation when autograd's
+  engine is running (a graph task is active) with grad mode on: the engine runs backward formulas
+  with grad mode off, and checkpointing recomputes under ``enable_grad``.
+
+``PeakAllocations`` counts what torch ops allocate inside it (a view of an existing tensor allocates
+nothing), alive at once: its ``peak``.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+FORWARD, BACKWARD, DONE = "forward", "backward", "done"
+
+
+@dataclass(frozen=True)
+class ActivationCount:
+    held_after_forward: int
+    peak_in_backward: int
+
+
+class _LiveStorages:
+    """A running total of the bytes of the storages recorded and still alive."""
+
+    def __init__(self) -> None:
+        self.refs: dict[int, weakref.ref] = {}
+        self.total = 0
+        self._lock = threading.Lock()  # a storage may die on another thread (a simulated peer's)
+
+    def add(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata  # an address: reused once a storage dies, so a dead entry is replaced
+        old = self.refs.get(key)
+        if old is not None and old() is not None:
+            return
+        nbytes = storage.nbytes()
+        with self._lock:
+            self.total += nbytes
+        self.refs[key] = weakref.ref(storage, lambda _, n=nbytes: self._forget(n))
+
+    def _forget(self, nbytes: int) -> None:
+        with self._lock:
+            self.total -= nbytes
+
+
+class _StepWatch(TorchDispatchMode):
+    """Records the storages of forward's ops, then of backward's recomputation, and the peak."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        super().__init__()
+        self.excluded = excluded
+        self.live = _LiveStorages()
+        self.phase = FORWARD
+        self.held_after_forward = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward and self.phase == FORWARD:
+            self.phase, self.held_after_forward = BACKWARD, self.live.total
+        elif not in_backward and self.phase == BACKWARD:
+            self.phase = DONE  # the optimizer step and the gradient sums are not activations
+        out = func(*args, **(kwargs or {}))
+        if self.phase == FORWARD or (self.phase == BACKWARD and torch.is_grad_enabled()):
+            self._record((args, kwargs, out))
+        if self.phase == BACKWARD:
+            self.peak = max(self.peak, self.live.total)
+        return out
+
+    def _record(self, values) -> None:
+        for value in tree_flatten(values)[0]:
+            if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                storage = value.untyped_storage()
+                if storage._cdata not in self.excluded:
+                    self.live.add(storage)
+
+
+class PeakAllocations(TorchDispatchMode):
+    """Bytes of the storages torch ops allocate inside the mode, alive at once (``peak``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = _LiveStorages()
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor) and value.untyped_storage()._cdata not in inputs:
+                self.live.add(value.untyped_storage())
+        self.peak = max(self.peak, self.live.total)
+        return out
+
+
+def count_step_activations(rank, batch: tuple) -> ActivationCount:
+    """Run one training step of an executor rank (``usc.simulate(...).ranks[i]``, on that rank's
+    thread) under the counter; the step is real (the optimizer steps)."""
+    excluded = {t.untyped_storage()._cdata for t in [*rank.state.values(), *batch] if isinstance(t, torch.Tensor)}
+    watch = _StepWatch(excluded)
+    with watch:
+        rank.step(batch)
+    return ActivationCount(watch.held_after_forward, max(watch.peak, watch.held_after_forward))
+
+
+def count_activations(sim, batch: tuple, *, timeout: float = 120) -> list[ActivationCount]:
+    """Per rank of a simulated mesh: one training step counted (see the module docstring)."""
+    from usc.runtime.mesh import run_in_threads
+
+    return run_in_threads(sim.meshes, lambda mesh: count_step_activations(sim.ranks[mesh.rank], batch),
+                          timeout=timeout)
+
+
+__all__ = ["ActivationCount", "PeakAllocations", "count_activations", "count_step_activations"]
