@@ -130,7 +130,8 @@ def _indent(lines: list[str]) -> list[str]:
     return ["    " + s for s in lines]
 
 
-REDUCE = {"sum": "tl.sum(tl.where(mask, {e}, 0.0), axis=0)", "max": "tl.max(tl.where(mask, {e}, " + NEG_INF + "), axis=0)"}
+REDUCE = {"sum": "tl.sum(tl.where(mask, {e}, 0.0), axis=0)",
+          "max": "tl.max(tl.where(mask, {e}, " + NEG_INF + "), axis=0)"}
 
 
 def one_tile_body(lines: list[Line], effects: list[Effect]) -> list[str]:
