@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 from usc.dsl import ACTIONS, AXES, OPTIONS, Action, Plan, Rule
-from usc.dsl.options import ByteSize, Choice, PositiveNumber, SplitPoints, Switch, WholeNumber
+from usc.dsl.options import ByteSize, Choice, NameOrFile, PositiveNumber, SplitPoints, Switch, WholeNumber
 
 _LOWER = "abcdefghijklmnopqrstuvwxyz_"
 identifiers = st.builds(str.__add__, st.sampled_from(_LOWER), st.text(_LOWER + "0123456789", max_size=7))
@@ -29,6 +29,8 @@ _BY_KIND = {
         min_value=0.0, exclude_min=True, allow_nan=False, allow_infinity=False
     ),
     Choice: lambda kind: st.sampled_from(kind.words),
+    NameOrFile: lambda kind: st.one_of(st.sampled_from(kind.words),
+                                       identifiers.map(lambda name: name + kind.suffixes[0])),
     Switch: lambda kind: st.booleans(),
     ByteSize: lambda kind: st.integers(1, 2**50),
     SplitPoints: lambda kind: st.one_of(
