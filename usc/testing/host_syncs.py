@@ -55,8 +55,10 @@ class HostSync:
 
 
 # Reads of tensors torch keeps on the host by design, which wait for no device: the step counter of
-# torch's optimizers (on the CPU unless capturable or fused; Adam reads it with .item()).
-HOST_OWNED = ("torch/optim/",)
+# torch's optimizers (on the CPU unless capturable or fused; Adam reads it with .item()); the batch's
+# range checks, which read the batch only while it is still on the CPU (runtime/input_checks.py leaves
+# a batch already on a device to its ops).
+HOST_OWNED = ("torch/optim/", "runtime/input_checks.py")
 _OURS = ("/runtime/", "/usc/", "/passes/", "/compiler/")
 
 
