@@ -224,10 +224,10 @@ def _init_default_group(device: torch.device, rank: int, world: int, timeout: fl
     # NCCL: the group timeout and async error handling let the watchdog abort a hung collective; the
     # waiting rank then sees the error, which Comm reports as a CollectiveError
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # 2: abort the communicators, raise in wait()
-    store = _job_store(rank, world, timeout)
-    if store is not None:
-        options["store"] = store
     try:
+        store = _job_store(rank, world, timeout)
+        if store is not None:
+            options["store"] = store
         dist.init_process_group(rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout), **options)
     except dist.DistError as err:  # a store timeout, or the store's host gone (another job's rank 0 left)
         raise LaunchError(_rendezvous_failed(rank, world, timeout, err)) from err
