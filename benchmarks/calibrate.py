@@ -37,7 +37,7 @@ import usc
 from usc.compiler.cost_model import collective_seconds
 from usc.compiler.hardware import hardware_profile
 from usc.runtime.launch import launch_local
-from usc.testing.models import LlamaConfig, TinyLlama, token_batch
+from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, token_batch
 
 WORLD = 4
 SIZES = [2**k for k in range(12, 24, 2)]  # 4 KiB .. 4 MiB payloads
@@ -242,10 +242,15 @@ def ranking_agrees(rows: list[dict]) -> bool:
 # nanotron benchmarks is taken as Llama-3.2-1B's shape: its FLOPs per token (6N + 12*L*h*S, 9.0 GFLOP)
 # equal the logs' model_tflops_per_gpu / tokens_per_sec_per_gpu (251e12 / 27,700 = 9.06 GFLOP).
 SHAPES = {
-    "1B": LlamaConfig(vocab=128256, hidden=2048, heads=32, kv_heads=8, mlp=8192, layers=16, max_seq=8192),
-    "8B": LlamaConfig(vocab=128256, hidden=4096, heads=32, kv_heads=8, mlp=14336, layers=32, max_seq=8192),
-    "70B": LlamaConfig(vocab=128256, hidden=8192, heads=64, kv_heads=8, mlp=28672, layers=80, max_seq=8192),
-    "405B": LlamaConfig(vocab=128256, hidden=16384, heads=128, kv_heads=8, mlp=53248, layers=126, max_seq=8192),
+    "1B": (TinyLlama, LlamaConfig(vocab=128256, hidden=2048, heads=32, kv_heads=8, mlp=8192, layers=16, max_seq=8192)),
+    "8B": (TinyLlama, LlamaConfig(vocab=128256, hidden=4096, heads=32, kv_heads=8, mlp=14336, layers=32,
+                                  max_seq=8192)),
+    "70B": (TinyLlama, LlamaConfig(vocab=128256, hidden=8192, heads=64, kv_heads=8, mlp=28672, layers=80,
+                                   max_seq=8192)),
+    "405B": (TinyLlama, LlamaConfig(vocab=128256, hidden=16384, heads=128, kv_heads=8, mlp=53248, layers=126,
+                                    max_seq=8192)),
+    # GPT-3-style 530B of Korthikanti et al. 2022 (Table: 105 layers, hidden 20480, 128 heads, seq 2048)
+    "530B": (TinyGPT2, GPT2Config(vocab=51200, hidden=20480, heads=128, layers=105, max_seq=2048)),
 }
 NANOTRON = "huggingface.co/nanotron/old_bench llama-1B/8_GPUS/{} log_metrics.csv, iterations 8-12"
 TITAN = "pytorch/torchtitan docs/performance.md"
@@ -270,6 +275,12 @@ PUBLISHED = [
      TITAN + " (Llama 3.1 405B, 128 H100, FSDP2+TP, local batch 2)", False),
     ("405B", "h100", "dp=64 pp=16 tp=8 sp=on zero=1 mb=32 schedule=interleaved v=2 dtype=bf16", 2048, 8192,
      None, 0.43, "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4 (8,192 GPUs)", False),
+    # 2240 A100: tp=8 pp=35 dp=8, global batch 2240, microbatch 1 (the paper's table, as recalled: the
+    # abstract's MFUs are verified, the parallel layout is not)
+    ("530B", "a100", "dp=8 pp=35 tp=8 sp=on mb=280 recompute=selective dtype=bf16", 2240, 2048, None, 0.542,
+     "Korthikanti et al. 2022 (arXiv 2205.05198), sp + selective recompute", False),
+    ("530B", "a100", "dp=8 pp=35 tp=8 mb=280 recompute=full dtype=bf16", 2240, 2048, None, 0.421,
+     "Korthikanti et al. 2022 (arXiv 2205.05198), full recompute", False),
 ]
 
 
@@ -283,9 +294,10 @@ def published_rows(runs: list = PUBLISHED, profiles: dict = {}) -> list[dict]:  
     rows = []
     for name, hw_name, plan, batch, seq, tps, mfu, source, complete in runs:
         if name not in profiles:
+            make, config = SHAPES[name]
             with torch.device("meta"):
-                model = TinyLlama(SHAPES[name])
-            tokens = torch.zeros(8, 4096, dtype=torch.long, device="meta")
+                model = make(config)
+            tokens = torch.zeros(8, min(4096, config.max_seq), dtype=torch.long, device="meta")
             profiles[name] = profile_model(model, (tokens, tokens))
         hw = hardware_profile(hw_name)
         point = point_of(parse_plan(plan), global_batch=batch, seq=seq)

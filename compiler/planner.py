@@ -105,6 +105,11 @@ class PlanSearch:
     def why_lost(self, other: Candidate) -> str:
         return why_slower(other, self.best)
 
+    @property
+    def unchecked_terms(self) -> list[str]:
+        """The step-time terms the chosen plan's estimate rests on that no measurement has checked."""
+        return unchecked_terms(self.best.plan)
+
     def __str__(self) -> str:
         from .report_cost import render_search
         return render_search(self)

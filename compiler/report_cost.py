@@ -28,7 +28,11 @@ def cost_dict(report) -> dict:
         out["planner"] = {"chosen": s.best.plan.text() if s.best else None,
                           "alternatives": [{"plan": c.plan.text(), "why_lost": s.why_lost(c),
                                             **estimate_dict(c.estimate)} for c in s.alternatives],
-                          "rejected": dict(s.rejected), "evaluated": s.evaluated}
+                          "rejected": dict(s.rejected), "evaluated": s.evaluated,
+                          "families": {name: best if isinstance(best, str) else
+                                       {"plan": best.plan.text(), **estimate_dict(best.estimate)}
+                                       for name, best in s.families.items()},
+                          "unchecked_terms": _unchecked_terms(s)}
     return out
 
 
@@ -103,11 +107,15 @@ def _families(search) -> list[str]:
     return lines
 
 
-def _unchecked(search) -> list[str]:
-    """Flags a choice that rests on a term no measurement has checked, with the best plan that does not."""
+def _unchecked_terms(search) -> list[str]:
     from .planner import unchecked_terms
 
-    terms = unchecked_terms(search.best.plan)
+    return unchecked_terms(search.best.plan) if search.best is not None else []
+
+
+def _unchecked(search) -> list[str]:
+    """Flags a choice that rests on a term no measurement has checked, with the best plan that does not."""
+    terms = search.unchecked_terms
     if not terms:
         return []
     lines = [f"  caution: the choice rests on terms no measurement has checked: {'; '.join(terms)}"]

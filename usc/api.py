@@ -31,6 +31,7 @@ from usc.runtime.materialize import InitFn, has_meta_tensors
 
 from .build import OptimizerFactory, SchedulerFactory, _as_plan, _Compiled, _full_state
 from .model_call import trainable
+from .version import __version__
 
 
 class _TrainingLoop:
@@ -295,8 +296,6 @@ def _profile_of_device(device) -> str | None:
 
 
 def usc_version() -> str:
-    from usc import __version__
-
     return __version__
 
 

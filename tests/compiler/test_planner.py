@@ -207,3 +207,17 @@ def test_a_choice_resting_on_an_unchecked_term_is_flagged_with_the_checked_alter
         assert free.best_checked is not None and not unchecked_terms(free.best_checked.plan)
         assert f"best plan relying on none: {free.best_checked.plan.text()}" in str(free)
     assert not unchecked_terms(PlanPoint(8, 32, dp=2, tp=2, gpus_per_node=8))
+
+
+def test_json_of_the_search_has_the_families_and_the_unchecked_terms(profile):
+    from types import SimpleNamespace
+
+    from usc.compiler.planner import unchecked_terms
+    from usc.compiler.report_cost import cost_dict
+
+    result = search(profile, PlanTarget(gpus=4, seq=32, global_batch=8, dtype="fp32", gpus_per_node=2),
+                    H100, supported=refusal)
+    planner = cost_dict(SimpleNamespace(cost=None, plan_search=result))["planner"]
+    assert set(planner["families"]) == set(result.families)
+    assert planner["families"]["dp+ZeRO"]["plan"] == result.families["dp+ZeRO"].plan.text()
+    assert planner["unchecked_terms"] == unchecked_terms(result.best.plan)

@@ -40,7 +40,8 @@ def test_writes_become_scatter_ops():
 def test_a_write_that_keeps_the_sharded_dims_costs_no_communication():
     plain = usc.lint(Writes(False), "dp=2 tp=2", example_inputs=BATCH)
     assert plain.count("all-gather") == 0
-    assert plain.count("all-reduce", axis="tp", direction="forward") == 1  # the row-parallel down only
+    assert plain.count("all-reduce", axis="tp", direction="forward", module_prefix="down") == 1  # row-parallel
+    assert plain.count("all-reduce", axis="tp", direction="forward") == 2  # and the finite-loss verdict
 
 
 def test_a_write_along_the_tp_sharded_features_gathers_them():
