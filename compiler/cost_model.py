@@ -317,6 +317,8 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
             continue
         kind = "reduce-scatter" if axis == "dp" and plan.zero >= 2 else "all-reduce"
         payload = grad_bytes if axis == "dp" else (dense if axis == "ep" else grad_bytes) / sliced
+        if axis == "dp" and plan.zero == 3:  # in the graph, on the compute-dtype copies' gradients
+            payload = params / _zero3_wire(plan)
         link = _link(hw, plan, axis)
         calls = max(1.0, math.ceil(grad_bytes / (plan.bucket_mb * 2**20)))
         seconds = collective_seconds(kind, payload, n, link.bandwidth, link.latency * calls, link.ring)
@@ -337,11 +339,17 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
         layers = max(1, sum(u.blocks for u in units))
         # backward gathers again only the parameters autograd saved (an embedding saves its indices)
         saved = sum(u.params_saved[0] + u.params_saved[1] / plan.tp for u in units)
-        payload = (params + saved) / plan.dp
+        payload = (params + saved) / plan.dp / _zero3_wire(plan)
         seconds = collective_seconds("all-gather", payload / (2 * layers), plan.dp, *link) * 2 * layers
         out.append(CollectiveEstimate("dp", "all-gather", "forward+backward", plan.dp, payload * plan.mb,
                                       2 * layers * plan.mb, seconds * plan.mb, 0.0))
     return out
+
+
+def _zero3_wire(plan: PlanPoint) -> int:
+    """ZeRO-3 gathers the weights the executor cast to the compute dtype (runtime/zero3.py's
+    wire_dtype): half the fp32 bytes under dtype=bf16."""
+    return 2 if plan.dtype == "bf16" else 1
 
 
 def shared_gradient_collectives(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile
