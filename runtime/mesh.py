@@ -23,6 +23,7 @@ import itertools
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -390,8 +391,9 @@ SETTLE_SECONDS = 5.0
 def _settle(meshes: Sequence[Mesh], threads: list[threading.Thread]) -> None:
     """Once every rank thread has stopped, reset the groups: a failed step leaves the simulator usable
     (the executors roll their own state back). A thread still running keeps the groups aborted."""
+    deadline = time.monotonic() + SETTLE_SECONDS  # one bound for all: several may be stuck
     for thread in threads:
-        thread.join(SETTLE_SECONDS)
+        thread.join(max(0.0, deadline - time.monotonic()))
     if not any(thread.is_alive() for thread in threads):
         for mesh in meshes:
             mesh.reset()
