@@ -187,20 +187,41 @@ def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) 
 def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> float:
     """Peak bytes saved for backward: one microbatch's worth times the microbatches in flight."""
     sp = plan.sp and plan.tp > 1
-    if plan.recompute == "none":
-        per_mb = sum(_acts(u.acts.get(sp, {}), profile, plan) for u in units)
-        live = 0.0
-    else:  # what forward holds (region inputs, kept matmul outputs, all outside the blocks), and in
-        # backward the tensors of the one unit being recomputed
-        how = (plan.recompute, plan.cp > 1, sp)
-        per_mb = sum(_acts(u.held.get(how, {}), profile, plan) for u in units)
-        live = max((_recompute_peak(profile, plan, u.parts or (u,), how) for u in units), default=0.0)
+    how = (plan.recompute, plan.cp > 1, sp)
+    per_mb, live = cached(profile, ("activations", how, _scale_of(plan)), units,
+                          lambda: _microbatch_activations(profile, plan, units, how))
     if plan.dtype == "bf16" and not (plan.zero >= 3 and plan.dp > 1):
         # the bf16 copies of the weights that linears save; ZeRO-3 frees them with the gathered
         # weight and gathers again in backward (measured: 4-layer Llama dp=2 bf16, 1623816 bytes
         # saved; with zero=3, 1311368 -- the 312448 bytes of its bf16 matmul weights fewer)
         per_mb += sum(_params(u, plan) for u in units) / 2
     return per_mb * in_flight(plan) + live
+
+
+def _microbatch_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost],
+                            how: tuple) -> tuple[float, float]:
+    """(bytes one microbatch saves for backward, the most recomputing a unit adds in backward)."""
+    if plan.recompute == "none":
+        return sum(_acts(u.acts.get(how[2], {}), profile, plan) for u in units), 0.0
+    # what forward holds (region inputs, kept matmul outputs, all outside the blocks), and in
+    # backward the tensors of the one unit being recomputed
+    per_mb = sum(_acts(u.held.get(how, {}), profile, plan) for u in units)
+    return per_mb, max((_recompute_peak(profile, plan, u.parts or (u,), how) for u in units), default=0.0)
+
+
+def _scale_of(plan: PlanPoint) -> tuple:
+    """What ``scale`` reads of a plan: plans equal in it scale every measured amount alike."""
+    return plan.global_batch, plan.dp * plan.ep * plan.mb, plan.seq, plan.cp, plan.tp, plan.dtype == "bf16"
+
+
+def cached(profile: ModelProfile, key: tuple, units: list[UnitCost], compute):
+    """``compute()`` once per key and stage, kept in the profile's cache: the planner asks the same
+    stage's activations for every ZeRO stage and schedule (a fifth of its search time each)."""
+    key = (*key, tuple(map(id, units)))
+    hit = profile._stages.get(key)
+    if hit is None or len(hit[0]) != len(units) or any(a is not b for a, b in zip(hit[0], units)):
+        hit = profile._stages[key] = (tuple(units), compute())  # the units kept: their ids stay theirs
+    return hit[1]
 
 
 def _recompute_peak(profile: ModelProfile, plan: PlanPoint, parts: tuple, key: tuple) -> float:
@@ -317,6 +338,8 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
             continue
         kind = "reduce-scatter" if axis == "dp" and plan.zero >= 2 else "all-reduce"
         payload = grad_bytes if axis == "dp" else (dense if axis == "ep" else grad_bytes) / sliced
+        if axis == "dp" and plan.zero == 3:  # in the graph, on the compute-dtype copies' gradients
+            payload = params / _zero3_wire(plan)
         link = _link(hw, plan, axis)
         calls = max(1.0, math.ceil(grad_bytes / (plan.bucket_mb * 2**20)))
         seconds = collective_seconds(kind, payload, n, link.bandwidth, link.latency * calls, link.ring)
@@ -337,11 +360,17 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
         layers = max(1, sum(u.blocks for u in units))
         # backward gathers again only the parameters autograd saved (an embedding saves its indices)
         saved = sum(u.params_saved[0] + u.params_saved[1] / plan.tp for u in units)
-        payload = (params + saved) / plan.dp
+        payload = (params + saved) / plan.dp / _zero3_wire(plan)
         seconds = collective_seconds("all-gather", payload / (2 * layers), plan.dp, *link) * 2 * layers
         out.append(CollectiveEstimate("dp", "all-gather", "forward+backward", plan.dp, payload * plan.mb,
                                       2 * layers * plan.mb, seconds * plan.mb, 0.0))
     return out
+
+
+def _zero3_wire(plan: PlanPoint) -> int:
+    """ZeRO-3 gathers the weights the executor cast to the compute dtype (runtime/zero3.py's
+    wire_dtype): half the fp32 bytes under dtype=bf16."""
+    return 2 if plan.dtype == "bf16" else 1
 
 
 def shared_gradient_collectives(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile

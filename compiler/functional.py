@@ -26,6 +26,8 @@ Two more guarantees:
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.fx as fx
 from torch.export.graph_signature import OutputKind
@@ -74,7 +76,12 @@ def functionalize(exported):
     if not any(is_mutating(n) for n in _all_nodes(exported.graph_module)):
         return exported  # (bodies of torch.no_grad regions included: an EMA buffer is written there)
     _refuse_overlapping_writes(exported.graph_module)
-    return exported.run_decompositions({})  # no_grad regions are inlined first (compiler/inline_regions.py)
+    with warnings.catch_warnings():
+        # torch's own deprecation, raised inside run_decompositions as it copies the program's pytree
+        # specs (torch 2.13): nothing the user or usc can change, so it is not shown to them
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        return exported.run_decompositions({})  # no_grad regions are inlined first (compiler/inline_regions.py)
 
 
 EXACT_OVERLAP_LIMIT = 2**26  # storage elements up to which overlap is checked element by element

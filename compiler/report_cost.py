@@ -32,7 +32,7 @@ def cost_dict(report) -> dict:
                           "families": {name: best if isinstance(best, str) else
                                        {"plan": best.plan.text(), **estimate_dict(best.estimate)}
                                        for name, best in s.families.items()},
-                          "unchecked_terms": _unchecked_terms(s)}
+                          "unchecked_terms": s.unchecked_terms if s.best is not None else []}
     return out
 
 
@@ -105,12 +105,6 @@ def _families(search) -> list[str]:
         lines.append(f"    {name:<9} {best.plan.text():<58} {_ms(best.step):>12}  MFU {est.mfu:5.1%}  "
                      f"{human_bytes(est.memory_total)}")
     return lines
-
-
-def _unchecked_terms(search) -> list[str]:
-    from .planner import unchecked_terms
-
-    return unchecked_terms(search.best.plan) if search.best is not None else []
 
 
 def _unchecked(search) -> list[str]:

@@ -60,19 +60,18 @@ def profile_model(model: torch.nn.Module, example_inputs: tuple, *, traced: Trac
     """Per-unit costs of ``model`` at the example's batch and sequence (one trace, two probe compiles).
 
     A stack of identical blocks (an ``nn.ModuleList`` of same-shaped layers, the 32 or 80 decoder
-    layers) is measured on its first ``KEEP_BLOCKS`` blocks and a middle one is stamped for the
-    rest, so profiling time does not grow with depth; a model whose forward needs every block is
-    traced whole."""
-    if traced is None:
-        with _shallow_stacks(model) as stacks:
-            try:
-                traced = trace(model, tuple(example_inputs))
-            except CompileError:
-                stacks.clear()
-        if not stacks:
-            traced = trace(model, tuple(example_inputs))
-        return _stamp(_profile(traced, example_inputs), stacks)
-    return _profile(traced, example_inputs)
+    layers) is measured on its first ``KEEP_BLOCKS`` blocks and a steady middle one is stamped for
+    the rest, so profiling time does not grow with depth; a model whose forward needs every block,
+    or whose measured middle blocks differ, is traced whole. ``traced``: profile this trace as it is."""
+    if traced is not None:
+        return _profile(traced, example_inputs)
+    with _shallow_stacks(model) as stacks:
+        try:
+            shallow = trace(model, tuple(example_inputs)) if stacks else None
+        except CompileError:
+            shallow = None
+    stamped = _stamp(_profile(shallow, example_inputs), stacks) if shallow is not None else None
+    return stamped or _profile(trace(model, tuple(example_inputs)), example_inputs)
 
 
 def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
@@ -108,7 +107,12 @@ def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
 
 # ------------------------------------------------------------------------------- repeated blocks
 
-KEEP_BLOCKS = 3  # first, a middle one (stamped for the untraced), last
+# Blocks measured of a stack: the first (it reads what comes before the stack), the second (it holds
+# what the first made for every block: in TinyLlama the cp pieces of the RoPE tables), two steady
+# middle ones (their costs must agree, or the stack is traced whole) and the last (its output leaves
+# the stack). The untraced blocks are the steady one stamped.
+KEEP_BLOCKS = 5
+STEADY = (2, 3)
 
 
 def _same_structure(blocks) -> bool:
@@ -120,37 +124,43 @@ def _same_structure(blocks) -> bool:
 
 @contextlib.contextmanager
 def _shallow_stacks(model: torch.nn.Module):
-    """Temporarily cut each ModuleList of identical blocks to KEEP_BLOCKS; yields {path: length}."""
-    cut: dict[str, tuple] = {}
+    """Temporarily cut each ModuleList of identical blocks to KEEP_BLOCKS; yields {path: length}.
+
+    The list is shortened in place, not replaced in its parent: the module whose forward runs may
+    hold the same list under another owner (``usc.plan`` traces usc's wrapper, which registers the
+    user's children as its own while the user's forward reads its own attribute). Replacing it in
+    the wrapper traced all the blocks, and the profile cost as much as a full trace."""
+    cut: dict[str, torch.nn.ModuleList] = {}
     for path, module in list(model.named_modules()):
         if isinstance(module, torch.nn.ModuleList) and len(module) > KEEP_BLOCKS and _same_structure(module):
             if any(path.startswith(other + ".") for other in cut):
                 continue
-            parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
-            cut[path] = (parent, path.rsplit(".", 1)[-1], module)
-    stacks = {path: len(module) for path, (_, _, module) in cut.items()}
+            cut[path] = module
+    full = {path: module._modules for path, module in cut.items()}
     try:
-        for parent, name, module in cut.values():
-            setattr(parent, name, torch.nn.ModuleList(list(module)[:KEEP_BLOCKS]))
-        yield stacks
+        for path, module in cut.items():
+            module._modules = type(full[path])(list(full[path].items())[:KEEP_BLOCKS])
+        yield {path: len(modules) for path, modules in full.items()}
     finally:
-        for parent, name, module in cut.values():
-            setattr(parent, name, module)
+        for path, module in cut.items():
+            module._modules = full[path]
 
 
-def _stamp(profile: ModelProfile, stacks: dict[str, int]) -> ModelProfile:
-    """Repeat a middle block of each stack for the blocks that were not traced. A middle block (not
-    the first, not the last) is what the untraced ones are: values made before the stack and used by
-    every block (a mask made from the inputs) still cross a pipeline cut after it; the last measured
-    block stays the last."""
+def _stamp(profile: ModelProfile, stacks: dict[str, int]) -> ModelProfile | None:
+    """Repeat a steady middle block of each stack for the blocks that were not traced; None when the
+    two steady blocks measured differ (the blocks do not repeat: the caller traces the model whole).
+    The last measured block stays the last: its output leaves the stack."""
     units = list(profile.units)
     for path, length in stacks.items():
         names = [u.name for u in units]
-        middle, last = f"{path}.1", f"{path}.{KEEP_BLOCKS - 1}"
-        if middle not in names or last not in names:
-            continue
+        first, second, last = (f"{path}.{i}" for i in (*STEADY, KEEP_BLOCKS - 1))
+        if not {first, second, last} <= set(names):
+            return None
+        steady = units[names.index(second)]
+        if replace(units[names.index(first)], name=second) != steady:
+            return None
         at = names.index(last)
-        copies = [replace(units[names.index(middle)], name=f"{path}.{i}") for i in range(KEEP_BLOCKS - 1, length - 1)]
+        copies = [replace(steady, name=f"{path}.{i}") for i in range(KEEP_BLOCKS - 1, length - 1)]
         units[at:at + 1] = copies + [replace(units[at], name=f"{path}.{length - 1}")]
     layers = sum(1 for u in units if u.name.rsplit(".", 1)[-1].isdigit())
     return replace(profile, units=tuple(units), layers=layers)

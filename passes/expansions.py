@@ -334,10 +334,24 @@ def context_parallel_attention(ctx: ExpansionContext, node: fx.Node):
         heads = [b.module(AllToAll(axis, 2, 1, whole_elsewhere=True), t, stem="all_to_all") for t in qkv]
         out = b.call(aten.scaled_dot_product_attention.default, *heads, *(mask or (None,)), 0.0, args["is_causal"],
                      scale=args["scale"])
-        return b.finish(b.module(AllToAll(axis, 1, 2), out, stem="all_to_all"))
+        out = b.module(AllToAll(axis, 1, 2), out, stem="all_to_all")
+        return b.finish(_in_memory_order_of(b, out, node.meta.get("val")))
     layout = "zigzag" if ctx.mesh.order(axis) == "zigzag" else "contiguous"
     ring = RingAttention(axis, causal=bool(args["is_causal"]), scale=args["scale"], layout=layout, masked=bool(mask))
     return b.finish(b.module(ring, *qkv, *mask, stem="ring_attention"))
+
+
+def _in_memory_order_of(b: _Builder, out: fx.Node, traced) -> fx.Node:
+    """The all-to-all's output laid out in memory as the traced attention's was: CPU and CUDA
+    attention kernels return [B, H, S, D] stored as [B, S, H, D], and export drops a model's
+    ``.transpose(1, 2).contiguous()`` as a no-op, so the ``view`` after it needs that layout."""
+    if not isinstance(traced, torch.Tensor) or traced.is_contiguous():
+        return out
+    order = sorted(range(traced.dim()), key=lambda d: (-traced.stride(d), d))
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    dense = b.call(aten.clone.default, b.call(aten.permute.default, out, order),
+                   memory_format=torch.contiguous_format)
+    return b.call(aten.permute.default, dense, inverse)
 
 
 def _repeat_kv(b: _Builder, t: fx.Node, heads: int) -> fx.Node:

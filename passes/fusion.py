@@ -11,9 +11,9 @@ Establishes: with ``fuse=on``, every region of two or more fusable ops (a residu
     their sum / count. Nothing else in the graph changes.
 
 Regions are found by rules over op classes (``OP_CLASS``), not by module classes, so a user's own
-pointwise chain fuses too. The kernel runs one program per row of the last dimension (a row
-reduction sees the whole row), which is why a region has one *row space* (leading shape, row
-length) and at most one reduction: its inputs (prologue) and uses (epilogue) are then computed
+pointwise chain fuses too. The kernel works row by row over the last dimension (a row reduction
+sees the whole row, in tiles when it is long: passes/triton_tiles.py), which is why a region has
+one *row space* (leading shape, row length) and at most one reduction: its inputs (prologue) and uses (epilogue) are then computed
 without leaving on-chip memory (the point of fused kernels; cf. Liger kernels, Hsu et al. 2024).
 """
 

@@ -391,7 +391,8 @@ def _kernel(name: str, groups: list[list[str]], flags: list[str], lead_rank: int
     the sizes; its programs take rows pid, pid + P, ... (P: the grid)."""
     rows = " * ".join(f"D{d}" for d in range(lead_rank)) or "1"
     return ["@triton.jit", f"def {name}(", *(f"    {', '.join(group)}," for group in groups),
-            *(f"    {flag}: tl.constexpr," for flag in flags), "    BLOCK: tl.constexpr,", "):",
+            *(f"    {flag}: tl.constexpr," for flag in flags), "    ONE_TILE: tl.constexpr,",
+            "    BLOCK: tl.constexpr,", "):",
             "    pid = tl.program_id(0).to(tl.int64)",
             f"    for row in range(pid, {rows}, tl.num_programs(0)):",
             *("        " + s for s in _row_index(lead_rank) + body)]

@@ -1,7 +1,8 @@
 """Tiled kernel bodies: a fused region's kernel lines scheduled into loops over the tiles of a row.
 
 A row is read in tiles of BLOCK columns, so a row of any length (a 128k-vocabulary cross-entropy
-row) runs with bounded registers. A value per column (a *vec* line) is computed tile by tile and
+row) runs with bounded registers. A row that fits one tile (``ONE_TILE``) runs every line once, in
+registers, in one pass. A value per column (a *vec* line) is computed tile by tile and
 never stored; a value per row (a *scalar*) exists once the loop that reduces it has seen every
 tile. The body of one row is therefore a sequence of loops over its tiles: loop k computes the
 reductions whose inputs need only scalars finished by loops before k, recomputing the column values
@@ -120,7 +121,30 @@ def plan(lines: list[Line], effects: list[Effect]) -> _Plan:
 
 
 def row_body(lines: list[Line], effects: list[Effect]) -> list[str]:
-    """The statements of one row (unindented; nested loops indented by four spaces)."""
+    """The statements of one row: in one pass when a tile holds the whole row (``ONE_TILE``, a
+    constexpr: the compiler keeps one branch), else in loops over its tiles."""
+    return ["if ONE_TILE:", *_indent(one_tile_body(lines, effects)), "else:", *_indent(tiled_body(lines, effects))]
+
+
+def _indent(lines: list[str]) -> list[str]:
+    return ["    " + s for s in lines]
+
+
+REDUCE = {"sum": "tl.sum(tl.where(mask, {e}, 0.0), axis=0)",
+          "max": "tl.max(tl.where(mask, {e}, " + NEG_INF + "), axis=0)"}
+
+
+def one_tile_body(lines: list[Line], effects: list[Effect]) -> list[str]:
+    """Every line once, in order, on the one tile that holds the row (loaded once, in registers)."""
+    out = ["cols = tl.arange(0, BLOCK)", "mask = cols < N"]
+    for line in live_lines(lines, effects):
+        expr = REDUCE[line.reduce].format(e=line.expr) if line.reduce else line.expr
+        out.append(_assign(Line(line.name, expr, note=line.note)))
+    return out + [s for e in effects for s in e.text]
+
+
+def tiled_body(lines: list[Line], effects: list[Effect]) -> list[str]:
+    """The statements of one row in loops over its tiles (see the module docstring)."""
     p = plan(lines, effects)
     out: list[str] = []
     done: set[str] = set()
@@ -160,7 +184,7 @@ def _tile_loop(p: _Plan, k: int) -> list[str]:
             body.append(COMBINE[line.reduce].format(r=line.name, e=line.expr))
     for effect in stores:
         body += list(effect.text)
-    return head + ["for start in range(0, N, BLOCK):"] + ["    " + s for s in body]
+    return head + ["for start in range(0, N, BLOCK):"] + _indent(body)
 
 
 def _online_update(peak: str, total: str, x: str) -> list[str]:

@@ -14,12 +14,14 @@ from __future__ import annotations
 import operator
 import re
 
+import torch
 import torch.fx as fx
 
 from usc.compiler.ir import META, NodeAnn
 from usc.compiler.trace import module_path
 from usc.runtime.zero3 import ZeroFetch, ZeroGather
 
+from .compute_dtype import COMPUTE
 from .graph_edit import GraphEditor
 from .saved_values import saves_for_backward
 
@@ -45,22 +47,23 @@ def zero3_pass(gm: fx.GraphModule, ctx, *, params: set[str]) -> fx.GraphModule:
     firsts = [min((u for p in members for u in p.users), key=order.__getitem__) for _, members in ranked]
     editor = GraphEditor(gm, ctx.mesh)
     for i, (key, members) in enumerate(ranked):
-        _gather_group(editor, key, members, fetch_at=firsts[max(i - 1, 0)], use_at=firsts[i])
+        _gather_group(editor, key, members, fetch_at=firsts[max(i - 1, 0)], use_at=firsts[i],
+                      wire_dtype=COMPUTE.get(ctx.plan.get("dtype")))
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
 def _gather_group(editor: GraphEditor, key: str, members: list[fx.Node], *, fetch_at: fx.Node,
-                  use_at: fx.Node) -> None:
+                  use_at: fx.Node, wire_dtype: torch.dtype | None) -> None:
     mesh_layout = members[0].meta[META].layout
     shapes = [m.meta[META].layout.local_shape(tuple(m.meta["val"].shape), editor.mesh) for m in members]
     users = {m: list(m.users) for m in members}
     ann = NodeAnn(mesh_layout, module=key, source="", reason="ZeRO-3: gather this layer's parameters")
-    fetch = editor.call_module(fetch_at, ZeroFetch("dp", key, shapes), tuple(members), ann=ann, stem="zero_fetch",
+    fetch = editor.call_module(fetch_at, ZeroFetch("dp", key, shapes, wire_dtype), tuple(members), ann=ann, stem="zero_fetch",
                                same_value_as=members[0])
     regather = any(saves_for_backward(editor.gm, m) for m in members)
-    gather = editor.call_module(use_at, ZeroGather("dp", key, shapes, regather=regather), (fetch, *members),
+    gather = editor.call_module(use_at, ZeroGather("dp", key, shapes, regather=regather, wire_dtype=wire_dtype), (fetch, *members),
                                 ann=NodeAnn(mesh_layout, needs_grad=True, module=key,
                                             reason="ZeRO-3: full parameters of this layer; gradients "
                                                    "reduce-scattered in backward"),

@@ -398,9 +398,8 @@ WAIT_SLICE_SECONDS = 0.01
 def wait_in_slices(work: Any, timeout: float) -> None:
     """Wait for a torch Work in short sleeps (growing from 50 us, so a fast collective costs no more
     than a look or two), raising TimeoutError past `timeout`; a signal handler runs in between."""
-    if not _tracks_completion(work):  # gloo's reduce-scatter: one blocking wait, as before
-        if not work.wait(timeout=datetime.timedelta(seconds=timeout)):
-            raise TimeoutError(f"no completion within {timeout:g}s")
+    if not _tracks_completion(work):
+        _wait_beside(work, timeout)
         return
     deadline, pause = time.monotonic() + timeout, 5e-5
     while not work.is_completed():
@@ -419,6 +418,29 @@ def _tracks_completion(work: Any) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _wait_beside(work: Any, timeout: float) -> None:
+    """A Work that cannot be polled (gloo's send, recv and reduce-scatter) is waited for by a helper
+    thread, its one blocking C++ wait, while this thread waits on an Event in slices: a signal reaches
+    the caller at once (the helper, a daemon, is left to the dying process)."""
+    done, outcome = threading.Event(), {}
+
+    def wait() -> None:
+        try:
+            outcome["completed"] = work.wait(timeout=datetime.timedelta(seconds=timeout))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="usc-wait", daemon=True).start()
+    while not done.wait(WAIT_SLICE_SECONDS * 10):
+        pass
+    if "error" in outcome:
+        raise outcome["error"]
+    if not outcome["completed"]:
+        raise TimeoutError(f"no completion within {timeout:g}s")
 
 
 # =============================================================================== torch.distributed

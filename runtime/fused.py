@@ -173,7 +173,7 @@ class _Launch:
     def run(self, fn, tensors: list, *, programs: int | None = None, flags: dict | None = None) -> None:
         args = [*self.args, *tensors, *self.dims()]
         grid = (programs or max(self.rows, 1),)
-        options = dict(flags or {}, BLOCK=self.block, num_warps=self.warps)
+        options = dict(flags or {}, ONE_TILE=self.length <= self.block, BLOCK=self.block, num_warps=self.warps)
         if tensors and tensors[0].device.type == "cpu":
             with _INTERPRETER_LOCK:
                 fn[grid](*args, **options)

@@ -130,9 +130,18 @@ def _extract(nodes: list[fx.Node], index: fx.Node) -> tuple[tuple[str, ...], Cal
     graph, env = fx.Graph(), {}
     for node in nodes:
         env[node] = graph.node_copy(node, env.__getitem__)
+        env[node].args, env[node].kwargs = _on_cpu(env[node].args), _on_cpu(env[node].kwargs)
     graph.output(env[index])
     names = tuple(n.name for n in nodes if n.op == "placeholder")
     return names, fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _on_cpu(args):
+    """The checks run on the host's batch: a device tracing baked in (``labels.to(logits.device)``,
+    ``arange(device=...)``; ``meta`` for a model built there) is the CPU's here."""
+    if isinstance(args, dict):
+        return {k: torch.device("cpu") if isinstance(v, torch.device) else v for k, v in args.items()}
+    return tuple(torch.device("cpu") if isinstance(v, torch.device) else v for v in args)
 
 
 def _describe(node: fx.Node, what: str, size: int) -> str:

@@ -23,6 +23,7 @@ import itertools
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -224,10 +225,10 @@ def _init_default_group(device: torch.device, rank: int, world: int, timeout: fl
     # NCCL: the group timeout and async error handling let the watchdog abort a hung collective; the
     # waiting rank then sees the error, which Comm reports as a CollectiveError
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # 2: abort the communicators, raise in wait()
-    store = _job_store(rank, world, timeout)
-    if store is not None:
-        options["store"] = store
     try:
+        store = _job_store(rank, world, timeout)
+        if store is not None:
+            options["store"] = store
         dist.init_process_group(rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout), **options)
     except dist.DistError as err:  # a store timeout, or the store's host gone (another job's rank 0 left)
         raise LaunchError(_rendezvous_failed(rank, world, timeout, err)) from err
@@ -390,8 +391,9 @@ SETTLE_SECONDS = 5.0
 def _settle(meshes: Sequence[Mesh], threads: list[threading.Thread]) -> None:
     """Once every rank thread has stopped, reset the groups: a failed step leaves the simulator usable
     (the executors roll their own state back). A thread still running keeps the groups aborted."""
+    deadline = time.monotonic() + SETTLE_SECONDS  # one bound for all: several may be stuck
     for thread in threads:
-        thread.join(SETTLE_SECONDS)
+        thread.join(max(0.0, deadline - time.monotonic()))
     if not any(thread.is_alive() for thread in threads):
         for mesh in meshes:
             mesh.reset()

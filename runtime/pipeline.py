@@ -418,8 +418,9 @@ class PipelineMixin:
         # the last backward carry unscaled sums, so every gradient is scaled once reduced
         self._sum_shared_grads()  # before the dp reduction: ZeRO-2 keeps only slices after it
         self.overlapped_buckets = self.reducer.finish()  # launched while backward still ran
-        if count:  # no counted token: the loss below is NaN and the step is refused
-            self._scale_reduced(1.0 / count)
+        # count is a device tensor (read on the host it would be a second sync): with no counted
+        # token 1 / count is inf, the loss below is NaN and the step is refused and rolled back
+        self._scale_reduced(1.0 / count)
         self.peak_state_bytes = self.memory_bytes()
         value = self._global(total / count)
         self._check_finite(value, count)

@@ -274,7 +274,8 @@ class _Ring:
         if mask is None:
             calls = [[tile_calls(t, chunks[r], chunks[(r - s) % n]) for t in tiles] for s, tiles in enumerate(schedule)]
         else:
-            calls = _mask_calls(mask, schedule, block_pos, kernel_ok=not needs_mask_grad)
+            key = (layout, r, n, s_local, not needs_mask_grad, mask._version)
+            calls = _memo(mask, key, lambda: _mask_calls(mask, schedule, block_pos, kernel_ok=key[4]))
         kernel = kernel_for(device, dtype)
         if kernel is None:  # every call becomes tile math; a skipped tile ([]) stays skipped
             calls = [[None if c else c for c in step] for step in calls]
@@ -305,6 +306,16 @@ class _Ring:
 def _mask_of(mask: torch.Tensor, tile: Tile, cols: torch.Tensor) -> torch.Tensor:
     rows = mask if mask.shape[-2] == 1 else mask[..., tile.q_lo: tile.q_hi, :]
     return rows if rows.shape[-1] == 1 else rows.index_select(-1, cols[tile.keys])
+
+
+def _memo(mask: torch.Tensor, key: tuple, compute):
+    """The tile classification of a mask, kept on the mask tensor itself: every layer of a model
+    receives the same mask tensor in a step, so its values are read on the host once per step, not
+    once per layer (the key holds the tensor's version: an in-place write reclassifies)."""
+    cache = mask.__dict__.setdefault("_usc_ring_tiles", {})
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
 
 
 def _mask_calls(mask: torch.Tensor, schedule: list[list[Tile]], block_pos: list[torch.Tensor], *,

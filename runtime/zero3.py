@@ -157,9 +157,13 @@ class ZeroFetch(CollectiveNode):
 
     kind = "all-gather"
 
-    def __init__(self, axis: str, group: str, shapes: list[tuple[int, ...]] = ()) -> None:
+    def __init__(self, axis: str, group: str, shapes: list[tuple[int, ...]] = (),
+                 wire_dtype: torch.dtype | None = None) -> None:
         super().__init__(axis)
         self.group, self.shapes = group, [tuple(s) for s in shapes]
+        # the executor hands the graph its state in the plan's compute dtype (bf16 plans: bfloat16),
+        # so the slices travel in it; None: the parameters' own dtype
+        self.wire_dtype = wire_dtype
 
     registry: Zero3Registry | None = None
 
@@ -179,7 +183,7 @@ class ZeroFetch(CollectiveNode):
         """The payload one rank hands the all-gather: its slices of the layer's parameters."""
         if n == 1:
             return []
-        numel = slice_numel(self.shapes, n)
+        numel, dtype = slice_numel(self.shapes, n), self.wire_dtype or dtype
         return [("forward", "all-gather", (numel,), shape_bytes((numel,), dtype), 1)]
 
     def extra_repr(self) -> str:
@@ -223,10 +227,12 @@ class ZeroGather(CollectiveNode):
 
     kind = "reduce-scatter"
 
-    def __init__(self, axis: str, group: str, shapes: list[tuple[int, ...]], regather: bool = True) -> None:
+    def __init__(self, axis: str, group: str, shapes: list[tuple[int, ...]], regather: bool = True,
+                 wire_dtype: torch.dtype | None = None) -> None:
         super().__init__(axis)
         self.group, self.shapes = group, [tuple(s) for s in shapes]
         self.regather = regather  # some op saves one of these parameters: backward gathers the layer again
+        self.wire_dtype = wire_dtype  # as ZeroFetch's: gradients of the compute-dtype copies too
         self.registry: Zero3Registry | None = None
 
     def forward(self, fetch: _Fetch, *shards: torch.Tensor):
@@ -244,6 +250,7 @@ class ZeroGather(CollectiveNode):
         if n == 1:
             return []
         padded, mine = slice_numel(self.shapes, n) * n, slice_numel(self.shapes, n)
+        dtype = self.wire_dtype or dtype
         scatter = [("backward", "reduce-scatter", (padded,), shape_bytes((padded,), dtype), 1)]
         return scatter + ([("backward", "all-gather", (mine,), shape_bytes((mine,), dtype), 1)] if self.regather else [])
 

@@ -9,7 +9,9 @@
 Each row trains a few SGD steps (SGD: a uniform gradient scale would show in the loss) from the
 same weights and reports the largest relative loss difference to one device. Without a GPU it
 says so and exits 0: the fake-device tier (tests/runtime/test_fake_cuda.py) is what runs on a
-CPU-only machine.
+CPU-only machine. ``python -m usc.smoke --dry`` runs the same table on the CPU (CPU tensors, the
+kernels under Triton's interpreter, a gloo world of ``--processes`` processes), so the table's
+logic is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -92,35 +94,71 @@ def _nccl_worker(plan: str, kind: str) -> list[float]:
     return [step.step(*batch) for _ in range(STEPS)]
 
 
-def run(out=sys.stdout) -> int:
-    if not torch.cuda.is_available():
-        print("usc.smoke: no CUDA device is visible; nothing to check here (on a CPU-only machine the "
-              "fake-device tier runs: pytest tests/runtime/test_fake_cuda.py)", file=out)
-        return 0
+@dataclass(frozen=True)
+class Where:
+    """Where the smoke runs: on GPUs (CUDA tensors, compiled kernels, NCCL), or ``--dry`` on the CPU
+    (the same checks on CPU tensors, kernels under Triton's interpreter, a gloo world)."""
+
+    device: str
+    world: str  # the multi-process check's name
+    processes: int
+    title: str
+
+
+def gpu_setting() -> Where:
+    gpus = torch.cuda.device_count()
+    return Where("cuda", "nccl world", gpus, f"{gpus} x {torch.cuda.get_device_name(0)}")
+
+
+def dry_setting(processes: int = 2) -> Where:
+    return Where("cpu", "gloo world", processes, f"CPU (--dry: interpreted kernels, {processes} gloo processes)")
+
+
+def check_rows(where: Where, *, simulated=SIMULATED, fused=FUSED) -> list[Row]:
+    """Every row of the table: simulated meshes, fused kernels vs eager, the multi-process world."""
     from usc.runtime.launch import launch_local
 
-    gpus = torch.cuda.device_count()
     rows = []
-    reference = {kind: _simulated_losses("dp=1", kind, "cuda") for kind in ("dense", "moe")}
-    for plan, kind in SIMULATED:
-        rows.append(_compare("simulated on cuda", plan, kind, "threads", lambda: _simulated_losses(plan, kind, "cuda"),
-                             reference[kind], TOLERANCE["fp32"]))
-    for plan, precision in FUSED:
-        eager = _simulated_losses(plan.replace("fuse=on", "fuse=off"), "dense", "cuda")
-        rows.append(_compare(f"triton vs eager {precision}", plan, "dense", "1 GPU",
-                             lambda: _simulated_losses(plan, "dense", "cuda"), eager, TOLERANCE[precision]))
-    if gpus < 2:
-        rows.append(Row("nccl world", "-", "1 GPU", "skipped: needs 2 or more GPUs", None, 0.0))
-    for plan, kind in nccl_plans(gpus) if gpus >= 2 else []:
-        rows.append(_compare("nccl world", plan, kind, f"{gpus} GPUs",
-                             lambda: launch_local(_nccl_worker, gpus, plan, kind)[0], reference[kind],
+    reference = {kind: _simulated_losses("dp=1", kind, where.device) for kind in {k for _, k in simulated} | {"dense"}}
+    for plan, kind in simulated:
+        rows.append(_compare(f"simulated on {where.device}", plan, kind, "threads",
+                             lambda: _simulated_losses(plan, kind, where.device), reference[kind], TOLERANCE["fp32"]))
+    for plan, precision in fused:
+        eager = _simulated_losses(plan.replace("fuse=on", "fuse=off"), "dense", where.device)
+        rows.append(_compare(f"triton vs eager {precision}", plan, "dense", f"1 {where.device}",
+                             lambda: _simulated_losses(plan, "dense", where.device), eager, TOLERANCE[precision]))
+    if where.processes < 2:
+        rows.append(Row(where.world, "-", f"{where.processes} processes", "skipped: needs 2 or more", None, 0.0))
+        return rows
+    for plan, kind in nccl_plans(where.processes):
+        if kind not in reference:
+            reference[kind] = _simulated_losses("dp=1", kind, where.device)
+        rows.append(_compare(where.world, plan, kind, f"{where.processes} processes",
+                             lambda: launch_local(_nccl_worker, where.processes, plan, kind)[0], reference[kind],
                              TOLERANCE["fp32"]))
-    _print_table(rows, torch.cuda.get_device_name(0), out)
-    return 0 if all(r.result in ("equal",) or r.result.startswith("skipped") for r in rows) else 1
+    return rows
 
 
-def _print_table(rows: list[Row], device: str, out) -> None:
-    print(f"usc.smoke on {torch.cuda.device_count()} x {device}, torch {torch.__version__}, "
+def passed(rows: list[Row]) -> bool:
+    return all(r.result == "equal" or r.result.startswith("skipped") for r in rows)
+
+
+def run(out=sys.stdout, *, dry: bool = False, processes: int = 2) -> int:
+    """The table; exit status 0 when every row is equal (or skipped). Without a GPU and without
+    ``dry`` it says so and exits 0."""
+    if not dry and not torch.cuda.is_available():
+        print("usc.smoke: no CUDA device is visible; nothing to check here (on a CPU-only machine the "
+              "fake-device tier runs: pytest tests/runtime/test_fake_cuda.py; python -m usc.smoke --dry "
+              "runs this table on the CPU)", file=out)
+        return 0
+    where = dry_setting(processes) if dry else gpu_setting()
+    rows = check_rows(where)
+    _print_table(rows, where.title, out)
+    return 0 if passed(rows) else 1
+
+
+def _print_table(rows: list[Row], title: str, out) -> None:
+    print(f"usc.smoke on {title}, torch {torch.__version__}, "
           f"{STEPS} SGD steps each, max relative loss difference to one device", file=out)
     header = ("check", "plan", "world", "result", "max rel diff", "seconds")
     table = [header] + [(r.check, r.plan, r.world, r.result, "-" if r.diff is None else f"{r.diff:.2e}",
@@ -130,5 +168,20 @@ def _print_table(rows: list[Row], device: str, out) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)), file=out)
 
 
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import os
+
+    parser = argparse.ArgumentParser(prog="python -m usc.smoke", description=__doc__.splitlines()[0])
+    parser.add_argument("--dry", action="store_true", help="run the table on the CPU: simulated meshes on CPU "
+                        "tensors, the kernels under Triton's interpreter, a gloo world instead of NCCL")
+    parser.add_argument("--processes", type=int, default=2, help="--dry: processes of the gloo world (default 2)")
+    args = parser.parse_args(argv)
+    if args.dry:  # before triton is imported: the interpreter is chosen at import
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return run(dry=args.dry, processes=args.processes)
+
+
 if __name__ == "__main__":
-    raise SystemExit(run())
+    raise SystemExit(main())

@@ -182,9 +182,9 @@ def foreign_rank_world(rank: int, world_size: int, plan: str) -> dict:
     if foreign:
         time.sleep(0.5)  # job A's rank 0 hosts the rendezvous by now
     torch.manual_seed(0)
-    step = usc.compile(TinyLlama(), plan, example_inputs=batches()[0], optimizer=sgd)
     start = time.monotonic()
-    try:
+    try:  # compile meets the other ranks (it materialises this rank's state)
+        step = usc.compile(TinyLlama(), plan, example_inputs=batches()[0], optimizer=sgd)
         losses = [step.step(*b) for b in batches()]
     except BaseException as exc:  # noqa: BLE001 - the row records what the foreign rank raised
         return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}

@@ -255,8 +255,9 @@ class MaskedAttentionLM(nn.Module):
 
     def forward(self, ids, mask, labels):
         x = self.embed(ids)
+        mask = mask.unsqueeze(1)  # one [B, 1, S, S] mask for every layer, as Hugging Face builds it
         for qkv in self.layers:
-            x = self.attend(x, mask.unsqueeze(1), qkv)
+            x = self.attend(x, mask, qkv)
         return F.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
 
 
@@ -301,6 +302,23 @@ def test_packed_documents_by_id_train_like_one_device(plan):
     train_like_one_device(DocumentLM, plan, document_batches())
 
 
+@pytest.mark.parametrize("plan", ["cp=2", "cp=2 cp_mode=zigzag"])
+def test_an_explicit_mask_costs_one_host_read_per_step_not_per_layer(plan):
+    """The tile classification reads the mask on the host once per step, not once per layer (both
+    layers share it). (On the CPU nothing waits; counted as a GPU would sync.)"""
+    from collections import Counter
+
+    from usc.testing.host_syncs import record_host_syncs
+
+    batch = document_batches(1)[0]
+    sim = usc.simulate(DocumentLM(), plan, example_inputs=batch, optimizer=_sgd)
+    sim.step(*batch)
+    with record_host_syncs() as syncs:
+        sim.step(*batch)
+    reads = Counter(s.thread for s in syncs if s.where.startswith("runtime/ring_attention.py"))
+    assert sorted(reads.values()) == [1, 1], "\n".join(map(str, syncs))
+
+
 # the vocabulary (37) is odd: tp splits the attention, the embedding and head stay whole
 WHOLE_VOCAB = "; embed: replicate; out: replicate"
 
@@ -335,6 +353,26 @@ class GroupedQueryLM(nn.Module):
 @pytest.mark.parametrize("plan", CP_PLANS + ("cp=2 tp=2" + WHOLE_VOCAB,))
 def test_grouped_query_attention_trains_like_one_device_under_cp(plan):
     train_like_one_device(GroupedQueryLM, plan, token_batches())
+
+
+class ViewAfterAttention(GroupedQueryLM):
+    """nanoGPT's ``y.transpose(1, 2).contiguous().view(B, T, C)``: export drops the contiguous (the
+    kernel's output is stored [B, S, H, D]), so the view needs the attention output in that layout."""
+
+    def __init__(self) -> None:
+        super().__init__(kv_heads=6)
+
+    def forward(self, ids, labels):
+        b, s = ids.shape
+        x = self.embed(ids)
+        q = self.q(x).view(b, s, self.heads, -1).transpose(1, 2)
+        k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.kv(x).chunk(2, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(b, s, -1)
+        return F.cross_entropy(self.out(x + y).flatten(0, 1), labels.flatten())
+
+
+def test_ulysses_output_keeps_the_attention_kernels_memory_layout():
+    train_like_one_device(ViewAfterAttention, "cp=2 cp_mode=ulysses", token_batches())
 
 
 # ============================================================ Hugging Face decoders

@@ -47,9 +47,9 @@ def _snapshot(sim) -> list:
     """Everything a step may change, per rank: state, optimizer state, step count; and torch's RNG."""
     out = [torch.get_rng_state()]
     for rank in sim.ranks:
-        optimizer = rank.torch_optimizer.state_dict()["state"]
-        out.append((rank.steps_done, rank.local_state(),
-                    {k: {n: v.clone() for n, v in s.items() if isinstance(v, torch.Tensor)} for k, s in optimizer.items()}))
+        optimizer = {k: {n: v.clone() for n, v in s.items() if isinstance(v, torch.Tensor)}
+                     for k, s in rank.torch_optimizer.state_dict()["state"].items()}
+        out.append((rank.steps_done, rank.local_state(), optimizer))
     return out
 
 
@@ -244,7 +244,8 @@ def test_gloo_fault_tier(plan):
         start = time.monotonic()
         results = _gloo_row(plan, fault, clean)
         row = results[0]
-        print(f"| {plan} | {fault} | {row['error']} | {row['seconds']:.2f} s | world {time.monotonic() - start:.1f} s |")
+        world = time.monotonic() - start
+        print(f"| {plan} | {fault} | {row['error']} | {row['seconds']:.2f} s | world {world:.1f} s |")
 
 
 # ------------------------------------------------------------------------------------ checkpoints

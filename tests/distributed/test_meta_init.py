@@ -70,8 +70,8 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.5)
 
 
-def _one_device_run(model: nn.Module, batches: list[dict]) -> list[float]:
-    opt = _sgd(model.parameters())
+def _one_device_run(model: nn.Module, batches: list[dict], optimizer=None) -> list[float]:
+    opt = (optimizer or _sgd)(model.parameters())
     losses = []
     for batch in batches:
         loss = model(**batch).loss
@@ -183,6 +183,22 @@ def test_torch_modules_initialise_per_module_under_their_seed(init):
     assert loss == pytest.approx(expected.item(), rel=1e-6)
 
 
+def _tied() -> nn.Module:
+    model = nn.Sequential(nn.Embedding(7, 5), nn.Linear(5, 7))
+    model[1].weight = model[0].weight  # tied: the Linear's init runs last and wins
+    return model
+
+
+def test_materialize_gives_the_one_device_twin_with_ties_kept():
+    with torch.device("meta"):
+        meta = _tied()
+    twin = usc.materialize(meta, seed=4)
+    with torch.no_grad():
+        reference = _reinit(_tied(), _own_reset, 4)
+    assert twin[1].weight is twin[0].weight and twin[0].weight.device.type == "cpu"
+    assert _max_diff(twin.state_dict(), reference.state_dict()) == 0.0
+
+
 def test_a_different_seed_gives_different_values_and_the_user_model_stays_meta():
     with torch.device("meta"):
         meta = Mlp()
@@ -281,6 +297,12 @@ def test_the_compiled_object_does_not_keep_the_users_model_alive():
     del meta
     gc.collect()
     assert meta_ref() is None
+    model = Mlp()
+    model_ref = weakref.ref(model)
+    sim = usc.simulate(model, "dp=2", example_inputs=_mlp_batch())
+    del model
+    gc.collect()
+    assert model_ref() is None and isinstance(sim.step(*_mlp_batch()), float)
 
 
 # ---------------------------------------------------------------------------------------- gloo (deep)
@@ -314,48 +336,64 @@ BIG = dict(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_la
            num_key_value_heads=2)
 
 
-def _train_meta_on_world(rank: int, world: int, plan: str, sizes: dict, steps: int, path: str) -> dict:
+def _momentum(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)  # optimizer state for the checkpoint to carry
+
+
+def _train_meta_on_world(rank: int, world: int, plan: str, resume_plan: str, sizes: dict, steps: int,
+                         path: str) -> dict:
     torch.manual_seed(1234 + rank)  # init must not depend on the rank's own RNG
-    batches = _batches(sizes["vocab_size"], count=steps, rows=4, seq=16)
-    step = usc.compile(_meta_llama(**sizes), plan, example_inputs=batches[0], optimizer=_sgd, init_seed=SEED)
+    batches = _batches(sizes["vocab_size"], count=steps + 1, rows=4, seq=16)
+    step = usc.compile(_meta_llama(**sizes), plan, example_inputs=batches[0], optimizer=_momentum, init_seed=SEED)
     with LiveBytes() as built:  # what every rank held before: the whole model, built on the CPU
         transformers.LlamaForCausalLM(_config(**sizes))
     with LiveBytes() as whole:
         with LiveBytes() as made:  # the rank materialises its share (the model's own initialisers)
             step.optimizer
-        losses = [step.step(b) for b in batches]
+        losses = [step.step(b) for b in batches[:steps]]
     with LiveBytes() as saving:
         step.save(path)
     held = sum(t.numel() * t.element_size() for t in step._rank().local_state().values())
-    full = step.full_state_dict()
+    # another plan, the model again on meta, filled from the checkpoint (weights and momentum)
+    resumed = usc.compile(_meta_llama(**sizes), resume_plan, example_inputs=batches[0], optimizer=_momentum, init=path)
+    losses.append(resumed.step(batches[steps]))
+    devices = {str(t.device) for s in resumed.optimizer.state.values() for t in s.values()}
+    full = resumed.full_state_dict()
     return {"losses": losses, "built": built.peak, "made": made.peak, "whole": whole.peak,
-            "save": saving.peak, "held": held,
+            "save": saving.peak, "held": held, "optimizer_devices": devices,
             "full": {k: v.numpy() for k, v in full.items()} if rank == 0 else None}  # by value: ranks exit at once
 
 
 @deep
-@pytest.mark.parametrize("plan, world, ratio", [("dp=2 zero=3 tp=2", 4, 4), ("tp=2 pp=2 mb=2", 4, 4),
-                                                ("dp=4 zero=3 tp=2", 8, 8)])
-def test_meta_model_larger_than_a_rank_trains_on_gloo_equal_to_one_device(tmp_path, plan, world, ratio):
+@pytest.mark.parametrize("plan, resume_plan, world, ratio", [("dp=2 zero=3 tp=2", "tp=2 pp=2 mb=2", 4, 4),
+                                                             ("tp=2 pp=2 mb=2", "dp=2 zero=3 tp=2", 4, 4),
+                                                             ("dp=4 zero=3 tp=2", "dp=2 tp=2 pp=2", 8, 8)])
+def test_meta_model_larger_than_a_rank_trains_on_gloo_equal_to_one_device(tmp_path, plan, resume_plan, world, ratio):
+    """Two steps from the model's own initialisers, a save, and a third step under another plan on a
+    meta model filled from that checkpoint: every loss and the final weights equal one device."""
     from harness import run_world
 
     steps = 2
     reference = _one_device_llama(**BIG)
     model_bytes = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
     largest = max(sum(t.numel() * t.element_size() for t in m.parameters(recurse=False)) for m in reference.modules())
-    expected = _one_device_run(reference, _batches(BIG["vocab_size"], count=steps, rows=4, seq=16))
-    results = run_world(_train_meta_on_world, world, plan, BIG, steps, str(tmp_path / "ckpt"), timeout=600)
+    expected = _one_device_run(reference, _batches(BIG["vocab_size"], count=steps + 1, rows=4, seq=16), _momentum)
+    results = run_world(_train_meta_on_world, world, plan, resume_plan, BIG, steps, str(tmp_path / "ckpt"),
+                        timeout=600)
     for r in results:
         assert r["losses"] == pytest.approx(expected, rel=1e-5)
+        assert r["optimizer_devices"] == {"cpu"}  # the program's device (gloo: the CPU)
     assert _max_diff({k: torch.from_numpy(v) for k, v in results[0]["full"].items()}, reference.state_dict()) < 1e-5
     held = max(r["held"] for r in results)
     mib = lambda n: f"{n / 2**20:.3f} MiB"  # noqa: E731
-    print(f"\n{plan} on {world} gloo processes: model state {mib(model_bytes)} = {model_bytes / held:.1f}x the "
+    print(f"\n{plan} on {world} gloo processes (resumed under {resume_plan}): model state {mib(model_bytes)} = "
+          f"{model_bytes / held:.1f}x the "
           f"largest rank's share ({mib(held)}); largest module {mib(largest)}")
     for rank, r in enumerate(results):
         print(f"  rank {rank}: peak live tensor bytes: building the model on the CPU {mib(r['built'])}; usc "
               f"materialising its share {mib(r['made'])} ({r['made'] / model_bytes:.2f}x the model), then with "
-              f"{steps} SGD steps {mib(r['whole'])} ({r['whole'] / model_bytes:.2f}x); saving {mib(r['save'])}")
+              f"{steps} SGD steps (momentum 0.9) {mib(r['whole'])} ({r['whole'] / model_bytes:.2f}x); "
+              f"saving {mib(r['save'])}")
     assert model_bytes / held > ratio * 0.9  # the model is about `ratio` times one rank's share
     assert max(r["made"] for r in results) <= held + 2 * largest  # its share and one module at a time
     assert max(r["whole"] for r in results) < model_bytes  # no rank ever held the whole model

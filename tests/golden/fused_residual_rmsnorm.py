@@ -5,13 +5,14 @@ import triton.language as tl
 
 
 @triton.jit
-def fused_1847191d5fd9_fwd(
+def fused_9eb2749beab2_fwd(
     in0, in0_s0, in0_s1, in0_sn,
     in1, in1_s0, in1_s1, in1_sn,
     in2, in2_s0, in2_s1, in2_sn,
     out0, out0_s0, out0_s1, out0_sn,
     out1, out1_s0, out1_s1, out1_sn,
     D0, D1, N,
+    ONE_TILE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -19,36 +20,56 @@ def fused_1847191d5fd9_fwd(
         i1 = row % D1
         r1 = row // D1
         i0 = r1
-        o0 = i0 * in0_s0 + i1 * in0_s1
-        o1 = i0 * in1_s0 + i1 * in1_s1
-        o2 = i0 * in2_s0 + i1 * in2_s1
-        v2 = tl.full([], 0.0, tl.float32)  # mean.dim
-        for start in range(0, N, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+        if ONE_TILE:
+            cols = tl.arange(0, BLOCK)
             mask = cols < N
+            o0 = i0 * in0_s0 + i1 * in0_s1
             x0 = tl.load(in0 + o0 + cols * in0_sn, mask=mask, other=0.0).to(tl.float32)
+            o1 = i0 * in1_s0 + i1 * in1_s1
             x1 = tl.load(in1 + o1 + cols * in1_sn, mask=mask, other=0.0).to(tl.float32)
-            v0 = x0 + x1  # add.Tensor
-            v1 = v0 * v0  # pow.Tensor_Scalar
-            v2 = v2 + tl.sum(tl.where(mask, v1, 0.0), axis=0)
-            tl.store(out0 + i0 * out0_s0 + i1 * out0_s1 + cols * out0_sn, (v0).to(out0.dtype.element_ty), mask=mask)
-        v3 = v2 / N  # mean.dim
-        v4 = v3 + 1e-06  # add.Tensor
-        v5 = tl.rsqrt(v4)  # rsqrt.default
-        for start in range(0, N, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < N
-            x0 = tl.load(in0 + o0 + cols * in0_sn, mask=mask, other=0.0).to(tl.float32)
-            x1 = tl.load(in1 + o1 + cols * in1_sn, mask=mask, other=0.0).to(tl.float32)
+            o2 = i0 * in2_s0 + i1 * in2_s1
             x2 = tl.load(in2 + o2 + cols * in2_sn, mask=mask, other=0.0).to(tl.float32)
             v0 = x0 + x1  # add.Tensor
+            v1 = v0 * v0  # pow.Tensor_Scalar
+            v2 = tl.sum(tl.where(mask, v1, 0.0), axis=0)  # mean.dim
+            v3 = v2 / N  # mean.dim
+            v4 = v3 + 1e-06  # add.Tensor
+            v5 = tl.rsqrt(v4)  # rsqrt.default
             v6 = v0 * v5  # mul.Tensor
             v7 = x2 * v6  # mul.Tensor
+            tl.store(out0 + i0 * out0_s0 + i1 * out0_s1 + cols * out0_sn, (v0).to(out0.dtype.element_ty), mask=mask)
             tl.store(out1 + i0 * out1_s0 + i1 * out1_s1 + cols * out1_sn, (v7).to(out1.dtype.element_ty), mask=mask)
+        else:
+            o0 = i0 * in0_s0 + i1 * in0_s1
+            o1 = i0 * in1_s0 + i1 * in1_s1
+            o2 = i0 * in2_s0 + i1 * in2_s1
+            v2 = tl.full([], 0.0, tl.float32)  # mean.dim
+            for start in range(0, N, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < N
+                x0 = tl.load(in0 + o0 + cols * in0_sn, mask=mask, other=0.0).to(tl.float32)
+                x1 = tl.load(in1 + o1 + cols * in1_sn, mask=mask, other=0.0).to(tl.float32)
+                v0 = x0 + x1  # add.Tensor
+                v1 = v0 * v0  # pow.Tensor_Scalar
+                v2 = v2 + tl.sum(tl.where(mask, v1, 0.0), axis=0)
+                tl.store(out0 + i0 * out0_s0 + i1 * out0_s1 + cols * out0_sn, (v0).to(out0.dtype.element_ty), mask=mask)
+            v3 = v2 / N  # mean.dim
+            v4 = v3 + 1e-06  # add.Tensor
+            v5 = tl.rsqrt(v4)  # rsqrt.default
+            for start in range(0, N, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < N
+                x0 = tl.load(in0 + o0 + cols * in0_sn, mask=mask, other=0.0).to(tl.float32)
+                x1 = tl.load(in1 + o1 + cols * in1_sn, mask=mask, other=0.0).to(tl.float32)
+                x2 = tl.load(in2 + o2 + cols * in2_sn, mask=mask, other=0.0).to(tl.float32)
+                v0 = x0 + x1  # add.Tensor
+                v6 = v0 * v5  # mul.Tensor
+                v7 = x2 * v6  # mul.Tensor
+                tl.store(out1 + i0 * out1_s0 + i1 * out1_s1 + cols * out1_sn, (v7).to(out1.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def fused_1847191d5fd9_bwd(
+def fused_9eb2749beab2_bwd(
     in0, in0_s0, in0_s1, in0_sn,
     in1, in1_s0, in1_s1, in1_sn,
     in2, in2_s0, in2_s1, in2_sn,
@@ -61,6 +82,7 @@ def fused_1847191d5fd9_bwd(
     ACC0: tl.constexpr,
     ACC1: tl.constexpr,
     ACC2: tl.constexpr,
+    ONE_TILE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -68,38 +90,21 @@ def fused_1847191d5fd9_bwd(
         i1 = row % D1
         r1 = row // D1
         i0 = r1
-        o0 = i0 * in0_s0 + i1 * in0_s1
-        o1 = i0 * in1_s0 + i1 * in1_s1
-        o2 = i0 * in2_s0 + i1 * in2_s1
-        v2 = tl.full([], 0.0, tl.float32)  # mean.dim
-        g_v5 = tl.full([], 0.0, tl.float32)  # mul.Tensor
-        for start in range(0, N, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+        if ONE_TILE:
+            cols = tl.arange(0, BLOCK)
             mask = cols < N
+            o0 = i0 * in0_s0 + i1 * in0_s1
             x0 = tl.load(in0 + o0 + cols * in0_sn, mask=mask, other=0.0).to(tl.float32)
+            o1 = i0 * in1_s0 + i1 * in1_s1
             x1 = tl.load(in1 + o1 + cols * in1_sn, mask=mask, other=0.0).to(tl.float32)
+            o2 = i0 * in2_s0 + i1 * in2_s1
             x2 = tl.load(in2 + o2 + cols * in2_sn, mask=mask, other=0.0).to(tl.float32)
             v0 = x0 + x1  # add.Tensor
             v1 = v0 * v0  # pow.Tensor_Scalar
-            dy1 = tl.load(gout1 + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            g_v7 = dy1
-            g_v6 = g_v7 * x2  # mul.Tensor
-            v2 = v2 + tl.sum(tl.where(mask, v1, 0.0), axis=0)
-            g_v5 = g_v5 + tl.sum(tl.where(mask, g_v6 * v0, 0.0), axis=0)
-        v3 = v2 / N  # mean.dim
-        v4 = v3 + 1e-06  # add.Tensor
-        v5 = tl.rsqrt(v4)  # rsqrt.default
-        g_v4 = -0.5 * g_v5 * v5 * v5 * v5  # rsqrt.default
-        g_v3 = g_v4  # add.Tensor
-        g_v2 = g_v3 / N  # mean.dim
-        g_v1 = g_v2  # mean.dim
-        for start in range(0, N, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < N
-            x0 = tl.load(in0 + o0 + cols * in0_sn, mask=mask, other=0.0).to(tl.float32)
-            x1 = tl.load(in1 + o1 + cols * in1_sn, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(in2 + o2 + cols * in2_sn, mask=mask, other=0.0).to(tl.float32)
-            v0 = x0 + x1  # add.Tensor
+            v2 = tl.sum(tl.where(mask, v1, 0.0), axis=0)  # mean.dim
+            v3 = v2 / N  # mean.dim
+            v4 = v3 + 1e-06  # add.Tensor
+            v5 = tl.rsqrt(v4)  # rsqrt.default
             v6 = v0 * v5  # mul.Tensor
             dy0 = tl.load(gout0 + row * N + cols, mask=mask, other=0.0).to(tl.float32)
             g_v0 = dy0
@@ -108,6 +113,11 @@ def fused_1847191d5fd9_bwd(
             g_x2 = g_v7 * v6  # mul.Tensor
             g_v6 = g_v7 * x2  # mul.Tensor
             g_v0_1 = g_v0 + (g_v6 * v5)  # mul.Tensor
+            g_v5 = tl.sum(tl.where(mask, g_v6 * v0, 0.0), axis=0)  # mul.Tensor
+            g_v4 = -0.5 * g_v5 * v5 * v5 * v5  # rsqrt.default
+            g_v3 = g_v4  # add.Tensor
+            g_v2 = g_v3 / N  # mean.dim
+            g_v1 = g_v2  # mean.dim
             g_v0_2 = g_v0_1 + (g_v1 * v0)  # pow.Tensor_Scalar
             g_v0_3 = g_v0_2 + (g_v1 * v0)  # pow.Tensor_Scalar
             g_x0 = g_v0_3  # add.Tensor
@@ -127,3 +137,63 @@ def fused_1847191d5fd9_bwd(
             if ACC2:
                 d2 = d2 + tl.load(p2, mask=mask, other=0.0).to(tl.float32)
             tl.store(p2, d2.to(gin2.dtype.element_ty), mask=mask)
+        else:
+            o0 = i0 * in0_s0 + i1 * in0_s1
+            o1 = i0 * in1_s0 + i1 * in1_s1
+            o2 = i0 * in2_s0 + i1 * in2_s1
+            v2 = tl.full([], 0.0, tl.float32)  # mean.dim
+            g_v5 = tl.full([], 0.0, tl.float32)  # mul.Tensor
+            for start in range(0, N, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < N
+                x0 = tl.load(in0 + o0 + cols * in0_sn, mask=mask, other=0.0).to(tl.float32)
+                x1 = tl.load(in1 + o1 + cols * in1_sn, mask=mask, other=0.0).to(tl.float32)
+                x2 = tl.load(in2 + o2 + cols * in2_sn, mask=mask, other=0.0).to(tl.float32)
+                v0 = x0 + x1  # add.Tensor
+                v1 = v0 * v0  # pow.Tensor_Scalar
+                dy1 = tl.load(gout1 + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+                g_v7 = dy1
+                g_v6 = g_v7 * x2  # mul.Tensor
+                v2 = v2 + tl.sum(tl.where(mask, v1, 0.0), axis=0)
+                g_v5 = g_v5 + tl.sum(tl.where(mask, g_v6 * v0, 0.0), axis=0)
+            v3 = v2 / N  # mean.dim
+            v4 = v3 + 1e-06  # add.Tensor
+            v5 = tl.rsqrt(v4)  # rsqrt.default
+            g_v4 = -0.5 * g_v5 * v5 * v5 * v5  # rsqrt.default
+            g_v3 = g_v4  # add.Tensor
+            g_v2 = g_v3 / N  # mean.dim
+            g_v1 = g_v2  # mean.dim
+            for start in range(0, N, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < N
+                x0 = tl.load(in0 + o0 + cols * in0_sn, mask=mask, other=0.0).to(tl.float32)
+                x1 = tl.load(in1 + o1 + cols * in1_sn, mask=mask, other=0.0).to(tl.float32)
+                x2 = tl.load(in2 + o2 + cols * in2_sn, mask=mask, other=0.0).to(tl.float32)
+                v0 = x0 + x1  # add.Tensor
+                v6 = v0 * v5  # mul.Tensor
+                dy0 = tl.load(gout0 + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+                g_v0 = dy0
+                dy1 = tl.load(gout1 + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+                g_v7 = dy1
+                g_x2 = g_v7 * v6  # mul.Tensor
+                g_v6 = g_v7 * x2  # mul.Tensor
+                g_v0_1 = g_v0 + (g_v6 * v5)  # mul.Tensor
+                g_v0_2 = g_v0_1 + (g_v1 * v0)  # pow.Tensor_Scalar
+                g_v0_3 = g_v0_2 + (g_v1 * v0)  # pow.Tensor_Scalar
+                g_x0 = g_v0_3  # add.Tensor
+                g_x1 = g_v0_3  # add.Tensor
+                d0 = g_x0
+                p0 = gin0 + pid * gin0_sp + i0 * gin0_s0 + i1 * gin0_s1 + cols * gin0_sn
+                if ACC0:
+                    d0 = d0 + tl.load(p0, mask=mask, other=0.0).to(tl.float32)
+                tl.store(p0, d0.to(gin0.dtype.element_ty), mask=mask)
+                d1 = g_x1
+                p1 = gin1 + pid * gin1_sp + i0 * gin1_s0 + i1 * gin1_s1 + cols * gin1_sn
+                if ACC1:
+                    d1 = d1 + tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+                tl.store(p1, d1.to(gin1.dtype.element_ty), mask=mask)
+                d2 = g_x2
+                p2 = gin2 + pid * gin2_sp + i0 * gin2_s0 + i1 * gin2_s1 + cols * gin2_sn
+                if ACC2:
+                    d2 = d2 + tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+                tl.store(p2, d2.to(gin2.dtype.element_ty), mask=mask)

@@ -40,6 +40,8 @@ CI_OPS = [aten._to_copy.default, aten.amax.default, aten.gather.default, aten.in
           aten.embedding.default, aten.scaled_dot_product_attention.default]
 
 
+# torch's OpInfo samples of aten.scatter.reduce call the deprecated form of torch.scatter (torch warns)
+@pytest.mark.filterwarnings("ignore:The reduce argument of torch.scatter:UserWarning")
 def test_every_rule_op_has_samples():
     """The sweep covers every aten op of the table: each has OpInfo samples or usc's own."""
     from usc.testing.verify_rules import _opinfos_by_name, calls_of, extra_calls, opinfos_for

@@ -54,9 +54,11 @@ class HostSync:
         return f"{self.what} on {self.thread} at {self.where}"
 
 
-# Reads of tensors torch keeps on the host by design, which wait for no device: the step counter of
-# torch's optimizers (on the CPU unless capturable or fused; Adam reads it with .item()).
-HOST_OWNED = ("torch/optim/",)
+# Reads of tensors kept on the host by design, which wait for no device: the step counter of
+# torch's optimizers (on the CPU unless capturable or fused; Adam reads it with .item()), and the
+# batch's index check, which reads the user's batch only while it is still a CPU tensor (a batch
+# already on an accelerator is checked there by the ops themselves: runtime/input_checks.py).
+HOST_OWNED = ("torch/optim/", "runtime/input_checks.py")
 _OURS = ("/runtime/", "/usc/", "/passes/", "/compiler/")
 
 
