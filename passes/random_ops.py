@@ -170,8 +170,17 @@ def _bernoulli_p_like(r: _Rewriter) -> fx.Node:
     return r.draw(shape, dtype, "bernoulli", p, like=x)
 
 
+def _exponential(r: _Rewriter) -> fx.Node:
+    """exponential(x, lambd): x's shape and dtype (Gumbel-style router sampling, ``empty_like(x).exponential_()``)."""
+    x = r.node.args[0]
+    lambd = r.node.kwargs.get("lambd", r.node.args[1] if len(r.node.args) > 1 else 1.0)
+    shape, dtype = _shape_dtype(x)
+    return r.draw(shape, dtype, "exponential", lambd, like=x)
+
+
 # In-place draws into a tensor (``empty_like(x).uniform_(a, b)``): its later readers read the draw.
-IN_PLACE = {aten.uniform_.default: _uniform, aten.normal_.default: _normal, aten.bernoulli_.float: _bernoulli_p_like}
+IN_PLACE = {aten.uniform_.default: _uniform, aten.normal_.default: _normal, aten.bernoulli_.float: _bernoulli_p_like,
+            aten.exponential_.default: _exponential}
 
 RANDOM_RULES: dict[object, Callable[[_Rewriter], fx.Node | None]] = {
     **IN_PLACE,
@@ -185,6 +194,7 @@ RANDOM_RULES: dict[object, Callable[[_Rewriter], fx.Node | None]] = {
     aten.randn_like.default: _like("normal"),
     aten.uniform.default: _uniform,
     aten.normal_functional.default: _normal,
+    aten.exponential.default: _exponential,
 }
 
 

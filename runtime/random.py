@@ -25,7 +25,7 @@ from torch import nn
 
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9  # 2^32 / phi: spreads the word index j over the key (as in Weyl sequences)
-DISTRIBUTIONS = ("uniform", "normal", "keep", "bernoulli")
+DISTRIBUTIONS = ("uniform", "normal", "exponential", "keep", "bernoulli")
 SIGNIFICAND_BITS = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}  # with the implicit leading bit
 
 
@@ -95,7 +95,7 @@ def uniform_from(ws: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 
 def draw_values(index: torch.Tensor, key: int | torch.Tensor, dtype: torch.dtype, distribution: str, a: float,
                 b: float) -> torch.Tensor:
-    """The values of one draw at ``index``: uniform [a, b), normal(a, b), keep (0 or 1/(1-a)),
+    """The values of one draw at ``index``: uniform [a, b), normal(a, b), exponential (rate a), keep (0 or 1/(1-a)),
     bernoulli (1 with probability a). Keep and bernoulli compare 32 bits, whatever the dtype, so a
     mask is the same in float32 and float64."""
     if distribution == "uniform":
@@ -106,6 +106,9 @@ def draw_values(index: torch.Tensor, key: int | torch.Tensor, dtype: torch.dtype
         u2 = uniform_from(ws[2:], torch.float64)
         # Box and Muller 1958
         return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2) * b + a).to(dtype)
+    if distribution == "exponential":  # rate a, by inversion: -log(u) / a with u in (0, 1]
+        u = 1.0 - uniform_from(words(index, key, 2), torch.float64)
+        return (-torch.log(u) / a).to(dtype)
     u = words(index, key, 1)[0].double() * 2.0**-32
     if distribution == "keep":
         scale = 0.0 if a >= 1.0 else 1.0 / (1.0 - a)

@@ -4,6 +4,8 @@ Replicas draw identical values (tp), shards draw their slice of what one device 
 microbatches), recompute never draws twice, and every plan equals usc's own one-device run with the
 same seed (README, "What equal means")."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,16 @@ def test_draws_are_uniform_and_keep_masks_drop_p():
     assert abs(float((keep == 0).double().mean()) - 0.1) < 5 * sigma
     assert set(keep.unique().tolist()) == {0.0, 1.0 / 0.9}
     assert abs(float(normal.mean())) < 1e-2 and abs(float(normal.std()) - 1.0) < 1e-2
+
+
+def test_exponential_draws_have_the_rate_asked_for():
+    index = global_index((200, 501), None, 0, 1, "cpu")
+    e = draw_values(index, op_key(1, 0, 2), torch.float64, "exponential", 2.0, 0.0)
+    assert float(e.min()) >= 0.0 and bool(torch.isfinite(e).all())
+    n = index.numel()  # mean 1/rate and P(e > 1) = exp(-rate), each to 5 sigma
+    assert abs(float(e.mean()) - 0.5) < 5 * 0.5 / n ** 0.5
+    tail = math.exp(-2.0)
+    assert abs(float((e > 1.0).double().mean()) - tail) < 5 * (tail * (1 - tail) / n) ** 0.5
 
 
 def test_keys_differ_by_seed_step_and_op():
@@ -121,7 +133,8 @@ def test_dropout_is_on_and_the_seed_chooses_the_masks():
 
 
 class Noisy(nn.Module):
-    """Dropout, bernoulli gates and router-style noise in forward, over a batch of odd size."""
+    """Dropout, bernoulli gates and router-style noise (uniform jitter, normal, Gumbel-style exponential)
+    in forward, over a batch of odd size."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -135,7 +148,7 @@ class Noisy(nn.Module):
         x = x * torch.empty_like(x).uniform_(0.9, 1.1)  # router noise, as Switch Transformers jitter
         h = F.dropout(torch.relu(self.up(x)), 0.3)
         h = h * torch.bernoulli(torch.full_like(h, 0.8))
-        noise = torch.randn_like(self.gate(x)) * 0.1
+        noise = torch.randn_like(self.gate(x)) * 0.1 - torch.empty_like(x[..., :5]).exponential_(2.0).log() * 0.05
         h = h + (self.gate(x) + noise).sum(-1, keepdim=True)
         return F.cross_entropy(self.down(h).flatten(0, 1), labels.flatten())
 
