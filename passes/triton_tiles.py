@@ -123,7 +123,9 @@ def plan(lines: list[Line], effects: list[Effect]) -> _Plan:
 def row_body(lines: list[Line], effects: list[Effect]) -> list[str]:
     """The statements of one row: in one pass when a tile holds the whole row (``ONE_TILE``, a
     constexpr: the compiler keeps one branch), else in loops over its tiles."""
-    return ["if ONE_TILE:", *_indent(one_tile_body(lines, effects)), "else:", *_indent(tiled_body(lines, effects))]
+    one, tiled = one_tile_body(lines, effects), tiled_body(lines, effects)
+    # a backward with no gradient to write (no input needs one) has nothing to run: a block needs a body
+    return ["if ONE_TILE:", *_indent(one or ["pass"]), "else:", *_indent(tiled or ["pass"])]
 
 
 def _indent(lines: list[str]) -> list[str]:

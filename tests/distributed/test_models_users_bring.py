@@ -42,9 +42,9 @@ DEEP = os.environ.get("USC_DEEP_TIER") == "1"
 KNOWN_REFUSALS: dict[tuple[str, str], str] = {}
 # cp on a build without attention masks under cp refuses Hugging Face models by this message.
 CP_MASK = "context parallelism supports scaled_dot_product_attention without an explicit mask"
-# family -> words of a refusal under every plan. PhiMoE's sparsemixer router samples its experts
-# while training (``exponential_``), a draw usc has no counter-based form for yet.
-FAMILY_REFUSALS = {"phimoe": "aten.exponential.default .* draws random numbers"}
+# family -> words of a refusal under every plan (none today: PhiMoE's sparsemixer router, which samples
+# its experts with ``exponential_`` while training, draws through usc's counter-based exponential).
+FAMILY_REFUSALS: dict[str, str] = {}
 
 
 # The families the issue names: the default run's share of the tier.

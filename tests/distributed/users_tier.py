@@ -46,6 +46,19 @@ def _eager(family: Family):
     return run
 
 
+# Families whose forward draws random numbers while training (PhiMoE's sparsemixer samples its experts
+# with ``exponential_``): usc draws them counter-based, the same on every plan, so their one device is
+# usc's own one-device run with the same seed (README, "What equal means"), not torch's generator.
+DRAWS = {"phimoe"}
+
+
+def _usc_one_device(family: Family):
+    def run(model, steps, optimizer):
+        sim = usc.simulate(model, "dp=1", example_inputs=steps[0], loss_fn=family.loss_fn, optimizer=optimizer)
+        return [sim.step(b) for b in steps], sim.full_state_dict()
+    return run
+
+
 def _mesh(family: Family, plan: str, optimizer):
     def run(model, steps):
         sim = usc.simulate(model, plan, example_inputs=steps[0], loss_fn=family.loss_fn, optimizer=optimizer)
@@ -79,7 +92,7 @@ def judge(name: str, plan: str, *, steps: int = 2) -> Outcome:
     """The family trained on ``plan`` equals one device (or AssertionError); a usc refusal propagates."""
     family, data = FAMILIES[name], batches(name, steps)
     checked = f"{plan} replica_check=1"
-    reference = _eager(family)
+    reference = _usc_one_device(family) if name in DRAWS else _eager(family)
     try:
         result = _check(family, checked, data, _adamw, reference)
         decided = "float64 AdamW" if result.float32_miss else "float32 AdamW"

@@ -204,3 +204,11 @@ def test_one_column_and_tile_edges(n):
     with tiles_of(16, programs=2):
         check(rmsnorm, torch.randn(3, n), torch.randn(n))
         check(lambda x: torch.softmax(x * 0.5, -1), torch.randn(3, n))
+
+
+def test_a_row_with_nothing_to_write_is_still_a_kernel():
+    """A backward whose inputs need no gradient (a draw times a constant) writes nothing: both branches
+    of its row must still be Python blocks."""
+    from usc.passes.triton_tiles import row_body
+
+    compile("\n".join(row_body([], [])), "<kernel>", "exec")
