@@ -20,8 +20,8 @@ from users_models import FAMILIES, traced_ops  # noqa: E402
 
 aten = torch.ops.aten
 # Ops the tier's traces hold that no rule places, each with the family that brings it and why usc
-# refuses it by name. PhiMoE's router samples experts with exponential_ while training.
-KNOWN_UNPLACED = {aten.exponential.default: "phimoe"}
+# refuses it by name (none today).
+KNOWN_UNPLACED: dict = {}
 # Ops with no tensor input that depends on the batch (factories, shape checks, constants from
 # arange/full): "replicated" is their exact placement, not a gather of a batch-sharded input.
 NO_BATCH_INPUT = {aten._assert_tensor_metadata.default, aten.arange.default, aten.arange.start,
@@ -53,6 +53,12 @@ def test_known_unplaced_ops_are_still_in_the_tier(ops_by_family):
     """A known refusal that left the tier (a family changed, or the op gained a rule) is stale here."""
     for op, family in KNOWN_UNPLACED.items():
         assert op in ops_by_family[family] and rule_link(op) == NONE, op
+
+
+def test_phimoe_router_draws_are_counter_based(ops_by_family):
+    """PhiMoE's router samples experts with exponential_ while training: a counter-based draw."""
+    assert aten.exponential.default in ops_by_family["phimoe"]
+    assert rule_link(aten.exponential.default) != NONE
 
 
 def test_coverage_counts_every_link(ops_by_family):
