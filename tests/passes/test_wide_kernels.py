@@ -4,7 +4,9 @@ program, never as a [rows, length] float32 buffer. Checked under Triton's interp
 eager PyTorch: 128k-wide rows (131071 columns: 16 tiles, the last one ragged) at a few rows, and
 every width from 1 to 70 with 16-column tiles."""
 
+import sys
 from contextlib import contextmanager
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -17,20 +19,14 @@ from usc.passes.fusion import fuse_graph
 from usc.runtime import fused
 from usc.runtime.fused import FusedRegion
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_fused_kernels import aten_graph  # noqa: E402
+
 WIDE = 131071  # a 128k vocabulary, odd: the last tile is ragged
 
 
-class _Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
-
-
 def fused_module(fn, *args) -> torch.fx.GraphModule:
-    gm = fuse_graph(torch.export.export(_Fn(fn), args, strict=False).graph_module)
+    gm = fuse_graph(aten_graph(fn, *args))
     assert [m for m in gm.modules() if isinstance(m, FusedRegion)], "nothing was fused"
     return gm
 
