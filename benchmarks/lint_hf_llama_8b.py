@@ -16,14 +16,14 @@ import time
 import torch
 
 import usc
-from usc.testing.hf import hf_llama
+from usc.testing.hf import hf_llama_model
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192)
 
 
 def meta_llama(**shape) -> torch.nn.Module:
-    return hf_llama(device="meta", **shape, attn_implementation=None)
+    return hf_llama_model(device="meta", **shape, attn_implementation=None)
 
 
 def collated(rows: int = 16, seq: int = 4096) -> dict:

@@ -28,14 +28,19 @@ class CausalLMLoss(nn.Module):
         return self.m(input_ids=ids, labels=labels).loss
 
 
-def hf_llama(*, device: str | None = None, **config) -> CausalLMLoss:
+def hf_llama_model(*, device: str | None = None, **config):
     """Hugging Face's LlamaForCausalLM from ``SMALL_LLAMA`` updated by ``config`` (any LlamaConfig
-    field), random weights; ``device="meta"`` builds it without memory (plan-only use)."""
+    field), random weights, as users hold it; ``device="meta"`` builds it without memory (plan-only use)."""
     import transformers
 
     cfg = transformers.LlamaConfig(**{**SMALL_LLAMA, **config, "use_cache": False})
     with torch.device(device) if device is not None else _here():
-        return CausalLMLoss(transformers.LlamaForCausalLM(cfg))
+        return transformers.LlamaForCausalLM(cfg)
+
+
+def hf_llama(*, device: str | None = None, **config) -> CausalLMLoss:
+    """``hf_llama_model`` whose forward takes (ids, labels) and returns the loss."""
+    return CausalLMLoss(hf_llama_model(device=device, **config))
 
 
 class _here:
@@ -48,4 +53,4 @@ class _here:
         return None
 
 
-__all__ = ["CausalLMLoss", "SMALL_LLAMA", "hf_llama"]
+__all__ = ["CausalLMLoss", "SMALL_LLAMA", "hf_llama", "hf_llama_model"]
