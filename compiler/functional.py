@@ -76,12 +76,16 @@ def functionalize(exported):
     if not any(is_mutating(n) for n in _all_nodes(exported.graph_module)):
         return exported  # (bodies of torch.no_grad regions included: an EMA buffer is written there)
     _refuse_overlapping_writes(exported.graph_module)
+    return decomposed(exported)  # no_grad regions are inlined first (compiler/inline_regions.py)
+
+
+def decomposed(exported):
+    """``exported.run_decompositions({})``, without torch's own deprecation notice that it raises as it
+    copies the program's pytree specs (torch 2.13): nothing the user or usc can change."""
     with warnings.catch_warnings():
-        # torch's own deprecation, raised inside run_decompositions as it copies the program's pytree
-        # specs (torch 2.13): nothing the user or usc can change, so it is not shown to them
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                                 category=FutureWarning)
-        return exported.run_decompositions({})  # no_grad regions are inlined first (compiler/inline_regions.py)
+        return exported.run_decompositions({})
 
 
 EXACT_OVERLAP_LIMIT = 2**26  # storage elements up to which overlap is checked element by element

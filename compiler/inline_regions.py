@@ -33,6 +33,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .functional import decomposed
+
 aten = torch.ops.aten
 HOP = torch.ops.higher_order
 
@@ -163,7 +165,7 @@ def _with_autocast_casts(sub: fx.GraphModule, args: list, *, device: str, dtype:
     not by values); the module paths of the ops are carried over by name from ``sub``."""
     example = tuple(_example(a) for a in args)
     exported = torch.export.export(_AutocastRegion(sub, device, dtype, cache), example, strict=False)
-    graph = exported.run_decompositions({}).graph_module
+    graph = decomposed(exported).graph_module
     _carry_module_paths(graph, sub)
     return graph  # the region holds no parameters of its own: every placeholder is one of its arguments
 

@@ -224,7 +224,7 @@ def test_autocast_region_becomes_explicit_casts():
 def test_hf_gradient_checkpointing_equals_one_device(plan):
     def make():
         model = FAMILIES["llama"]()
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()  # transformers 5 name of gradient_checkpointing_enable
         return model.train()
 
     result = assert_equivalent(make, plan, [collated(s) for s in range(2)], optimizer=sgd)
@@ -251,7 +251,7 @@ def test_torchtitan_style_llama_with_loss_fn():
 
 def test_hf_gradient_checkpointing_becomes_recompute_of_those_layers():
     model = FAMILIES["llama"]()
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()  # transformers 5 name of gradient_checkpointing_enable
     model.train()
     sim = usc.simulate(model, "dp=2", example_inputs=collated(0))
     assert [str(r) for r in sim.plan.rules] == ["model.layers.0: recompute", "model.layers.1: recompute"]
