@@ -8,7 +8,7 @@ Every case ends one of two ways: it equals one device (judged as ``users_tier.ju
 refuses with a usc error that names what is missing (``KNOWN_REFUSALS``, each with the words the
 error must contain).
 
-By default the families the issue names (``NAMED``) run one plan each (rotating through
+By default the most used families (``NAMED``) run one plan each (rotating through
 ``dp=2 tp=2``, ``pp=2 mb=2`` and ``EXTRA_PLANS``; MoE families rotate through ``MOE_PLANS``), to stay
 cheap in CI; ``USC_DEEP_TIER=1`` runs every family under every plan of
 ``DENSE_PLANS``, cp, and ``MOE_PLANS`` for MoE families, printing each outcome (``-s``).
@@ -47,7 +47,7 @@ CP_MASK = "context parallelism supports scaled_dot_product_attention without an 
 FAMILY_REFUSALS: dict[str, str] = {}
 
 
-# The families the issue names: the default run's share of the tier.
+# The most used families: the default run's share of the tier.
 NAMED = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "olmo2", "gpt_neox", "falcon", "stablelm",
          "bloom", "bert_mlm", "vit", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss",
          "torchtitan_llama", "nanogpt")
@@ -151,10 +151,10 @@ def test_moe_experts_that_refuse_float64_are_refused_with_their_own_error():
         find_blocks(build("mixtral").double())
 
 
-# ---------------------------------------------------------------- the ops the issue names
+# ---------------------------------------------------------------- ops models bring
 
 class OpZoo(torch.nn.Module):
-    """One of each op the issue lists, on a batch-sharded input: rms_norm, flatten/unflatten,
+    """One of each op ordinary models bring, on a batch-sharded input: rms_norm, flatten/unflatten,
     index.Tensor, baddbmm/addmm/einsum, conv1d/2d, scatter/scatter_/index_add, complex RoPE ops."""
 
     def __init__(self) -> None:

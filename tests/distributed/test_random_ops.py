@@ -112,7 +112,7 @@ def test_gpt2_with_dropout_equals_usc_one_device(plan):
 
 
 def test_gpt2_dropout_keeps_tensor_parallel_replicas_identical():
-    """The issue's symptom: replicated LayerNorm weights diverged between the two tp ranks."""
+    """The symptom dropout under tp had: replicated LayerNorm weights diverged between the two tp ranks."""
     sim = usc.simulate(gpt2(), "tp=2", example_inputs=batches(1)[0], **SGD)
     for b in batches(3):
         sim.step(*b)

@@ -1,7 +1,7 @@
 """How the "models users bring" tier judges a case: the family's model trained on a simulated mesh
 against the same model trained on one device, both called as the user calls it.
 
-Equality is judged as the issue asks. First float32 with AdamW (losses rtol 1e-5, parameters 1e-5),
+Equality is judged honestly about float32 rounding. First float32 with AdamW (losses rtol 1e-5, parameters 1e-5),
 whose own second opinion on a miss is the same plan in float64 (``check_equivalent``). Hugging Face
 computes norms, RoPE and losses in float32 islands (``.float()``) whatever the model's dtype, so a
 float64 run of an HF model still carries float32 rounding and often misses the float64 bound too;
