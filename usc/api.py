@@ -126,7 +126,7 @@ class Compiled(_TrainingLoop, _Compiled):
             mesh = self._mesh()
             if mesh.world_size > 1:  # from the model as built (a meta model: its structure only)
                 self._fingerprint = fingerprint(plan=str(self.plan), state=_full_state(self.model, self._traced),
-                                                inputs=self._program.inputs, versions=f"usc {usc_version()}")
+                                                inputs=self._program.inputs, versions=f"usc {__version__}")
             fills = [p for p in (self.init_checkpoint, loading) if p is not None]
             executor = self._make_executor(mesh, self._state_source(mesh.device, empty=bool(fills)), self._optimizer)
             schedulers = self._schedulers_for([executor])
@@ -293,10 +293,6 @@ def _profile_of_device(device) -> str | None:
         return None
     name = torch.cuda.get_device_name(device).lower()
     return next((known for known in BUILTIN_PROFILES if known in name), None)
-
-
-def usc_version() -> str:
-    return __version__
 
 
 def _save_rank(rank, path, meta: dict) -> CheckpointError | None:
