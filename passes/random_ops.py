@@ -178,6 +178,42 @@ def _exponential(r: _Rewriter) -> fx.Node:
     return r.draw(shape, dtype, "exponential", lambd, like=x)
 
 
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _attention_dropout(r: _Rewriter) -> fx.Node:
+    """scaled_dot_product_attention with dropout_p > 0 (Hugging Face GPT-2 and BERT by default): the
+    fused kernel draws its mask from torch's generator, so the attention is written out as the math
+    PyTorch documents -- softmax(q k^T * scale + mask) dropped out, times v -- with the dropout a
+    counter-based draw over the [.., L, S] weights. Memory: the weights, as eager attention holds them."""
+    given = dict(zip(_SDPA_ARGS, r.node.args)) | dict(r.node.kwargs)
+    q, k, v = given["query"], given["key"], given["value"]
+    mask, p = given.get("attn_mask"), float(given.get("dropout_p", 0.0))
+    causal, scale, gqa = bool(given.get("is_causal", False)), given.get("scale"), bool(given.get("enable_gqa", False))
+    qv, kv = val(q), val(k)
+    if scale is None:
+        scale = 1.0 / float(qv.shape[-1]) ** 0.5
+    if gqa and qv.dim() >= 3 and qv.shape[-3] != kv.shape[-3]:
+        repeats = qv.shape[-3] // kv.shape[-3]
+        k = r.call(aten.repeat_interleave.self_int, k, repeats, -3)
+        v = r.call(aten.repeat_interleave.self_int, v, repeats, -3)
+    scores = r.call(aten.mul.Scalar, r.call(aten.matmul.default, q, r.call(aten.transpose.int, k, -2, -1)), scale)
+    length, keys = int(qv.shape[-2]), int(kv.shape[-2])
+    if causal:
+        seen = r.call(aten.tril.default, r.call(aten.ones.default, [length, keys], dtype=torch.bool,
+                                                device=qv.device))
+        scores = r.call(aten.masked_fill.Scalar, scores, r.call(aten.logical_not.default, seen), float("-inf"))
+    if isinstance(mask, fx.Node):
+        if val(mask).dtype == torch.bool:
+            scores = r.call(aten.masked_fill.Scalar, scores, r.call(aten.logical_not.default, mask), float("-inf"))
+        else:
+            scores = r.call(aten.add.Tensor, scores, mask)
+    weights = r.call(aten._softmax.default, scores, -1, False)
+    shape, dtype = _shape_dtype(weights)
+    dropped = r.call(aten.mul.Tensor, weights, r.draw(shape, dtype, "keep", p, like=weights))
+    return r.call(aten.matmul.default, dropped, v)
+
+
 # In-place draws into a tensor (``empty_like(x).uniform_(a, b)``): its later readers read the draw.
 IN_PLACE = {aten.uniform_.default: _uniform, aten.normal_.default: _normal, aten.bernoulli_.float: _bernoulli_p_like,
             aten.exponential_.default: _exponential}
@@ -195,16 +231,17 @@ RANDOM_RULES: dict[object, Callable[[_Rewriter], fx.Node | None]] = {
     aten.uniform.default: _uniform,
     aten.normal_functional.default: _normal,
     aten.exponential.default: _exponential,
+    aten.scaled_dot_product_attention.default: _attention_dropout,  # only with dropout_p > 0 (is_random)
 }
 
 
 def is_random(node: fx.Node) -> bool:
     """Draws from torch's generator (not usc's counter-based one)."""
     target = node.target
-    if target in RANDOM_RULES:
-        return True
     if target in _RANDOM_ONLY_WITH_DROPOUT:  # attention draws only when its dropout_p is non-zero
         return _dropout_p(node) != 0.0
+    if target in RANDOM_RULES:
+        return True
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags \
         and target is not DRAW
 
@@ -246,12 +283,6 @@ def _read_after(gm: fx.GraphModule, node: fx.Node, written: fx.Node, value: fx.N
 
 def _no_counter_form(node: fx.Node) -> CompileError:
     where, src = module_path(node) or "<root>", user_source(node)
-    if node.target is aten.scaled_dot_product_attention.default:
-        return CompileError(
-            f"scaled_dot_product_attention in module '{where}'{f' ({src})' if src else ''} applies dropout "
-            f"(dropout_p={_dropout_p(node)}) inside the fused kernel, drawing from torch's generator: its "
-            "masks would differ between ranks and from one device\n  fix: set the attention dropout to 0, or use "
-            "the model's eager attention (Hugging Face: attn_implementation='eager'), whose dropout usc draws")
     supported = ", ".join(sorted(str(t).replace("aten.", "") for t in RANDOM_RULES))
     return CompileError(
         f"{node.target} in module '{where}'{f' ({src})' if src else ''} draws random numbers from torch's "

@@ -175,7 +175,7 @@ def _keep_partial(view: OpView, linear: str, partial: list[bool]) -> Decision | 
 _DIVISIONS = {aten.div.Tensor, aten.div.Scalar}
 
 register(aten.neg.default, aten.clone.default, aten.detach.default, aten.alias.default,
-         aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default,
+         aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.type_as.default,
          aten.contiguous.default, aten.lift_fresh_copy.default)(pointwise("unary"))
 register(aten.add.Tensor, aten.sub.Tensor)(pointwise("add"))
 register(aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar)(pointwise("mul"))

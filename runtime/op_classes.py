@@ -41,4 +41,4 @@ VIEWS = frozenset({aten.reshape.default, aten.view.default, aten.permute.default
 RESHAPES = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
 # Ops whose output holds the input's values unchanged: a copy, a cast, an alias.
 COPIES = frozenset({aten.clone.default, aten.contiguous.default, aten._to_copy.default, aten.to.dtype,
-                    aten.to.dtype_layout, aten.alias.default})
+                    aten.to.dtype_layout, aten.to.device, aten.alias.default})

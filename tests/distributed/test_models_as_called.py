@@ -75,14 +75,21 @@ def test_a_padding_mask_after_an_all_ones_one_is_refused_by_name():
         sim.step(padded)
 
 
-def test_padding_masks_are_passed_to_the_model():
-    def padded(seed):
-        batch = collated(seed)
-        batch["attention_mask"][1, :2] = 0  # left padding: the later tokens must not see these
-        batch["labels"][1, :2] = -100
-        return batch
-    # tp: the batch is whole on every rank (under dp the mask's device move still lacks a sharding rule)
-    result = assert_equivalent(FAMILIES["llama"], "tp=2", [padded(s) for s in range(2)], optimizer=sgd)
+def padded(seed: int) -> dict:
+    """A collator's padded batch: left padding on one row, right padding on another."""
+    batch = collated(seed)
+    batch["attention_mask"][1, :2] = 0  # left padding: the later tokens must not see these
+    batch["attention_mask"][3, -3:] = 0
+    batch["labels"][batch["attention_mask"] == 0] = -100
+    return batch
+
+
+@pytest.mark.parametrize("plan", ["tp=2", "dp=2", "pp=2 mb=2", "dp=2 tp=2 pp=2 mb=2", "cp=2"])
+def test_padding_masks_are_passed_to_the_model(plan):
+    """Hugging Face indexes the mask with an arange over the whole batch (padding_mask[batch_idx,
+    kv_idx]): read as picking each row of its own batch, it stays batch-local, so dp gathers nothing
+    and microbatches (mb, pp) run it."""
+    result = assert_equivalent(FAMILIES["llama"], plan, [padded(s) for s in range(2)], optimizer=sgd)
     assert result.max_param_diff <= 1e-6
     torch.manual_seed(0)
     unpadded = FAMILIES["llama"]()(**{k: v for k, v in padded(0).items() if k != "attention_mask"}).loss.item()

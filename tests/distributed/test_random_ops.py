@@ -187,9 +187,55 @@ def test_a_random_op_without_a_counter_form_is_refused():
         usc.simulate(Permuted(), "dp=2", example_inputs=(torch.randn(4, 6),))
 
 
-def test_fused_attention_dropout_is_refused_with_the_fix():
-    cfg = transformers.GPT2Config(vocab_size=96, n_embd=48, n_layer=1, n_head=4, n_positions=32,
-                                  attn_implementation="sdpa", attn_pdrop=0.1, resid_pdrop=0.0, embd_pdrop=0.0,
-                                  bos_token_id=0, eos_token_id=0, use_cache=False)
-    with pytest.raises(usc.CompileError, match="attn_implementation='eager'"):
-        usc.simulate(LossOf(transformers.GPT2LMHeadModel(cfg)), "tp=2", example_inputs=batches(1)[0])
+def gpt2_sdpa():
+    """Hugging Face GPT-2 as its config builds it: scaled_dot_product_attention with dropout 0.1."""
+    cfg = transformers.GPT2Config(vocab_size=96, n_embd=48, n_layer=2, n_head=4, n_positions=32,
+                                  attn_implementation="sdpa", bos_token_id=0, eos_token_id=0, use_cache=False)
+    assert cfg.attn_pdrop == 0.1
+    torch.manual_seed(0)
+    return LossOf(transformers.GPT2LMHeadModel(cfg)).double()
+
+
+@pytest.mark.parametrize("plan", ["tp=2", "dp=2 mb=2", "pp=2 mb=2", "cp=2"])
+def test_fused_attention_dropout_draws_counter_based(plan):
+    """The fused kernel's dropout draws from torch's generator: usc writes that attention out as its
+    math with a counter-based mask on the attention weights, so every plan equals usc's one device."""
+    assert_equivalent(gpt2_sdpa, plan, batches(2), **FLOAT64)
+
+
+def test_fused_attention_dropout_is_on():
+    one = usc_reference_run(gpt2_sdpa(), batches(1), SGD["optimizer"], seed=0)[0]
+    other = usc_reference_run(gpt2_sdpa(), batches(1), SGD["optimizer"], seed=1)[0]
+    assert one != other
+
+
+def test_fused_attention_dropout_is_the_eager_attention_with_the_same_draws():
+    """Written out, the fused attention is the model's own eager attention: same weights, same draws
+    (the random ops come in the same order), the same losses to float64 rounding."""
+    fused = usc_reference_run(gpt2_sdpa(), batches(2), SGD["optimizer"], seed=0)[0]
+    eager = usc_reference_run(gpt2(), batches(2), SGD["optimizer"], seed=0)[0]
+    assert fused == pytest.approx(eager, rel=1e-12)
+
+
+def bert():
+    """Hugging Face BERT as its config builds it: attention dropout 0.1 in scaled_dot_product_attention
+    with a padding mask (not causal)."""
+    cfg = transformers.BertConfig(vocab_size=98, hidden_size=24, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=40, max_position_embeddings=32)
+    assert cfg.attention_probs_dropout_prob == 0.1
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(cfg).double()
+
+
+def masked_lm_batch(seed: int) -> dict:
+    ids = torch.randint(0, 98, (4, 8), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[:, ::2] = -100
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "tp=2", "pp=2 mb=2"])
+def test_bert_with_its_default_dropout_equals_usc_one_device(plan):
+    assert_equivalent(bert, plan, [masked_lm_batch(s) for s in range(2)], **FLOAT64)

@@ -146,7 +146,7 @@ def usc_reference_run(model: nn.Module, batches: Sequence[tuple], optimizer: Opt
     import usc
 
     sim = usc.simulate(model, f"dp=1 seed={seed}", example_inputs=batches[0], optimizer=optimizer)
-    return [sim.step(*b) for b in batches], sim.full_state_dict()
+    return [sim.step(b) for b in batches], sim.full_state_dict()
 
 
 def reference_for(plan, kind: str) -> Reference:

@@ -1,0 +1,107 @@
+"""Indexing that picks each row of its own batch: ``x[arange(B)[:, None, ...], idx]`` as ``x[:, idx]``.
+
+Hugging Face builds a padding mask by indexing the ``attention_mask`` with an ``arange`` over the
+batch broadcast against the key positions (``padding_mask[batch_idx, kv_idx]``). Traced, that is
+``aten.index.Tensor(mask, [arange(B).view(B, 1, 1, 1), kv_idx])``: the ``arange`` is a constant of
+the global batch size, so on a rank that holds rows of the batch (dp, microbatches) it names rows
+the rank does not have, and the op would need the whole batch gathered (and is refused under
+``mb>1``, where no microbatch sees it). Picking row b for output row b is no coupling at all: the
+same values come from ``x[:, idx]`` (the batch dim sliced whole, the other indices advanced) with
+the batch dim moved to where the ``arange`` broadcast it. This rewrite makes that explicit, so the
+op is batch-local under every plan.
+
+Only an exact identity is rewritten: the first index is ``arange(B)`` (start 0, step 1, B = the
+indexed tensor's dim 0) reshaped by ``unsqueeze`` / ``view`` / ``reshape`` to all-ones dims but one,
+the other indices are tensors, and their broadcast shape is 1 at that dim.
+
+>>> import torch
+>>> x, kv = torch.arange(12).view(3, 4), torch.tensor([3, 0])
+>>> rows = torch.arange(3).view(3, 1, 1)
+>>> torch.equal(x[rows, kv.view(1, 1, 2)], x[:, kv.view(1, 1, 2)].view(3, 1, 2))
+True
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+_RESHAPES = {aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def batch_row_index(gm: fx.GraphModule) -> int:
+    """Rewrite every row-picking ``index.Tensor`` in place (see the module docstring); the count."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.index.Tensor and _rewrite(gm, node):
+            rewritten += 1
+    if rewritten:
+        gm.graph.lint()
+        gm.recompile()
+    return rewritten
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _is_row_arange(node, rows: int) -> bool:
+    """``node`` holds 0, 1, ..., rows - 1 (an arange seen through reshapes)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _RESHAPES:
+        node = node.args[0]
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _ARANGES):
+        return False
+    numbers = list(node.args)
+    if node.target is aten.arange.default:
+        numbers = [0, *numbers]
+    if len(numbers) == 2:
+        numbers.append(1)
+    return (all(isinstance(v, int) for v in numbers) and numbers == [0, rows, 1]
+            and _val(node) is not None and not _val(node).dtype.is_floating_point)
+
+
+def _rewrite(gm: fx.GraphModule, node: fx.Node) -> bool:
+    x, indices = node.args[0], list(node.args[1])
+    xv, first = _val(x), (indices[0] if indices else None)
+    if xv is None or len(indices) < 2 or _val(first) is None or any(_val(i) is None for i in indices[1:]):
+        return False
+    rows = xv.shape[0]
+    shape = tuple(_val(first).shape)
+    big = [d for d, n in enumerate(shape) if n != 1]
+    if rows < 2 or len(big) != 1 or shape[big[0]] != rows or not _is_row_arange(first, rows):
+        return False
+    others = tuple(torch.broadcast_shapes(*(tuple(_val(i).shape) for i in indices[1:])))
+    full = len(max(shape, others, key=len))
+    at = big[0] + full - len(shape)  # the arange's dim in the broadcast index shape
+    padded = (1,) * (full - len(others)) + others
+    if padded[at] != 1:
+        return False
+    rest = tuple(xv.shape[len(indices):])
+    without = padded[:at] + padded[at + 1:]
+    order = list(range(1, 1 + at)) + [0] + list(range(1 + at, 1 + len(without) + len(rest)))
+    with gm.graph.inserting_before(node):
+        picked = gm.graph.call_function(aten.index.Tensor, (x, [None, *indices[1:]]))
+        shaped = gm.graph.call_function(aten.view.default, (picked, [rows, *without, *rest]))
+        moved = gm.graph.call_function(aten.permute.default, (shaped, order))
+    value = aten.index.Tensor(xv, [None, *(_val(i) for i in indices[1:])])
+    for new in (picked, shaped, moved):
+        new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        new.meta["val"] = value = (value if new is picked else new.target(value, *new.args[1:]))
+    if tuple(moved.meta["val"].shape) != tuple(_val(node).shape):  # not the identity this module claims
+        for new in (moved, shaped, picked):
+            gm.graph.erase_node(new)
+        return False
+    node.replace_all_uses_with(moved)
+    gm.graph.erase_node(node)
+    _erase_unused(gm, first)
+    return True
+
+
+def _erase_unused(gm: fx.GraphModule, node) -> None:
+    """The arange chain, once nothing reads it."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and not node.users:
+        source = node.args[0] if node.target in _RESHAPES else None
+        gm.graph.erase_node(node)
+        node = source
