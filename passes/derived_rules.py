@@ -96,9 +96,9 @@ def rule_link(op) -> str:
     included: what the op-coverage figure counts. A random op random_ops rewrites into a counter-based
     draw before placement is placed as that draw (``DRAWN``)."""
     from .expansions import EXPANSIONS
-    from .random_ops import RANDOM_RULES
+    from .random_ops import RANDOM_ONLY_WITH_DROPOUT, RANDOM_RULES
 
-    if op in RANDOM_RULES:
+    if op in RANDOM_RULES and op not in RANDOM_ONLY_WITH_DROPOUT:  # attention: placed by its rule without dropout
         return DRAWN
     return HAND if op in SHARDING_RULES or op in EXPANSIONS else derived_link(op)
 

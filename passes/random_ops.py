@@ -238,7 +238,7 @@ RANDOM_RULES: dict[object, Callable[[_Rewriter], fx.Node | None]] = {
 def is_random(node: fx.Node) -> bool:
     """Draws from torch's generator (not usc's counter-based one)."""
     target = node.target
-    if target in _RANDOM_ONLY_WITH_DROPOUT:  # attention draws only when its dropout_p is non-zero
+    if target in RANDOM_ONLY_WITH_DROPOUT:  # attention draws only when its dropout_p is non-zero
         return _dropout_p(node) != 0.0
     if target in RANDOM_RULES:
         return True
@@ -247,7 +247,7 @@ def is_random(node: fx.Node) -> bool:
 
 
 # Attention ops tagged as seeded because of their optional dropout: argument 4 is dropout_p (after q, k, v, attn_mask).
-_RANDOM_ONLY_WITH_DROPOUT = {aten.scaled_dot_product_attention.default}
+RANDOM_ONLY_WITH_DROPOUT = {aten.scaled_dot_product_attention.default}
 
 
 def _dropout_p(node: fx.Node) -> float:
@@ -290,4 +290,4 @@ def _no_counter_form(node: fx.Node) -> CompileError:
         f"draws counter-based ({supported}), or move it out of forward")
 
 
-__all__ = ["random_ops_pass", "is_random", "RANDOM_RULES", "KEY_MODULE", "draw"]
+__all__ = ["random_ops_pass", "is_random", "RANDOM_RULES", "RANDOM_ONLY_WITH_DROPOUT", "KEY_MODULE", "draw"]
