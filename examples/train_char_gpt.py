@@ -107,8 +107,12 @@ def train_on_one_device() -> dict:
     return {"losses": losses, "evals": evals}
 
 
-def draw(mesh: dict, single: dict, path: str) -> None:
-    import matplotlib
+def draw(mesh: dict, single: dict, path: str) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install matplotlib): no loss curve drawn")
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -131,6 +135,7 @@ def draw(mesh: dict, single: dict, path: str) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
 
 
 def main() -> None:
@@ -144,8 +149,8 @@ def main() -> None:
     worst_eval = max(abs(mesh["evals"][k] - single["evals"][k]) for k in single["evals"])
     print(f"\nfinal loss: usc {mesh['losses'][-1]:.4f}, one device {single['losses'][-1]:.4f}")
     print(f"largest |difference| over {STEPS} steps: training loss {worst:.2e}, held-out loss {worst_eval:.2e}")
-    draw(mesh, single, os.path.abspath(PICTURE))
-    print(f"loss curve: {os.path.abspath(PICTURE)}")
+    if draw(mesh, single, os.path.abspath(PICTURE)):
+        print(f"loss curve: {os.path.abspath(PICTURE)}")
 
 
 if __name__ == "__main__":
