@@ -31,6 +31,16 @@ _ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 _RESHAPES = {aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
+def row_index_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
+    """The pass form: every row-picking index rewritten (see the module docstring).
+
+    Requires: the traced graph (global shapes). Establishes: no ``index.Tensor`` whose first index
+    is an ``arange`` over the indexed tensor's own dim 0. It runs as the first pass rather than in
+    the tracer: the stamped trace of repeated layers compares export's own node names."""
+    batch_row_index(gm)
+    return gm
+
+
 def batch_row_index(gm: fx.GraphModule) -> int:
     """Rewrite every row-picking ``index.Tensor`` in place (see the module docstring); the count."""
     rewritten = 0
@@ -81,10 +91,15 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> bool:
     rest = tuple(xv.shape[len(indices):])
     without = padded[:at] + padded[at + 1:]
     order = list(range(1, 1 + at)) + [0] + list(range(1 + at, 1 + len(without) + len(rest)))
+    # named after the node they replace: the batch-coupling probe (the model traced on two samples)
+    # is read by the names of the graph it stands for
     with gm.graph.inserting_before(node):
-        picked = gm.graph.call_function(aten.index.Tensor, (x, [None, *indices[1:]]))
-        shaped = gm.graph.call_function(aten.view.default, (picked, [rows, *without, *rest]))
-        moved = gm.graph.call_function(aten.permute.default, (shaped, order))
+        picked = gm.graph.create_node("call_function", aten.index.Tensor, (x, [None, *indices[1:]]),
+                                      name=f"{node.name}_rows")
+        shaped = gm.graph.create_node("call_function", aten.view.default, (picked, [rows, *without, *rest]),
+                                      name=f"{node.name}_rows_view")
+        moved = gm.graph.create_node("call_function", aten.permute.default, (shaped, order),
+                                     name=f"{node.name}_rows_moved")
     value = aten.index.Tensor(xv, [None, *(_val(i) for i in indices[1:])])
     for new in (picked, shaped, moved):
         new.meta.update({k: v for k, v in node.meta.items() if k != "val"})

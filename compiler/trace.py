@@ -28,7 +28,6 @@ from .errors import CompileError, TraceError
 from .source_info import TORCH_DIR, USC_DIRS, module_path, user_source  # noqa: F401 (re-exported)
 from .functional import distinct_inputs, explicit_writes, functionalize, user_output_specs
 from .inline_regions import inline_regions
-from .row_index import batch_row_index
 from .moe import MoEBlock, patched
 
 
@@ -224,7 +223,6 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
         raise TraceError(f"{type(model).__name__}.forward must return one scalar loss (got outputs: {kinds}); "
                          "pass loss_fn= to compile, or return the loss from forward")
     gm = explicit_writes(exported)
-    batch_row_index(gm)
     _refuse_data_dependent_shapes(gm, model)
     if wrapper_source:
         _attribute_wrapper_frames(gm, wrapper_source)

@@ -13,6 +13,7 @@ from usc.compiler.errors import ShardingError, UnsupportedOpError
 from usc.compiler.functional import input_write_warnings
 from usc.compiler.ir import MeshSpec
 from usc.compiler.pass_runner import CompileContext, PassSpec, run_pipeline
+from usc.compiler.row_index import row_index_pass
 from usc.compiler.program import Program, build_program
 from usc.compiler.trace import Traced
 
@@ -45,7 +46,9 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
     rank, so nothing after it reasons about global shapes in arguments; expose_loss_count and
     zero3 edit the finished per-rank program; pipeline_split cuts it last."""
     return [
-        # first: a mask proven causal (and its constant subgraph) is gone before anything places it
+        # first: an index picking each row of its own batch (a padding mask) reads the batch dim whole
+        PassSpec("row_index", row_index_pass, annotated=False),
+        # a mask proven causal (and its constant subgraph) is gone before anything places it
         PassSpec("attention_masks", attention_masks_pass, annotated=False),
         PassSpec("random_ops", random_ops_pass, annotated=False),
         # before batch_coupling: a buffer written from the batch is named as such

@@ -40,6 +40,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from usc.compiler.errors import CompileError
 from usc.compiler.ir import META, Layout, MeshSpec
 from usc.compiler.pass_runner import CompileContext
+from usc.compiler.row_index import row_index_pass
 from usc.compiler.trace import module_path, user_source
 from usc.runtime.collectives import AllGather, AllReduce, AllToAll, LocalShard, ReduceScatter
 from usc.runtime.op_classes import RESHAPES
@@ -94,7 +95,7 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
 def _with_draws(probe: fx.GraphModule, ctx) -> fx.GraphModule:
     graph = fx.Graph()
     graph.output(graph.graph_copy(probe.graph, {}))
-    return random_ops_pass(fx.GraphModule(probe, graph), ctx)
+    return random_ops_pass(row_index_pass(fx.GraphModule(probe, graph), ctx), ctx)
 
 
 def _virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.GraphModule:

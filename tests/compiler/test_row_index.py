@@ -1,5 +1,5 @@
 """Indexing that picks each row of its own batch (x[arange(B)[:, None], idx]) is batch-local: the
-tracer rewrites it as x[:, idx] (compiler/row_index.py), so dp splits it without a gather and
+first pass rewrites it as x[:, idx] (compiler/row_index.py), so dp splits it without a gather and
 microbatches run it; anything that is not exactly that identity is left as traced."""
 
 import pytest
@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import usc
+from usc.compiler.row_index import batch_row_index
 from usc.compiler.trace import trace
 from usc.testing import assert_equivalent
 
@@ -41,6 +42,7 @@ def _indexes(gm) -> list:
 
 def test_the_batch_arange_index_becomes_a_whole_dim():
     traced = trace(RowPick(), batch(0))
+    assert batch_row_index(traced.gm) == 1
     (index,) = _indexes(traced.gm)
     assert index.args[1][0] is None
     assert not [n for n in traced.gm.graph.nodes if n.target is aten.arange.default and n.args == (6,)]
@@ -48,6 +50,7 @@ def test_the_batch_arange_index_becomes_a_whole_dim():
 
 def test_rows_in_another_order_are_left_as_traced():
     traced = trace(RowPick("flipped"), batch(0))
+    assert batch_row_index(traced.gm) == 0
     (index,) = _indexes(traced.gm)
     assert index.args[1][0] is not None
 
