@@ -170,7 +170,10 @@ def calibrate() -> dict:
                "hbm_bandwidth": memory, "intra_node_bandwidth": bandwidth, "intra_node_latency": latency,
                "inter_node_bandwidth": bandwidth, "inter_node_latency": latency, "gpus_per_node": WORLD,
                "matmul_efficiency": 1.0, "matmul_half_rows": matmul["float32"][1], "comm_efficiency": 1.0,
-               "unit_overhead": max(0.0, (deep - shallow) / 4), "latency_steps": "ring"}
+               "unit_overhead": max(0.0, (deep - shallow) / 4), "latency_steps": "ring",
+               # gloo's transfers run on the same cores as compute: with more ranks than cores
+               # nothing is left to hide them behind (set by the machine, not fitted)
+               "comm_overlap": 0.0 if WORLD >= (os.cpu_count() or 1) else 1.0}
     return {"profile": profile, "collectives": sorted(collectives), "load": [r["load"] for r in ranks][0],
             "matmul_fits": matmul, "overhead_steps": (shallow, deep)}
 

@@ -344,7 +344,7 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
         calls = max(1.0, math.ceil(grad_bytes / (plan.bucket_mb * 2**20)))
         seconds = collective_seconds(kind, payload, n, link.bandwidth, link.latency * calls, link.ring)
         last_bucket = collective_seconds(kind, min(payload, plan.bucket_mb * 2**20), n, *link)
-        exposed = max(seconds - backward_seconds, last_bucket)
+        exposed = max(seconds - hw.comm_overlap * backward_seconds, last_bucket)
         out.append(CollectiveEstimate(axis, kind, "backward", n, payload, calls, seconds, exposed))
     tp_reduced = sum(u.params_tp_reduced for u in units) / sliced
     if plan.sp and plan.tp > 1 and tp_reduced:  # norm weights see a sequence shard under sp: sum over tp
@@ -513,7 +513,7 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     state = stage_memory(profile, plan, units)
     optimizer = OPTIMIZER_TRAFFIC * (state["params"] + state["grads"] + state["optimizer"]) / hw.hbm_bandwidth
     bubble = bubble_units(plan) * per_mb
-    zero3_exposed = _zero3_exposed(comms, plan.mb * (forward + backward))
+    zero3_exposed = _zero3_exposed(comms, hw.comm_overlap * plan.mb * (forward + backward))
     comms = [replace(c, exposed_seconds=zero3_exposed) if c.direction == "forward+backward" else c for c in comms]
     exposed = sum(c.exposed_seconds for c in comms)
     time = {"compute": plan.mb * (forward + backward), "exposed_comm": exposed, "bubble": bubble,
@@ -553,7 +553,7 @@ def _exposed_layer_comm(c: CollectiveEstimate, profile, plan, units, hw) -> floa
         attention = sum(u.flops_attention for u in units) * (3 * tokens_per_microbatch(profile, plan)
                                                             / (profile.batch * profile.seq))
         attention *= plan.seq / profile.seq / plan.tp / (hw.peak_flops(plan.dtype) * hw.matmul_efficiency)
-        return max(0.0, c.seconds - attention)
+        return max(0.0, c.seconds - hw.comm_overlap * attention)
     return c.seconds
 
 

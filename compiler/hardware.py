@@ -56,6 +56,9 @@ class HardwareProfile:
     unit_overhead: float = 0.0  # seconds per pipeline unit (layer) per microbatch, forward + backward:
     #                             kernel launches and the host's Python, paid whatever the size
     latency_steps: str = "tree"  # "tree": log2(n) latency steps per collective (NCCL); "ring": n-1 (gloo)
+    comm_overlap: float = 1.0  # fraction of the compute a collective can hide behind: 1 where transfers run
+    #                            beside compute (NCCL's own SMs and copy engines), 0 where they need the
+    #                            cores compute uses (gloo with more processes than cores)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -85,7 +88,7 @@ class HardwareProfile:
 
 
 # Fields that may be zero (an overhead nobody measured is no overhead), and the string-valued ones.
-MAY_BE_ZERO = ("unit_overhead",)
+MAY_BE_ZERO = ("unit_overhead", "comm_overlap")
 TEXT_FIELDS = {"latency_steps": ("tree", "ring")}
 
 

@@ -126,3 +126,30 @@ def test_builtin_profiles_are_editable_files(name):
     text = path.read_text()
     flat = dict(_flat_toml_line(line) for line in text.splitlines() if line.split("#")[0].strip())
     assert flat == tomllib.loads(text)
+
+
+def test_comm_overlap_decides_what_compute_hides():
+    """comm_overlap=1 (NCCL beside compute): ZeRO-3's prefetched gathers and the dp gradient sum hide
+    behind compute; comm_overlap=0 (gloo on the cores compute uses, more ranks than cores): all of
+    their time is on the step."""
+    from dataclasses import replace
+
+    import torch
+
+    import usc
+    from usc.testing.models import LlamaConfig, TinyLlama, token_batch
+
+    torch.manual_seed(0)
+    model, batch = TinyLlama(LlamaConfig(layers=4)), token_batch(128, 8, 32)
+    slow_link = replace(H100, name="slow-link", intra_node_bandwidth=5e8, inter_node_bandwidth=5e8)
+    time = {}
+    for overlap in (1.0, 0.0):
+        hw = replace(slow_link, name=f"overlap-{overlap}", comm_overlap=overlap)
+        cost = usc.lint(model, "dp=4 zero=3", example_inputs=batch, hardware=hw).cost
+        gathers = [c for c in cost.collectives if c.direction == "forward+backward"]
+        time[overlap] = (cost.time["exposed_comm"], sum(c.seconds for c in cost.collectives))
+        assert gathers
+    exposed_hidden, total = time[1.0]
+    exposed_none, total_none = time[0.0]
+    assert total == pytest.approx(total_none)  # the same bytes and seconds on the wire
+    assert exposed_none == pytest.approx(total_none, rel=1e-6) and exposed_hidden < exposed_none
