@@ -482,10 +482,19 @@ def step_traffic(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) ->
     return out
 
 
-def peak_memory(profile: ModelProfile, plan: PlanPoint) -> dict[str, float]:
-    """Per-rank memory of the stage that holds the most (what estimate() reports, without the time)."""
-    return max((stage_memory(profile, plan, [unit]) for unit in merged_stages(profile, plan.pp, plan.split)),
-               key=lambda m: sum(m.values()))
+def peak_memory(profile: ModelProfile, plan: PlanPoint, *, stop_above: float = math.inf) -> dict[str, float]:
+    """Per-rank memory of the stage that holds the most (what estimate() reports, without the time).
+    ``stop_above``: return the first stage whose total exceeds it (the peak is at least that) instead
+    of looking at the rest -- the planner's memory check needs no more for a plan that cannot fit."""
+    most, most_total = None, -1.0
+    for unit in merged_stages(profile, plan.pp, plan.split):
+        memory = stage_memory(profile, plan, [unit])
+        total = sum(memory.values())
+        if total > most_total:
+            most, most_total = memory, total
+            if total > stop_above:
+                break
+    return most
 
 
 def _attention_growth(profile: ModelProfile, plan: PlanPoint) -> float:

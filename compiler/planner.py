@@ -256,7 +256,10 @@ class _Search:
                 _reject(self.result, f"not supported yet: {reason}", candidate.text())
                 continue
             refused_all = False
-            memory = peak_memory(self.profile, candidate)  # cheap: the time model runs only on plans that fit
+            # cheap: the time model runs only on plans that fit. A plan over the capacity whose stage
+            # already holds more than its family's closest miss changes nothing further: stop there
+            known = self.least_memory.get(family(candidate), float("inf"))
+            memory = peak_memory(self.profile, candidate, stop_above=max(self.capacity, known))
             self.result.evaluated += 1
             if sum(memory.values()) <= self.capacity:
                 return Candidate(candidate, estimate(self.profile, candidate, self.hw)), False

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from usc.compiler import cost_model
+from usc.compiler import cost_model, planner
 from usc.compiler.hardware import H100
 from usc.compiler.planner import PlanTarget, search
 from usc.compiler.trace import trace
@@ -108,6 +108,23 @@ def test_search_is_the_same_without_the_activation_cache(profiles, gpus, hbm, mo
     assert cached.best.estimate.time == plain.best.estimate.time
     assert cached.best.estimate.memory == plain.best.estimate.memory
     assert str(cached).split("\n", 1)[1] == str(plain).split("\n", 1)[1]  # runners-up, families, rejections
+
+
+@pytest.mark.parametrize("gpus, hbm", [(24, 700_000), (12, 1_000_000), (24, 250_000), (8, 400_000)])
+def test_search_is_the_same_without_stopping_at_the_first_stage_over_the_capacity(profiles, gpus, hbm,
+                                                                                  monkeypatch):
+    """The memory check stops at a stage over both the capacity and the family's closest miss: the
+    choice, the runners-up, the closest misses and every rejection count are those of the full check."""
+    fast, _ = profiles
+    hw = replace(H100, name="small", hbm_bytes=hbm)
+    target = PlanTarget(gpus=gpus, seq=48, global_batch=24, gpus_per_node=4, dtype="bf16")
+    early = search(fast, target, hw, supported=refusal)
+    full_check = cost_model.peak_memory
+    monkeypatch.setattr(planner, "peak_memory", lambda profile, plan, stop_above=None: full_check(profile, plan))
+    full = search(fast, target, hw, supported=refusal)
+    assert early.rejected["does not fit in memory"] > 0
+    assert (early.best and early.best.plan) == (full.best and full.best.plan) and early.families == full.families
+    assert str(early).split("\n", 1)[1] == str(full).split("\n", 1)[1]
 
 
 @pytest.mark.skipif(not DEEP, reason="Llama-3-8B's 32 layers traced whole: the deep tier (USC_DEEP_TIER=1)")
