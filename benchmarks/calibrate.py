@@ -8,7 +8,9 @@ What is measured, each on 4 local processes at once (so the cores they share cou
 - usc's own gloo collectives (runtime Comm: all-reduce, all-gather, reduce-scatter, send/recv) over
   message sizes, on groups of 2 and 4; a least-squares fit of the cost model's formulas
   (``collective_seconds`` with ring latency steps) gives the link's bandwidth and per-step latency;
-- matmuls over rows per call at the validation model's widths, fp32 and bf16: the fit
+- matmuls over rows per call at the validation model's widths, fp32 and bf16, each rank calling
+  them for a quarter of a second while every other rank does too (the rate a step's compute gets
+  when all ranks share the cores): the fit
   ``flops(rows) = peak * rows / (rows + half_rows)`` gives the peak and the fall-off the cost
   model's matmul efficiency uses (efficiency 1.0: the peak is what was sustained);
 - memory bandwidth (an in-place multiply of 128 MiB: read + write);
@@ -60,6 +62,19 @@ def _seconds(fn, repeat: int = 5) -> float:
     return statistics.median(times)
 
 
+def _sustained(fn, seconds: float = 0.25) -> float:
+    """Mean wall clock of ``fn()`` called over and over for ``seconds``, every rank at once (right
+    after a barrier): the rate a rank gets while all ranks compute, as in a training step. A median
+    of a few short calls instead catches each process while it holds a core to itself, which with
+    more processes than cores is not the rate a step sees."""
+    fn()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
 def load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -95,7 +110,7 @@ def _measure_matmuls(width: int, barrier) -> list[tuple[str, int, float]]:
         for rows in ROWS:
             a = torch.randn(rows, width, dtype=dtype)
             barrier()
-            seconds = _seconds(lambda: a @ b, repeat=7)
+            seconds = _sustained(lambda: a @ b)
             out.append((str(dtype).split(".")[-1], rows, 2 * rows * width * width * 3 / seconds))
     return out
 
@@ -103,7 +118,7 @@ def _measure_matmuls(width: int, barrier) -> list[tuple[str, int, float]]:
 def _measure_memory(barrier) -> float:
     t = torch.ones(2**25)  # 128 MiB
     barrier()
-    return 2 * t.numel() * 4 / _seconds(lambda: t.mul_(1.0))
+    return 2 * t.numel() * 4 / _sustained(lambda: t.mul_(1.0), seconds=0.5)
 
 
 def measure_rank() -> dict:
