@@ -35,7 +35,20 @@ def aten_graph(fn, *args) -> torch.fx.GraphModule:
 
 def check_against_eager(fn, *args, n_regions=1):
     """Fuse fn's graph; forward outputs and input gradients match eager within 1e-5, and every
-    fused node ran its forward and backward kernel (not the eager fallback)."""
+    fused node ran its forward and backward kernel (not the eager fallback). Where float32 misses
+    (rounding that an ill-conditioned row amplifies: a LayerNorm of 4 values close together), the
+    same inputs in float64 decide, within 1e-10: a wrong kernel misses there too."""
+    try:
+        _check(fn, args, n_regions, 1e-5)
+    except AssertionError:
+        if any(a.dtype != torch.float32 for a in args if a.is_floating_point()):
+            raise
+        _check(fn, tuple(a.double() if a.is_floating_point() else a for a in args), n_regions, 1e-10)
+    finally:
+        _draws[0] = 0  # the next example draws its inputs afresh from the same seeds
+
+
+def _check(fn, args, n_regions, tol):
     gm = fuse_graph(aten_graph(fn, *args))
     regions = [m for m in gm.modules() if isinstance(m, FusedRegion)]
     assert len(regions) == n_regions
@@ -45,13 +58,14 @@ def check_against_eager(fn, *args, n_regions=1):
     expected = expected if isinstance(expected, tuple) else (expected,)
     got = tuple(gm(*fused_in))
     for e, g in zip(expected, got):
-        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
-    grads = [torch.randn_like(e) for e in expected]
+        torch.testing.assert_close(g, e, rtol=tol, atol=tol)
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(e.shape, generator=gen, dtype=e.dtype) for e in expected]
     torch.autograd.backward(expected, grads)
     torch.autograd.backward(got, grads)
     for a, b in zip(eager_in, fused_in):
         if a.requires_grad:
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(b.grad, a.grad, rtol=tol, atol=tol)
     assert all(m.launches == {"forward": 1, "backward": 1} for m in regions)
 
 
@@ -59,8 +73,14 @@ lead = st.lists(st.integers(1, 5), min_size=1, max_size=2)
 row = st.integers(2, 70)  # 2..70: most are not a power of two (the block is the next one)
 
 
+_draws = [0]  # draws so far in this example
+
+
 def rand(*shape):
-    return torch.randn(*shape)
+    """Normal values seeded by the shape and the draw's place in the example: hypothesis replays a
+    failing example and must see the same numbers."""
+    _draws[0] += 1
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(hash((shape, _draws[0])) % 2**62))
 
 
 @settings(max_examples=4)
