@@ -203,17 +203,25 @@ def calls_of(op, info, limit: int | None) -> Iterable[Call]:
     if dtype is None:
         return
     found = 0
-    for sample in info.sample_inputs("cpu", dtype, requires_grad=False):
-        leaves, spec = tree_flatten(((sample.input, *sample.args), sample.kwargs))
-        positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        if not positions:
-            continue
-        fn = _sample_fn(info, leaves, spec, positions)
-        for call in traced_calls(op, fn, [leaves[i] for i in positions]):
-            yield call
-            found += 1
-            if limit is not None and found >= limit:
-                return
+    samples = info.sample_inputs("cpu", dtype, requires_grad=False)
+    try:
+        for sample in samples:
+            leaves, spec = tree_flatten(((sample.input, *sample.args), sample.kwargs))
+            positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+            if not positions:
+                continue
+            fn = _sample_fn(info, leaves, spec, positions)
+            for call in traced_calls(op, fn, [leaves[i] for i in positions]):
+                yield call
+                found += 1
+                if limit is not None and found >= limit:
+                    return
+    finally:
+        # closed here, not whenever the collector finds it: torch's sample generators leave a
+        # no_grad context on close, which inside a later make_fx trace would be traced (and fail)
+        close = getattr(samples, "close", None)
+        if close is not None:
+            close()
 
 
 def traced_calls(op, fn, tensors) -> list[Call]:
