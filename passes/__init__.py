@@ -13,7 +13,6 @@ from usc.compiler.errors import ShardingError, UnsupportedOpError
 from usc.compiler.functional import input_write_warnings
 from usc.compiler.ir import MeshSpec
 from usc.compiler.pass_runner import CompileContext, PassSpec, run_pipeline
-from usc.compiler.row_index import row_index_pass
 from usc.compiler.program import Program, build_program
 from usc.compiler.trace import Traced
 
@@ -32,6 +31,7 @@ from .plan_checks import check_supported
 from .propagate import propagate_pass
 from .random_ops import random_ops_pass
 from .recompute import recompute_pass
+from .row_index import row_index_pass
 from .state_writes import state_writes_pass
 from .zero3 import zero3_pass
 

@@ -55,6 +55,15 @@ def attention_masks_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 
 
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
+
+
+def sdpa_args(node: fx.Node) -> dict:
+    """Every argument of a ``scaled_dot_product_attention`` node by name, defaults filled in."""
+    values = dict(zip(SDPA_ARGS, SDPA_DEFAULTS))
+    values.update(zip(SDPA_ARGS, node.args))
+    values.update(node.kwargs)
+    return values
 
 
 def sdpa_mask(node: fx.Node) -> fx.Node | None:
@@ -140,9 +149,7 @@ def _on_cpu(kwargs: dict) -> dict:
 # ----------------------------------------------------------------------- the rewrite
 
 def _use_causal_flag(gm: fx.GraphModule, node: fx.Node) -> None:
-    values = dict(zip(SDPA_ARGS, (None, None, None, None, 0.0, False, None, False)))
-    values.update(zip(SDPA_ARGS, node.args))
-    values.update(node.kwargs)
+    values = sdpa_args(node)
     mask = values["attn_mask"]
     node.args = (values["query"], values["key"], values["value"], None, values["dropout_p"], True)
     node.kwargs = {k: values[k] for k in ("scale", "enable_gqa") if k in node.kwargs or values[k]}

@@ -40,7 +40,6 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from usc.compiler.errors import CompileError
 from usc.compiler.ir import META, Layout, MeshSpec
 from usc.compiler.pass_runner import CompileContext
-from usc.compiler.row_index import row_index_pass
 from usc.compiler.trace import module_path, user_source
 from usc.runtime.collectives import AllGather, AllReduce, AllToAll, LocalShard, ReduceScatter
 from usc.runtime.op_classes import RESHAPES
@@ -48,6 +47,7 @@ from usc.runtime.op_classes import RESHAPES
 from .graph_edit import shape_of, val
 from .propagate import propagate_pass
 from .random_ops import DRAW, random_ops_pass
+from .row_index import row_index_pass
 
 aten = torch.ops.aten
 VIRTUAL = "dp"

@@ -25,6 +25,7 @@ from usc.runtime.op_classes import RESHAPES
 from usc.runtime.ring_attention import RingAttention
 from usc.runtime.vocab import ShardedGather, VocabParallelEmbedding
 
+from .attention_masks import sdpa_args
 from .graph_edit import GraphEditor, shape_of
 
 aten = torch.ops.aten
@@ -298,15 +299,6 @@ def _classes_last(b, logits: fx.Node, peeled: bool) -> fx.Node:
     return b.call(aten.permute.default, logits, [0, *range(2, rank), 1])
 
 
-def _sdpa_args(node: fx.Node) -> dict:
-    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
-    defaults = [None, None, None, None, 0.0, False, None, False]
-    values = dict(zip(names, defaults))
-    values.update(zip(names, node.args))
-    values.update(node.kwargs)
-    return values
-
-
 @register(aten.scaled_dot_product_attention.default)
 def context_parallel_attention(ctx: ExpansionContext, node: fx.Node):
     """Attention over a sequence sharded on an axis (context parallelism, cp_mode):
@@ -320,7 +312,7 @@ def context_parallel_attention(ctx: ExpansionContext, node: fx.Node):
     step: under ring / zigzag each rank keeps its query rows of it (in the axis's chunk order) over
     all keys, and every ring step reads the columns of the block it holds; under Ulysses the heads
     are split, so each rank takes the whole mask (its heads of it, for a per-head mask)."""
-    args = _sdpa_args(node)
+    args = sdpa_args(node)
     q = args["query"]
     axes = [i for i, p in enumerate(_layout(q).placements) if isinstance(p, Shard) and p.dim == 2]
     if not axes:

@@ -22,6 +22,7 @@ from usc.compiler.errors import CompileError
 from usc.compiler.trace import module_path, user_source
 from usc.runtime.random import RandomKey, draw  # noqa: F401 - importing draw registers usc::draw
 
+from .attention_masks import sdpa_args
 from .graph_edit import val
 
 aten = torch.ops.aten
@@ -178,18 +179,15 @@ def _exponential(r: _Rewriter) -> fx.Node:
     return r.draw(shape, dtype, "exponential", lambd, like=x)
 
 
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
-
 def _attention_dropout(r: _Rewriter) -> fx.Node:
     """scaled_dot_product_attention with dropout_p > 0 (Hugging Face GPT-2 and BERT by default): the
     fused kernel draws its mask from torch's generator, so the attention is written out as the math
     PyTorch documents -- softmax(q k^T * scale + mask) dropped out, times v -- with the dropout a
     counter-based draw over the [.., L, S] weights. Memory: the weights, as eager attention holds them."""
-    given = dict(zip(_SDPA_ARGS, r.node.args)) | dict(r.node.kwargs)
+    given = sdpa_args(r.node)
     q, k, v = given["query"], given["key"], given["value"]
-    mask, p = given.get("attn_mask"), float(given.get("dropout_p", 0.0))
-    causal, scale, gqa = bool(given.get("is_causal", False)), given.get("scale"), bool(given.get("enable_gqa", False))
+    mask, p = given["attn_mask"], float(given["dropout_p"])
+    causal, scale, gqa = bool(given["is_causal"]), given["scale"], bool(given["enable_gqa"])
     qv, kv = val(q), val(k)
     if scale is None:
         scale = 1.0 / float(qv.shape[-1]) ** 0.5
@@ -246,12 +244,12 @@ def is_random(node: fx.Node) -> bool:
         and target is not DRAW
 
 
-# Attention ops tagged as seeded because of their optional dropout: argument 4 is dropout_p (after q, k, v, attn_mask).
+# Attention ops tagged as seeded because of their optional dropout: random only with dropout_p > 0.
 RANDOM_ONLY_WITH_DROPOUT = {aten.scaled_dot_product_attention.default}
 
 
 def _dropout_p(node: fx.Node) -> float:
-    value = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    value = sdpa_args(node)["dropout_p"]
     return value if isinstance(value, (int, float)) else float("nan")
 
 

@@ -1,5 +1,5 @@
 """Indexing that picks each row of its own batch (x[arange(B)[:, None], idx]) is batch-local: the
-first pass rewrites it as x[:, idx] (compiler/row_index.py), so dp splits it without a gather and
+first pass rewrites it as x[:, idx] (passes/row_index.py), so dp splits it without a gather and
 microbatches run it; anything that is not exactly that identity is left as traced."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import usc
-from usc.compiler.row_index import batch_row_index
+from usc.passes.row_index import batch_row_index
 from usc.compiler.trace import trace
 from usc.testing import assert_equivalent
 

@@ -26,17 +26,21 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from usc.runtime.op_classes import RESHAPES
+
+from .graph_edit import val
+
 aten = torch.ops.aten
 _ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
-_RESHAPES = {aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_RESHAPES = RESHAPES | {aten.unsqueeze.default}  # what an arange index passes through to broadcast
 
 
 def row_index_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
     """The pass form: every row-picking index rewritten (see the module docstring).
 
     Requires: the traced graph (global shapes). Establishes: no ``index.Tensor`` whose first index
-    is an ``arange`` over the indexed tensor's own dim 0. It runs as the first pass rather than in
-    the tracer: the stamped trace of repeated layers compares export's own node names."""
+    is an ``arange`` over the indexed tensor's own dim 0. A pass, not part of the tracer: the stamped
+    trace of repeated layers compares export's own node names."""
     batch_row_index(gm)
     return gm
 
@@ -53,10 +57,6 @@ def batch_row_index(gm: fx.GraphModule) -> int:
     return rewritten
 
 
-def _val(node):
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
 def _is_row_arange(node, rows: int) -> bool:
     """``node`` holds 0, 1, ..., rows - 1 (an arange seen through reshapes)."""
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _RESHAPES:
@@ -69,20 +69,22 @@ def _is_row_arange(node, rows: int) -> bool:
     if len(numbers) == 2:
         numbers.append(1)
     return (all(isinstance(v, int) for v in numbers) and numbers == [0, rows, 1]
-            and _val(node) is not None and not _val(node).dtype.is_floating_point)
+            and val(node) is not None and not val(node).dtype.is_floating_point)
 
 
 def _rewrite(gm: fx.GraphModule, node: fx.Node) -> bool:
     x, indices = node.args[0], list(node.args[1])
-    xv, first = _val(x), (indices[0] if indices else None)
-    if xv is None or len(indices) < 2 or _val(first) is None or any(_val(i) is None for i in indices[1:]):
+    if len(indices) < 2 or not all(isinstance(i, fx.Node) and val(i) is not None for i in indices):
+        return False  # a None index (a whole dim) or one without a traced value: left as traced
+    xv, first = val(x), indices[0]
+    if xv is None:
         return False
     rows = xv.shape[0]
-    shape = tuple(_val(first).shape)
+    shape = tuple(val(first).shape)
     big = [d for d, n in enumerate(shape) if n != 1]
     if rows < 2 or len(big) != 1 or shape[big[0]] != rows or not _is_row_arange(first, rows):
         return False
-    others = tuple(torch.broadcast_shapes(*(tuple(_val(i).shape) for i in indices[1:])))
+    others = tuple(torch.broadcast_shapes(*(tuple(val(i).shape) for i in indices[1:])))
     full = len(max(shape, others, key=len))
     at = big[0] + full - len(shape)  # the arange's dim in the broadcast index shape
     padded = (1,) * (full - len(others)) + others
@@ -100,11 +102,11 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> bool:
                                       name=f"{node.name}_rows_view")
         moved = gm.graph.create_node("call_function", aten.permute.default, (shaped, order),
                                      name=f"{node.name}_rows_moved")
-    value = aten.index.Tensor(xv, [None, *(_val(i) for i in indices[1:])])
+    value = aten.index.Tensor(xv, [None, *(val(i) for i in indices[1:])])
     for new in (picked, shaped, moved):
         new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         new.meta["val"] = value = (value if new is picked else new.target(value, *new.args[1:]))
-    if tuple(moved.meta["val"].shape) != tuple(_val(node).shape):  # not the identity this module claims
+    if tuple(moved.meta["val"].shape) != tuple(val(node).shape):  # not the identity this module claims
         for new in (moved, shaped, picked):
             gm.graph.erase_node(new)
         return False
