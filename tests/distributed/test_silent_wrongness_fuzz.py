@@ -4,7 +4,7 @@ device or is refused clearly (usc.PlanError / usc.CompileError); "different" fai
 Programs mix writes through views, random ops, loss reductions, batch-coupled terms, frozen and tied
 parameters and one tensor passed twice (usc/testing/fuzz.py); plans run on the simulator. Examples
 are derandomized so CI draws the same programs every run: 36 (program, plan) pairs, 4 programs under
-each of the 11 plans, and one program per known pattern (about 50 s of CPU)."""
+each of the 11 plans, and one program per known pattern (about 40 s of CPU)."""
 
 from collections import Counter
 
@@ -48,6 +48,11 @@ PATTERNS = [
     (ProgramSpec(frozen="first_stage"), "pp=2 mb=2"),
     (ProgramSpec(tied=True, loss="sum+mean"), "tp=2 pp=2 mb=2"),
     (ProgramSpec(loss="max", frozen="up"), "dp=2 tp=2"),  # found by the fuzzer: a partial max loss summed
+    (ProgramSpec(attention="dropout"), "tp=2"),  # fused attention dropout, written out with usc's draws
+    (ProgramSpec(attention="dropout", view_write="setitem"), "pp=2 mb=2"),
+    (ProgramSpec(row_pick=True), "dp=2"),  # a padding mask's row pick: each rank picks its own rows
+    (ProgramSpec(row_pick=True), "pp=2 mb=2"),  # ... and each microbatch
+    (ProgramSpec(row_pick=True, same_inputs=True, frozen="up"), "dp=2 mb=3"),
 ]
 
 

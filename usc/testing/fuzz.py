@@ -65,10 +65,12 @@ class ProgramSpec:
     frozen: str = ""
     tied: bool = False
     same_inputs: bool = False  # example_inputs=(ids, ids): one tensor passed twice
+    attention: str = ""  # "causal": scaled_dot_product_attention; "dropout": with dropout_p 0.2 (a random op)
+    row_pick: bool = False  # a mask read as mask[arange(B)[:, None], positions], as Hugging Face builds one
 
     @property
     def random(self) -> bool:
-        return bool(self.dropout or self.gate or self.noise)
+        return bool(self.dropout or self.gate or self.noise or self.attention == "dropout")
 
 
 class Block(nn.Module):
@@ -80,6 +82,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
+        if spec.attention:  # one head over the whole width, causal
+            q = x.unsqueeze(1)
+            x = x + 0.1 * F.scaled_dot_product_attention(q, q, q, is_causal=True,
+                                                         dropout_p=0.2 if spec.attention == "dropout" else 0.0)[:, 0]
         h = self.up(x)
         if self.first and spec.view_write:
             VIEW_WRITES[spec.view_write](h)
@@ -112,6 +118,10 @@ class FuzzedProgram(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
+        if self.spec.row_pick:  # each row of the batch picks its own row of a mask made from the tokens
+            rows, positions = torch.arange(tokens.shape[0]), torch.arange(tokens.shape[1])
+            keep = (tokens % 3 != 0)[rows.view(-1, 1), positions.view(1, -1)]
+            x = x * keep.unsqueeze(-1).to(x.dtype)
         for block in self.blocks:
             x = block(x)
         return LOSSES[self.spec.loss](self, self.head(x), labels)
@@ -130,6 +140,8 @@ def programs(draw) -> ProgramSpec:
         frozen=draw(st.sampled_from(sorted(FROZEN))),
         tied=draw(st.booleans()),
         same_inputs=draw(st.booleans()),
+        attention=draw(st.sampled_from(["", "", "causal", "dropout"])),
+        row_pick=draw(st.booleans()),
     )
 
 
