@@ -21,6 +21,7 @@ Assumptions are named constants below, each with its reason.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 from functools import partial
@@ -238,10 +239,18 @@ def _recompute_peak(profile: ModelProfile, plan: PlanPoint, parts: tuple, key: t
 
 def crosses_node(plan: PlanPoint, axis: str) -> bool:
     """Whether one group of ``axis`` spans nodes: its ranks are stride apart (row-major mesh)."""
-    sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
-    order = list(plan.order)
+    return _group_layout(plan.dp, plan.tp, plan.pp, plan.cp, plan.ep, plan.order, plan.gpus_per_node, axis)[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_layout(dp: int, tp: int, pp: int, cp: int, ep: int, order: tuple, gpus_per_node: int, axis: str
+                  ) -> tuple[bool, int]:
+    """(whether one group of ``axis`` spans nodes, how many of its ranks share a node): its ranks are
+    stride apart in the row-major mesh. Cached: the planner asks it for every collective of every plan."""
+    sizes = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
+    order = list(order)
     stride = math.prod(sizes[a] for a in order[order.index(axis) + 1:])
-    return stride * sizes[axis] > plan.gpus_per_node
+    return stride * sizes[axis] > gpus_per_node, max(1, min(sizes[axis], gpus_per_node // stride))
 
 
 class Link(NamedTuple):
@@ -288,10 +297,7 @@ def _link(hw: HardwareProfile, plan: PlanPoint, axis: str) -> Link:
 
 def ranks_per_node(plan: PlanPoint, axis: str) -> int:
     """How many ranks of one group of ``axis`` share a node (row-major mesh, as crosses_node)."""
-    sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
-    order = list(plan.order)
-    stride = math.prod(sizes[a] for a in order[order.index(axis) + 1:])
-    return max(1, min(sizes[axis], plan.gpus_per_node // stride))
+    return _group_layout(plan.dp, plan.tp, plan.pp, plan.cp, plan.ep, plan.order, plan.gpus_per_node, axis)[1]
 
 
 def layer_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile
@@ -450,14 +456,17 @@ def stage_flops(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -
     return mm + attn
 
 
-def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) -> Estimate:
+def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile, *, memory: dict | None = None
+             ) -> Estimate:
     """Per-rank memory, FLOPs, collectives and step time of ``plan``. Memory is the fullest stage's;
-    time is the busiest stage's (the most FLOPs at the plan's sequence), which the others wait for."""
+    time is the busiest stage's (the most FLOPs at the plan's sequence), which the others wait for.
+    ``memory``: ``peak_memory(profile, plan)`` when the caller has it already (the planner's check)."""
     stages = merged_stages(profile, plan.pp, plan.split)
     # at the plan's S: attention grows as S^2
     busiest = max(range(len(stages)), key=lambda k: stage_flops(profile, plan, [stages[k]]))
     state, flops, time, comms = _stage_estimate(profile, plan, stages, busiest, hw)
-    memory = peak_memory(profile, plan) if plan.pp > 1 else state
+    if memory is None:
+        memory = peak_memory(profile, plan) if plan.pp > 1 else state
     model_flops = 3 * profile.forward_flops_per_token * plan.global_batch * plan.seq * (
         1 + _attention_growth(profile, plan))
     step = time["step"]
@@ -523,7 +532,7 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     optimizer = OPTIMIZER_TRAFFIC * (state["params"] + state["grads"] + state["optimizer"]) / hw.hbm_bandwidth
     bubble = bubble_units(plan) * per_mb
     zero3_exposed = _zero3_exposed(comms, hw.comm_overlap * plan.mb * (forward + backward))
-    comms = [replace(c, exposed_seconds=zero3_exposed) if c.direction == "forward+backward" else c for c in comms]
+    comms = [_with_exposed(c, zero3_exposed) if c.direction == "forward+backward" else c for c in comms]
     exposed = sum(c.exposed_seconds for c in comms)
     time = {"compute": plan.mb * (forward + backward), "exposed_comm": exposed, "bubble": bubble,
             "optimizer": optimizer}
@@ -539,12 +548,19 @@ def _microbatch_collectives(profile: ModelProfile, plan: PlanPoint, stages: list
     units = [stages[k]]
     comms = (layer_collectives(profile, plan, units, hw) + pipeline_collectives(profile, plan, stages, k, hw)
              + expert_collectives(profile, plan, units, hw))
-    return [replace(c, exposed_seconds=_exposed_layer_comm(c, profile, plan, units, hw)) for c in comms]
+    return [_with_exposed(c, _exposed_layer_comm(c, profile, plan, units, hw)) for c in comms]
 
 
 def _per_step(comms: list[CollectiveEstimate], m: int) -> list[CollectiveEstimate]:
-    return [replace(c, bytes_per_step=c.bytes_per_step * m, calls_per_step=c.calls_per_step * m,
-                    seconds=c.seconds * m, exposed_seconds=c.exposed_seconds * m) for c in comms]
+    return [CollectiveEstimate(c.axis, c.kind, c.direction, c.group_size, c.bytes_per_step * m, c.calls_per_step * m,
+                               c.seconds * m, c.exposed_seconds * m) for c in comms]
+
+
+def _with_exposed(c: CollectiveEstimate, seconds: float) -> CollectiveEstimate:
+    """``c`` with its exposed time set (dataclasses.replace, without its per-call field walk: the
+    planner makes tens of thousands of these)."""
+    return CollectiveEstimate(c.axis, c.kind, c.direction, c.group_size, c.bytes_per_step, c.calls_per_step,
+                              c.seconds, seconds)
 
 
 def loss_value_collectives(profile: ModelProfile, plan: PlanPoint) -> list[CollectiveEstimate]:

@@ -229,7 +229,7 @@ class _Search:
             for schedule, v in _schedules(sizes["pp"]):
                 previous = None
                 for mb in _microbatches(per_replica, sizes["pp"]):
-                    point = replace(base, zero=zero, schedule=schedule, v=v, mb=mb)
+                    point = base.with_(zero=zero, schedule=schedule, v=v, mb=mb)
                     if not _matches_fixed(point, self.fixed):
                         continue
                     candidate, refused = self.first_that_fits(point)
@@ -250,10 +250,10 @@ class _Search:
         choices = (self.fixed["recompute"],) if "recompute" in self.fixed else ("none", "selective", "full")
         refused_all = True
         for recompute in choices:
-            candidate = replace(point, recompute=recompute)
+            candidate = point.with_(recompute=recompute)
             reason = self.refusal(candidate)
             if reason:
-                _reject(self.result, f"not supported yet: {reason}", candidate.text())
+                _reject(self.result, f"not supported yet: {reason}", candidate.text)
                 continue
             refused_all = False
             # cheap: the time model runs only on plans that fit. A plan over the capacity whose stage
@@ -262,10 +262,11 @@ class _Search:
             memory = peak_memory(self.profile, candidate, stop_above=max(self.capacity, known))
             self.result.evaluated += 1
             if sum(memory.values()) <= self.capacity:
-                return Candidate(candidate, estimate(self.profile, candidate, self.hw)), False
+                # the whole peak (no stage over the stop): the estimate's own memory
+                return Candidate(candidate, estimate(self.profile, candidate, self.hw, memory=memory)), False
             largest = max(memory, key=memory.get)
             self.note_miss(candidate, sum(memory.values()))
-            _reject(self.result, "does not fit in memory", f"{candidate.text()}: {sum(memory.values()) / 2**30:.1f} "
+            _reject(self.result, "does not fit in memory", lambda: f"{candidate.text()}: {sum(memory.values()) / 2**30:.1f} "
                                                            f"GiB per rank (largest: {largest})")
         return None, refused_all
 
@@ -288,9 +289,12 @@ def _support_key(p: PlanPoint) -> tuple:
             p.schedule if p.pp > 1 else "", p.v, p.cp_mode if p.cp > 1 else "", p.dtype, p.fuse)
 
 
-def _reject(result: PlanSearch, reason: str, example: str) -> None:
+def _reject(result: PlanSearch, reason: str, example: "str | Callable[[], str]") -> None:
+    """Count a rejection; the first of each reason is kept as its example (a callable is called only
+    then: the search rejects thousands of plans and writes a few of them out)."""
     result.rejected[reason] = result.rejected.get(reason, 0) + 1
-    result.rejected_examples.setdefault(reason, example)
+    if reason not in result.rejected_examples:
+        result.rejected_examples[reason] = example() if callable(example) else example
 
 
 def _shape_text(sizes: dict) -> str:

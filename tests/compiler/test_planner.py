@@ -221,3 +221,33 @@ def test_json_of_the_search_has_the_families_and_the_unchecked_terms(profile):
     assert set(planner["families"]) == set(result.families)
     assert planner["families"]["dp+ZeRO"]["plan"] == result.families["dp+ZeRO"].plan.text()
     assert planner["unchecked_terms"] == unchecked_terms(result.best.plan)
+
+
+def test_plan_point_with_is_replace():
+    point = PlanPoint(96, 40, dp=3, tp=2, pp=5, mb=7, order=("pp", "dp", "tp", "cp", "ep"))
+    changed = point.with_(zero=2, recompute="selective", mb=5)
+    assert changed == replace(point, zero=2, recompute="selective", mb=5)
+    assert hash(changed) == hash(replace(point, zero=2, recompute="selective", mb=5))
+    assert point.mb == 7 and point.zero == 0  # the original is untouched
+    with pytest.raises(TypeError, match="no field 'zeros'"):
+        point.with_(zeros=1)
+
+
+def test_usc_plan_leaves_the_collector_as_it_found_it():
+    import gc
+
+    from usc.planning import collector_paused
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collector_paused():
+        raise RuntimeError("a failed search")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # the caller had it off: it stays off
+    finally:
+        gc.enable()
