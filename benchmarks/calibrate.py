@@ -15,7 +15,9 @@ What is measured, each on 4 local processes at once (so the cores they share cou
   model's matmul efficiency uses (efficiency 1.0: the peak is what was sustained);
 - memory bandwidth (an in-place multiply of 128 MiB: read + write);
 - the executor's cost per layer that does not grow with size (Python, op dispatch): usc steps of a
-  very narrow Llama at 1 and 5 layers, ``dp=4``; the difference per layer is ``unit_overhead``.
+  very narrow Llama at 1 and 5 layers, ``dp=4``; the difference per layer is ``unit_overhead``;
+- the cores the processes may run on (``host_cores``, read, not fitted): with fewer cores than ranks
+  a pipeline's bubble is what a timeline with idle ranks' cores handed to busy ones leaves.
 
 --validate then runs each plan of PLANS on 4 gloo processes (wall clock of ``step()`` over STEPS
 steps after WARMUP, the slowest rank's mean) and prints it beside ``usc.lint``'s prediction on the
@@ -188,9 +190,17 @@ def calibrate() -> dict:
                "unit_overhead": max(0.0, (deep - shallow) / 4), "latency_steps": "ring",
                # gloo's transfers run on the same cores as compute: with more ranks than cores
                # nothing is left to hide them behind (set by the machine, not fitted)
-               "comm_overlap": 0.0 if WORLD >= (os.cpu_count() or 1) else 1.0}
+               "comm_overlap": 0.0 if WORLD >= _cores() else 1.0,
+               # the cores the ranks share: a rank idle in a pipeline bubble gives its core to the
+               # busy ones (no effect where every rank has a core of its own)
+               "host_cores": _cores()}
     return {"profile": profile, "collectives": sorted(collectives), "load": [r["load"] for r in ranks][0],
             "matmul_fits": matmul, "overhead_steps": (shallow, deep)}
+
+
+def _cores() -> int:
+    """Cores this process may run on (its affinity mask, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def write_toml(profile: dict, path: str, comment: str) -> None:

@@ -32,6 +32,7 @@ from .cost_types import (BYTES_FP32, CollectiveCost, CollectiveEstimate, Estimat
 from .hardware import HardwareProfile
 from usc.runtime.sizes import shape_bytes
 from .partition import balanced_cut, manual_cut
+from .shared_cores import SIMULATED, shared_bubble_units
 
 # The sustained fraction of the matmul peak (and its fall-off with the rows per microbatch,
 # t / (t + half_rows)), the fraction of link bandwidth collectives reach and the per-layer launch
@@ -165,6 +166,15 @@ def bubble_units(plan: PlanPoint) -> float:
     if plan.schedule in ("zb", "dualpipe"):
         return (p - 1) / 3  # ZB-H1 (Qi et al. 2024): about a third of 1F1B's bubble
     return float(p - 1)
+
+
+def pipeline_bubble_units(plan: PlanPoint, hw: HardwareProfile) -> float:
+    """``bubble_units``, or on a host whose ranks share fewer cores (``host_cores``) the bubble left
+    once idle ranks hand their cores to the busy ones (compiler/shared_cores.py; 1F1B and GPipe)."""
+    ranks = min(plan.world, plan.gpus_per_node)
+    if plan.pp > 1 and 0 < hw.host_cores < ranks and plan.v == 1 and plan.schedule in SIMULATED:
+        return shared_bubble_units(plan.schedule, plan.pp, plan.mb, ranks, hw.host_cores)
+    return bubble_units(plan)
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -530,7 +540,7 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
              + shared_gradient_collectives(profile, plan, hw))
     state = stage_memory(profile, plan, units)
     optimizer = OPTIMIZER_TRAFFIC * (state["params"] + state["grads"] + state["optimizer"]) / hw.hbm_bandwidth
-    bubble = bubble_units(plan) * per_mb
+    bubble = pipeline_bubble_units(plan, hw) * per_mb
     zero3_exposed = _zero3_exposed(comms, hw.comm_overlap * plan.mb * (forward + backward))
     comms = [_with_exposed(c, zero3_exposed) if c.direction == "forward+backward" else c for c in comms]
     exposed = sum(c.exposed_seconds for c in comms)
@@ -588,5 +598,5 @@ def _zero3_exposed(grads: list[CollectiveEstimate], compute: float) -> float:
 
 
 __all__ = ["ScaleKey", "CollectiveCost", "UnitCost", "ModelProfile", "PlanPoint", "Estimate",
-           "CollectiveEstimate", "estimate", "scale", "stage_units", "in_flight", "bubble_units",
+           "CollectiveEstimate", "estimate", "scale", "stage_units", "in_flight", "bubble_units", "pipeline_bubble_units",
            "crosses_node", "collective_seconds", "peak_memory", "shared_gradient_collectives", "Link"]

@@ -59,6 +59,9 @@ class HardwareProfile:
     comm_overlap: float = 1.0  # fraction of the compute a collective can hide behind: 1 where transfers run
     #                            beside compute (NCCL's own SMs and copy engines), 0 where they need the
     #                            cores compute uses (gloo with more processes than cores)
+    host_cores: float = 0.0  # cores one node's ranks share: 0 where each rank owns its device (GPUs);
+    #                          fewer than the node's ranks (CPU processes), a rank idle in a pipeline
+    #                          bubble gives its core to the busy ones (compiler/shared_cores.py)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -88,7 +91,7 @@ class HardwareProfile:
 
 
 # Fields that may be zero (an overhead nobody measured is no overhead), and the string-valued ones.
-MAY_BE_ZERO = ("unit_overhead", "comm_overlap")
+MAY_BE_ZERO = ("unit_overhead", "comm_overlap", "host_cores")
 TEXT_FIELDS = {"latency_steps": ("tree", "ring")}
 
 
