@@ -270,18 +270,25 @@ class Link(NamedTuple):
     bandwidth: float
     latency: float
     ring: bool = False
+    factors: tuple = ()  # (kind, factor): what a kind takes over the formula (a profile's *_factor fields)
 
 
 def collective_seconds(kind: str, nbytes: float, n: int, bandwidth: float, latency: float,
-                       ring: bool = False) -> float:
+                       ring: bool = False, factors: tuple = ()) -> float:
     """Seconds of one collective; ``nbytes`` is this rank's payload, ``bandwidth`` what the link
     sustains. Bandwidth term of the ring algorithms (Patarasuk & Yuan 2009), which NCCL uses for
     large messages; latency term of the (double binary) trees NCCL switches to when messages are
     small: 2*log2(n) steps for all-reduce, log2(n) for the others (Sanders et al. 2009; NCCL's tuning
     model) -- or a ring's n-1 steps per phase (gloo's ring algorithms). The latency term is also what
-    makes the bus bandwidth grow with the message size (busbw = bytes / (bytes/bw + steps*latency))."""
+    makes the bus bandwidth grow with the message size (busbw = bytes / (bytes/bw + steps*latency)).
+    ``factors``: a library whose kinds are not equally efficient (gloo's all-gather and
+    reduce-scatter, measured by calibrate.py) takes each kind's factor times the formula."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    if factors:
+        factor = dict(factors).get(kind, 1.0)
+        if factor != 1.0:
+            return factor * collective_seconds(kind, nbytes, n, bandwidth, latency, ring)
     steps = n - 1 if ring else math.ceil(math.log2(n))
     if kind == "all-reduce":
         return 2 * (n - 1) / n * nbytes / bandwidth + 2 * steps * latency
@@ -302,7 +309,7 @@ def _link(hw: HardwareProfile, plan: PlanPoint, axis: str) -> Link:
     bandwidth, latency = hw.link(crosses_node=crosses)
     if crosses and axis != "pp":
         bandwidth = min(bandwidth * ranks_per_node(plan, axis), hw.intra_node_bandwidth)
-    return Link(bandwidth * hw.comm_efficiency, latency, hw.latency_steps == "ring")
+    return Link(bandwidth * hw.comm_efficiency, latency, hw.latency_steps == "ring", hw.collective_factors)
 
 
 def ranks_per_node(plan: PlanPoint, axis: str) -> int:
@@ -358,7 +365,7 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
             payload = params / _zero3_wire(plan)
         link = _link(hw, plan, axis)
         calls = max(1.0, math.ceil(grad_bytes / (plan.bucket_mb * 2**20)))
-        seconds = collective_seconds(kind, payload, n, link.bandwidth, link.latency * calls, link.ring)
+        seconds = collective_seconds(kind, payload, n, link.bandwidth, link.latency * calls, link.ring, link.factors)
         last_bucket = collective_seconds(kind, min(payload, plan.bucket_mb * 2**20), n, *link)
         exposed = max(seconds - hw.comm_overlap * backward_seconds, last_bucket)
         out.append(CollectiveEstimate(axis, kind, "backward", n, payload, calls, seconds, exposed))

@@ -21,6 +21,7 @@ doc/PERFORMANCE.md). They are peak values; the cost model applies its own effici
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
@@ -59,6 +60,13 @@ class HardwareProfile:
     comm_overlap: float = 1.0  # fraction of the compute a collective can hide behind: 1 where transfers run
     #                            beside compute (NCCL's own SMs and copy engines), 0 where they need the
     #                            cores compute uses (gloo with more processes than cores)
+    # What each kind of collective takes over the formula (1: as the formula says, NCCL's case);
+    # calibrate.py measures them for gloo, whose all-gather and reduce-scatter run slower than its ring
+    all_reduce_factor: float = 1.0
+    all_gather_factor: float = 1.0
+    reduce_scatter_factor: float = 1.0
+    all_to_all_factor: float = 1.0
+    send_recv_factor: float = 1.0
     host_cores: float = 0.0  # cores one node's ranks share: 0 where each rank owns its device (GPUs);
     #                          fewer than the node's ranks (CPU processes), a rank idle in a pipeline
     #                          bubble gives its core to the busy ones (compiler/shared_cores.py)
@@ -85,6 +93,14 @@ class HardwareProfile:
         if crosses_node:
             return self.inter_node_bandwidth, self.inter_node_latency
         return self.intra_node_bandwidth, self.intra_node_latency
+
+    @functools.cached_property
+    def collective_factors(self) -> tuple:
+        """(kind, factor) of the kinds whose factor is not 1, as ``collective_seconds`` reads them."""
+        kinds = (("all-reduce", self.all_reduce_factor), ("all-gather", self.all_gather_factor),
+                 ("reduce-scatter", self.reduce_scatter_factor), ("all-to-all", self.all_to_all_factor),
+                 ("send/recv", self.send_recv_factor))
+        return tuple((k, f) for k, f in kinds if f != 1.0)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -84,3 +84,18 @@ def test_the_time_model_uses_it_only_where_ranks_share_cores():
     assert pipeline_bubble_units(point, roomy) == 3.0  # a core per rank
     interleaved = PlanPoint(8, 128, pp=4, mb=4, v=2, schedule="interleaved", gpus_per_node=4)
     assert pipeline_bubble_units(interleaved, cpu) == bubble_units(interleaved)  # not simulated: the GPU bubble
+
+
+def test_a_kinds_factor_scales_only_that_kind():
+    """A profile's *_factor fields (gloo's all-gather measured ~3x its ring formula) reach the
+    collectives' times through the link, and only for their kind."""
+    from usc.compiler.cost_model import _link, collective_seconds
+
+    gloo = HardwareProfile(**{**H100.to_dict(), "name": "gloo", "all_gather_factor": 3.0,
+                              "reduce_scatter_factor": 1.5})
+    assert gloo.collective_factors == (("all-gather", 3.0), ("reduce-scatter", 1.5))
+    assert H100.collective_factors == ()
+    point = PlanPoint(8, 128, dp=4, gpus_per_node=4)
+    plain, scaled = _link(H100, point, "dp"), _link(gloo, point, "dp")
+    for kind, factor in (("all-gather", 3.0), ("reduce-scatter", 1.5), ("all-reduce", 1.0), ("send/recv", 1.0)):
+        assert collective_seconds(kind, 5e6, 4, *scaled) == pytest.approx(factor * collective_seconds(kind, 5e6, 4, *plain))
