@@ -541,7 +541,7 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     overhead = hw.unit_overhead * units[0].blocks  # launches and Python, per layer, whatever its size
     forward = fwd_flops / rate + (pointwise + overhead) / 3
     backward = (2 + extra) * fwd_flops / rate + 2 * (pointwise + overhead) / 3
-    per_mb_comms = _microbatch_collectives(profile, plan, stages, k, hw)
+    per_mb_comms = _stage_microbatch_collectives(profile, plan, k, hw)
     per_mb = forward + backward + sum(c.exposed_seconds for c in per_mb_comms)
     comms = (_per_step(per_mb_comms, plan.mb) + gradient_collectives(plan, units, hw, backward)
              + shared_gradient_collectives(profile, plan, hw))
@@ -556,6 +556,18 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     time["step"] = sum(time.values())
     flops = plan.mb * (3 + extra) * fwd_flops
     return state, flops, time, comms
+
+
+def _stage_microbatch_collectives(profile: ModelProfile, plan: PlanPoint, k: int, hw: HardwareProfile
+                                  ) -> list[CollectiveEstimate]:
+    """``_microbatch_collectives`` of stage k of the plan's own cut, kept in the profile's cache: they
+    do not depend on the ZeRO stage, and the planner asks them again for each of the four."""
+    key = ("microbatch collectives", plan.with_(zero=0), k, hw)
+    hit = profile._stages.get(key)
+    if hit is None:
+        stages = merged_stages(profile, plan.pp, plan.split)
+        hit = profile._stages[key] = tuple(_microbatch_collectives(profile, plan, stages, k, hw))
+    return list(hit)
 
 
 def _microbatch_collectives(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], k: int,
@@ -583,10 +595,14 @@ def _with_exposed(c: CollectiveEstimate, seconds: float) -> CollectiveEstimate:
 def loss_value_collectives(profile: ModelProfile, plan: PlanPoint) -> list[CollectiveEstimate]:
     """What every rank issues once per step to return the loss: the runtime's own description of it
     (runtime/loss_value.py) for this plan's pp."""
-    sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
-    reduction = replace(profile.loss_value, pipelined=plan.pp > 1).over(sizes)
-    return [CollectiveEstimate(axis, "all-reduce", "forward", sizes[axis], shape_bytes(shape, dtype), 1, 0.0, 0.0)
-            for axis, shape, dtype, _ in reduction.payloads() if sizes.get(axis, 1) > 1]
+    key = ("loss value", plan.dp, plan.tp, plan.pp, plan.cp, plan.ep)  # all it reads of the plan
+    if key not in profile._stages:
+        sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
+        reduction = replace(profile.loss_value, pipelined=plan.pp > 1).over(sizes)
+        profile._stages[key] = tuple(
+            CollectiveEstimate(axis, "all-reduce", "forward", sizes[axis], shape_bytes(shape, dtype), 1, 0.0, 0.0)
+            for axis, shape, dtype, _ in reduction.payloads() if sizes.get(axis, 1) > 1)
+    return list(profile._stages[key])
 
 
 def _exposed_layer_comm(c: CollectiveEstimate, profile, plan, units, hw) -> float:
