@@ -39,6 +39,21 @@ def test_link_fit_recovers_a_gloo_like_link(calibrate):
         1.5 * 2**20 / bw + 6 * lat)
 
 
+def test_kind_factors_recover_what_each_kind_takes_over_the_all_reduce_link(calibrate):
+    # all-reduces on a 0.3 GB/s, 0.4 ms link; all-gathers 3x and reduce-scatters 1.5x their formula,
+    # each time written out by hand; the link is fitted on the all-reduces alone
+    bw, lat = 0.3e9, 4e-4
+    rows = []
+    for n in (2, 4):
+        for m in (2**12, 2**18, 2**22):
+            rows += [("all-reduce", n, m, 2 * (n - 1) / n * m / bw + 2 * (n - 1) * lat),
+                     ("all-gather", n, m, 3.0 * ((n - 1) * m / bw + (n - 1) * lat)),
+                     ("reduce-scatter", n, m, 1.5 * ((n - 1) / n * m / bw + (n - 1) * lat))]
+    fitted_bw, fitted_lat = calibrate.fit_link([r for r in rows if r[0] == "all-reduce"])
+    factors = calibrate.kind_factors(rows, fitted_bw, fitted_lat)
+    assert factors == pytest.approx({"all-gather": 3.0, "reduce-scatter": 1.5}, rel=1e-6)
+
+
 def test_matmul_fit_recovers_peak_and_half_rows(calibrate):
     peak, half = 40e9, 96.0
     points = [(rows, peak * rows / (rows + half)) for rows in (16, 64, 256, 1024, 4096)]
