@@ -266,8 +266,9 @@ class _Search:
                 return Candidate(candidate, estimate(self.profile, candidate, self.hw, memory=memory)), False
             largest = max(memory, key=memory.get)
             self.note_miss(candidate, sum(memory.values()))
-            _reject(self.result, "does not fit in memory", lambda: f"{candidate.text()}: {sum(memory.values()) / 2**30:.1f} "
-                                                           f"GiB per rank (largest: {largest})")
+            total = sum(memory.values())
+            _reject(self.result, "does not fit in memory",
+                    lambda: f"{candidate.text()}: {total / 2**30:.1f} GiB per rank (largest: {largest})")
         return None, refused_all
 
     def note_miss(self, point: PlanPoint, total: float) -> None:

@@ -75,9 +75,9 @@ def refusal(point: PlanPoint) -> str | None:
 @contextlib.contextmanager
 def collector_paused():
     """Python's cycle collector off for the block. Tracing and the search make hundreds of thousands
-    of short-lived objects, and each full collection walks every object torch has made, so with it on
-    a third of ``usc.plan`` went to collections (8B at 512 GPUs: 2.5 s CPU on, 2.1 s off; 9 MB more
-    peak memory). What the block leaves for it is collected after, once."""
+    of short-lived objects, and each full collection walks every object torch has made (8B at 512
+    GPUs: 2.5 s CPU with it on, 2.1 s off; 9 MB more peak memory). What the block leaves for it is
+    collected after, once."""
     was_on = gc.isenabled()
     gc.disable()
     try:
