@@ -41,7 +41,7 @@ import torch
 
 import usc
 from usc.compiler.cost_model import collective_seconds
-from usc.compiler.hardware import hardware_profile
+from usc.compiler.hardware import FACTOR_FIELDS, hardware_profile
 from usc.runtime.launch import launch_local
 from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, token_batch
 
@@ -209,7 +209,7 @@ def calibrate() -> dict:
                # the cores the ranks share: a rank idle in a pipeline bubble gives its core to the
                # busy ones (no effect where every rank has a core of its own)
                "host_cores": _cores(),
-               **{f"{kind.replace('-', '_').replace('/', '_')}_factor": f for kind, f in factors.items()}}
+               **{FACTOR_FIELDS[kind]: f for kind, f in factors.items()}}
     return {"profile": profile, "collectives": sorted(collectives), "load": [r["load"] for r in ranks][0],
             "matmul_fits": matmul, "overhead_steps": (shallow, deep)}
 
@@ -231,15 +231,15 @@ def write_toml(profile: dict, path: str, comment: str) -> None:
 def print_fit(result: dict) -> None:
     p = result["profile"]
     print(f"load average during the measurement: {result['load']}")
-    print(f"link (all-reduce): {p['intra_node_bandwidth'] / 1e9:.3f} GB/s, {p['intra_node_latency'] * 1e6:.1f} us "
-          f"per ring step; factors over the formula: " + ", ".join(f"{k} {v:.2f}" for k, v in p.items()
-                                                                  if k.endswith("_factor")))
+    factors = ", ".join(f"{k} {v:.2f}" for k, v in p.items() if k.endswith("_factor"))
+    print(f"link (all-reduce): {p['intra_node_bandwidth'] / 1e9:.3f} GB/s, "
+          f"{p['intra_node_latency'] * 1e6:.1f} us per ring step; factors over the formula: {factors}")
     print("| collective | ranks | payload | measured | formula with the fit |")
     print("|---|---|---|---|---|")
     for kind, n, nbytes, seconds in result["collectives"]:
-        factor = p.get(f"{kind.replace('-', '_').replace('/', '_')}_factor", 1.0)
-        model = factor * collective_seconds(kind, nbytes, n, p["intra_node_bandwidth"], p["intra_node_latency"],
-                                            ring=True)
+        factor = p.get(FACTOR_FIELDS[kind], 1.0)
+        model = factor * collective_seconds(kind, nbytes, n, p["intra_node_bandwidth"],
+                                            p["intra_node_latency"], ring=True)
         print(f"| {kind} | {n} | {nbytes / 1024:.0f} KiB | {seconds * 1e3:.2f} ms | {model * 1e3:.2f} ms |")
     for dtype, (peak, half) in result["matmul_fits"].items():
         print(f"matmul {dtype}: peak {peak / 1e9:.2f} GFLOP/s per rank, half at {half:.0f} rows")
@@ -284,7 +284,7 @@ def validate(profile_path: str) -> list[dict]:
     profile was measured; the last columns predict with the profile's matmul peaks scaled by that
     (the other rates as measured). Nothing of the plan's own step enters the prediction."""
     hw = hardware_profile(profile_path)
-    calibrated = hw.peak_fp32_flops * hw.matmul_efficiency * PROBE_ROWS / (PROBE_ROWS + hw.matmul_half_rows)
+    calibrated = hw.matmul_rate(PROBE_ROWS, "fp32")
     model, batch = TinyLlama(MODEL), token_batch(MODEL.vocab, BATCH, SEQ)
     rows = []
     for plan in PLANS:
@@ -292,12 +292,14 @@ def validate(profile_path: str) -> list[dict]:
         ranks = launch_local(step_rank, WORLD, plan)
         measured = max(s for s, _, _ in ranks)
         speed = statistics.mean(p for _, _, p in ranks) / calibrated
-        now = replace(hw, peak_fp32_flops=hw.peak_fp32_flops * speed, peak_bf16_flops=hw.peak_bf16_flops * speed)
+        now = replace(hw, peak_fp32_flops=hw.peak_fp32_flops * speed,
+                      peak_bf16_flops=hw.peak_bf16_flops * speed)
         at_speed = usc.lint(model, plan, example_inputs=batch, hardware=now).cost.time["step"]
         rows.append({"plan": plan, "predicted": predicted, "measured": measured, "load": ranks[0][1],
                      "speed": speed, "at_speed": at_speed})
         print(f"| `{plan}` | {predicted * 1e3:.0f} | {measured * 1e3:.0f} | {predicted / measured - 1:+.0%} | "
-              f"{ranks[0][1]} | {speed:.2f} | {at_speed * 1e3:.0f} | {at_speed / measured - 1:+.0%} |", flush=True)
+              f"{ranks[0][1]} | {speed:.2f} | {at_speed * 1e3:.0f} | {at_speed / measured - 1:+.0%} |",
+              flush=True)
     return rows
 
 
@@ -444,8 +446,9 @@ def main() -> None:
                    f" UTC, {WORLD} gloo processes, load average {result['load']}")
         print(f"wrote {args.out}")
     if args.validate:
-        print("\n| plan | predicted (ms) | measured (ms) | error | load (1/5/15 min) | matmul rate vs calibration "
-              "| predicted at that rate (ms) | error |\n|---|---|---|---|---|---|---|---|")
+        print("\n| plan | predicted (ms) | measured (ms) | error | load (1/5/15 min) "
+              "| matmul rate vs calibration | predicted at that rate (ms) | error |"
+              "\n|---|---|---|---|---|---|---|---|")
         rows = validate(path)
         within = lambda key: sum(abs(r[key] / r["measured"] - 1) <= 0.25 for r in rows)  # noqa: E731
         print(f"within 25%: {within('predicted')} of {len(rows)}; at the matmul rate while each ran: "

@@ -365,7 +365,8 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
             payload = params / _zero3_wire(plan)
         link = _link(hw, plan, axis)
         calls = max(1.0, math.ceil(grad_bytes / (plan.bucket_mb * 2**20)))
-        seconds = collective_seconds(kind, payload, n, link.bandwidth, link.latency * calls, link.ring, link.factors)
+        seconds = collective_seconds(kind, payload, n, link.bandwidth, link.latency * calls, link.ring,
+                                     link.factors)
         last_bucket = collective_seconds(kind, min(payload, plan.bucket_mb * 2**20), n, *link)
         exposed = max(seconds - hw.comm_overlap * backward_seconds, last_bucket)
         out.append(CollectiveEstimate(axis, kind, "backward", n, payload, calls, seconds, exposed))
@@ -459,11 +460,6 @@ def pipeline_collectives(profile: ModelProfile, plan: PlanPoint, stages: list[Un
 
 # ---------------------------------------------------------------------------------------- time
 
-def matmul_efficiency(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) -> float:
-    rows = tokens_per_microbatch(profile, plan)
-    return hw.matmul_efficiency * rows / (rows + hw.matmul_half_rows)
-
-
 def stage_flops(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> float:
     """Forward FLOPs of one microbatch on one rank of the stage."""
     tokens = tokens_per_microbatch(profile, plan)
@@ -534,7 +530,7 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
                     hw: HardwareProfile):
     units = [stages[k]]
     fwd_flops = stage_flops(profile, plan, units)
-    rate = hw.peak_flops(plan.dtype) * matmul_efficiency(profile, plan, hw)
+    rate = hw.matmul_rate(tokens_per_microbatch(profile, plan), plan.dtype)
     extra = {"full": 1.0, "selective": 0.0}.get(plan.recompute, 0.0)  # selective: pointwise only
     acts = sum(_acts(u.acts.get(plan.sp and plan.tp > 1, {}), profile, plan) for u in units)
     pointwise = POINTWISE_TRAFFIC * acts / hw.hbm_bandwidth * (FUSED_POINTWISE if plan.fuse else 1.0)
@@ -581,8 +577,8 @@ def _microbatch_collectives(profile: ModelProfile, plan: PlanPoint, stages: list
 
 
 def _per_step(comms: list[CollectiveEstimate], m: int) -> list[CollectiveEstimate]:
-    return [CollectiveEstimate(c.axis, c.kind, c.direction, c.group_size, c.bytes_per_step * m, c.calls_per_step * m,
-                               c.seconds * m, c.exposed_seconds * m) for c in comms]
+    return [CollectiveEstimate(c.axis, c.kind, c.direction, c.group_size, c.bytes_per_step * m,
+                               c.calls_per_step * m, c.seconds * m, c.exposed_seconds * m) for c in comms]
 
 
 def _with_exposed(c: CollectiveEstimate, seconds: float) -> CollectiveEstimate:
@@ -600,7 +596,8 @@ def loss_value_collectives(profile: ModelProfile, plan: PlanPoint) -> list[Colle
         sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
         reduction = replace(profile.loss_value, pipelined=plan.pp > 1).over(sizes)
         profile._stages[key] = tuple(
-            CollectiveEstimate(axis, "all-reduce", "forward", sizes[axis], shape_bytes(shape, dtype), 1, 0.0, 0.0)
+            CollectiveEstimate(axis, "all-reduce", "forward", sizes[axis], shape_bytes(shape, dtype), 1, 0.0,
+                               0.0)
             for axis, shape, dtype, _ in reduction.payloads() if sizes.get(axis, 1) > 1)
     return list(profile._stages[key])
 
@@ -621,5 +618,6 @@ def _zero3_exposed(grads: list[CollectiveEstimate], compute: float) -> float:
 
 
 __all__ = ["ScaleKey", "CollectiveCost", "UnitCost", "ModelProfile", "PlanPoint", "Estimate",
-           "CollectiveEstimate", "estimate", "scale", "stage_units", "in_flight", "bubble_units", "pipeline_bubble_units",
+           "CollectiveEstimate", "estimate", "scale", "stage_units", "in_flight", "bubble_units",
+           "pipeline_bubble_units",
            "crosses_node", "collective_seconds", "peak_memory", "shared_gradient_collectives", "Link"]

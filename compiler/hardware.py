@@ -97,14 +97,22 @@ class HardwareProfile:
     @functools.cached_property
     def collective_factors(self) -> tuple:
         """(kind, factor) of the kinds whose factor is not 1, as ``collective_seconds`` reads them."""
-        kinds = (("all-reduce", self.all_reduce_factor), ("all-gather", self.all_gather_factor),
-                 ("reduce-scatter", self.reduce_scatter_factor), ("all-to-all", self.all_to_all_factor),
-                 ("send/recv", self.send_recv_factor))
+        kinds = ((kind, getattr(self, name)) for kind, name in FACTOR_FIELDS.items())
         return tuple((k, f) for k, f in kinds if f != 1.0)
+
+    def matmul_rate(self, rows: float, dtype: str) -> float:
+        """FLOP/s of one rank's matmuls with ``rows`` rows (tokens) per call: the peak times the
+        sustained efficiency, falling off below ``matmul_half_rows``."""
+        return self.peak_flops(dtype) * self.matmul_efficiency * rows / (rows + self.matmul_half_rows)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+
+# The profile field of each collective kind's factor (``collective_factors``; calibrate.py writes them).
+FACTOR_FIELDS = {"all-reduce": "all_reduce_factor", "all-gather": "all_gather_factor",
+                 "reduce-scatter": "reduce_scatter_factor", "all-to-all": "all_to_all_factor",
+                 "send/recv": "send_recv_factor"}
 
 # Fields that may be zero (an overhead nobody measured is no overhead), and the string-valued ones.
 MAY_BE_ZERO = ("unit_overhead", "comm_overlap", "host_cores")

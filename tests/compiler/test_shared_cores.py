@@ -58,7 +58,8 @@ def test_bubble_matches_a_time_stepped_run_of_the_runtime_schedules(name, pp, mb
 @pytest.mark.parametrize("name, pp, mb", CASES)
 def test_own_cores_give_the_schedule_checkers_bubble(name, pp, mb):
     """A core per rank: the bubble is the GPU one, (p - 1) microbatch times, as the checker measures."""
-    metrics = check_schedule(build_schedule(name, pp, 1, mb), costs={ComputeOp.FORWARD: 1.0, ComputeOp.BACKWARD: 2.0})
+    costs = {ComputeOp.FORWARD: 1.0, ComputeOp.BACKWARD: 2.0}
+    metrics = check_schedule(build_schedule(name, pp, 1, mb), costs=costs)
     assert shared_bubble_units(name, pp, mb, 4, 4) == pytest.approx(metrics.bubble_ratio * mb, rel=1e-9)
     assert shared_bubble_units(name, pp, mb, 4, 4) == pytest.approx(pp - 1, rel=1e-9)
 
@@ -83,7 +84,8 @@ def test_the_time_model_uses_it_only_where_ranks_share_cores():
     roomy = HardwareProfile(**{**H100.to_dict(), "name": "cpu", "host_cores": 16.0})
     assert pipeline_bubble_units(point, roomy) == 3.0  # a core per rank
     interleaved = PlanPoint(8, 128, pp=4, mb=4, v=2, schedule="interleaved", gpus_per_node=4)
-    assert pipeline_bubble_units(interleaved, cpu) == bubble_units(interleaved)  # not simulated: the GPU bubble
+    # not simulated: the GPU bubble
+    assert pipeline_bubble_units(interleaved, cpu) == bubble_units(interleaved)
 
 
 def test_a_kinds_factor_scales_only_that_kind():
@@ -97,5 +99,7 @@ def test_a_kinds_factor_scales_only_that_kind():
     assert H100.collective_factors == ()
     point = PlanPoint(8, 128, dp=4, gpus_per_node=4)
     plain, scaled = _link(H100, point, "dp"), _link(gloo, point, "dp")
-    for kind, factor in (("all-gather", 3.0), ("reduce-scatter", 1.5), ("all-reduce", 1.0), ("send/recv", 1.0)):
-        assert collective_seconds(kind, 5e6, 4, *scaled) == pytest.approx(factor * collective_seconds(kind, 5e6, 4, *plain))
+    for kind, factor in (("all-gather", 3.0), ("reduce-scatter", 1.5), ("all-reduce", 1.0),
+                         ("send/recv", 1.0)):
+        expected = factor * collective_seconds(kind, 5e6, 4, *plain)
+        assert collective_seconds(kind, 5e6, 4, *scaled) == pytest.approx(expected)
