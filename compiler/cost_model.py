@@ -66,7 +66,25 @@ def scale(key: ScaleKey, amount: float, profile: ModelProfile, plan: PlanPoint) 
 
 
 def _acts(buckets: dict, profile: ModelProfile, plan: PlanPoint) -> float:
-    return sum(scale(k, a, profile, plan) for k, a in buckets.items())
+    """``scale`` summed over a {ScaleKey: bytes} bucket (its factors computed once, not per key:
+    the planner sums tens of thousands of buckets; the same operations in the same order)."""
+    if not buckets:
+        return 0
+    per_batch = plan.global_batch / profile.batch / (plan.dp * plan.ep * plan.mb)
+    per_seq = plan.seq / profile.seq / plan.cp
+    tp, halve = plan.tp, plan.dtype == "bf16"
+    total = 0
+    for key, value in buckets.items():
+        if key.batch:
+            value *= per_batch
+        if key.seq:
+            value *= per_seq
+        if key.tp:
+            value /= tp
+        if halve and key.is_float:
+            value /= 2
+        total += value
+    return total
 
 
 def tokens_per_microbatch(profile: ModelProfile, plan: PlanPoint) -> float:
@@ -181,8 +199,10 @@ def pipeline_bubble_units(plan: PlanPoint, hw: HardwareProfile) -> float:
 
 def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> dict[str, float]:
     """Bytes one rank of this stage holds at the step's peak."""
-    params = sum(_params(u, plan) for u in units)
-    unreduced = sum(_unreduced(u, plan) for u in units)
+    params = unreduced = 0
+    for u in units:
+        params += _params(u, plan)
+        unreduced += _unreduced(u, plan)
     sharded = (params - unreduced) / plan.dp + unreduced  # ZeRO shards what the dp buckets reduce
     grads = sharded if plan.zero >= 2 else params
     optimizer = 2 * (sharded if plan.zero >= 1 else params)
@@ -192,20 +212,24 @@ def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) 
         biggest = max((_params(u, plan) / u.blocks for u in units), default=0.0)
         gathered = 2 * biggest
     return {"params": held, "grads": grads, "optimizer": optimizer,
-            "activations": stage_activations(profile, plan, units), "gathered": gathered}
+            "activations": _stage_activations(profile, plan, units, params), "gathered": gathered}
 
 
 def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> float:
     """Peak bytes saved for backward: one microbatch's worth times the microbatches in flight."""
-    sp = plan.sp and plan.tp > 1
-    how = (plan.recompute, plan.cp > 1, sp)
+    return _stage_activations(profile, plan, units, sum(_params(u, plan) for u in units))
+
+
+def _stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], params: float) -> float:
+    """``stage_activations`` given the fp32 bytes of the stage's parameters one rank holds before ZeRO."""
+    how = (plan.recompute, plan.cp > 1, plan.sp and plan.tp > 1)
     per_mb, live = cached(profile, ("activations", how, _scale_of(plan)), units,
                           lambda: _microbatch_activations(profile, plan, units, how))
     if plan.dtype == "bf16" and not (plan.zero >= 3 and plan.dp > 1):
         # the bf16 copies of the weights that linears save; ZeRO-3 frees them with the gathered
         # weight and gathers again in backward (measured: 4-layer Llama dp=2 bf16, 1623816 bytes
         # saved; with zero=3, 1311368 -- the 312448 bytes of its bf16 matmul weights fewer)
-        per_mb += sum(_params(u, plan) for u in units) / 2
+        per_mb += params / 2
     return per_mb * in_flight(plan) + live
 
 
@@ -228,7 +252,7 @@ def _scale_of(plan: PlanPoint) -> tuple:
 def cached(profile: ModelProfile, key: tuple, units: list[UnitCost], compute):
     """``compute()`` once per key and stage, kept in the profile's cache: the planner asks the same
     stage's activations for every ZeRO stage and schedule (a fifth of its search time each)."""
-    key = (*key, tuple(map(id, units)))
+    key = (*key, *map(id, units))
     hit = profile._stages.get(key)
     if hit is None or len(hit[0]) != len(units) or any(a is not b for a, b in zip(hit[0], units)):
         hit = profile._stages[key] = (tuple(units), compute())  # the units kept: their ids stay theirs
@@ -477,7 +501,9 @@ def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile, *, mem
     stages = merged_stages(profile, plan.pp, plan.split)
     # at the plan's S: attention grows as S^2
     busiest = max(range(len(stages)), key=lambda k: stage_flops(profile, plan, [stages[k]]))
-    state, flops, time, comms = _stage_estimate(profile, plan, stages, busiest, hw)
+    # one stage: its memory is the peak the caller may have computed already
+    state, flops, time, comms = _stage_estimate(profile, plan, stages, busiest, hw,
+                                                state=memory if len(stages) == 1 else None)
     if memory is None:
         memory = peak_memory(profile, plan) if plan.pp > 1 else state
     model_flops = 3 * profile.forward_flops_per_token * plan.global_batch * plan.seq * (
@@ -527,7 +553,7 @@ def _attention_growth(profile: ModelProfile, plan: PlanPoint) -> float:
 
 
 def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], k: int,
-                    hw: HardwareProfile):
+                    hw: HardwareProfile, *, state: dict | None = None):
     units = [stages[k]]
     fwd_flops = stage_flops(profile, plan, units)
     rate = hw.matmul_rate(tokens_per_microbatch(profile, plan), plan.dtype)
@@ -541,7 +567,8 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     per_mb = forward + backward + sum(c.exposed_seconds for c in per_mb_comms)
     comms = (_per_step(per_mb_comms, plan.mb) + gradient_collectives(plan, units, hw, backward)
              + shared_gradient_collectives(profile, plan, hw))
-    state = stage_memory(profile, plan, units)
+    if state is None:
+        state = stage_memory(profile, plan, units)
     optimizer = OPTIMIZER_TRAFFIC * (state["params"] + state["grads"] + state["optimizer"]) / hw.hbm_bandwidth
     bubble = pipeline_bubble_units(plan, hw) * per_mb
     zero3_exposed = _zero3_exposed(comms, hw.comm_overlap * plan.mb * (forward + backward))

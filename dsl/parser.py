@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -97,7 +98,41 @@ def parse_plan(text: str) -> Plan:
     return _parse(text)
 
 
+# One line of ``name=value`` items separated by single spaces (what ``PlanPoint.text`` writes: the
+# planner reads hundreds of them per search). Every such text is in the grammar, with a HEAD and
+# a VALUE token per item; ``_parse`` makes those tokens itself instead of running lark.
+_SIMPLE_ITEM = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=([^\s;#,:=()]+)")
+_SIMPLE_TEXT = re.compile(rf"{_SIMPLE_ITEM.pattern}(?: {_SIMPLE_ITEM.pattern})*")
+
+
+def _simple_settings(text: str) -> list[_Setting] | None:
+    """The settings of a one-line ``name=value ...`` text, as lark would tokenize them; else None."""
+    if not _SIMPLE_TEXT.fullmatch(text):
+        return None
+    settings = []
+    for match in _SIMPLE_ITEM.finditer(text):
+        if match.group(1) == "auto":  # the AUTO flag's keyword: lark reads it as a flag, then fails
+            return None
+        settings.append(_Setting(_token("HEAD", match, 1), _token("VALUE", match, 2)))
+    return settings
+
+
+def _token(kind: str, match: re.Match, group: int) -> Token:
+    start, end = match.span(group)
+    return Token(kind, match.group(group), start, 1, start + 1, 1, end + 1, end)
+
+
 def _parse(text: str) -> Plan:
+    simple = _simple_settings(text)
+    if simple is None:
+        return _parse_with_lark(text)
+    builder = _PlanBuilder(text)
+    for setting in simple:
+        builder.add_setting(setting)
+    return builder.plan()
+
+
+def _parse_with_lark(text: str) -> Plan:
     try:
         tree = _parser().parse(text)
     except UnexpectedInput as err:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from plan_strategies import option_values, plan_texts, plans
-from usc.dsl import OPTIONS, Action, Plan, PlanError, Rule, parse_plan
+from plan_strategies import identifiers, option_values, plan_texts, plans
+from usc.dsl import AXES, OPTIONS, Action, Plan, PlanError, Rule, parse_plan
 
 # Bounded so the whole dsl suite stays well under 20 s.
 fast = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -93,3 +93,45 @@ def test_every_option_has_a_strategy_and_a_valid_default():
         option_values(name)  # KeyError for a value kind the strategies do not know
         if spec.default is not None:
             assert spec.kind.check(name, spec.default) == spec.default
+
+
+def _outcome(parse, text: str):
+    try:
+        return parse(text)
+    except PlanError as err:
+        return ("PlanError", str(err), err.line, err.column)
+
+
+_VALUEISH = st.text(st.sampled_from(list("0123456789abfnoz.|_-*%+")), min_size=1, max_size=8)
+_HEADS = st.one_of(st.sampled_from([*AXES, *OPTIONS, "auto", "autox", "zer0"]), identifiers)
+
+
+@st.composite
+def one_line_settings(draw):
+    """``name=value`` items on one line: the planner's texts, misspelt names, bad values, repeats."""
+    items = draw(st.lists(st.tuples(_HEADS, st.one_of(_VALUEISH, st.sampled_from(["on", "off", "2", "auto"]))),
+                          min_size=1, max_size=6))
+    return " ".join(f"{name}={value}" for name, value in items)
+
+
+@fast
+@given(st.one_of(one_line_settings(), plans().map(str), plans().flatmap(plan_texts), mutated_plan_texts()))
+@example("auto=2")  # lark reads the AUTO keyword, then fails at '='
+@example("dp=2 auto=on")
+@example("dp=2 dp=4")
+@example("zero=7 mb=0")
+@example("tp=2 split=layers.3|layers.7")
+def test_one_line_settings_read_without_lark_give_what_lark_gives(text):
+    """The reader's own path for ``name=value`` lines (the planner's hundreds of texts per search)
+    builds the same plan -- positions and source included -- or the same error as the grammar."""
+    from usc.dsl import parser
+
+    assert _outcome(parser.parse_plan, text) == _outcome(parser._parse_with_lark, text)
+
+
+def test_the_planners_texts_take_the_one_line_path():
+    from usc.dsl import parser
+
+    text = "dp=2 tp=4 pp=2 zero=1 mb=8 sp=on recompute=full dtype=bf16 fuse=on schedule=interleaved v=2"
+    assert parser._simple_settings(text) is not None
+    assert parser._simple_settings("dp=2; tp=2") is None and parser._simple_settings("auto dp=2") is None
