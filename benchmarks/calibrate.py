@@ -3,6 +3,7 @@
     python benchmarks/calibrate.py --out cpu_here.toml            # measure (4 gloo processes), write the profile
     python benchmarks/calibrate.py --out cpu_here.toml --validate # then predict vs measure 6 plans' step time
     python benchmarks/calibrate.py --profile cpu_here.toml --validate   # check an existing profile
+    python benchmarks/calibrate.py --profile cpu_here.toml --validate --model hf-llama   # on transformers' Llama
 
 What is measured, each on 4 local processes at once (so the cores they share count, as in training):
 - usc's own gloo collectives (runtime Comm: all-reduce, all-gather, reduce-scatter, send/recv) over
@@ -53,6 +54,32 @@ MODEL = LlamaConfig(vocab=512, hidden=256, heads=8, kv_heads=4, mlp=768, layers=
 BATCH, SEQ = 8, 128
 PLANS = ["dp=4", "dp=2 tp=2", "tp=4", "dp=2 pp=2 mb=4", "dp=4 zero=3", "pp=4 mb=4", "dp=2 cp=2"]
 WARMUP, STEPS = 2, 4
+
+
+def _tiny_llama():
+    return TinyLlama(MODEL), token_batch(MODEL.vocab, BATCH, SEQ)
+
+
+def _hf_llama():
+    """Hugging Face's LlamaForCausalLM at the validation model's shape, called as users call it: a
+    collator's dict batch (input_ids, attention_mask, labels), the loss in ``output.loss``."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=MODEL.vocab, hidden_size=MODEL.hidden, intermediate_size=MODEL.mlp,
+                                      num_hidden_layers=MODEL.layers, num_attention_heads=MODEL.heads,
+                                      num_key_value_heads=MODEL.kv_heads, max_position_embeddings=MODEL.max_seq,
+                                      attn_implementation="sdpa")
+    ids = token_batch(MODEL.vocab, BATCH, SEQ)[0]
+    return transformers.LlamaForCausalLM(config), {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                                   "labels": ids.clone()}
+
+
+# --validate --model NAME: the model the plans are measured on (same widths: the profile's matmuls)
+MODELS = {"tiny-llama": _tiny_llama, "hf-llama": _hf_llama}
+
+
+def _call(step, batch):
+    return step.step(batch) if isinstance(batch, dict) else step.step(*batch)
 
 
 def _seconds(fn, repeat: int = 5) -> float:
@@ -259,24 +286,24 @@ def _probe_flops() -> float:
     return 2 * PROBE_ROWS * MODEL.hidden * MODEL.hidden * 3 / _sustained(lambda: a @ b, seconds=0.5)
 
 
-def step_rank(plan: str) -> tuple[float, str, float]:
+def step_rank(plan: str, model_name: str = "tiny-llama") -> tuple[float, str, float]:
     """(mean wall clock of step() after warm-up, load average at the time, the probe's FLOP/s
     around the steps: the machine's speed while this plan ran) on this rank."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    batch = token_batch(MODEL.vocab, BATCH, SEQ)
-    step = usc.compile(TinyLlama(MODEL), plan, example_inputs=batch)
+    model, batch = MODELS[model_name]()
+    step = usc.compile(model, plan, example_inputs=batch)
     for _ in range(WARMUP):
-        step.step(*batch)
+        _call(step, batch)
     before = _probe_flops()
     start = time.perf_counter()
     for _ in range(STEPS):
-        step.step(*batch)
+        _call(step, batch)
     seconds = (time.perf_counter() - start) / STEPS
     return seconds, load(), (before + _probe_flops()) / 2
 
 
-def validate(profile_path: str) -> list[dict]:
+def validate(profile_path: str, model_name: str = "tiny-llama") -> list[dict]:
     """Each plan's prediction and measured step. The machine's matmul rate moves (this host's
     measured fp32 rate per rank swung between ~22 and ~44 GFLOP/s within minutes): the probe matmul,
     timed on every rank right before and after the measured steps, against the profile's own rate
@@ -285,11 +312,11 @@ def validate(profile_path: str) -> list[dict]:
     (the other rates as measured). Nothing of the plan's own step enters the prediction."""
     hw = hardware_profile(profile_path)
     calibrated = hw.matmul_rate(PROBE_ROWS, "fp32")
-    model, batch = TinyLlama(MODEL), token_batch(MODEL.vocab, BATCH, SEQ)
+    model, batch = MODELS[model_name]()
     rows = []
     for plan in PLANS:
         predicted = usc.lint(model, plan, example_inputs=batch, hardware=hw).cost.time["step"]
-        ranks = launch_local(step_rank, WORLD, plan)
+        ranks = launch_local(step_rank, WORLD, plan, model_name)
         measured = max(s for s, _, _ in ranks)
         speed = statistics.mean(p for _, _, p in ranks) / calibrated
         now = replace(hw, peak_fp32_flops=hw.peak_fp32_flops * speed,
@@ -427,6 +454,8 @@ def main() -> None:
     parser.add_argument("--out", help="measure and write the profile here (.toml)")
     parser.add_argument("--profile", help="an existing profile to validate")
     parser.add_argument("--validate", action="store_true")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny-llama",
+                        help="the model --validate measures (hf-llama: transformers' LlamaForCausalLM, same shape)")
     parser.add_argument("--published", action="store_true", help="only the published-vs-predicted table")
     parser.add_argument("--fit-published", action="store_true",
                         help="fit the h100 profile's matmul_efficiency and unit_overhead to FITTED_ON")
@@ -449,7 +478,7 @@ def main() -> None:
         print("\n| plan | predicted (ms) | measured (ms) | error | load (1/5/15 min) "
               "| matmul rate vs calibration | predicted at that rate (ms) | error |"
               "\n|---|---|---|---|---|---|---|---|")
-        rows = validate(path)
+        rows = validate(path, args.model)
         within = lambda key: sum(abs(r[key] / r["measured"] - 1) <= 0.25 for r in rows)  # noqa: E731
         print(f"within 25%: {within('predicted')} of {len(rows)}; at the matmul rate while each ran: "
               f"{within('at_speed')} of {len(rows)}")

@@ -78,3 +78,20 @@ def test_held_out_single_node_published_run_within_5_points(calibrate):
     rows = calibrate.published_rows([calibrate.PUBLISHED[1]])
     assert rows[0]["published_tps"] == 25_900
     assert abs(rows[0]["predicted_mfu"] - 0.238) < 0.05
+
+
+def test_validation_models_are_the_same_shape_to_the_cost_model(calibrate):
+    """--model hf-llama measures transformers' Llama at the validation model's widths, fed a dict
+    batch: the profile must see the same model (the calibration's matmuls are at those widths), so
+    its predictions sit within a few percent of usc's own Llama's."""
+    pytest.importorskip("transformers")
+    import usc
+    from usc.compiler.hardware import hardware_profile
+
+    hw = hardware_profile("a100")
+    steps = {}
+    for name in ("tiny-llama", "hf-llama"):
+        model, batch = calibrate.MODELS[name]()
+        steps[name] = usc.lint(model, "dp=2 tp=2", example_inputs=batch, hardware=hw).cost.time["step"]
+    assert isinstance(calibrate.MODELS["hf-llama"]()[1], dict)
+    assert abs(steps["hf-llama"] / steps["tiny-llama"] - 1) < 0.1, steps
