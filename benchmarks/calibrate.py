@@ -3,7 +3,7 @@
     python benchmarks/calibrate.py --out cpu_here.toml            # measure (4 gloo processes), write the profile
     python benchmarks/calibrate.py --out cpu_here.toml --validate # then predict vs measure 6 plans' step time
     python benchmarks/calibrate.py --profile cpu_here.toml --validate   # check an existing profile
-    python benchmarks/calibrate.py --profile cpu_here.toml --validate --model hf-llama   # on transformers' Llama
+    python benchmarks/calibrate.py --profile cpu_here.toml --validate --model hf-llama  # transformers' Llama
 
 What is measured, each on 4 local processes at once (so the cores they share count, as in training):
 - usc's own gloo collectives (runtime Comm: all-reduce, all-gather, reduce-scatter, send/recv) over
@@ -65,10 +65,10 @@ def _hf_llama():
     collator's dict batch (input_ids, attention_mask, labels), the loss in ``output.loss``."""
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=MODEL.vocab, hidden_size=MODEL.hidden, intermediate_size=MODEL.mlp,
-                                      num_hidden_layers=MODEL.layers, num_attention_heads=MODEL.heads,
-                                      num_key_value_heads=MODEL.kv_heads, max_position_embeddings=MODEL.max_seq,
-                                      attn_implementation="sdpa")
+    config = transformers.LlamaConfig(
+        vocab_size=MODEL.vocab, hidden_size=MODEL.hidden, intermediate_size=MODEL.mlp,
+        num_hidden_layers=MODEL.layers, num_attention_heads=MODEL.heads, num_key_value_heads=MODEL.kv_heads,
+        max_position_embeddings=MODEL.max_seq, attn_implementation="sdpa")
     ids = token_batch(MODEL.vocab, BATCH, SEQ)[0]
     return transformers.LlamaForCausalLM(config), {"input_ids": ids, "attention_mask": torch.ones_like(ids),
                                                    "labels": ids.clone()}
@@ -134,16 +134,17 @@ def _measure_collectives(comms: dict) -> list[tuple[str, int, int, float]]:
     return rows
 
 
+def _matmul_flops(rows: int, width: int, dtype: torch.dtype, barrier, seconds: float = 0.25) -> float:
+    """FLOP/s per rank of a [rows, width] @ [width, 3 * width] matmul (the validation model's QKV and
+    MLP shapes), looped on every rank at once right after ``barrier()``."""
+    a, b = torch.randn(rows, width, dtype=dtype), torch.randn(width, width * 3, dtype=dtype)
+    barrier()
+    return 2 * rows * width * width * 3 / _sustained(lambda: a @ b, seconds)
+
+
 def _measure_matmuls(width: int, barrier) -> list[tuple[str, int, float]]:
-    out = []
-    for dtype in (torch.float32, torch.bfloat16):
-        b = torch.randn(width, width * 3, dtype=dtype)
-        for rows in ROWS:
-            a = torch.randn(rows, width, dtype=dtype)
-            barrier()
-            seconds = _sustained(lambda: a @ b)
-            out.append((str(dtype).split(".")[-1], rows, 2 * rows * width * width * 3 / seconds))
-    return out
+    return [(str(dtype).split(".")[-1], rows, _matmul_flops(rows, width, dtype, barrier))
+            for dtype in (torch.float32, torch.bfloat16) for rows in ROWS]
 
 
 def _measure_memory(barrier) -> float:
@@ -281,9 +282,7 @@ PROBE_ROWS = 1024  # the speed probe: one fp32 matmul of the validation model's 
 
 def _probe_flops() -> float:
     """FLOP/s per rank of the probe matmul, every rank looping it at once (as the calibration's)."""
-    a, b = torch.randn(PROBE_ROWS, MODEL.hidden), torch.randn(MODEL.hidden, MODEL.hidden * 3)
-    torch.distributed.barrier()
-    return 2 * PROBE_ROWS * MODEL.hidden * MODEL.hidden * 3 / _sustained(lambda: a @ b, seconds=0.5)
+    return _matmul_flops(PROBE_ROWS, MODEL.hidden, torch.float32, torch.distributed.barrier, seconds=0.5)
 
 
 def step_rank(plan: str, model_name: str = "tiny-llama") -> tuple[float, str, float]:
@@ -455,7 +454,8 @@ def main() -> None:
     parser.add_argument("--profile", help="an existing profile to validate")
     parser.add_argument("--validate", action="store_true")
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny-llama",
-                        help="the model --validate measures (hf-llama: transformers' LlamaForCausalLM, same shape)")
+                        help="the model --validate measures (hf-llama: transformers' LlamaForCausalLM, "
+                             "same shape)")
     parser.add_argument("--published", action="store_true", help="only the published-vs-predicted table")
     parser.add_argument("--fit-published", action="store_true",
                         help="fit the h100 profile's matmul_efficiency and unit_overhead to FITTED_ON")

@@ -109,8 +109,8 @@ _HEADS = st.one_of(st.sampled_from([*AXES, *OPTIONS, "auto", "autox", "zer0"]), 
 @st.composite
 def one_line_settings(draw):
     """``name=value`` items on one line: the planner's texts, misspelt names, bad values, repeats."""
-    items = draw(st.lists(st.tuples(_HEADS, st.one_of(_VALUEISH, st.sampled_from(["on", "off", "2", "auto"]))),
-                          min_size=1, max_size=6))
+    values = st.one_of(_VALUEISH, st.sampled_from(["on", "off", "2", "auto"]))
+    items = draw(st.lists(st.tuples(_HEADS, values), min_size=1, max_size=6))
     return " ".join(f"{name}={value}" for name, value in items)
 
 
