@@ -212,16 +212,12 @@ def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) 
         biggest = max((_params(u, plan) / u.blocks for u in units), default=0.0)
         gathered = 2 * biggest
     return {"params": held, "grads": grads, "optimizer": optimizer,
-            "activations": _stage_activations(profile, plan, units, params), "gathered": gathered}
+            "activations": stage_activations(profile, plan, units, params), "gathered": gathered}
 
 
-def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> float:
-    """Peak bytes saved for backward: one microbatch's worth times the microbatches in flight."""
-    return _stage_activations(profile, plan, units, sum(_params(u, plan) for u in units))
-
-
-def _stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], params: float) -> float:
-    """``stage_activations`` given the fp32 bytes of the stage's parameters one rank holds before ZeRO."""
+def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], params: float) -> float:
+    """Peak bytes saved for backward: one microbatch's worth times the microbatches in flight.
+    ``params``: fp32 bytes of the stage's parameters one rank holds before ZeRO (stage_memory's)."""
     how = (plan.recompute, plan.cp > 1, plan.sp and plan.tp > 1)
     per_mb, live = cached(profile, ("activations", how, _scale_of(plan)), units,
                           lambda: _microbatch_activations(profile, plan, units, how))
