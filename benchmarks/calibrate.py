@@ -44,6 +44,7 @@ import usc
 from usc.compiler.cost_model import collective_seconds
 from usc.compiler.hardware import FACTOR_FIELDS, hardware_profile
 from usc.runtime.launch import launch_local
+from usc.testing.hf import hf_llama_model
 from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, token_batch
 
 WORLD = 4
@@ -63,15 +64,11 @@ def _tiny_llama():
 def _hf_llama():
     """Hugging Face's LlamaForCausalLM at the validation model's shape, called as users call it: a
     collator's dict batch (input_ids, attention_mask, labels), the loss in ``output.loss``."""
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=MODEL.vocab, hidden_size=MODEL.hidden, intermediate_size=MODEL.mlp,
-        num_hidden_layers=MODEL.layers, num_attention_heads=MODEL.heads, num_key_value_heads=MODEL.kv_heads,
-        max_position_embeddings=MODEL.max_seq, attn_implementation="sdpa")
+    model = hf_llama_model(vocab_size=MODEL.vocab, hidden_size=MODEL.hidden, intermediate_size=MODEL.mlp,
+                           num_hidden_layers=MODEL.layers, num_attention_heads=MODEL.heads,
+                           num_key_value_heads=MODEL.kv_heads, max_position_embeddings=MODEL.max_seq)
     ids = token_batch(MODEL.vocab, BATCH, SEQ)[0]
-    return transformers.LlamaForCausalLM(config), {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                                                   "labels": ids.clone()}
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
 # --validate --model NAME: the model the plans are measured on (same widths: the profile's matmuls)

@@ -53,38 +53,35 @@ MOE_TOP_K = 2
 
 def scale(key: ScaleKey, amount: float, profile: ModelProfile, plan: PlanPoint) -> float:
     """``amount`` measured at the profile's (B0, S0), unsplit, for one rank's microbatch of ``plan``."""
-    value = amount
+    return _scaled(key, amount, _scale_factors(profile, plan))
+
+
+def _scale_factors(profile: ModelProfile, plan: PlanPoint) -> tuple[float, float, int, bool]:
+    """What ``scale`` applies: (per batch key, per sequence key, the tp split, whether bf16 halves)."""
+    return (plan.global_batch / profile.batch / (plan.dp * plan.ep * plan.mb),  # ep ranks see their own data
+            plan.seq / profile.seq / plan.cp, plan.tp, plan.dtype == "bf16")
+
+
+def _scaled(key: ScaleKey, value: float, factors: tuple[float, float, int, bool]) -> float:
+    per_batch, per_seq, tp, halve = factors
     if key.batch:
-        value *= plan.global_batch / profile.batch / (plan.dp * plan.ep * plan.mb)  # ep ranks see their own data
+        value *= per_batch
     if key.seq:
-        value *= plan.seq / profile.seq / plan.cp
+        value *= per_seq
     if key.tp:
-        value /= plan.tp
-    if key.is_float and plan.dtype == "bf16":
+        value /= tp
+    if halve and key.is_float:
         value /= 2
     return value
 
 
 def _acts(buckets: dict, profile: ModelProfile, plan: PlanPoint) -> float:
-    """``scale`` summed over a {ScaleKey: bytes} bucket (its factors computed once, not per key:
-    the planner sums tens of thousands of buckets; the same operations in the same order)."""
+    """``scale`` summed over a {ScaleKey: bytes} bucket, its factors computed once per bucket (the
+    planner sums tens of thousands of buckets)."""
     if not buckets:
         return 0
-    per_batch = plan.global_batch / profile.batch / (plan.dp * plan.ep * plan.mb)
-    per_seq = plan.seq / profile.seq / plan.cp
-    tp, halve = plan.tp, plan.dtype == "bf16"
-    total = 0
-    for key, value in buckets.items():
-        if key.batch:
-            value *= per_batch
-        if key.seq:
-            value *= per_seq
-        if key.tp:
-            value /= tp
-        if halve and key.is_float:
-            value /= 2
-        total += value
-    return total
+    factors = _scale_factors(profile, plan)
+    return sum(_scaled(key, value, factors) for key, value in buckets.items())
 
 
 def tokens_per_microbatch(profile: ModelProfile, plan: PlanPoint) -> float:

@@ -98,19 +98,24 @@ def parse_plan(text: str) -> Plan:
     return _parse(text)
 
 
-# One line of ``name=value`` items separated by single spaces (what ``PlanPoint.text`` writes: the
-# planner reads hundreds of them per search). Every such text is in the grammar, with a HEAD and
-# a VALUE token per item; ``_parse`` makes those tokens itself instead of running lark.
-_SIMPLE_ITEM = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=([^\s;#,:=()]+)")
-_SIMPLE_TEXT = re.compile(rf"{_SIMPLE_ITEM.pattern}(?: {_SIMPLE_ITEM.pattern})*")
+@functools.cache
+def _one_line_patterns() -> tuple[re.Pattern, re.Pattern]:
+    """(one item, a whole line) of ``name=value`` items separated by single spaces: what
+    ``PlanPoint.text`` writes, the planner's hundreds of texts per search. The value is the
+    grammar's own VALUE terminal; the name a plain identifier (a subset of its HEAD). Every such
+    text is in the grammar, one HEAD and one VALUE token per item, so ``_parse`` makes those tokens
+    itself instead of running lark."""
+    item = rf"([A-Za-z_][A-Za-z0-9_]*)=({_parser().get_terminal('VALUE').pattern.value})"
+    return re.compile(item), re.compile(rf"{item}(?: {item})*")
 
 
 def _simple_settings(text: str) -> list[_Setting] | None:
     """The settings of a one-line ``name=value ...`` text, as lark would tokenize them; else None."""
-    if not _SIMPLE_TEXT.fullmatch(text):
+    item, line = _one_line_patterns()
+    if not line.fullmatch(text):
         return None
     settings = []
-    for match in _SIMPLE_ITEM.finditer(text):
+    for match in item.finditer(text):
         if match.group(1) == "auto":  # the AUTO flag's keyword: lark reads it as a flag, then fails
             return None
         settings.append(_Setting(_token("HEAD", match, 1), _token("VALUE", match, 2)))

@@ -89,9 +89,9 @@ def test_validation_models_are_the_same_shape_to_the_cost_model(calibrate):
     from usc.compiler.hardware import hardware_profile
 
     hw = hardware_profile("a100")
-    steps = {}
+    steps, batches = {}, {}
     for name in ("tiny-llama", "hf-llama"):
-        model, batch = calibrate.MODELS[name]()
-        steps[name] = usc.lint(model, "dp=2 tp=2", example_inputs=batch, hardware=hw).cost.time["step"]
-    assert isinstance(calibrate.MODELS["hf-llama"]()[1], dict)
+        model, batches[name] = calibrate.MODELS[name]()
+        steps[name] = usc.lint(model, "dp=2 tp=2", example_inputs=batches[name], hardware=hw).cost.time["step"]
+    assert isinstance(batches["hf-llama"], dict)
     assert abs(steps["hf-llama"] / steps["tiny-llama"] - 1) < 0.1, steps
