@@ -255,10 +255,19 @@ def cached(profile: ModelProfile, key: tuple, units: list[UnitCost], compute):
 def _recompute_peak(profile: ModelProfile, plan: PlanPoint, parts: tuple, key: tuple) -> float:
     """The most backward adds to what forward held: it recomputes one unit at a time, last first,
     and by then has freed what the units after it held."""
+    factors, sums = _scale_factors(profile, plan), {}
+
+    def acts(buckets: dict | None) -> float:  # a stack's stamped blocks share their dicts: summed once
+        if not buckets:
+            return 0
+        if id(buckets) not in sums:
+            sums[id(buckets)] = sum(_scaled(k, v, factors) for k, v in buckets.items())
+        return sums[id(buckets)]
+
     most, freed = 0.0, 0.0
     for unit in reversed(parts):
-        most = max(most, _acts(unit.recomputed.get(key, {}), profile, plan) - freed)
-        freed += _acts(unit.held.get(key, {}), profile, plan)
+        most = max(most, acts(unit.recomputed.get(key)) - freed)
+        freed += acts(unit.held.get(key))
     return most
 
 

@@ -16,12 +16,14 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+from collections import Counter
 from dataclasses import replace
 from functools import reduce
 
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from usc.compiler.cost_model import CollectiveCost, ModelProfile, ScaleKey, UnitCost
 from usc.compiler.errors import CompileError
@@ -60,9 +62,10 @@ def profile_model(model: torch.nn.Module, example_inputs: tuple, *, traced: Trac
     """Per-unit costs of ``model`` at the example's batch and sequence (one trace, two probe compiles).
 
     A stack of identical blocks (an ``nn.ModuleList`` of same-shaped layers, the 32 or 80 decoder
-    layers) is measured on its first ``KEEP_BLOCKS`` blocks and a steady middle one is stamped for
-    the rest, so profiling time does not grow with depth; a model whose forward needs every block,
-    or whose measured middle blocks differ, is traced whole. ``traced``: profile this trace as it is."""
+    layers) is measured on its first ``KEEP_BLOCKS`` blocks and the steady one is stamped for the
+    rest, so profiling time does not grow with depth; a model whose forward needs every block, or
+    whose first two blocks trace to different programs, is traced whole. ``traced``: profile this
+    trace as it is."""
     if traced is not None:
         return _profile(traced, example_inputs)
     with _shallow_stacks(model) as stacks:
@@ -70,14 +73,23 @@ def profile_model(model: torch.nn.Module, example_inputs: tuple, *, traced: Trac
             shallow = trace(model, tuple(example_inputs)) if stacks else None
         except CompileError:
             shallow = None
-    stamped = _stamp(_profile(shallow, example_inputs), stacks) if shallow is not None else None
+    stamped = None
+    if shallow is not None and all(_blocks_repeat(shallow, path) for path in stacks):
+        measured = _profile(shallow, example_inputs, blocks=tuple(f"{path}.{STEADY}" for path in stacks))
+        stamped = _stamp(measured, stacks) if measured is not None else None
     return stamped or _profile(trace(model, tuple(example_inputs)), example_inputs)
 
 
-def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
+def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] = ()) -> ModelProfile | None:
+    """The profile of ``traced``; None when one of ``blocks`` (the blocks to be stamped) does not keep
+    its own nodes in the probes (``_block_keeps_its_nodes``)."""
     batch, seq = batch_and_sequence(example_inputs)
-    probe_sp, probe_plain = _probe_programs(traced, batch, seq)
+    with _use_lazy_graph_module(True):  # the probes run node by node on fake tensors: no Python for them
+        probe_sp, probe_plain = _probe_programs(traced, batch, seq)
     units = _unit_order(traced.gm)
+    if not all(_block_keeps_its_nodes(program, units, block) for program in (probe_sp, probe_plain)
+               for block in blocks):
+        return None
     flops = _flops_by_unit(traced.gm, units)
     per_sp = {sp: _probe_costs(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
     params = _param_bytes(probe_sp, units)  # with sp, replicated norm weights also get their tp sum
@@ -107,19 +119,37 @@ def _profile(traced: Traced, example_inputs: tuple) -> ModelProfile:
 
 # ------------------------------------------------------------------------------- repeated blocks
 
-# Blocks measured of a stack: the first (it reads what comes before the stack), the second (it holds
-# what the first made for every block: in TinyLlama the cp pieces of the RoPE tables), two steady
-# middle ones (their costs must agree, or the stack is traced whole) and the last (its output leaves
-# the stack). The untraced blocks are the steady one stamped.
-KEEP_BLOCKS = 5
-STEADY = (2, 3)
+# Blocks measured of a stack: the first (it reads what comes before the stack and makes what every
+# block reads after it: in TinyLlama the probe's cp pieces of the RoPE tables), the second (the
+# steady block, stamped for the blocks not traced) and the last (its output leaves the stack). The
+# first two must trace to the same program (``_blocks_repeat``), or the stack is traced whole.
+KEEP_BLOCKS = 3
+STEADY = 1
+
+
+PLAIN = (bool, int, float, str, type(None))
 
 
 def _same_structure(blocks) -> bool:
+    """Every block of the list has the same type, parameter shapes and plain settings (the bools,
+    numbers and strings its modules hold: a layer type, a sliding window, whether it applies RoPE),
+    a setting that is each block's own index (``layer_idx``) aside. Only the first blocks are traced:
+    a block every fourth one unlike the others (no RoPE, a full-attention layer) must show here."""
     def shape(m):
         return type(m), [(n, tuple(p.shape)) for n, p in m.named_parameters()]
+
+    def settings(m) -> dict:
+        return {(path, name): value for path, sub in m.named_modules() for name, value in vars(sub).items()
+                if not name.startswith("_") and (isinstance(value, PLAIN) or isinstance(value, (tuple, list))
+                                                 and all(isinstance(v, PLAIN) for v in value))}
+
     first = shape(blocks[0])
-    return all(shape(b) == first for b in blocks[1:])
+    if not all(shape(b) == first for b in blocks[1:]):
+        return False
+    each = [settings(b) for b in blocks]
+    index = {k for k in each[0] if all(type(s.get(k)) is int and s.get(k) == i for i, s in enumerate(each))}
+    return all({k: v for k, v in s.items() if k not in index} == {k: v for k, v in each[0].items() if k not in index}
+               for s in each[1:])
 
 
 @contextlib.contextmanager
@@ -146,21 +176,109 @@ def _shallow_stacks(model: torch.nn.Module):
             module._modules = full[path]
 
 
+def _blocks_repeat(traced: Traced, path: str) -> bool:
+    """Blocks 0 and 1 of the stack at ``path`` trace to the same program: node for node (with the
+    graph's own nodes between a block and the next, which the profile counts with the block) the same
+    op, target, shape, dtype, module path and arguments, where block 1 reads its own nodes where
+    block 0 read its own, block 1's parameters where block 0 read block 0's (or the same shared
+    one), and outside values of the same shape and dtype where block 0 read outside values (block
+    0's output for the stack's input; a layer type's own mask)."""
+    nodes = [n for n in traced.gm.graph.nodes if n.op not in ("placeholder", "output")]
+
+    def starts(i: int) -> int | None:
+        prefix = f"{path}.{i}"
+        return next((k for k, n in enumerate(nodes) if (module_path(n) + ".").startswith(prefix + ".")), None)
+
+    first, second, third = starts(0), starts(1), starts(2)
+    if None in (first, second, third) or not first < second < third:
+        return False
+    a, b = nodes[first:second], nodes[second:third]
+    if len(a) != len(b):
+        return False
+    state = {s.placeholder: s.name for s in traced.state}
+    at_a, at_b = {n: k for k, n in enumerate(a)}, {n: k for k, n in enumerate(b)}
+    zero, one = f"{path}.0", f"{path}.1"
+
+    def renamed(text: str) -> str:
+        return one + text[len(zero):] if text == zero or text.startswith(zero + ".") else text
+
+    def same_arg(x, y) -> bool:
+        if not isinstance(x, fx.Node) or not isinstance(y, fx.Node):
+            return not isinstance(x, fx.Node) and not isinstance(y, fx.Node) and repr(x) == repr(y)
+        if x in at_a or y in at_b:
+            return at_a.get(x) == at_b.get(y)
+        if x.op == "placeholder" and x.name in state:  # its own parameter or buffer, or the one both share
+            return x is y or (y.op == "placeholder" and state.get(y.name) == renamed(state[x.name]))
+        # a value from outside: the same one, block 0's output for the stack's input, or another of the
+        # same shape (a sliding-window mask for a full one: the same costs, which is all a profile holds)
+        return (y.op != "placeholder" or y.name not in state) and _val(x) == _val(y)
+
+    for x, y in zip(a, b):
+        if (x.op, x.target, _val(x), renamed(module_path(x))) != (y.op, y.target, _val(y), module_path(y)):
+            return False
+        flat_x, flat_y = _flat((x.args, x.kwargs)), _flat((y.args, y.kwargs))
+        if len(flat_x) != len(flat_y) or not all(same_arg(p, q) for p, q in zip(flat_x, flat_y)):
+            return False
+    return True
+
+
+def _block_keeps_its_nodes(program, units: list[str], block: str) -> bool:
+    """Every node of the probe that runs inside ``block`` (from its first node to the first node of
+    the block after it) is counted with it, and no node outside. A node a pass inserted is counted
+    with the module its layout rule names -- a reduction with where its partial sums were made, which
+    may be a module before the stack (a vocab-parallel embedding whose sums the residual stream
+    carries through every block): that module would then hold every block's share, as many as
+    were traced, and the block stamped would miss it."""
+    where = _units_by_node(program.gm, units)
+    stack, index = block.rsplit(".", 1)
+    mine, following = block + ".", f"{stack}.{int(index) + 1}."
+    state = "before"
+    for node in program.gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        path = module_path(node) + "."
+        if state == "before" and path.startswith(mine):
+            state = "inside"
+        elif state == "inside" and path.startswith(following):
+            state = "after"
+        if (state == "inside") != (where.get(node.name) == block):
+            return False
+    return state == "after"
+
+
+def _flat(value) -> list:
+    """Leaves of nested tuples, lists and dicts (dict keys kept as leaves)."""
+    if isinstance(value, (tuple, list)):
+        return [leaf for v in value for leaf in _flat(v)]
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in (k, *_flat(v))]
+    return [value]
+
+
+def _val(node: fx.Node):
+    value = node.meta.get("val")
+    if isinstance(value, (tuple, list)):
+        return tuple(_val_of(v) for v in value)
+    return _val_of(value)
+
+
+def _val_of(value):
+    return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else repr(value)
+
+
 def _stamp(profile: ModelProfile, stacks: dict[str, int]) -> ModelProfile | None:
-    """Repeat a steady middle block of each stack for the blocks that were not traced; None when the
-    two steady blocks measured differ (the blocks do not repeat: the caller traces the model whole).
-    The last measured block stays the last: its output leaves the stack."""
+    """Repeat the steady block of each stack for the blocks that were not traced; None when a
+    measured block is missing (the caller traces the model whole). The last measured block stays
+    the last: its output leaves the stack."""
     units = list(profile.units)
     for path, length in stacks.items():
         names = [u.name for u in units]
-        first, second, last = (f"{path}.{i}" for i in (*STEADY, KEEP_BLOCKS - 1))
-        if not {first, second, last} <= set(names):
+        steady, last = f"{path}.{STEADY}", f"{path}.{KEEP_BLOCKS - 1}"
+        if not {steady, last} <= set(names):
             return None
-        steady = units[names.index(second)]
-        if replace(units[names.index(first)], name=second) != steady:
-            return None
+        block = units[names.index(steady)]
         at = names.index(last)
-        copies = [replace(steady, name=f"{path}.{i}") for i in range(KEEP_BLOCKS - 1, length - 1)]
+        copies = [replace(block, name=f"{path}.{i}") for i in range(KEEP_BLOCKS - 1, length - 1)]
         units[at:at + 1] = copies + [replace(units[at], name=f"{path}.{length - 1}")]
     layers = sum(1 for u in units if u.name.rsplit(".", 1)[-1].isdigit())
     return replace(profile, units=tuple(units), layers=layers)
@@ -269,8 +387,9 @@ def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rul
     for nodes outside the regions (the fake run's storages), each region's inputs (activation
     checkpointing keeps them; state and the batch are not activations) and, under selective, the
     outputs of the region's kept matmuls (the selective policy stores them); a region's output
-    that a node outside it saves stays too. Backward recomputes what the region's other nodes
-    would have saved."""
+    that a node outside it saves stays too; a value several regions read is held once, by the unit
+    that made it (the RoPE tables every block reads); one a single region reads, by that region's unit.
+    Backward recomputes what the region's other nodes would have saved."""
     gm, mesh = program.gm, program.mesh
     regions, decisions, _ = recompute_regions(gm, mode, lambda path: False, rules=rules)
     region_of = {n.name: i for i, run in enumerate(regions) for n in run}
@@ -284,13 +403,15 @@ def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rul
         elif decisions[nodes[name]] != KEPT:
             bucket = again.setdefault(where[name], {})
             bucket[key] = bucket.get(key, 0) + nbytes * factor
-    for run in regions:
-        inside = set(run)
-        entering = {_held_value(x, mesh) for n in run for x in n.all_input_nodes if x not in inside}
+    entering = [{_held_value(x, mesh) for n in run for x in n.all_input_nodes if x not in inside}
+                 for run, inside in ((run, set(run)) for run in regions)]
+    readers = Counter(value for values in entering for value in values)
+    for run, values in zip(regions, entering):
         kept = {n for n in run if decisions[n] == KEPT} if mode == "selective" else set()
-        for value in entering | kept:
+        for value in values | kept:
             if value.op != "placeholder" and value.name not in held and _local_bytes(value, mesh):
-                held[value.name] = (where[run[0].name], *_local_bytes(value, mesh))
+                unit = where[value.name] if readers[value] > 1 else where[run[0].name]
+                held[value.name] = (unit, *_local_bytes(value, mesh))
     return _sum_by_unit(held.values()), again
 
 

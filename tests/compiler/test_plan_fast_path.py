@@ -1,5 +1,5 @@
-"""The planner's fast paths change nothing it chooses: the profile measured on five blocks of a stack
-and stamped equals the profile of the whole trace, and the search with the cost model's activation
+"""The planner's fast paths change nothing it chooses: the profile measured on three blocks of a
+stack and stamped equals the profile of the whole trace, and the search with the cost model's activation
 cache returns the same plans, estimates and rejections as without it.
 
 The Hugging Face model and Llama-3-8B's shapes (32 layers on the meta device) run in the deep tier
@@ -18,13 +18,14 @@ from usc.compiler.hardware import H100
 from usc.compiler.planner import PlanTarget, search
 from usc.compiler.trace import trace
 from usc.model_call import trainable
+from usc.passes import cost_profile
 from usc.passes.cost_profile import profile_model
 from usc.planning import refusal
 from usc.testing.models import LLAMA3_8B, LlamaBlock, LlamaConfig, TinyLlama, token_batch
 
 DEEP = os.environ.get("USC_DEEP_TIER") == "1"
 
-LAYERS = 6  # one more than the five blocks the profile measures: one is stamped
+LAYERS = 6  # three more than the three blocks the profile measures: they are stamped
 VOCAB = 96
 CONFIG = LlamaConfig(vocab=VOCAB, hidden=48, heads=6, kv_heads=2, mlp=72, layers=LAYERS)
 
@@ -36,6 +37,16 @@ def hf_qwen2() -> nn.Module:
                                       num_hidden_layers=LAYERS, num_attention_heads=6, num_key_value_heads=2,
                                       max_position_embeddings=64)
     return transformers.Qwen2ForCausalLM(config)
+
+
+def hf_causal_lm(config: str, model: str, **extra) -> nn.Module:
+    import transformers
+
+    cfg = getattr(transformers, config)(vocab_size=VOCAB, hidden_size=48, intermediate_size=72,
+                                        num_hidden_layers=LAYERS, num_attention_heads=6, num_key_value_heads=2,
+                                        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                        **extra)
+    return getattr(transformers, model)(cfg)
 
 
 class SecondMLPBlock(LlamaBlock):
@@ -57,7 +68,24 @@ def alternating_llama() -> nn.Module:
     return model
 
 
-MODELS = {"tiny-llama": lambda: TinyLlama(CONFIG), "hf-qwen2": hf_qwen2, "alternating": alternating_llama}
+class ScaledOddLlama(TinyLlama):
+    """TinyLlama whose forward scales the residual stream after every odd block: every block is the
+    same module, the work between them differs (the graph's own nodes, not a block's)."""
+
+    def forward(self, tokens, labels):
+        seq = tokens.shape[1]
+        x = self.embed_tokens(tokens)
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin)
+            if i % 2:
+                x = torch.tanh(x) * 2
+        logits = self.lm_head(self.norm(x))
+        return nn.functional.cross_entropy(logits[:, :-1, :].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+
+
+MODELS = {"tiny-llama": lambda: TinyLlama(CONFIG), "hf-qwen2": hf_qwen2, "alternating": alternating_llama,
+          "scaled-odd": lambda: ScaledOddLlama(CONFIG)}
 
 
 def _profiles(name: str):
@@ -89,6 +117,61 @@ def test_blocks_that_differ_are_traced_whole():
     # even blocks alike, odd blocks alike (the MLP's saved tensors twice): the measured pattern, not
     # block 3 stamped over block 4
     assert len(acts) == LAYERS and acts[2] == acts[4] < acts[3] == acts[5]
+
+
+def test_a_block_every_fourth_unlike_the_others_is_traced_whole():
+    """Only blocks 0-2 are traced: block 3, the one that differs (as a no-RoPE or full-attention
+    layer every fourth does), is never seen by the trace; its setting is."""
+    torch.manual_seed(0)
+    model = TinyLlama(CONFIG)
+    model.layers = nn.ModuleList(SecondMLPBlock(CONFIG, again=i % 4 == 3) for i in range(LAYERS))
+    model = trainable(model, None)
+    batch = model.flatten(token_batch(VOCAB, 6, 12))
+    fast, whole = profile_model(model, batch), profile_model(model, batch, traced=trace(model, batch))
+    assert fast == whole
+    acts = [sum(u.acts[False].values()) for u in fast.units if u.name.startswith("layers.")]
+    assert acts[1] == acts[2] == acts[4] < acts[3]
+
+
+def test_work_between_blocks_that_differs_is_traced_whole():
+    fast, whole = _profiles("scaled-odd")
+    assert fast == whole
+    acts = [sum(u.acts[False].values()) for u in fast.units if u.name.startswith("layers.")]
+    assert acts[0] != acts[1] and acts[1] == acts[3] != acts[2]  # the odd blocks' units hold the tanh
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "hf-qwen2"])
+def test_a_stack_of_equal_blocks_is_traced_once_on_three_of_them(name, monkeypatch):
+    """The fast path is taken (one trace, of KEEP_BLOCKS blocks) where the blocks repeat: were it
+    to fall back to the whole trace, the profile would still be right and only the planner slow."""
+    traced_blocks = []
+
+    def counting(model, example_inputs, **options):
+        traced_blocks.append(max(len(m) for m in model.modules() if isinstance(m, nn.ModuleList)))
+        return trace(model, example_inputs, **options)
+
+    monkeypatch.setattr(cost_profile, "trace", counting)
+    torch.manual_seed(0)
+    tokens, labels = token_batch(VOCAB, 6, 12)
+    model = trainable(MODELS[name](), None)
+    batch = model.flatten({"input_ids": tokens, "labels": labels} if name.startswith("hf") else (tokens, labels))
+    profile = profile_model(model, batch)
+    assert traced_blocks == [cost_profile.KEEP_BLOCKS] == [3]
+    assert profile.layers == LAYERS
+
+
+@pytest.mark.skipif(not DEEP, reason="each model traced whole: the deep tier (USC_DEEP_TIER=1)")
+@pytest.mark.parametrize("config, model", [
+    ("CohereConfig", "CohereForCausalLM"),  # the residual stream carries the embedding's partial sums
+    ("SmolLM3Config", "SmolLM3ForCausalLM"),  # every fourth layer without RoPE
+    ("Gemma2Config", "Gemma2ForCausalLM"),  # sliding and full attention alternate
+])
+def test_hugging_face_models_whose_blocks_differ_quietly_profile_as_their_whole_trace(config, model):
+    torch.manual_seed(0)
+    net = trainable(hf_causal_lm(config, model), None)
+    tokens, labels = token_batch(VOCAB, 6, 12)
+    batch = net.flatten({"input_ids": tokens, "labels": labels})
+    assert profile_model(net, batch) == profile_model(net, batch, traced=trace(net, batch))
 
 
 def _uncached(profile, key, units, compute):
