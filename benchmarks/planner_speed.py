@@ -3,11 +3,10 @@
     python benchmarks/planner_speed.py                 # 8B (32 layers) at 512 H100s; target < 2 s
     python benchmarks/planner_speed.py --table         # 8B and 70B at 8-512 GPUs (docs/cost_model.md's table)
 
-usc.plan profiles the model once (a trace of five of its identical blocks, two probe compiles run on
-fake tensors, the steady block stamped for the rest) and then scores every plan analytically.
-Measured 2026-11-25 08:18 UTC at load average 7.4 on 2 shared cores: 5.65 s wall, 2.77 s CPU (the
-first call in the process; trace 0.83, probes 0.61, search 1.25 s CPU); before the profile's block
-cut was fixed, 35.9 s wall and 9.3 s CPU (docs/cost_model.md, "Speed").
+usc.plan profiles the model once (a trace of three of its identical blocks, two probe compiles run
+on fake tensors, the steady block stamped for the rest) and then scores every plan analytically.
+Measured 2026-11-27 on 2 shared cores, ten runs: first call in the process 1.62-2.40 s CPU (median
+2.08), a second call 1.21-1.95 s (docs/cost_model.md, "Speed", with the history).
 """
 
 import argparse
