@@ -19,7 +19,9 @@ Example (an example script a laptop user runs with plain `python train.py`)::
 
 from __future__ import annotations
 
+import signal
 import socket
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -56,5 +58,20 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float
         monitor_interval=0.1,
         start_method="spawn",
     )
-    results = elastic_launch(config, fn)(*args)
+    # torch's launcher sets its own handlers for SIGINT, SIGTERM, SIGHUP and SIGQUIT in this process
+    # (they raise its SignalException) and leaves them set: Ctrl-C after the launch would not be a
+    # KeyboardInterrupt any more. The caller's handlers come back when the launch ends.
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        saved = {sig: signal.getsignal(sig) for sig in _LAUNCHER_SIGNALS}
+    try:
+        results = elastic_launch(config, fn)(*args)
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:  # None: a handler not set from Python, which cannot be put back
+                signal.signal(sig, handler)
     return [results[rank] for rank in range(nprocs)]
+
+
+_LAUNCHER_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+                          if hasattr(signal, name))

@@ -2,6 +2,7 @@
 
 import copy
 import os
+import signal
 import time
 
 import pytest
@@ -203,7 +204,10 @@ def test_a_silent_peer_makes_the_collective_time_out():
 
 
 def test_launch_local_is_its_own_torchrun():
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     assert launch_local(_launched, 2, 5.0, timeout=60.0) == [(0, 10.0), (1, 10.0)]
+    # torch's launcher sets handlers of its own in the caller; Ctrl-C must stay a KeyboardInterrupt
+    assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
 def _launched(value: float):

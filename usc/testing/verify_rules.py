@@ -17,6 +17,7 @@ the hand table and any derived table are checked the same way::
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import sys
 import time
@@ -123,10 +124,14 @@ def derived_ops(index: dict[str, list], limit: int | None = 1) -> dict:
         dtype = _dtype_for(info)
         if dtype is None:
             continue
+        generator = None
         try:
-            samples = list(itertools.islice(info.sample_inputs("cpu", dtype, requires_grad=False), limit))
+            generator = info.sample_inputs("cpu", dtype, requires_grad=False)
+            samples = list(itertools.islice(generator, limit))
         except Exception:  # noqa: BLE001 - an OpInfo that cannot make samples here
             continue
+        finally:  # closed now, not by the collector inside a later trace (see calls_of)
+            getattr(generator, "close", lambda: None)()
         for sample in samples:
             for op in _ops_of(info, sample):
                 if op not in SHARDING_RULES and derived_link(op) != NONE:
@@ -227,11 +232,18 @@ def calls_of(op, info, limit: int | None) -> Iterable[Call]:
 def traced_calls(op, fn, tensors) -> list[Call]:
     """The calls of ``op`` in ``fn(*tensors)`` traced to aten (as torch.export's training IR keeps
     them), with the concrete values of their inputs and outputs."""
+    # no cycle collection while tracing: a sample generator torch left unclosed (one chained inside
+    # another) leaves its no_grad context when collected, which inside the trace would be traced
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         gm = make_fx(fn, pre_dispatch=True)(*tensors)
         env = _run(gm, tensors)
     except Exception:  # noqa: BLE001 - a sample the tracer cannot take is not a rule's problem
         return []
+    finally:
+        if collecting:
+            gc.enable()
     out = []
     for node in gm.graph.nodes:
         if node.target is op:
