@@ -371,8 +371,9 @@ class ViewAfterAttention(GroupedQueryLM):
         return F.cross_entropy(self.out(x + y).flatten(0, 1), labels.flatten())
 
 
-def test_ulysses_output_keeps_the_attention_kernels_memory_layout():
-    train_like_one_device(ViewAfterAttention, "cp=2 cp_mode=ulysses", token_batches())
+@pytest.mark.parametrize("plan", CP_PLANS)
+def test_cp_attention_output_keeps_the_attention_kernels_memory_layout(plan):
+    train_like_one_device(ViewAfterAttention, plan, token_batches())
 
 
 # ============================================================ Hugging Face decoders
