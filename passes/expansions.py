@@ -330,16 +330,13 @@ def context_parallel_attention(ctx: ExpansionContext, node: fx.Node):
         return b.finish(_in_memory_order_of(b, out, node.meta.get("val")))
     layout = "zigzag" if ctx.mesh.order(axis) == "zigzag" else "contiguous"
     ring = RingAttention(axis, causal=bool(args["is_causal"]), scale=args["scale"], layout=layout, masked=bool(mask))
-    out = b.module(ring, *qkv, *mask, stem="ring_attention")
-    return b.finish(_in_memory_order_of(b, out, node.meta.get("val")))
+    return b.finish(b.module(ring, *qkv, *mask, stem="ring_attention"))
 
 
 def _in_memory_order_of(b: _Builder, out: fx.Node, traced) -> fx.Node:
-    """The all-to-all's or the ring's output laid out in memory as the traced attention's was: CPU
-    and CUDA attention kernels return [B, H, S, D] stored as [B, S, H, D], and export drops a model's
-    ``.transpose(1, 2).contiguous()`` as a no-op, so the ``view`` after it needs that layout (the
-    ring's output has it only when its inputs happen to: not on fake tensors, where Qwen3-MoE's
-    view failed)."""
+    """The all-to-all's output laid out in memory as the traced attention's was: CPU and CUDA
+    attention kernels return [B, H, S, D] stored as [B, S, H, D], and export drops a model's
+    ``.transpose(1, 2).contiguous()`` as a no-op, so the ``view`` after it needs that layout."""
     if not isinstance(traced, torch.Tensor) or traced.is_contiguous():
         return out
     order = sorted(range(traced.dim()), key=lambda d: (-traced.stride(d), d))
