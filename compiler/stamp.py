@@ -34,7 +34,8 @@ from .trace import StateInput, Traced, module_path, trace
 MIN_LAYERS = 4  # below this, stamping saves nothing
 
 
-def _signature(module: nn.Module) -> tuple:
+def block_signature(module: nn.Module) -> tuple:
+    """Type, parameters (name, shape, dtype, trainable) and buffers of a block: equal blocks have equal ones."""
     return (type(module).__name__,
             tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()),
             tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers()))
@@ -45,8 +46,8 @@ def repeated_layers(model: nn.Module) -> tuple[str, int] | None:
     best = None
     for path, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) >= MIN_LAYERS and path:
-            first = _signature(module[0])
-            if all(_signature(m) == first for m in module) and (best is None or len(module) > best[1]):
+            first = block_signature(module[0])
+            if all(block_signature(m) == first for m in module) and (best is None or len(module) > best[1]):
                 best = (path, len(module))
     return best
 
@@ -181,8 +182,14 @@ def graphs_equal(a: fx.GraphModule, b: fx.GraphModule) -> bool:
 
 
 def _val(node: fx.Node):
-    v = node.meta.get("val")
-    return (tuple(v.shape), v.dtype) if hasattr(v, "shape") else repr(v)
+    return value_signature(node.meta.get("val"))
+
+
+def value_signature(value):
+    """(shape, dtype) of a traced value, a tuple of them for a tuple of values, else its repr."""
+    if isinstance(value, (tuple, list)):
+        return tuple(value_signature(v) for v in value)
+    return (tuple(value.shape), value.dtype) if hasattr(value, "shape") else repr(value)
 
 
 def trace_stamped(model: nn.Module, example_inputs, *, wrapper_source: str = "") -> Traced:
@@ -202,4 +209,4 @@ def trace_stamped(model: nn.Module, example_inputs, *, wrapper_source: str = "")
     return replace(stamp(two, path, count, model), stamped=(two, three, count))
 
 
-__all__ = ["trace_stamped", "stamp", "repeated_layers", "graphs_equal"]
+__all__ = ["trace_stamped", "stamp", "repeated_layers", "graphs_equal", "value_signature", "block_signature"]

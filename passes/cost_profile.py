@@ -24,11 +24,13 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.utils._pytree import tree_flatten
 
 from usc.compiler.cost_model import CollectiveCost, ModelProfile, ScaleKey, UnitCost
 from usc.compiler.errors import CompileError
 from usc.compiler.ir import META
 from usc.compiler.report import graph_collectives
+from usc.compiler.stamp import block_signature, value_signature
 from usc.compiler.trace import Traced, module_path, trace
 from usc.dsl import PlanError, parse_plan
 from usc.passes import parallelize
@@ -131,20 +133,17 @@ PLAIN = (bool, int, float, str, type(None))
 
 
 def _same_structure(blocks) -> bool:
-    """Every block of the list has the same type, parameter shapes and plain settings (the bools,
+    """Every block of the list has the same type, parameters (shapes, dtypes, trainable), buffers and plain settings (the bools,
     numbers and strings its modules hold: a layer type, a sliding window, whether it applies RoPE),
     a setting that is each block's own index (``layer_idx``) aside. Only the first blocks are traced:
     a block every fourth one unlike the others (no RoPE, a full-attention layer) must show here."""
-    def shape(m):
-        return type(m), [(n, tuple(p.shape)) for n, p in m.named_parameters()]
-
     def settings(m) -> dict:
         return {(path, name): value for path, sub in m.named_modules() for name, value in vars(sub).items()
                 if not name.startswith("_") and (isinstance(value, PLAIN) or isinstance(value, (tuple, list))
                                                  and all(isinstance(v, PLAIN) for v in value))}
 
-    first = shape(blocks[0])
-    if not all(shape(b) == first for b in blocks[1:]):
+    first = block_signature(blocks[0])  # a frozen block is not a trainable one's copy
+    if not all(block_signature(b) == first for b in blocks[1:]):
         return False
     each = [settings(b) for b in blocks]
     index = {k for k in each[0] if all(type(s.get(k)) is int and s.get(k) == i for i, s in enumerate(each))}
@@ -211,13 +210,15 @@ def _blocks_repeat(traced: Traced, path: str) -> bool:
             return x is y or (y.op == "placeholder" and state.get(y.name) == renamed(state[x.name]))
         # a value from outside: the same one, block 0's output for the stack's input, or another of the
         # same shape (a sliding-window mask for a full one: the same costs, which is all a profile holds)
-        return (y.op != "placeholder" or y.name not in state) and _val(x) == _val(y)
+        return (y.op != "placeholder" or y.name not in state) and \
+            value_signature(x.meta.get("val")) == value_signature(y.meta.get("val"))
 
     for x, y in zip(a, b):
-        if (x.op, x.target, _val(x), renamed(module_path(x))) != (y.op, y.target, _val(y), module_path(y)):
+        if (x.op, x.target, value_signature(x.meta.get("val")), renamed(module_path(x))) != \
+                (y.op, y.target, value_signature(y.meta.get("val")), module_path(y)):
             return False
-        flat_x, flat_y = _flat((x.args, x.kwargs)), _flat((y.args, y.kwargs))
-        if len(flat_x) != len(flat_y) or not all(same_arg(p, q) for p, q in zip(flat_x, flat_y)):
+        (flat_x, spec_x), (flat_y, spec_y) = tree_flatten((x.args, x.kwargs)), tree_flatten((y.args, y.kwargs))
+        if spec_x != spec_y or not all(same_arg(p, q) for p, q in zip(flat_x, flat_y)):
             return False
     return True
 
@@ -244,26 +245,6 @@ def _block_keeps_its_nodes(program, units: list[str], block: str) -> bool:
         if (state == "inside") != (where.get(node.name) == block):
             return False
     return state == "after"
-
-
-def _flat(value) -> list:
-    """Leaves of nested tuples, lists and dicts (dict keys kept as leaves)."""
-    if isinstance(value, (tuple, list)):
-        return [leaf for v in value for leaf in _flat(v)]
-    if isinstance(value, dict):
-        return [leaf for k, v in value.items() for leaf in (k, *_flat(v))]
-    return [value]
-
-
-def _val(node: fx.Node):
-    value = node.meta.get("val")
-    if isinstance(value, (tuple, list)):
-        return tuple(_val_of(v) for v in value)
-    return _val_of(value)
-
-
-def _val_of(value):
-    return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else repr(value)
 
 
 def _stamp(profile: ModelProfile, stacks: dict[str, int]) -> ModelProfile | None:

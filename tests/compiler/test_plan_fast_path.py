@@ -133,6 +133,20 @@ def test_a_block_every_fourth_unlike_the_others_is_traced_whole():
     assert acts[1] == acts[2] == acts[4] < acts[3]
 
 
+def test_a_frozen_block_is_not_stamped_as_a_trainable_one():
+    """Block 4 frozen (a user fine-tuning the others): it has no gradients to hold or reduce, which a
+    copy of trainable block 1 would count."""
+    torch.manual_seed(0)
+    model = TinyLlama(CONFIG)
+    model.layers[4].requires_grad_(False)
+    model = trainable(model, None)
+    batch = model.flatten(token_batch(VOCAB, 6, 12))
+    fast, whole = profile_model(model, batch), profile_model(model, batch, traced=trace(model, batch))
+    assert fast == whole
+    units = {u.name: u for u in fast.units}
+    assert units["layers.4"].params_tp == 0 < units["layers.3"].params_tp
+
+
 def test_work_between_blocks_that_differs_is_traced_whole():
     fast, whole = _profiles("scaled-odd")
     assert fast == whole
