@@ -13,6 +13,9 @@ from usc.passes.sharding_rules import SHARDING_RULES, Decision
 from usc.testing.equivalence import assert_equivalent
 from usc.testing.verify_rules import hand_rules, rule_ops, table, verify
 
+# OpInfo sample generators torch leaves open must not be finalized inside a later trace
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+
 aten = torch.ops.aten
 R = Replicate()
 F64 = torch.float64

@@ -17,7 +17,6 @@ the hand table and any derived table are checked the same way::
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import sys
 import time
@@ -34,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from usc.compiler.errors import CompileError
 from usc.passes.graph_edit import flat_inputs
 from usc.passes.sharding_rules import SHARDING_RULES, Decision, OpView
+from usc.planning import collector_paused
 
 from .rule_check import Call, Skip, run_decision
 from .rule_samples import EXTRA
@@ -234,16 +234,12 @@ def traced_calls(op, fn, tensors) -> list[Call]:
     them), with the concrete values of their inputs and outputs."""
     # no cycle collection while tracing: a sample generator torch left unclosed (one chained inside
     # another) leaves its no_grad context when collected, which inside the trace would be traced
-    collecting = gc.isenabled()
-    gc.disable()
     try:
-        gm = make_fx(fn, pre_dispatch=True)(*tensors)
+        with collector_paused():
+            gm = make_fx(fn, pre_dispatch=True)(*tensors)
         env = _run(gm, tensors)
     except Exception:  # noqa: BLE001 - a sample the tracer cannot take is not a rule's problem
         return []
-    finally:
-        if collecting:
-            gc.enable()
     out = []
     for node in gm.graph.nodes:
         if node.target is op:
