@@ -329,17 +329,32 @@ def context_parallel_attention(ctx: ExpansionContext, node: fx.Node):
         out = b.module(AllToAll(axis, 1, 2), out, stem="all_to_all")
         return b.finish(_in_memory_order_of(b, out, node.meta.get("val")))
     layout = "zigzag" if ctx.mesh.order(axis) == "zigzag" else "contiguous"
-    ring = RingAttention(axis, causal=bool(args["is_causal"]), scale=args["scale"], layout=layout, masked=bool(mask))
+    ring = RingAttention(axis, causal=bool(args["is_causal"]), scale=args["scale"], layout=layout, masked=bool(mask),
+                         out_order=_memory_order(node.meta.get("val")))
     return b.finish(b.module(ring, *qkv, *mask, stem="ring_attention"))
+
+
+def _memory_order(traced) -> tuple[int, ...] | None:
+    """The dims of the traced attention's output, outermost in memory first (None: not dense, or not
+    a tensor): the ring kernel stores its output so, at no cost, as the kernel it replaces did."""
+    if not isinstance(traced, torch.Tensor):
+        return None
+    order = tuple(sorted(range(traced.dim()), key=lambda d: (-traced.stride(d), d)))
+    step = 1
+    for d in reversed(order):
+        if traced.shape[d] != 1 and traced.stride(d) != step:
+            return None
+        step *= traced.shape[d]
+    return order
 
 
 def _in_memory_order_of(b: _Builder, out: fx.Node, traced) -> fx.Node:
     """The all-to-all's output laid out in memory as the traced attention's was: CPU and CUDA
     attention kernels return [B, H, S, D] stored as [B, S, H, D], and export drops a model's
     ``.transpose(1, 2).contiguous()`` as a no-op, so the ``view`` after it needs that layout."""
-    if not isinstance(traced, torch.Tensor) or traced.is_contiguous():
+    order = _memory_order(traced)
+    if order is None or order == tuple(range(len(order))):
         return out
-    order = sorted(range(traced.dim()), key=lambda d: (-traced.stride(d), d))
     inverse = sorted(range(len(order)), key=order.__getitem__)
     dense = b.call(aten.clone.default, b.call(aten.permute.default, out, order),
                    memory_format=torch.contiguous_format)

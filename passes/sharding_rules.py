@@ -15,7 +15,7 @@ the same thing); otherwise ``ShardingError`` names it.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -437,10 +437,19 @@ def repeat_interleave_rule(view: OpView) -> Decision:
 
 @register(aten.cat.default, aten.stack.default)
 def cat_rule(view: OpView) -> Decision:
-    ps = view.placements
     ndim = len(view.out_shape)
-    dim = norm_dim(view.arg(1, 0), ndim)
     stacked = view.node.target == aten.stack.default
+    skipped = [] if stacked else [i for i, shape in enumerate(view.shapes) if _legacy_empty(shape, ndim)]
+    if skipped and len(skipped) < len(view.shapes):
+        # torch.cat skips a 1-d empty piece next to wider ones (an empty cache's first update):
+        # it stays whole, the others decide
+        rest = [i for i in range(len(view.shapes)) if i not in skipped]
+        kept = cat_rule(replace(view, placements=tuple(view.placements[i] for i in rest),
+                                shapes=tuple(view.shapes[i] for i in rest)))
+        inputs = dict(zip(rest, kept.inputs))
+        return Decision(tuple(inputs.get(i, R) for i in range(len(view.shapes))), kept.output)
+    ps = view.placements
+    dim = norm_dim(view.arg(1, 0), ndim)
     ps = ps if stacked else _whole_pieces_sliced(view, ps, dim)
     first = ps[0]
     same = all(p == first for p in ps)
@@ -449,6 +458,11 @@ def cat_rule(view: OpView) -> Decision:
     if is_shard(first) and stacked and first.dim >= dim:
         return Decision(ps, Shard(first.dim + 1))
     return Decision(ps, first)
+
+
+def _legacy_empty(shape: tuple[int, ...], ndim: int) -> bool:
+    """A piece torch.cat leaves out: 1-d with no elements, among pieces of more dims."""
+    return ndim > 1 and tuple(shape) == (0,)
 
 
 def _whole_pieces_sliced(view: OpView, ps: tuple, dim: int) -> tuple:

@@ -350,10 +350,21 @@ def _is_fake(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or is_fake(t)
 
 
-def _ring_forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalised output and per-row LSE ([B, H, S_local, 1]) in the compute dtype."""
+def _zeros_in_order(like: torch.Tensor, order: Sequence[int] | None) -> torch.Tensor:
+    """Zeros of `like`'s shape and dtype, stored with dims in `order` (outermost first); None: as
+    `like` is stored."""
+    if order is None:
+        return torch.zeros_like(like)
+    inverse = sorted(range(len(order)), key=list(order).__getitem__)
+    stored = like.new_zeros([like.shape[d] for d in order])
+    return stored.permute(inverse)
+
+
+def _ring_forward(ring: _Ring, q, k, v, out_order: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised output (stored in `out_order`, see ``ring_attention``) and per-row LSE
+    ([B, H, S_local, 1]) in the compute dtype."""
     comm, kv = ring.comm, torch.stack([k, v])
-    out = torch.zeros_like(q)
+    out = _zeros_in_order(q, out_order)
     lse = q.new_full((*q.shape[:-1], 1), float("-inf"))
     for step in range(len(ring.schedule)):
         # the next block travels while this one is computed (async send/recv, waited after)
@@ -423,12 +434,13 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _RingAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, comm: Comm, causal: bool, scale: float | None, layout: Layout):
+    def forward(ctx, q, k, v, mask, comm: Comm, causal: bool, scale: float | None, layout: Layout,
+                out_order: tuple[int, ...] | None):
         qc = q.to(_compute_dtype(q.dtype))
         mc = mask if mask is None or mask.dtype == torch.bool else mask.to(qc.dtype)
         ring = _Ring.build(comm, q.shape[-2], q.shape[-1], causal, scale, layout, q.device, qc.dtype, mc,
                            ctx.needs_input_grad[3])
-        out, lse = _ring_forward(ring, qc, k, v)
+        out, lse = _ring_forward(ring, qc, k, v, out_order)
         ctx.ring, ctx.mask_dtype = ring, None if mask is None else mask.dtype
         ctx.save_for_backward(qc, k, v, out, lse)
         return out.to(q.dtype)
@@ -439,7 +451,7 @@ class _RingAttentionFn(torch.autograd.Function):
         dmask = torch.zeros_like(ctx.ring.mask) if ctx.needs_input_grad[3] else None
         dq, dk, dv = _ring_backward(ctx.ring, qc, k, v, out, lse, dout.to(qc.dtype), dmask)
         dmask = None if dmask is None else dmask.to(ctx.mask_dtype)
-        return dq.to(dout.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask, None, None, None, None
+        return dq.to(dout.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask, None, None, None, None, None
 
 
 def ring_attention(
@@ -452,6 +464,7 @@ def ring_attention(
     scale: float | None,
     layout: Layout,
     mask: torch.Tensor | None = None,
+    out_order: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, sharded along `comm`'s axis.
 
@@ -461,11 +474,19 @@ def ring_attention(
     sdpa mask, [B|1, H|1, S_local|1, S|1] (bool: True takes part; float: added to the scores),
     its key columns whole and in global order; each step uses the columns of the block it holds.
     A row that sees no key at all gives 0, as torch's sdpa does.
+
+    `out_order`: how the output is stored, its dims outermost first (None: as q is stored). The CPU
+    and CUDA attention kernels return [B, H, S, D] stored as [B, S, H, D], order (0, 2, 1, 3); a
+    model's ``.transpose(1, 2).reshape(...)`` after attention traces to a ``view`` that holds only in
+    that order, so the compiled node asks for the order its traced attention had.
     """
     _check_inputs(q, k, v, layout)
     if mask is not None:
         _check_mask(mask, q, comm.size, causal)
-    return _RingAttentionFn.apply(q, k, v, mask, comm, causal, scale, layout)
+    if out_order is not None and sorted(out_order) != list(range(q.dim())):
+        raise ValueError(f"ring_attention: out_order {tuple(out_order)} is not an order of q's {q.dim()} dims")
+    order = None if out_order is None else tuple(out_order)
+    return _RingAttentionFn.apply(q, k, v, mask, comm, causal, scale, layout, order)
 
 
 def _check_mask(mask: torch.Tensor, q: torch.Tensor, n: int, causal: bool) -> None:
@@ -496,7 +517,8 @@ class RingAttention(CollectiveNode):
 
     Inputs are the local [B, H, S_local, D] shards in `layout`; on a group of one it is plain
     attention. `global_fn` is the single-device op it replaces (for shape inference). `masked`:
-    a fourth input is an explicit sdpa mask, this rank's query rows over all keys.
+    a fourth input is an explicit sdpa mask, this rank's query rows over all keys. `out_order`: the
+    output's memory order (see ``ring_attention``), the traced attention's.
     """
 
     kind = "send/recv"
@@ -504,15 +526,16 @@ class RingAttention(CollectiveNode):
 
     def __init__(
         self, axis: str, causal: bool = False, scale: float | None = None, layout: Layout = "contiguous",
-        masked: bool = False,
+        masked: bool = False, out_order: Sequence[int] | None = None,
     ):
         super().__init__(axis)
         _check_layout(layout, 0)
         self.causal, self.scale, self.layout, self.masked = causal, scale, layout, masked
+        self.out_order = None if out_order is None else tuple(out_order)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
         return ring_attention(q, k, v, self.comm, causal=self.causal, scale=self.scale, layout=self.layout,
-                              mask=mask)
+                              mask=mask, out_order=self.out_order)
 
     def global_fn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
         """The whole-sequence attention this node computes a shard of (works on fake tensors)."""
@@ -541,4 +564,5 @@ class RingAttention(CollectiveNode):
 
     def extra_repr(self) -> str:
         masked = ", masked=True" if self.masked else ""
-        return f"axis={self.axis!r}, causal={self.causal}, scale={self.scale}, layout={self.layout!r}{masked}"
+        order = f", out_order={self.out_order}" if self.out_order is not None else ""
+        return f"axis={self.axis!r}, causal={self.causal}, scale={self.scale}, layout={self.layout!r}{masked}{order}"

@@ -44,3 +44,23 @@ def test_plan_of_a_meta_model_takes_the_global_batch_not_the_examples():
     """A collator batch of one row gives shapes only: global_batch=48 lets the planner use dp > 1."""
     chosen = usc.plan(on_meta("qwen2_moe"), "gpus=4 global_batch=48", example_inputs=FAMILIES["qwen2_moe"].batch(0, 1))
     assert chosen.size("dp") > 1 and chosen.world_size == 4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_moe_models_whose_attention_output_is_viewed_are_planned(family):
+    """Built on the CPU (not meta), their attention's ``reshape`` after ``transpose(1, 2)`` traces to
+    a ``view`` that holds only in the CPU attention kernel's memory order ([B, H, S, D] stored as
+    [B, S, H, D]); the planner's cp probe runs ring attention on fake tensors, whose output must be
+    stored in that order too."""
+    torch.manual_seed(0)
+    chosen = usc.plan(FAMILIES[family].build(), "gpus=8 global_batch=48", example_inputs=FAMILIES[family].batch(0, 6))
+    assert chosen.world_size == 8
+
+
+def test_a_model_that_fills_an_empty_cache_in_training_is_planned():
+    """GraniteMoE's attention concatenates its keys after an empty 1-d tensor (a cache's first update)
+    even while training; the planner's memory count used to shard that empty piece like the keys."""
+    torch.manual_seed(0)
+    chosen = usc.plan(FAMILIES["granitemoe"].build(), "gpus=8 global_batch=48",
+                      example_inputs=FAMILIES["granitemoe"].batch(0, 6))
+    assert chosen.world_size == 8

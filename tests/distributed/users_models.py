@@ -336,7 +336,7 @@ MOE_FAMILIES = {
                        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
                        num_key_value_heads=HEADS),
     "gpt_oss": moe("GptOssConfig", "GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2, head_dim=8,
-                   sliding_window=32, layer_types=["sliding_attention", "full_attention"]),
+                   sliding_window=32),  # layer_types: transformers' default, sliding and full by turns
     "olmoe": moe("OlmoeConfig", "OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2, pad_token_id=0),
     "granitemoe": moe("GraniteMoeConfig", "GraniteMoeForCausalLM", num_local_experts=4, num_experts_per_tok=2),
     "phimoe": moe("PhimoeConfig", "PhimoeForCausalLM", num_local_experts=4, num_experts_per_tok=2,

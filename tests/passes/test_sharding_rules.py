@@ -255,3 +255,45 @@ def test_mean_over_batch_then_square_reduces_the_means_not_the_batch():
     forward = [(c.kind, c.shape) for c in sim.report.collectives
                if c.direction == "forward" and c.module != "<loss value>"]
     assert forward == [("all-reduce", (16,))]  # the [16] partial sums; pow needs them whole
+
+
+# ---------------------------------------------------------------- cat of an empty cache
+
+class EmptyCacheAttention(nn.Module):
+    """Keys and values concatenated after an empty 1-d tensor, as a Hugging Face cache's first update
+    does in a training forward (GraniteMoE): torch.cat leaves the empty piece out."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(30, 3 * 30, bias=False)
+        self.out = nn.Linear(30, 30, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, 6, 5).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        k, v = torch.cat([torch.tensor([]), k], dim=-2), torch.cat([torch.tensor([]), v], dim=-2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, 30)).pow(2).mean()
+
+
+def test_cat_leaves_a_1d_empty_piece_whole():
+    """The empty piece is not sliced like the keys (a [0] tensor has no head dim to shard: the planner's
+    memory count failed on it); the other pieces decide the output."""
+    from torch.distributed.tensor import Replicate, Shard
+    from usc.passes.sharding_rules import OpView, cat_rule
+
+    graph = torch.fx.Graph()
+    empty, keys = graph.placeholder("empty"), graph.placeholder("keys")
+    node = graph.call_function(torch.ops.aten.cat.default, ([empty, keys], 2))
+    view = OpView(node, (Replicate(), Shard(1)), ((0,), (4, 6, 9, 5)), (4, 6, 9, 5), "tp", 2)
+    assert cat_rule(view).inputs == (Replicate(), Shard(1)) and cat_rule(view).output == Shard(1)
+    view = OpView(node, (Shard(0), Shard(0)), ((0,), (4, 6, 9, 5)), (4, 6, 9, 5), "dp", 2)
+    assert cat_rule(view).inputs == (Replicate(), Shard(0)) and cat_rule(view).output == Shard(0)
+
+
+@pytest.mark.parametrize("plan", ["dp=2 tp=3", "dp=3 cp=2"])
+def test_attention_over_an_empty_cache_trains_like_one_device_and_is_planned(plan):
+    x = torch.randn(6, 8, 30, generator=torch.Generator().manual_seed(1))
+    assert_one_step_matches(EmptyCacheAttention, plan, x)
+    torch.manual_seed(0)
+    assert usc.plan(EmptyCacheAttention(), "gpus=6", example_inputs=(x,)).world_size == 6

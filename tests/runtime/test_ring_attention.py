@@ -169,6 +169,8 @@ def test_bad_layouts_are_refused_with_the_fix():
 def test_ring_attention_node_binds_describes_and_infers_the_global_shape():
     node = RingAttention("cp", causal=True, scale=0.5, layout="zigzag")
     assert repr(node) == "RingAttention(axis='cp', causal=True, scale=0.5, layout='zigzag')"
+    stored = RingAttention("cp", layout="zigzag", out_order=[0, 2, 1, 3])
+    assert repr(stored) == "RingAttention(axis='cp', causal=False, scale=None, layout='zigzag', out_order=(0, 2, 1, 3))"
     assert (node.kind, node.forward_collective(), node.backward_collective()) == ("send/recv",) * 3
     with torch._subclasses.FakeTensorMode():
         fake = torch.empty(2, 4, 32, 8)
@@ -182,6 +184,38 @@ def test_ring_attention_node_binds_describes_and_infers_the_global_shape():
 
     outs = run_in_threads(simulated_meshes(("cp",), (2,), timeout=30), rank_fn, timeout=30)
     torch.testing.assert_close(_unshard(outs, "zigzag"), out_ref, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("order", [(0, 2, 1, 3), (0, 1, 2, 3)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_output_is_stored_in_the_order_asked_for(order, dtype):
+    """`out_order` decides how the output is stored whatever q's storage (real and fake tensors,
+    a dtype computed wider and cast back), values and gradients unchanged; a bad order is refused."""
+    q, k, v, dout = _inputs((2, 3, 12, 5), dtype)
+    ref = _reference(q, k, v, dout, True, None)
+    if dtype == torch.float64:  # bf16: the kernel's own rounding differs; the layout is what is checked
+        pieces = [_shard(t, 2, "zigzag") for t in (q, k, v, dout)]
+
+        def rank_fn(mesh):
+            ql, kl, vl = (pieces[i][mesh.rank].clone().requires_grad_() for i in range(3))
+            out = ring_attention(ql, kl, vl, mesh.comm("cp"), causal=True, scale=None, layout="zigzag",
+                                 out_order=order)
+            out.backward(pieces[3][mesh.rank])
+            return out.detach(), ql.grad, kl.grad, vl.grad
+
+        results = run_in_threads(simulated_meshes(("cp",), (2,), timeout=30), rank_fn, timeout=30)
+        for res in results:
+            assert res[0].permute(order).is_contiguous()
+        for i in range(4):
+            torch.testing.assert_close(_unshard([res[i] for res in results], "zigzag"), ref[i], atol=1e-10, rtol=1e-10)
+    mesh = simulated_meshes(("cp",), (1,), timeout=30)[0]
+    with torch._subclasses.FakeTensorMode():
+        fake = torch.empty(2, 3, 10, 5, dtype=dtype)  # stored [B, H, S, D], unlike the kernel's output
+        out = ring_attention(fake, fake, fake, mesh.comm("cp"), causal=True, scale=None, layout="contiguous",
+                             out_order=order)
+        assert out.permute(order).is_contiguous() and out.shape == fake.shape and out.dtype == dtype
+    with pytest.raises(ValueError, match="out_order"):
+        ring_attention(q, k, v, mesh.comm("cp"), causal=True, scale=None, layout="contiguous", out_order=(0, 1, 1, 3))
 
 
 # ================================================================================== gloo
