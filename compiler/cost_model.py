@@ -209,20 +209,24 @@ def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) 
         biggest = max((_params(u, plan) / u.blocks for u in units), default=0.0)
         gathered = 2 * biggest
     return {"params": held, "grads": grads, "optimizer": optimizer,
-            "activations": stage_activations(profile, plan, units, params), "gathered": gathered}
+            "activations": stage_activations(profile, plan, units, params, sharded), "gathered": gathered}
 
 
-def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], params: float) -> float:
+def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], params: float,
+                      sharded: float | None = None) -> float:
     """Peak bytes saved for backward: one microbatch's worth times the microbatches in flight.
-    ``params``: fp32 bytes of the stage's parameters one rank holds before ZeRO (stage_memory's)."""
+    ``params``: fp32 bytes of the stage's parameters one rank holds before ZeRO, ``sharded``: after
+    (stage_memory's; None: as ``params``)."""
     how = (plan.recompute, plan.cp > 1, plan.sp and plan.tp > 1)
     per_mb, live = cached(profile, ("activations", how, _scale_of(plan)), units,
                           lambda: _microbatch_activations(profile, plan, units, how))
-    if plan.dtype == "bf16" and not (plan.zero >= 3 and plan.dp > 1):
-        # the bf16 copies of the weights that linears save; ZeRO-3 frees them with the gathered
-        # weight and gathers again in backward (measured: 4-layer Llama dp=2 bf16, 1623816 bytes
-        # saved; with zero=3, 1311368 -- the 312448 bytes of its bf16 matmul weights fewer)
-        per_mb += params / 2
+    if plan.dtype == "bf16":
+        # each microbatch's forward gets bf16 copies of the parameters the rank holds, alive until
+        # its backward (the weights linears save are these). Under ZeRO-3 those are the rank's
+        # shards: the gathered bf16 weights go with the gather and are gathered again in backward (an
+        # independent count, 4-layer Llama dp=2 bf16 zero=3: 1467620 bytes alive when backward
+        # begins, the shards' copies included; without them the estimate was 10.9% under)
+        per_mb += (sharded if plan.zero >= 3 and plan.dp > 1 and sharded is not None else params) / 2
     return per_mb * in_flight(plan) + live
 
 
@@ -253,8 +257,8 @@ def cached(profile: ModelProfile, key: tuple, units: list[UnitCost], compute):
 
 
 def _recompute_peak(profile: ModelProfile, plan: PlanPoint, parts: tuple, key: tuple) -> float:
-    """The most backward adds to what forward held: it recomputes one unit at a time, last first,
-    and by then has freed what the units after it held."""
+    """The most backward adds to what forward held: it recomputes one region at a time, last first,
+    and by then has freed what the regions (and values saved outside them) after it held."""
     factors, sums = _scale_factors(profile, plan), {}
 
     def acts(buckets: dict | None) -> float:  # a stack's stamped blocks share their dicts: summed once
@@ -266,8 +270,9 @@ def _recompute_peak(profile: ModelProfile, plan: PlanPoint, parts: tuple, key: t
 
     most, freed = 0.0, 0.0
     for unit in reversed(parts):
-        most = max(most, acts(unit.recomputed.get(key)) - freed)
-        freed += acts(unit.held.get(key))
+        for again, held in reversed(unit.recomputed.get(key, ())):  # a region at a time, last first
+            most = max(most, acts(again) - freed)
+            freed += acts(held)
     return most
 
 

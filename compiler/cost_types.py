@@ -59,8 +59,10 @@ class UnitCost:
     boundary: dict = field(default_factory=dict)  # sp -> {ScaleKey: bytes} crossing a pipeline cut after this unit
     boundary_grad: dict = field(default_factory=dict)  # sp -> ... of those values that have a gradient
     largest_acts: dict = field(default_factory=dict)  # sp -> acts of the largest merged unit
-    # (recompute mode, cp > 1, sp) -> {ScaleKey: bytes} forward holds for backward under that mode, and
-    # what backward makes again when it recomputes the unit (passes/cost_profile._under_recompute)
+    # (recompute mode, cp > 1, sp) -> {ScaleKey: bytes} forward holds for backward under that mode; and
+    # the unit's steps in program order, each ({ScaleKey: bytes} backward makes again when it recomputes
+    # the step, {ScaleKey: bytes} the step holds) -- a step is one recompute region or a value saved
+    # outside them (passes/cost_profile._under_recompute)
     held: dict = field(default_factory=dict)
     recomputed: dict = field(default_factory=dict)
     parts: tuple = ()  # the units merged into this one, in order (empty: a unit of its own)

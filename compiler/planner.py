@@ -27,6 +27,7 @@ from .hardware import HardwareProfile
 MEMORY_HEADROOM = 0.9
 # Microbatch counts tried beyond the minimum (powers of two, as practitioners choose them).
 MAX_MICROBATCHES = 64
+RECOMPUTE_ORDER = ("none", "selective", "full")  # lightest first: the search tries them in this order
 # Interleaved schedules are tried with this many virtual stages per rank (Narayanan et al. 2021 use 2-4).
 INTERLEAVED_V = (2,)
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
@@ -225,10 +226,11 @@ class _Search:
             base = replace(base, fuse=True)  # fusion only saves memory traffic: use it once compile runs it
         per_replica = self.target.global_batch // sizes["dp"]
         found = []
+        counts = _microbatches(per_replica, sizes["pp"])
         for zero in ((0, 1, 2, 3) if sizes["dp"] > 1 else (0,)):
             for schedule, v in _schedules(sizes["pp"]):
                 previous = None
-                for mb in _microbatches(per_replica, sizes["pp"]):
+                for mb in counts:
                     point = base.with_(zero=zero, schedule=schedule, v=v, mb=mb)
                     if not _matches_fixed(point, self.fixed):
                         continue
@@ -238,16 +240,18 @@ class _Search:
                     if candidate is None:
                         continue
                     found.append(candidate)
-                    if previous is not None and candidate.step >= previous.step:
+                    if previous is not None and candidate.step >= previous.step \
+                            and not self.lighter_recompute_fits(candidate.plan, counts[-1]):
                         break
                     if sizes["pp"] == 1 and candidate.plan.recompute == "none":
                         break
-                    previous = candidate
+                    if previous is None or candidate.step < previous.step:
+                        previous = candidate  # the best so far: a lighter recompute must beat it
         return found
 
     def first_that_fits(self, point: PlanPoint) -> tuple[Candidate | None, bool]:
         """(the point with the least recompute that fits, whether the compiler refuses the point)."""
-        choices = (self.fixed["recompute"],) if "recompute" in self.fixed else ("none", "selective", "full")
+        choices = (self.fixed["recompute"],) if "recompute" in self.fixed else RECOMPUTE_ORDER
         refused_all = True
         for recompute in choices:
             candidate = point.with_(recompute=recompute)
@@ -270,6 +274,18 @@ class _Search:
             _reject(self.result, "does not fit in memory",
                     lambda: f"{candidate.text()}: {total / 2**30:.1f} GiB per rank (largest: {largest})")
         return None, refused_all
+
+    def lighter_recompute_fits(self, plan: PlanPoint, most: int) -> bool:
+        """Whether a lighter recompute than ``plan``'s fits with the most microbatches: more of them
+        may still pay off where one more did not (full recompute at 1 and 2, selective at 4)."""
+        if "recompute" in self.fixed:
+            return False
+        for lighter in RECOMPUTE_ORDER[:RECOMPUTE_ORDER.index(plan.recompute)]:
+            point = plan.with_(mb=most, recompute=lighter)
+            if not self.refusal(point) and \
+                    sum(peak_memory(self.profile, point, stop_above=self.capacity).values()) <= self.capacity:
+                return True
+        return False
 
     def note_miss(self, point: PlanPoint, total: float) -> None:
         name = family(point)

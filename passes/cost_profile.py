@@ -38,9 +38,9 @@ from usc.passes.pipeline_split import constant_nodes, node_flops
 from usc.passes.recompute import (KEEP_COLLECTIVE, KEPT, RECOMPUTED, RULES, DecisionRule, recompute_regions,
                                   reissued_in_backward)
 from usc.runtime.ring_attention import RingAttention
-from usc.passes.saved_values import base_of
+from usc.passes.saved_values import base_of, saved_values
 from usc.passes.zero3 import layer_key
-from usc.runtime.op_classes import ATTENTION, MATMULS
+from usc.runtime.op_classes import ATTENTION, MATMULS, VIEWS
 from usc.runtime.sizes import shape_bytes
 
 aten = torch.ops.aten
@@ -105,7 +105,7 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
                               input_bytes={sp: per_sp[sp][1].get(name, {}) for sp in per_sp},
                               held={(*how, sp): held.get(name, {}) for sp in per_sp
                                     for how, (held, _) in per_sp[sp][5].items()},
-                              recomputed={(*how, sp): again.get(name, {}) for sp in per_sp
+                              recomputed={(*how, sp): again.get(name, ()) for sp in per_sp
                                           for how, (_, again) in per_sp[sp][5].items()},
                               collectives={sp: tuple(per_sp[sp][2].get(name, ())) for sp in per_sp},
                               params_expert=expert_bytes.get(name, 0), moe_layers=int(name in expert_bytes),
@@ -362,38 +362,51 @@ def _probe_costs(program, units: list[str]):
 
 
 def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rules: list) -> tuple[dict, dict]:
-    """Per unit under ``recompute=mode``: ({ScaleKey: bytes} forward holds for backward, those
-    backward makes again when it recomputes the unit). The regions are the recompute pass's own
+    """Per unit under ``recompute=mode``: ({ScaleKey: bytes} forward holds for backward, and the
+    unit's steps in program order, each ({ScaleKey: bytes} backward makes again when it recomputes
+    the step, {ScaleKey: bytes} the step holds from forward) -- a step is one recompute region, or a
+    value saved outside every region). The regions are the recompute pass's own
     (``recompute_regions``, asked of the probe without cutting). Forward holds what autograd saves
     for nodes outside the regions (the fake run's storages), each region's inputs (activation
     checkpointing keeps them; state and the batch are not activations) and, under selective, the
     outputs of the region's kept matmuls (the selective policy stores them); a region's output
-    that a node outside it saves stays too; a value several regions read is held once, by the unit
-    that made it (the RoPE tables every block reads); one a single region reads, by that region's unit.
-    Backward recomputes what the region's other nodes would have saved."""
+    that an op outside every region saves stays too; a value several regions read is held once, by
+    the unit that made it (the RoPE tables every block reads), as a step where it is made; one a
+    single region reads, by that region's unit and step. Backward recomputes what the region's other
+    nodes would have saved, one region at a time (``cost_model._recompute_peak``)."""
     gm, mesh = program.gm, program.mesh
     regions, decisions, _ = recompute_regions(gm, mode, lambda path: False, rules=rules)
     region_of = {n.name: i for i, run in enumerate(regions) for n in run}
     nodes = {n.name: n for n in gm.graph.nodes}
-    held: dict[str, tuple[str, ScaleKey, float]] = {}  # value -> (unit, key, bytes), each value once
-    again: dict[str, dict] = {}
+    position = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    start = [position[run[0].name] for run in regions]
+    held: dict[str, tuple[str, ScaleKey, float, int]] = {}  # value -> (unit, key, bytes, step), each value once
+    again: dict[tuple[str, int], dict] = {}  # (unit, step) -> what backward makes again there
     for name, nbytes, is_float in saved:
         key, factor = _key(nodes[name], mesh, is_float=is_float)
-        if name not in region_of or _leaves_region(nodes[name], region_of):
-            held[name] = (where[name], key, nbytes * factor)
+        if name not in region_of or _saved_outside_regions(gm, nodes[name], region_of):
+            held[name] = (where[name], key, nbytes * factor, position[name])
         elif decisions[nodes[name]] != KEPT:
-            bucket = again.setdefault(where[name], {})
+            bucket = again.setdefault((where[name], start[region_of[name]]), {})
             bucket[key] = bucket.get(key, 0) + nbytes * factor
     entering = [{_held_value(x, mesh) for n in run for x in n.all_input_nodes if x not in inside}
                  for run, inside in ((run, set(run)) for run in regions)]
     readers = Counter(value for values in entering for value in values)
-    for run, values in zip(regions, entering):
+    for index, (run, values) in enumerate(zip(regions, entering)):
         kept = {n for n in run if decisions[n] == KEPT} if mode == "selective" else set()
         for value in values | kept:
             if value.op != "placeholder" and value.name not in held and _local_bytes(value, mesh):
-                unit = where[value.name] if readers[value] > 1 else where[run[0].name]
-                held[value.name] = (unit, *_local_bytes(value, mesh))
-    return _sum_by_unit(held.values()), again
+                shared = readers[value] > 1 and value not in kept
+                unit = where[value.name] if shared else where[run[0].name]
+                held[value.name] = (unit, *_local_bytes(value, mesh), position[value.name] if shared else start[index])
+    steps: dict[str, dict[int, tuple[dict, dict]]] = {}
+    for unit, key, amount, step in held.values():
+        bucket = steps.setdefault(unit, {}).setdefault(step, ({}, {}))[1]
+        bucket[key] = bucket.get(key, 0) + amount
+    for (unit, step), bucket in again.items():
+        steps.setdefault(unit, {}).setdefault(step, ({}, {}))[0].update(bucket)
+    ordered = {unit: tuple(by_step[k] for k in sorted(by_step)) for unit, by_step in steps.items()}
+    return _sum_by_unit(entry[:3] for entry in held.values()), ordered
 
 
 def _held_value(node: fx.Node, mesh) -> fx.Node:
@@ -402,8 +415,23 @@ def _held_value(node: fx.Node, mesh) -> fx.Node:
     return base if _local_bytes(base, mesh) else node
 
 
-def _leaves_region(node: fx.Node, region_of: dict[str, int]) -> bool:
-    return any(region_of.get(u.name) != region_of[node.name] for u in node.users if u.op != "output")
+def _saved_outside_regions(gm: fx.GraphModule, node: fx.Node, region_of: dict[str, int]) -> bool:
+    """Whether an op outside every region keeps ``node`` (made inside one) -- or a view of it -- for
+    backward. Checkpointing keeps no value made inside a region, so a region's output stays only
+    when such an op saves it (an op of another region reads it as that region's input, counted
+    there); one only summed outside (the residual stream's add) is freed."""
+    closure, i = [node], 0
+    while i < len(closure):
+        for user in closure[i].users:
+            if user in closure or user.name in region_of:
+                continue
+            if user.op == "call_function" and user.target in VIEWS:
+                closure.append(user)
+            elif user.op in ("call_function", "call_module") and any(
+                    base_of(kept) in closure or kept in closure for kept in saved_values(gm, user)):
+                return True
+        i += 1
+    return False
 
 
 def _local_bytes(node: fx.Node, mesh) -> tuple[ScaleKey, float] | None:
