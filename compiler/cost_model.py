@@ -259,20 +259,28 @@ def cached(profile: ModelProfile, key: tuple, units: list[UnitCost], compute):
 def _recompute_peak(profile: ModelProfile, plan: PlanPoint, parts: tuple, key: tuple) -> float:
     """The most backward adds to what forward held: it recomputes one region at a time, last first,
     and by then has freed what the regions (and values saved outside them) after it held."""
-    factors, sums = _scale_factors(profile, plan), {}
+    factors, walks = _scale_factors(profile, plan), {}
 
-    def acts(buckets: dict | None) -> float:  # a stack's stamped blocks share their dicts: summed once
-        if not buckets:
-            return 0
-        if id(buckets) not in sums:
-            sums[id(buckets)] = sum(_scaled(k, v, factors) for k, v in buckets.items())
-        return sums[id(buckets)]
+    def acts(buckets: dict) -> float:
+        return sum(_scaled(k, v, factors) for k, v in buckets.items()) if buckets else 0
+
+    def walk(steps: tuple) -> tuple[float, float]:
+        """(the most a unit's recomputation adds beyond what its own later steps freed, all it
+        holds); a stack's stamped blocks share their steps: walked once."""
+        if id(steps) not in walks:
+            most, freed = -math.inf, 0.0
+            for again, held in reversed(steps):
+                most = max(most, acts(again) - freed)
+                freed += acts(held)
+            walks[id(steps)] = (most, freed)
+        return walks[id(steps)]
 
     most, freed = 0.0, 0.0
     for unit in reversed(parts):
-        for again, held in reversed(unit.recomputed.get(key, ())):  # a region at a time, last first
-            most = max(most, acts(again) - freed)
-            freed += acts(held)
+        steps = unit.recomputed.get(key, ())
+        if steps:
+            inside, held = walk(steps)
+            most, freed = max(most, inside - freed), freed + held
     return most
 
 
