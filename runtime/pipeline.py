@@ -190,7 +190,7 @@ class PipelineMixin:
         self.actions = list(schedule.actions[self.pp_rank])
         self.kinds = {kind: n for n, kind in enumerate(message_kinds(self.specs))}
         self._outbox: list[tuple[torch.Tensor, int]] = []  # (tensor, peer): posted with the next receive
-        self._pending: list = []  # Works of posted sends, waited for at the end of the step
+        self._pending: list = []  # Works of posted sends not yet finished, all waited for at the end of the step
         self._local: dict = {}  # transfers between two stages of this rank
         users: dict[str, set[int]] = {}
         for spec in self.specs:
@@ -278,7 +278,16 @@ class PipelineMixin:
         if not sends and not recvs:
             return []
         received, sent = self.pp.batch_p2p(sends, recvs)
-        self._pending.append(sent)
+        # a finished send's buffer is freed now, not at the end of the step (held, every
+        # microbatch's sent activations and gradients would pile up); its wait() returns at once
+        # and raises a failure here
+        waiting = []
+        for work in self._pending:
+            if work.is_completed():
+                work.wait()
+            else:
+                waiting.append(work)
+        self._pending = waiting + [sent]
         return received
 
     def rollback(self) -> None:

@@ -25,12 +25,20 @@ def profile():
 
 
 @pytest.mark.parametrize("schedule, pp, mb", [("gpipe", 4, 8), ("1f1b", 4, 8), ("1f1b", 4, 2), ("zb", 4, 8),
-                                              ("1f1b", 2, 6)])
+                                              ("1f1b", 2, 6), ("1f1b", 3, 5)])
 def test_schedule_formulas_match_the_schedule_checker(schedule, pp, mb):
     metrics = check_schedule(build_schedule(schedule, pp, 1, mb))
     point = PlanPoint(64, 32, pp=pp, mb=mb, schedule=schedule)
-    assert in_flight(point) == metrics.peak_in_flight[0]
+    assert [in_flight(point, k) for k in range(pp)] == list(metrics.peak_in_flight)  # every rank's
     assert bubble_units(point) / mb == pytest.approx(metrics.bubble_ratio, rel=1e-9)
+
+
+@pytest.mark.parametrize("pp, v, mb", [(4, 2, 8), (2, 2, 4), (2, 3, 6)])
+def test_interleaved_in_flight_matches_the_schedule_on_every_rank(pp, v, mb):
+    """In chunk-microbatches (each 1/v of a rank's activations), rank k holds p*v + p - 1 - 2k."""
+    metrics = check_schedule(build_schedule("interleaved", pp, v, mb))
+    point = PlanPoint(64, 32, pp=pp, mb=mb, schedule="interleaved", v=v)
+    assert [in_flight(point, k) * v for k in range(pp)] == list(metrics.peak_in_flight)
 
 
 def test_tp_inside_a_node_and_dp_across_nodes():

@@ -22,6 +22,7 @@ nothing), alive at once: its ``peak``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
@@ -94,6 +95,46 @@ class _StepWatch(TorchDispatchMode):
                     self.live.add(storage)
 
 
+class _ComputeSpans:
+    """Stands in for an executor's timeline: knows whether the rank's thread is inside one of the
+    step's forward or backward computations (``forward``/``backward``; a pipeline's ``F3``, ``B3``,
+    ``I3``, ``W3``) -- not the loss sums, gradient reductions or optimizer step around them."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    @contextlib.contextmanager
+    def span(self, name: str, category: str, **_):
+        compute = name in ("forward", "backward") or (name[:1] in "FBIW" and name[1:].isdigit())
+        self.depth += compute
+        try:
+            yield
+        finally:
+            self.depth -= compute
+
+
+class _WholeStepWatch(TorchDispatchMode):
+    """Records the storages the step's forwards (and backward's recomputation) touch, any schedule,
+    and the most of them alive at once."""
+
+    def __init__(self, excluded: set[int], spans: _ComputeSpans) -> None:
+        super().__init__()
+        self.excluded, self.spans = excluded, spans
+        self.live = _LiveStorages()
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.spans.depth and torch.is_grad_enabled():  # backward formulas run with grad mode off
+            for value in tree_flatten((args, kwargs, out))[0]:
+                if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                    storage = value.untyped_storage()
+                    if storage._cdata not in self.excluded:
+                        self.live.add(storage)
+            self.peak = max(self.peak, self.live.total)
+        return out
+
+
 class PeakAllocations(TorchDispatchMode):
     """Bytes of the storages torch ops allocate inside the mode, alive at once (``peak``)."""
 
@@ -122,6 +163,32 @@ def count_step_activations(rank, batch: tuple) -> ActivationCount:
     return ActivationCount(watch.held_after_forward, max(watch.peak, watch.held_after_forward))
 
 
+def count_step_peak(rank, batch: tuple) -> int:
+    """The most activation bytes one training step of an executor rank holds at once, whatever its
+    schedule (a pipeline's microbatches in flight included): the storages its forwards and
+    backward's recomputations touch -- model state, gradients and the batch excluded -- alive at
+    once, counted inside the step's forward and backward computations (the executor's spans), not
+    the gradient sums and optimizer step after them. The step is real (the optimizer steps)."""
+    state = [*rank.state.values(), *batch, *(p.grad for p in rank.params if p.grad is not None)]
+    excluded = {t.untyped_storage()._cdata for t in state if isinstance(t, torch.Tensor)}
+    spans, timeline = _ComputeSpans(), rank.timeline
+    watch = _WholeStepWatch(excluded, spans)
+    rank.timeline = spans
+    try:
+        with watch:
+            rank.step(batch)
+    finally:
+        rank.timeline = timeline
+    return watch.peak
+
+
+def count_peaks(sim, batch: tuple, *, timeout: float = 120) -> list[int]:
+    """Per rank of a simulated mesh: ``count_step_peak`` of one training step."""
+    from usc.runtime.mesh import run_in_threads
+
+    return run_in_threads(sim.meshes, lambda mesh: count_step_peak(sim.ranks[mesh.rank], batch), timeout=timeout)
+
+
 def count_activations(sim, batch: tuple, *, timeout: float = 120) -> list[ActivationCount]:
     """Per rank of a simulated mesh: one training step counted (see the module docstring)."""
     from usc.runtime.mesh import run_in_threads
@@ -130,4 +197,5 @@ def count_activations(sim, batch: tuple, *, timeout: float = 120) -> list[Activa
                           timeout=timeout)
 
 
-__all__ = ["ActivationCount", "PeakAllocations", "count_activations", "count_step_activations"]
+__all__ = ["ActivationCount", "PeakAllocations", "count_activations", "count_peaks", "count_step_activations",
+           "count_step_peak"]
