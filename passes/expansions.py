@@ -329,8 +329,11 @@ def context_parallel_attention(ctx: ExpansionContext, node: fx.Node):
         out = b.module(AllToAll(axis, 1, 2), out, stem="all_to_all")
         return b.finish(_in_memory_order_of(b, out, node.meta.get("val")))
     layout = "zigzag" if ctx.mesh.order(axis) == "zigzag" else "contiguous"
+    order = _memory_order(node.meta.get("val"))
+    # a contiguous traced output (a trace on the meta device, whose attention is plain matmuls): the
+    # ring's output follows q, as the device kernels' does for the usual transposed q
     ring = RingAttention(axis, causal=bool(args["is_causal"]), scale=args["scale"], layout=layout, masked=bool(mask),
-                         out_order=_memory_order(node.meta.get("val")))
+                         out_order=None if order == tuple(range(len(order or ()))) else order)
     return b.finish(b.module(ring, *qkv, *mask, stem="ring_attention"))
 
 
