@@ -203,16 +203,19 @@ def pipeline_bubble_units(plan: PlanPoint, hw: HardwareProfile) -> float:
 P2P_BUFFERS_PER_CUT = 3
 
 
-def p2p_buffers(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], k: int) -> float:
-    """Bytes of the pipeline's transfer buffers rank ``k`` holds (``P2P_BUFFERS_PER_CUT`` per cut; with
+def p2p_buffers(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost]) -> list[float]:
+    """Per pipeline rank, bytes of the transfer buffers it holds (``P2P_BUFFERS_PER_CUT`` per cut; with
     v chunks per rank, each chunk's cuts)."""
     p = len(stages)
     if p == 1:
-        return 0.0
+        return [0.0]
     sp = plan.sp and plan.tp > 1
-    hidden = max(_acts(stages[i].boundary.get(sp, {}), profile, plan) for i in range(p - 1))
-    cuts = 2 * plan.v - (k == 0) - (k == p - 1)
-    return P2P_BUFFERS_PER_CUT * cuts * hidden
+    key = ("p2p", id(stages), sp, _scale_of(plan))  # the stages are merged_stages' cached list
+    hidden = profile._stages.get(key)
+    if hidden is None:
+        hidden = profile._stages[key] = max(_acts(stages[i].boundary.get(sp, {}), profile, plan)
+                                            for i in range(p - 1))
+    return [P2P_BUFFERS_PER_CUT * (2 * plan.v - (k == 0) - (k == p - 1)) * hidden for k in range(p)]
 
 
 def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], stage: int = 0,
@@ -575,8 +578,8 @@ def peak_memory(profile: ModelProfile, plan: PlanPoint, *, stop_above: float = m
     of looking at the rest -- the planner's memory check needs no more for a plan that cannot fit."""
     most, most_total = None, -1.0
     stages = merged_stages(profile, plan.pp, plan.split)
-    for stage, unit in enumerate(stages):
-        memory = stage_memory(profile, plan, [unit], stage, p2p_buffers(profile, plan, stages, stage))
+    for stage, (unit, p2p) in enumerate(zip(stages, p2p_buffers(profile, plan, stages))):
+        memory = stage_memory(profile, plan, [unit], stage, p2p)
         total = sum(memory.values())
         if total > most_total:
             most, most_total = memory, total
@@ -608,7 +611,7 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     comms = (_per_step(per_mb_comms, plan.mb) + gradient_collectives(plan, units, hw, backward)
              + shared_gradient_collectives(profile, plan, hw))
     if state is None:
-        state = stage_memory(profile, plan, units, k, p2p_buffers(profile, plan, stages, k))
+        state = stage_memory(profile, plan, units, k, p2p_buffers(profile, plan, stages)[k])
     optimizer = OPTIMIZER_TRAFFIC * (state["params"] + state["grads"] + state["optimizer"]) / hw.hbm_bandwidth
     bubble = pipeline_bubble_units(plan, hw) * per_mb
     zero3_exposed = _zero3_exposed(comms, hw.comm_overlap * plan.mb * (forward + backward))
