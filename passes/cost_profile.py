@@ -38,9 +38,9 @@ from usc.passes.pipeline_split import constant_nodes, node_flops
 from usc.passes.recompute import (KEEP_COLLECTIVE, KEPT, RECOMPUTED, RULES, DecisionRule, recompute_regions,
                                   reissued_in_backward)
 from usc.runtime.ring_attention import RingAttention
-from usc.passes.saved_values import base_of, saved_values
+from usc.passes.saved_values import base_of, saves_for_backward
 from usc.passes.zero3 import layer_key
-from usc.runtime.op_classes import ATTENTION, MATMULS, VIEWS
+from usc.runtime.op_classes import ATTENTION, MATMULS
 from usc.runtime.sizes import shape_bytes
 
 aten = torch.ops.aten
@@ -420,18 +420,7 @@ def _saved_outside_regions(gm: fx.GraphModule, node: fx.Node, region_of: dict[st
     backward. Checkpointing keeps no value made inside a region, so a region's output stays only
     when such an op saves it (an op of another region reads it as that region's input, counted
     there); one only summed outside (the residual stream's add) is freed."""
-    closure, i = [node], 0
-    while i < len(closure):
-        for user in closure[i].users:
-            if user in closure or user.name in region_of:
-                continue
-            if user.op == "call_function" and user.target in VIEWS:
-                closure.append(user)
-            elif user.op in ("call_function", "call_module") and any(
-                    base_of(kept) in closure or kept in closure for kept in saved_values(gm, user)):
-                return True
-        i += 1
-    return False
+    return saves_for_backward(gm, node, ignoring=lambda user: user.name in region_of)
 
 
 def _local_bytes(node: fx.Node, mesh) -> tuple[ScaleKey, float] | None:

@@ -4,6 +4,7 @@ count of the collectives backward re-issues use it."""
 
 from __future__ import annotations
 
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -59,12 +60,14 @@ def saved_values(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
 
 
 
-def saves_for_backward(gm: fx.GraphModule, value: fx.Node) -> bool:
-    """Whether some op keeps ``value`` -- or a view of it -- for backward."""
+def saves_for_backward(gm: fx.GraphModule, value: fx.Node, *,
+                       ignoring: Callable[[fx.Node], bool] = lambda node: False) -> bool:
+    """Whether some op keeps ``value`` -- or a view of it -- for backward; ops (and views) for which
+    ``ignoring`` holds are not asked."""
     closure, i = [value], 0
     while i < len(closure):
         for user in closure[i].users:
-            if user in closure:
+            if user in closure or ignoring(user):
                 continue
             if user.op == "call_function" and user.target in VIEWS:
                 closure.append(user)
