@@ -5,8 +5,9 @@
 
 usc.plan profiles the model once (a trace of three of its identical blocks, two probe compiles run
 on fake tensors, the steady block stamped for the rest) and then scores every plan analytically.
-Measured 2026-11-27 on 2 shared cores, ten runs: first call in the process 1.62-2.40 s CPU (median
-2.08), a second call 1.21-1.95 s (docs/cost_model.md, "Speed", with the history).
+Measured 2026-11-27 on 2 shared cores, ten runs each time: first call in the process 1.58-2.31 s
+CPU (median 1.73) in a calm phase, 1.62-2.40 s (median 2.08) in a slow one; a second call 1.2-1.95 s
+(docs/cost_model.md, "Speed", with the history).
 """
 
 import argparse
