@@ -134,7 +134,7 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
     def merge_comms(lists) -> tuple:
         out: dict = {}
         for c in (c for cs in lists for c in cs):
-            k = (c.axis, c.kind, c.direction, c.key, c.ring, c.reissued)
+            k = (c.axis, c.kind, c.direction, c.key, c.ring, c.ring_steps, c.reissued)
             old = out.get(k)
             out[k] = c if old is None else replace(old, amount=old.amount + c.amount, count=old.count + c.count)
         return tuple(out.values())
@@ -247,14 +247,15 @@ def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
     how = (plan.recompute, plan.cp > 1, plan.sp and plan.tp > 1)
     per_mb, live = cached(profile, ("activations", how, _scale_of(plan)), units,
                           lambda: _microbatch_activations(profile, plan, units, how))
+    copies = 0.0
     if plan.dtype == "bf16":
-        # each microbatch's forward gets bf16 copies of the parameters the rank holds, alive until
-        # its backward (the weights linears save are these). Under ZeRO-3 those are the rank's
-        # shards: the gathered bf16 weights go with the gather and are gathered again in backward (an
-        # independent count, 4-layer Llama dp=2 bf16 zero=3: 1467620 bytes alive when backward
-        # begins, the shards' copies included; without them the estimate was 10.9% under)
-        per_mb += (sharded if plan.zero >= 3 and plan.dp > 1 and sharded is not None else params) / 2
-    return per_mb * in_flight(plan, stage) + live
+        # the step's one bf16 copy of the parameters the rank holds, shared by its microbatches (the
+        # weights linears save are these). Under ZeRO-3 those are the rank's shards: the gathered
+        # bf16 weights go with the gather and are gathered again in backward (an independent count,
+        # 4-layer Llama dp=2 bf16 zero=3: 1467620 bytes alive when backward begins, the shards'
+        # copies included; without them the estimate was 10.9% under)
+        copies = (sharded if plan.zero >= 3 and plan.dp > 1 and sharded is not None else params) / 2
+    return per_mb * in_flight(plan, stage) + live + copies
 
 
 def _microbatch_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost],
@@ -397,7 +398,7 @@ def layer_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
             if n <= 1:
                 continue
             per_call = scale(c.key, c.amount / c.count, profile, plan)
-            calls = c.count * ((n - 1 if c.direction == "forward" else 2 * n - 1) if c.ring else 1)
+            calls = c.count * (n + c.ring_steps if c.ring else 1)
             again = c.reissued and plan.recompute == "full"
             issues = [(c.direction, calls)] + ([("backward", calls)] if again else [])
             link = _link(hw, plan, c.axis)

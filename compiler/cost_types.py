@@ -34,6 +34,7 @@ class CollectiveCost:
     key: ScaleKey
     amount: float
     ring: bool = False  # cp ring send/recv: calls per step depend on cp
+    ring_steps: int = -1  # with ring: cp + ring_steps calls per step (K/V blocks cp-1 each way; dK/dV cp)
     count: int = 1  # calls merged into this entry (amount is their sum)
     reissued: bool = False  # a forward collective that recompute=full issues again in backward
 

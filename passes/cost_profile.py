@@ -37,7 +37,7 @@ from usc.passes import parallelize
 from usc.passes.pipeline_split import constant_nodes, node_flops
 from usc.passes.recompute import (KEEP_COLLECTIVE, KEPT, RECOMPUTED, RULES, DecisionRule, recompute_regions,
                                   reissued_in_backward)
-from usc.runtime.ring_attention import RingAttention
+from usc.runtime.ring_attention import GRAD_BLOCKS, RingAttention
 from usc.passes.saved_values import base_of, saves_for_backward
 from usc.passes.zero3 import layer_key
 from usc.runtime.op_classes import ATTENTION, MATMULS
@@ -502,11 +502,14 @@ def _collectives(program, where: dict[str, str], nodes: dict[str, fx.Node]) -> d
             continue
         payload = node if record.direction == "backward" else node.args[-1 if record.kind == "send/recv" else 0]
         key, factor = _key(payload, program.mesh)
+        grads = record.reason == GRAD_BLOCKS  # the ring's dK/dV: cp calls, in float32 whatever the compute dtype
+        if grads:
+            key = key._replace(is_float=False)
         ring = record.kind == "send/recv" and record.axis == "cp"
         again = record.direction == "forward" and record.node in reissued
         out.setdefault(where.get(record.node, next(iter(where.values()))), []).append(
             CollectiveCost(record.axis, record.kind, record.direction, key, record.bytes_per_call * factor,
-                           ring, reissued=again))
+                           ring, ring_steps=0 if grads else -1, reissued=again))
     return out
 
 

@@ -182,8 +182,31 @@ class RankExecutor(ShardedCheckpoint):
             return param
         return local
 
+    _cast: dict | None = None  # inside a step: the state in the compute dtype, cast once (see _state_values)
+
+    @contextlib.contextmanager
+    def _state_cast_once(self):
+        """For one step (or evaluation): every microbatch's forward takes the same compute-dtype copy
+        of the state. A copy per microbatch would hold one per microbatch in flight -- a pipeline's
+        first rank p copies of its stage's weights under 1F1B. The parameters do not change inside a
+        step (the optimizer runs after it), and the cast's backward saves nothing, so each
+        microbatch's backward passes through the one cast."""
+        self._cast = {}
+        try:
+            yield
+        finally:
+            self._cast = None
+
+    def _state_values(self) -> dict[str, torch.Tensor]:
+        """The state as the graph takes it: float tensors in the compute dtype (bf16 plans)."""
+        if self._cast is None:  # outside a step: cast afresh
+            return {name: self._compute(t) for name, t in self.state.items()}
+        if len(self._cast) != len(self.state):
+            self._cast.update({name: self._compute(t) for name, t in self.state.items()})
+        return dict(self._cast)
+
     def _arguments(self, batch: tuple) -> list[torch.Tensor]:
-        values = {name: self._compute(t) for name, t in self.state.items()}
+        values = self._state_values()
         for spec, value in zip(self.program.inputs, batch):
             values[spec.placeholder] = self._compute(self._local_input(spec, value))
         return [values[name] for name in self._order]
@@ -331,20 +354,21 @@ class RankExecutor(ShardedCheckpoint):
         # token counts stay on the device (no host sync per microbatch): the step's one sync is
         # the global loss below
         count, weighted, several = 0.0, [], len(micro) > 1
-        for m, piece in enumerate(micro):
-            last = m == len(micro) - 1
-            self._key_random(self.gm, m)
-            with self._span("forward"):
-                loss, n = self._loss(piece)
-            count = count + n
-            if last and several:
-                self._scale_grads(1.0 / count)
-            weighted.append(loss.detach() * n)
-            with self._span("backward"), (contextlib.nullcontext() if last else self.reducer.no_sync()):
-                if not several:
-                    loss.backward()
-                else:
-                    (loss * (n / count if last else n)).backward()
+        with self._state_cast_once():
+            for m, piece in enumerate(micro):
+                last = m == len(micro) - 1
+                self._key_random(self.gm, m)
+                with self._span("forward"):
+                    loss, n = self._loss(piece)
+                count = count + n
+                if last and several:
+                    self._scale_grads(1.0 / count)
+                weighted.append(loss.detach() * n)
+                with self._span("backward"), (contextlib.nullcontext() if last else self.reducer.no_sync()):
+                    if not several:
+                        loss.backward()
+                    else:
+                        (loss * (n / count if last else n)).backward()
         self.reducer.finish()
         self.peak_state_bytes = self.memory_bytes()  # gradients are at their peak here
         value = self._global(sum(weighted) / count)
@@ -467,9 +491,10 @@ class RankExecutor(ShardedCheckpoint):
     @torch.no_grad()
     def evaluate(self, batch: tuple) -> float:
         pieces = []
-        for m, piece in enumerate(self.check_batch(batch)):
-            self._key_random(self.gm, m)
-            pieces.append(self._loss(piece))
+        with self._state_cast_once():
+            for m, piece in enumerate(self.check_batch(batch)):
+                self._key_random(self.gm, m)
+                pieces.append(self._loss(piece))
         self.pending_writes.clear()  # evaluation updates nothing
         count = sum(n for _, n in pieces)
         return self._global(sum(loss * n for loss, n in pieces) / count)

@@ -331,7 +331,7 @@ class PipelineMixin:
         return InFlight(received, outputs, count)
 
     def _input_values(self, piece: tuple) -> dict[str, torch.Tensor]:
-        values = {name: self._compute(t) for name, t in self.state.items()}
+        values = self._state_values()
         for spec, value in zip(self.program.inputs, piece):
             values[spec.placeholder] = self._compute(self._local_input(spec, value))
         return values
@@ -420,7 +420,8 @@ class PipelineMixin:
         return both[0], both[1]
 
     def step(self, batch: tuple) -> float:
-        total, count = self._run_schedule(batch, train=True)
+        with self._state_cast_once():
+            total, count = self._run_schedule(batch, train=True)
         self._wait_sends()
         total, count = self._pipeline_global(total, count)
         # sums commute with the scaling by 1/count, known only now: the buckets launched during
@@ -441,7 +442,8 @@ class PipelineMixin:
         return value
 
     def evaluate(self, batch: tuple) -> float:
-        total, count = self._run_schedule(batch, train=False)
+        with self._state_cast_once():
+            total, count = self._run_schedule(batch, train=False)
         self.pending_writes.clear()  # evaluation updates nothing
         self._wait_sends()
         total, count = self._pipeline_global(total, count)

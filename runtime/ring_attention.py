@@ -512,6 +512,10 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str
 
 
 # ================================================================================ graph node
+KV_BLOCKS = "ring attention: K/V blocks passed to the next rank"
+GRAD_BLOCKS = "ring attention: dK/dV blocks passed back around the ring, in float32 for bf16 inputs"
+
+
 class RingAttention(CollectiveNode):
     """Context-parallel attention over mesh axis `axis`: send/recv around the ring both ways.
 
@@ -544,12 +548,17 @@ class RingAttention(CollectiveNode):
         )
 
     def traffic(self, local_shape: Sequence[int], dtype: torch.dtype, n: int) -> list[tuple]:
-        """(direction, kind, shape, bytes per call, calls per step) of this rank's sends: forward passes its K/V
-        block n-1 times; backward passes K/V n-1 times and dK/dV n times."""
-        block = p2p_bytes_per_step(local_shape, dtype, n)
+        """(direction, kind, shape, bytes per call, calls per step, why) of this rank's sends: forward
+        passes its K/V block n-1 times; backward passes K/V n-1 times and dK/dV n times, those in the
+        ring's compute dtype (float32 for bf16 inputs: ``_compute_dtype``)."""
+        if n == 1:
+            return []
         shape = tuple(local_shape)
-        return [("forward", "send/recv", shape, block, n - 1),
-                ("backward", "send/recv", shape, block, 2 * n - 1)] if n > 1 else []
+        block = p2p_bytes_per_step(local_shape, dtype, n)
+        grads = p2p_bytes_per_step(local_shape, _compute_dtype(dtype), n)
+        return [("forward", "send/recv", shape, block, n - 1, KV_BLOCKS),
+                ("backward", "send/recv", shape, block, n - 1, KV_BLOCKS),
+                ("backward", "send/recv", shape, grads, n, GRAD_BLOCKS)]
 
     def attention_work(self, q_local_shape: Sequence[int], n: int) -> list[int]:
         """Multiply-adds each rank of the ring computes (see attention_flops), for the report."""

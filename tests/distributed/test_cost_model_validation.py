@@ -34,7 +34,11 @@ PLANS = ["dp=2", "tp=2", "tp=2 sp=on", "cp=2", "cp=2 cp_mode=zigzag", "dp=2 zero
          # split= cuts by hand: the cost model follows the same cut
          "pp=2 mb=2 split=layers.1", "dp=2 pp=3 mb=4 split=layers.0|layers.3",
          # bf16 with ZeRO-3: the bf16 weight copies linears save go with the gathered weight
-         "dp=2 zero=3 dtype=bf16"]
+         "dp=2 zero=3 dtype=bf16",
+         # bf16 pipelines: one bf16 copy of the stage's weights per step, not one per microbatch in flight
+         "pp=2 mb=4 dtype=bf16", "pp=2 mb=4 schedule=gpipe dtype=bf16",
+         # bf16 activations over tp/sp and cp: the ring's dK/dV travel in float32
+         "tp=2 sp=on dtype=bf16", "cp=2 dtype=bf16"]
 GPT2_PLANS = ["dp=2", "pp=2 mb=2", "dp=2 pp=2 mb=2", "dp=2 zero=3"]
 CASES = [("llama", plan) for plan in PLANS] + [("gpt2", plan) for plan in GPT2_PLANS]
 # The cost model sums every stage's collectives over that stage's ranks: exact on every plan.
@@ -109,7 +113,17 @@ def test_activation_bytes_within_5_percent_of_an_independent_count(profiles, run
     assert est.memory["activations"] == pytest.approx(max(peaks), rel=0.05), (est.memory["activations"], peaks)
 
 
-@pytest.mark.parametrize("model, plan", CASES)
+# The compile report (usc-lint) counts an activation's collective at the traced float32 size: under
+# dtype=bf16 the program moves it in bfloat16, half the bytes (found, not fixed: the report needs
+# the compute dtype of each value, and HF models' float32 islands stay float32). The cost model's
+# count is right (test below).
+REPORT_COUNTS_FLOAT32 = {("llama", plan) for plan in ("pp=2 mb=4 dtype=bf16", "pp=2 mb=4 schedule=gpipe dtype=bf16",
+                                                       "tp=2 sp=on dtype=bf16", "cp=2 dtype=bf16")}
+
+
+@pytest.mark.parametrize("model, plan", [
+    pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason="report counts bf16 activations at float32 size"))
+    if c in REPORT_COUNTS_FLOAT32 else c for c in CASES])
 def test_report_collective_bytes_equal_counted_bytes(runs, model, plan):
     sim, _, _, counted = run(model, plan, runs)
     assert dict(sim.report.traffic) == dict(counted)
