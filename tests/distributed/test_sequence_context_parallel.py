@@ -71,14 +71,16 @@ def test_zigzag_balances_causal_attention_work():
 def test_ring_p2p_bytes_are_reported():
     report = usc.lint(TinyLlama(), "cp=2", example_inputs=token_batch(128, 4, 16))
     sends = [c for c in report.collectives if c.kind == "send/recv"]
-    assert len(sends) == 2 * 2  # forward and backward, per layer
+    assert len(sends) == 3 * 2  # per layer: K/V forward, K/V backward, dK/dV backward
     forward = next(c for c in sends if c.direction == "forward")
-    backward = next(c for c in sends if c.direction == "backward")
+    kv_back, grads = (c for c in sends[:3] if c.direction == "backward")
     # K/V after the model repeats its 2 kv heads to 4: [batch, heads, seq/2, head_dim]
     assert forward.shape == (4, 4, 8, 16)
-    assert forward.bytes_per_call == 2 * 4 * 4 * 8 * 16 * 4  # K and V of one block, float32
-    # cp=2: forward passes the block once; backward passes K/V once and dK/dV twice (home again)
-    assert forward.calls_per_step == 1 and backward.calls_per_step == 3
+    assert forward.bytes_per_call == kv_back.bytes_per_call == 2 * 4 * 4 * 8 * 16 * 4  # K and V of a block, float32
+    # cp=2: forward passes the block once; backward passes K/V once and dK/dV twice (home again),
+    # the gradients in float32 whatever the inputs' dtype
+    assert (forward.calls_per_step, kv_back.calls_per_step, grads.calls_per_step) == (1, 1, 2)
+    assert "dK/dV" in grads.reason and "K/V blocks" in kv_back.reason
 
 
 @pytest.mark.parametrize("cp", [2, 4])
