@@ -157,7 +157,28 @@ class Report:
 
 def _local(node: fx.Node, mesh: MeshSpec) -> tuple[tuple[int, ...], torch.dtype]:
     value = node.meta["val"]
-    return node.meta[META].layout.local_shape(tuple(value.shape), mesh), value.dtype
+    return node.meta[META].layout.local_shape(tuple(value.shape), mesh), runs_in(node)
+
+
+RUNS_IN = "usc_runs_in"  # set by passes/compute_dtype.py on the traced graph's float32 values
+
+
+def runs_in(node: fx.Node) -> torch.dtype:
+    """The dtype ``node``'s value has when the program runs: a float32-traced value of a dtype=bf16
+    program is bfloat16 unless the model computes it in float32 on purpose. A node a pass inserted
+    (a collective) takes the dtype of the value it moves: its first float32 input's."""
+    at = node
+    while True:
+        value = at.meta.get("val")
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+            return node.meta["val"].dtype
+        if RUNS_IN in at.meta:
+            return at.meta[RUNS_IN]
+        inputs = [a for a in at.all_input_nodes
+                  if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype == torch.float32]
+        if not inputs:
+            return value.dtype
+        at = inputs[0]
 
 
 def graph_collectives(gm: fx.GraphModule, mesh: MeshSpec, microbatches: int = 1) -> list[CollectiveRecord]:

@@ -6,7 +6,8 @@ Under dtype=bf16 the program runs in bfloat16, and the cast back must give bfloa
 next matmul meets float32 activations and bfloat16 weights. The pass tells them apart by what
 they cast: a cast to float32 of a value computed from an earlier cast to float32 is a cast back.
 
-Requires: the traced graph (before propagation). Establishes: such casts name the compute dtype.
+Requires: the traced graph (before propagation). Establishes: such casts name the compute dtype;
+every float32-traced value's ``meta["usc_runs_in"]`` names the dtype it runs in.
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ CASTS = {aten.to.dtype: 1, aten._to_copy.default: "dtype"}
 COMPUTE = {"bf16": torch.bfloat16}
 
 
+RUNS_IN = "usc_runs_in"  # node.meta key: the dtype a float32-traced value has when the program runs
+
+
 def compute_dtype_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     dtype = COMPUTE.get(ctx.plan.get("dtype"))
     if dtype is None:
+        _mark(gm, set(), torch.float32)
         return gm
     upcast: set[fx.Node] = set()  # values computed in float32 on purpose
     for node in gm.graph.nodes:
@@ -35,8 +40,19 @@ def compute_dtype_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 upcast.add(node)
         elif any(a in upcast for a in inputs):
             upcast.add(node)
+    _mark(gm, upcast, dtype)
     gm.recompile()
     return gm
+
+
+def _mark(gm: fx.GraphModule, upcast: set[fx.Node], dtype: torch.dtype) -> None:
+    """Each float32-traced value records the dtype it runs in (``RUNS_IN``): ``dtype``, but float32
+    where the model computes in float32 on purpose; the compile report reads it for the bytes a
+    collective moves (the executor casts state and inputs to the compute dtype)."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+            node.meta[RUNS_IN] = torch.float32 if node in upcast else dtype
 
 
 def _cast_dtype(node: fx.Node):

@@ -113,17 +113,7 @@ def test_activation_bytes_within_5_percent_of_an_independent_count(profiles, run
     assert est.memory["activations"] == pytest.approx(max(peaks), rel=0.05), (est.memory["activations"], peaks)
 
 
-# The compile report (usc-lint) counts an activation's collective at the traced float32 size: under
-# dtype=bf16 the program moves it in bfloat16, half the bytes (found, not fixed: the report needs
-# the compute dtype of each value, and HF models' float32 islands stay float32). The cost model's
-# count is right (test below).
-REPORT_COUNTS_FLOAT32 = {("llama", plan) for plan in ("pp=2 mb=4 dtype=bf16", "pp=2 mb=4 schedule=gpipe dtype=bf16",
-                                                       "tp=2 sp=on dtype=bf16", "cp=2 dtype=bf16")}
-
-
-@pytest.mark.parametrize("model, plan", [
-    pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason="report counts bf16 activations at float32 size"))
-    if c in REPORT_COUNTS_FLOAT32 else c for c in CASES])
+@pytest.mark.parametrize("model, plan", CASES)
 def test_report_collective_bytes_equal_counted_bytes(runs, model, plan):
     sim, _, _, counted = run(model, plan, runs)
     assert dict(sim.report.traffic) == dict(counted)
