@@ -38,11 +38,42 @@ def compute_dtype_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 _set_cast_dtype(node, dtype)  # the cast back
             else:
                 upcast.add(node)
+        elif node.target in STRICT and _mixed(node, upcast):
+            _cast_upcast_inputs(gm, node, upcast, dtype)  # runs in the compute dtype, as the model's weights
         elif any(a in upcast for a in inputs):
             upcast.add(node)
     _mark(gm, upcast, dtype)
     gm.recompile()
     return gm
+
+
+# Ops whose floating inputs must share one dtype (a matmul or norm with its bf16 weight).
+STRICT = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
+          aten.baddbmm.default, aten.layer_norm.default, aten.native_layer_norm.default,
+          aten.group_norm.default, aten.conv1d.default, aten.conv2d.default, aten.convolution.default}
+
+
+def _floats(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.all_input_nodes
+            if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype == torch.float32]
+
+
+def _mixed(node: fx.Node, upcast: set[fx.Node]) -> bool:
+    """A float32 value computed on purpose meets one in the compute dtype (a weight, the residual
+    stream). A model's ``x.to(torch.float32)`` of a value traced in float32 is the value itself at
+    trace time, so later uses of that value (a residual add after a norm that upcasts) are recorded
+    through the cast and count as float32 on purpose; at such a meeting the model meant its own dtype."""
+    floats = _floats(node)
+    return any(a in upcast for a in floats) and any(a not in upcast for a in floats)
+
+
+def _cast_upcast_inputs(gm: fx.GraphModule, node: fx.Node, upcast: set[fx.Node], dtype: torch.dtype) -> None:
+    for value in [a for a in _floats(node) if a in upcast]:
+        with gm.graph.inserting_before(node):
+            cast = gm.graph.call_function(aten._to_copy.default, (value,), {"dtype": dtype})
+        cast.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        cast.meta["val"] = value.meta["val"]
+        node.replace_input_with(value, cast)
 
 
 def _mark(gm: fx.GraphModule, upcast: set[fx.Node], dtype: torch.dtype) -> None:
