@@ -15,12 +15,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from usc.compiler.report import RUNS_IN  # node.meta key: the dtype a float32-traced value runs in
+
 aten = torch.ops.aten
 CASTS = {aten.to.dtype: 1, aten._to_copy.default: "dtype"}
 COMPUTE = {"bf16": torch.bfloat16}
 
 
-RUNS_IN = "usc_runs_in"  # node.meta key: the dtype a float32-traced value has when the program runs
 
 
 def compute_dtype_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
