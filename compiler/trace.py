@@ -26,6 +26,7 @@ from torch.export.graph_signature import InputKind
 
 from .errors import CompileError, TraceError
 from .source_info import TORCH_DIR, USC_DIRS, module_path, user_source  # noqa: F401 (re-exported)
+from .casts import held_casts, release_casts, writes_through_held_casts
 from .functional import distinct_inputs, explicit_writes, functionalize, user_output_specs
 from .inline_regions import inline_regions
 from .moe import MoEBlock, patched
@@ -184,6 +185,18 @@ def _attribute_wrapper_frames(gm: fx.GraphModule, source: str) -> None:
             node.meta["usc_source"] = source
 
 
+def _export(model: nn.Module, example_inputs: tuple):
+    """The functional program, casts held as written (compiler/casts.py); taken again without held
+    casts where the model writes in place through one."""
+    for hold in (True, False):
+        with held_casts() if hold else contextlib.nullcontext():
+            exported = inline_regions(torch.export.export(model, example_inputs, strict=False))
+        if not hold or not writes_through_held_casts(exported.graph_module):
+            break
+    # regions first: functionalizing retraces the program, which would drop a no_grad region's meaning
+    return functionalize(exported)
+
+
 def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
           moe_blocks: list[MoEBlock] = ()) -> Traced:
     """Trace ``model(*example_inputs)`` into an ATen-level GraphModule with global shapes.
@@ -201,8 +214,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
     error = None
     with _quiet_torch_logs(), _held_output() as held, patched(model, list(moe_blocks)):
         try:
-            # regions first: functionalizing retraces the program, which would drop a no_grad region's meaning
-            exported = functionalize(inline_regions(torch.export.export(model, example_inputs, strict=False)))
+            exported = _export(model, example_inputs)
         except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
             # usc's own errors raised while tracing (no loss in the output, a write that reads what it
             # writes) already say what to fix: wrapped, they would carry the tracer's hint instead
@@ -222,6 +234,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
         kinds = ", ".join(str(o.kind) for o in outputs)
         raise TraceError(f"{type(model).__name__}.forward must return one scalar loss (got outputs: {kinds}); "
                          "pass loss_fn= to compile, or return the loss from forward")
+    release_casts(exported.graph_module)
     gm = explicit_writes(exported)
     _refuse_data_dependent_shapes(gm, model)
     if wrapper_source:

@@ -15,11 +15,15 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+import usc.compiler.moe  # noqa: F401 - registers usc::moe, whose tokens meet the experts' weights
 from usc.compiler.report import RUNS_IN  # node.meta key: the dtype a float32-traced value runs in
 
 aten = torch.ops.aten
 CASTS = {aten.to.dtype: 1, aten._to_copy.default: "dtype"}
 COMPUTE = {"bf16": torch.bfloat16}
+# ``x.to(device)``, ``x.cpu()``, ``x.to(memory_format=...)``: export records the traced dtype as the
+# target, but the model asked for no dtype (an explicit one records ``to.dtype`` or ``to.device``).
+MOVES = {aten.to.dtype_layout}
 
 
 
@@ -34,14 +38,21 @@ def compute_dtype_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if node.op != "call_function":
             continue
         inputs = [a for a in node.all_input_nodes]
-        if node.target in CASTS and _cast_dtype(node) == torch.float32:
+        if node.target in MOVES and _keeps_dtype(node):
+            node.kwargs = {**node.kwargs, "dtype": None}  # a device move keeps the dtype it meets
+            if any(a in upcast for a in inputs):
+                upcast.add(node)
+        elif node.target in CASTS and _cast_dtype(node) == torch.float32:
             if any(a in upcast for a in inputs):
                 _set_cast_dtype(node, dtype)  # the cast back
             else:
                 upcast.add(node)
+        elif node.target is aten.type_as.default:
+            if node.args[1] in upcast:  # ``x.type_as(y)``: y's dtype, whatever x was
+                upcast.add(node)
         elif node.target in STRICT and _mixed(node, upcast):
             _cast_upcast_inputs(gm, node, upcast, dtype)  # runs in the compute dtype, as the model's weights
-        elif any(a in upcast for a in inputs):
+        elif _promotes(node, upcast):
             upcast.add(node)
     _mark(gm, upcast, dtype)
     gm.recompile()
@@ -51,7 +62,25 @@ def compute_dtype_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 # Ops whose floating inputs must share one dtype (a matmul or norm with its bf16 weight).
 STRICT = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
           aten.baddbmm.default, aten.layer_norm.default, aten.native_layer_norm.default,
-          aten.group_norm.default, aten.conv1d.default, aten.conv2d.default, aten.convolution.default}
+          aten.group_norm.default, aten.conv1d.default, aten.conv2d.default, aten.convolution.default,
+          aten.scaled_dot_product_attention.default, torch.ops.usc.moe.default}
+
+
+def _promotes(node: fx.Node, upcast: set[fx.Node]) -> bool:
+    """The op computes in float32 because an input does, by torch's promotion: a float32 value with
+    dimensions does; a float32 scalar (0-d, ``x * scale.to(torch.float32)``) does not lift a bf16
+    tensor with dimensions."""
+    if not any(a in upcast for a in node.all_input_nodes):
+        return False
+    floats = _floats(node)
+    dims = [a for a in floats if a.meta["val"].dim() > 0]
+    return not dims or any(a in upcast for a in dims)
+
+
+def _keeps_dtype(node: fx.Node) -> bool:
+    source, value = node.args[0] if node.args else None, node.meta.get("val")
+    return (isinstance(source, fx.Node) and isinstance(value, torch.Tensor)
+            and isinstance(source.meta.get("val"), torch.Tensor) and source.meta["val"].dtype == value.dtype)
 
 
 def _floats(node: fx.Node) -> list[fx.Node]:

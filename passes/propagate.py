@@ -114,7 +114,7 @@ def _apply_rules(state: Propagation, node: fx.Node) -> None:
     needs_grad = is_float(node) and any(x.meta[META].needs_grad for x in inputs) and _differentiable(node)
     ann = NodeAnn(output, needs_grad=needs_grad, module=module_path(node), source=user_source(node))
     if any(isinstance(p, Partial) for p in output.placements):
-        # where the partial sums were made: a cast or view passing them on is not their cause
+        # where the partial sums were made: a view or negation passing them on is not their cause
         passed_on = [x for x in flat_inputs(node) if any(isinstance(p, Partial) for p in x.meta[META].layout.placements)]
         origin = passed_on[0].meta[META].extra.get("partial_origin") if passed_on else None
         ann.extra["partial_origin"] = origin or (ann.module, ann.source)

@@ -125,7 +125,7 @@ def _broadcast_choice(view: OpView, placements: tuple[Placement, ...]) -> Decisi
 
 
 def pointwise(linear: str = "none") -> Rule:
-    """linear: 'none' (partial inputs are reduced first), 'unary' (f(P) = P: neg, casts),
+    """linear: 'none' (partial inputs are reduced first; casts), 'unary' (f(P) = P: neg, clone),
     'add' (P + P = P), 'mul' (P * R = P and P / R = P: a partial numerator keeps, the rest reduce)."""
 
     def rule(view: OpView) -> Decision:
@@ -175,8 +175,12 @@ def _keep_partial(view: OpView, linear: str, partial: list[bool]) -> Decision | 
 _DIVISIONS = {aten.div.Tensor, aten.div.Scalar}
 
 register(aten.neg.default, aten.clone.default, aten.detach.default, aten.alias.default,
-         aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.type_as.default,
          aten.contiguous.default, aten.lift_fresh_copy.default)(pointwise("unary"))
+# A cast of partial sums is not the cast of their sum under a narrower compute dtype (each part
+# rounded), and a norm's upcast would otherwise hold its own reduction apart from the value it casts
+# (the residual stream then left partial, full-size on every rank): the value is reduced first.
+register(aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+         aten.type_as.default)(pointwise("none"))
 register(aten.add.Tensor, aten.sub.Tensor)(pointwise("add"))
 register(aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar)(pointwise("mul"))
 register(

@@ -8,6 +8,7 @@ batch: its loss and state must equal the run that never saw the fault.
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import signal
@@ -161,6 +162,9 @@ def _interrupted(rank: int, step, good: tuple) -> tuple[str | None, str, float]:
         time.sleep(4)  # rank 0 is gone by now: this rank's step fails at once
         return _timed(lambda: step.step(*good))
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # the signal lands wherever this process is: inside a gc callback inherited from the test process
+    # (hypothesis times collections) the KeyboardInterrupt is unraisable there, and pytest warns of it
+    gc.callbacks.clear()
     sent = {}
 
     def interrupt():

@@ -85,6 +85,40 @@ def test_writes_through_views_train_as_on_one_device(plan):
     assert_equivalent(_scan_net, plan, _batches(), optimizer=_sgd, rtol=1e-10, atol=1e-12, param_atol=1e-10)
 
 
+class CastWrites(nn.Module):
+    """Writes through casts to the dtype a value already has: ``a.double()`` is ``a`` itself, so a
+    write to either is seen through the other (usc keeps such casts as written while tracing, as new
+    values: a write through one must bring the alias back)."""
+
+    def __init__(self, alias: bool = True) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(D, H), nn.Linear(H, D)
+        self.alias = alias
+
+    def forward(self, x, y):
+        a = self.up(x)
+        h = a.to(torch.float64) if self.alias else a.clone()
+        h.mul_(2.0)  # a is doubled too
+        b = a.double() if self.alias else a.clone()
+        a.add_(1.0)  # seen through b
+        return ((self.down(torch.tanh(a) * b) - x - y.sum(-1, keepdim=True)) ** 2).mean()
+
+
+def _cast_writes(alias: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    return CastWrites(alias).double()
+
+
+def test_writes_through_a_cast_alias_change_the_model():
+    batch = _batches(1)[0]
+    assert abs(_cast_writes(True)(*batch).item() - _cast_writes(False)(*batch).item()) > 1e-3
+
+
+@pytest.mark.parametrize("plan", ["dp=1", "dp=2", "tp=2"])
+def test_writes_through_a_cast_alias_train_as_on_one_device(plan):
+    assert_equivalent(_cast_writes, plan, _batches(), optimizer=_sgd, rtol=1e-10, atol=1e-12, param_atol=1e-10)
+
+
 def test_tensor_parallel_splits_the_layers_that_write_through_views():
     """The tp plans above split up/down (the writes are carried through), not replicate them."""
     report = usc.lint(_scan_net(True), "dp=2 tp=2", example_inputs=_batches(1)[0])
