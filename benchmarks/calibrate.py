@@ -344,6 +344,8 @@ SHAPES = {
                                   max_seq=8192)),
     "70B": (TinyLlama, LlamaConfig(vocab=128256, hidden=8192, heads=64, kv_heads=8, mlp=28672, layers=80,
                                    max_seq=8192)),
+    "2-70B": (TinyLlama, LlamaConfig(vocab=32000, hidden=8192, heads=64, kv_heads=8, mlp=28672, layers=80,
+                                     max_seq=4096)),  # Llama 2 70B
     "405B": (TinyLlama, LlamaConfig(vocab=128256, hidden=16384, heads=128, kv_heads=8, mlp=53248, layers=126,
                                     max_seq=8192)),
     # GPT-3-style 530B of Korthikanti et al. 2022 (Table: 105 layers, hidden 20480, 128 heads, seq 2048)
@@ -368,6 +370,15 @@ PUBLISHED = [
      TITAN + " (Llama 3 8B, 64 A100, FSDP2, local batch 1)", False),
     ("70B", "a100", "dp=64 zero=3 recompute=full dtype=bf16", 64, 8192, 331, 0.517,
      TITAN + " (Llama 3 70B, 64 A100, FSDP2, full AC)", False),
+    # NVIDIA's DGX Cloud benchmarking recipes (NGC catalog), MaxText (JAX) on H100 in bf16, FSDP over every
+    # GPU (16 nodes x 8: dcn_fsdp=16, ici_fsdp=8), the last step's log line; the remat policy is not given
+    # (read as full recompute, the one that fits 80 GB in usc's memory model)
+    ("70B", "h100", "dp=128 zero=3 recompute=full dtype=bf16", 256, 8192, 1_052, 0.512,
+     "NVIDIA DGXC Benchmarking, MaxText Llama3 70B 25.02: 128 H100, per-device batch 2, 15.570 s/step, "
+     "506.6 TFLOP/s/device", False),
+    ("2-70B", "h100", "dp=64 zero=3 recompute=full dtype=bf16", 128, 4096, 1_036, 0.466,
+     "NVIDIA DGXC Benchmarking, MaxText Llama2 70B 25.01.1: 64 H100, 7.908 s/step, 460.5 TFLOP/s/device "
+     "(layout not shown: read as FSDP over all 64)", False),
     ("405B", "h100", "dp=16 tp=8 sp=on zero=3 recompute=full mb=2 dtype=bf16", 32, 8192, 109, 0.29,
      TITAN + " (Llama 3.1 405B, 128 H100, FSDP2+TP, local batch 2)", False),
     ("405B", "h100", "dp=64 pp=16 tp=8 sp=on zero=1 mb=32 schedule=interleaved v=2 dtype=bf16", 2048, 8192,
