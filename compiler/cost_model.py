@@ -64,6 +64,8 @@ def _scale_factors(profile: ModelProfile, plan: PlanPoint) -> tuple[float, float
 
 def _scaled(key: ScaleKey, value: float, factors: tuple[float, float, int, bool]) -> float:
     per_batch, per_seq, tp, halve = factors
+    if key.bf16_only and not halve:
+        return 0.0
     if key.batch:
         value *= per_batch
     if key.seq:

@@ -15,12 +15,14 @@ BYTES_FP32 = 4
 
 class ScaleKey(NamedTuple):
     """How an amount scales: with the batch (split by dp*mb), with the sequence (split by cp),
-    split by tp, and float (bf16 halves it)."""
+    split by tp, and float (bf16 halves it); bf16_only: it exists only under dtype=bf16 (a cast to
+    a value's own dtype is the value itself in float32 and a copy under bf16)."""
 
     batch: bool
     seq: bool
     tp: bool
     is_float: bool = True
+    bf16_only: bool = False
 
 
 @dataclass(frozen=True)

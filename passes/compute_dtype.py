@@ -24,38 +24,40 @@ COMPUTE = {"bf16": torch.bfloat16}
 # ``x.to(device)``, ``x.cpu()``, ``x.to(memory_format=...)``: export records the traced dtype as the
 # target, but the model asked for no dtype (an explicit one records ``to.dtype`` or ``to.device``).
 MOVES = {aten.to.dtype_layout}
-
-
+ISLAND = "usc_float32_island"  # node.meta key: a float32-traced value a bf16 run keeps in float32
 
 
 def compute_dtype_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Under dtype=bf16, the casts and inputs rewritten as the module docstring says; under any plan,
+    the float32 islands marked (``ISLAND``: what a bf16 run of the same program keeps in float32, which
+    the cost profile's probes, compiled without a dtype, read to count those bytes at full size)."""
     dtype = COMPUTE.get(ctx.plan.get("dtype"))
-    if dtype is None:
-        _mark(gm, set(), torch.float32)
-        return gm
     upcast: set[fx.Node] = set()  # values computed in float32 on purpose
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         inputs = [a for a in node.all_input_nodes]
         if node.target in MOVES and _keeps_dtype(node):
-            node.kwargs = {**node.kwargs, "dtype": None}  # a device move keeps the dtype it meets
+            if dtype is not None:
+                node.kwargs = {**node.kwargs, "dtype": None}  # a device move keeps the dtype it meets
             if any(a in upcast for a in inputs):
                 upcast.add(node)
         elif node.target in CASTS and _cast_dtype(node) == torch.float32:
-            if any(a in upcast for a in inputs):
-                _set_cast_dtype(node, dtype)  # the cast back
-            else:
+            if not any(a in upcast for a in inputs):
                 upcast.add(node)
+            elif dtype is not None:
+                _set_cast_dtype(node, dtype)  # the cast back
         elif node.target is aten.type_as.default:
             if node.args[1] in upcast:  # ``x.type_as(y)``: y's dtype, whatever x was
                 upcast.add(node)
         elif node.target in STRICT and _mixed(node, upcast):
-            _cast_upcast_inputs(gm, node, upcast, dtype)  # runs in the compute dtype, as the model's weights
+            if dtype is not None:  # runs in the compute dtype, as the model's weights
+                _cast_upcast_inputs(gm, node, upcast, dtype)
         elif _promotes(node, upcast):
             upcast.add(node)
-    _mark(gm, upcast, dtype)
-    gm.recompile()
+    _mark(gm, upcast, dtype or torch.float32)
+    if dtype is not None:
+        gm.recompile()
     return gm
 
 
@@ -114,6 +116,7 @@ def _mark(gm: fx.GraphModule, upcast: set[fx.Node], dtype: torch.dtype) -> None:
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
             node.meta[RUNS_IN] = torch.float32 if node in upcast else dtype
+            node.meta[ISLAND] = node in upcast
 
 
 def _cast_dtype(node: fx.Node):

@@ -34,6 +34,7 @@ from usc.compiler.stamp import block_signature, value_signature
 from usc.compiler.trace import Traced, module_path, trace
 from usc.dsl import PlanError, parse_plan
 from usc.passes import parallelize
+from usc.passes.compute_dtype import ISLAND
 from usc.passes.pipeline_split import constant_nodes, node_flops
 from usc.passes.recompute import (KEEP_COLLECTIVE, KEPT, RECOMPUTED, RULES, DecisionRule, recompute_regions,
                                   reissued_in_backward)
@@ -330,16 +331,17 @@ def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> dict[str, tuple[floa
     return {u: tuple(v) for u, v in out.items()}
 
 
-def _key(node: fx.Node, mesh, *, is_float: bool | None = None) -> tuple[ScaleKey, int]:
+def _key(node: fx.Node, mesh, *, is_float: bool | None = None, bf16_only: bool = False) -> tuple[ScaleKey, int]:
     """How the value of ``node`` scales, and the factor from its probe-local size to unsplit.
     ``is_float``: a float32 value, which dtype=bf16 computes in half the bytes (float64 stays)."""
     if is_float is None:
         value = node.meta.get("val")
         is_float = isinstance(value, torch.Tensor) and value.dtype == torch.float32
+    is_float = is_float and not node.meta.get(ISLAND)  # a float32 island stays float32 under bf16
     placements = node.meta[META].layout.placements if META in node.meta else ()
     split = {a for a, p in zip(mesh.axes, placements) if isinstance(p, Shard)}
     factor = math.prod(mesh.size(a) for a in split)
-    return ScaleKey("dp" in split, "cp" in split, "tp" in split, is_float), factor
+    return ScaleKey("dp" in split, "cp" in split, "tp" in split, is_float, bf16_only), factor
 
 
 def _probe_costs(program, units: list[str]):
@@ -350,9 +352,9 @@ def _probe_costs(program, units: list[str]):
     saved, saved_params = _saved_tensors(program)
     acts: dict[str, dict] = {}
     nodes = {n.name: n for n in program.gm.graph.nodes}
-    for name, nbytes, is_float in saved:
+    for name, nbytes, is_float, bf16_only in saved:
         node = nodes[name]
-        key, factor = _key(node, program.mesh, is_float=is_float)
+        key, factor = _key(node, program.mesh, is_float=is_float, bf16_only=bf16_only)
         bucket = acts.setdefault(where[name], {})
         bucket[key] = bucket.get(key, 0) + nbytes * factor
     under_recompute = {(mode, cp): _under_recompute(program, mode, where, saved, RULES if cp else RULES_WITHOUT_CP)
@@ -382,8 +384,8 @@ def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rul
     start = [position[run[0].name] for run in regions]
     held: dict[str, tuple[str, ScaleKey, float, int]] = {}  # value -> (unit, key, bytes, step), each value once
     again: dict[tuple[str, int], dict] = {}  # (unit, step) -> what backward makes again there
-    for name, nbytes, is_float in saved:
-        key, factor = _key(nodes[name], mesh, is_float=is_float)
+    for name, nbytes, is_float, bf16_only in saved:
+        key, factor = _key(nodes[name], mesh, is_float=is_float, bf16_only=bf16_only)
         if name not in region_of or _saved_outside_regions(gm, nodes[name], region_of):
             held[name] = (where[name], key, nbytes * factor, position[name])
         elif decisions[nodes[name]] != KEPT:
@@ -636,10 +638,13 @@ def _tp_divides(program, batch: int, seq: int) -> int:
 
 # ------------------------------------------------------------------------------- fake execution
 
-def _saved_tensors(program) -> tuple[list[tuple[str, int, bool]], set[str]]:
-    """(node, bytes, is_float) of every storage rank 0 saves for backward in one forward, on fake
-    tensors (a storage made inside a node, e.g. ring attention's blocks, belongs to that node), and
-    the names of the parameters autograd saves."""
+def _saved_tensors(program) -> tuple[list[tuple[str, int, bool, bool]], set[str]]:
+    """(node, bytes, is_float, bf16_only) of every storage rank 0 saves for backward in one forward,
+    on fake tensors (a storage made inside a node, e.g. ring attention's blocks, belongs to that
+    node), and the names of the parameters autograd saves. A storage an op saves through a cast into
+    or out of a float32 island (``h.to(torch.float32)`` of the bf16 stream, and its cast back) is the
+    value itself in this float32 probe but a copy of the cast's dtype under bf16: it is counted as
+    the cast's, and where the value is saved itself too, the cast's copy exists only under bf16."""
     from usc.runtime.executor import fake_rank_zero
 
     with fake_rank_zero(program) as (rank, batch):
@@ -647,22 +652,49 @@ def _saved_tensors(program) -> tuple[list[tuple[str, int, bool]], set[str]]:
         rank.gm = recorder
         params = {rank.state[s.placeholder].untyped_storage()._cdata: s.name for s in program.state
                   if isinstance(rank.state[s.placeholder], torch.nn.Parameter)}
-        seen: dict[int, tuple[str, int, bool]] = {}
+        seen: dict[int, dict[str, tuple[int, bool]]] = {}  # storage -> {value saved through: (bytes, float)}
+        owners: dict[int, str] = {}
         saved_params: set[str] = set()
 
         def measure(t: torch.Tensor) -> None:
             storage = t.untyped_storage()
             if storage._cdata in params:  # ZeRO-3 gathers these again in backward
                 saved_params.add(params[storage._cdata])
-            elif storage._cdata not in seen:
+                return
+            if storage._cdata not in owners:
                 owner = recorder.owner.get(storage._cdata)
                 if owner is None:  # made inside the running node: find the value it has the size of
                     owner = _same_size(recorder.nodes[recorder.current], t.numel(), program.mesh)
-                seen[storage._cdata] = (owner, storage.nbytes(), t.dtype == torch.float32)
+                owners[storage._cdata] = owner
+            owner = owners[storage._cdata]
+            via = _island_cast(recorder.nodes[recorder.current], recorder.nodes.get(owner), storage._cdata, recorder)
+            seen.setdefault(storage._cdata, {}).setdefault(via or owner, (storage.nbytes(), t.dtype == torch.float32))
 
         rank._measure = measure
         rank._loss(rank._split(batch)[0])
-    return list(seen.values()), saved_params
+    out = []
+    for cdata, through in seen.items():
+        direct = owners[cdata] in through
+        for k, (name, (nbytes, is_float)) in enumerate(through.items()):
+            out.append((name, nbytes, is_float, name != owners[cdata] and (direct or k > 0)))
+    return out, saved_params
+
+
+_CASTS = (torch.ops.aten.to.dtype, torch.ops.aten.to.device)
+
+
+def _island_cast(running: fx.Node, owner: fx.Node | None, storage: int, recorder) -> str | None:
+    """The input of ``running`` through which it saves ``storage`` when that input is a cast into or
+    out of a float32 island of the owner's value (an alias here, a copy under bf16); else None."""
+    if owner is None:
+        return None
+    for arg in running.all_input_nodes:
+        value = recorder.env.get(arg)
+        if arg.target in _CASTS and arg is not owner and isinstance(value, torch.Tensor) \
+                and value.untyped_storage()._cdata == storage and isinstance(arg.args[0], fx.Node) \
+                and bool(arg.meta.get(ISLAND)) != bool(arg.args[0].meta.get(ISLAND)):
+            return arg.name
+    return None
 
 
 def _same_size(node: fx.Node, numel: int, mesh) -> str:
