@@ -337,11 +337,23 @@ def _key(node: fx.Node, mesh, *, is_float: bool | None = None, bf16_only: bool =
     if is_float is None:
         value = node.meta.get("val")
         is_float = isinstance(value, torch.Tensor) and value.dtype == torch.float32
-    is_float = is_float and not node.meta.get(ISLAND)  # a float32 island stays float32 under bf16
+    is_float = is_float and not _island(node)  # a float32 island stays float32 under bf16
     placements = node.meta[META].layout.placements if META in node.meta else ()
     split = {a for a, p in zip(mesh.axes, placements) if isinstance(p, Shard)}
     factor = math.prod(mesh.size(a) for a in split)
     return ScaleKey("dp" in split, "cp" in split, "tp" in split, is_float, bf16_only), factor
+
+
+def _island(node: fx.Node) -> bool:
+    """Whether a bf16 run keeps ``node`` in float32 (``compute_dtype``'s mark); a node a later pass
+    made (the loss's decomposition over the vocabulary) is in an island when a float32 input with
+    dimensions is, as torch's promotion has it. Remembered in the node's meta."""
+    if ISLAND not in node.meta:
+        node.meta[ISLAND] = False  # a cycle-free graph: this only guards the recursion's own entry
+        node.meta[ISLAND] = any(_island(a) for a in node.all_input_nodes
+                                if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype == torch.float32
+                                and a.meta["val"].dim() > 0)
+    return bool(node.meta[ISLAND])
 
 
 def _probe_costs(program, units: list[str]):
