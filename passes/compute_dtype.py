@@ -5,9 +5,14 @@ float32 (a norm that upcasts for its statistics and casts back, as Hugging Face'
 Under dtype=bf16 the program runs in bfloat16, and the cast back must give bfloat16 again, or the
 next matmul meets float32 activations and bfloat16 weights. The pass tells them apart by what
 they cast: a cast to float32 of a value computed from an earlier cast to float32 is a cast back.
+Each cast is in the graph as the model wrote it, with its own uses only (``compiler/casts.py``:
+torch records a cast to a value's own dtype as the value itself). Values computed from an island
+stay in it by torch's promotion (a float32 scalar does not lift a bf16 tensor); a matmul, norm,
+attention or expert op where an island meets a bf16 value runs in bf16.
 
 Requires: the traced graph (before propagation). Establishes: such casts name the compute dtype;
-every float32-traced value's ``meta["usc_runs_in"]`` names the dtype it runs in.
+every float32-traced value's ``meta["usc_runs_in"]`` names the dtype it runs in, and
+``meta[ISLAND]`` whether a bf16 run keeps it in float32 (marked under every plan).
 """
 
 from __future__ import annotations
