@@ -18,7 +18,7 @@ from torch import nn
 
 import usc
 from usc.compiler.ir import MeshSpec
-from usc.passes.attention_masks import attention_masks_pass, equals_causal
+from usc.passes.attention_masks import SDPA, attention_masks_pass, equals_causal, sdpa_args, sdpa_mask
 from usc.runtime.layout import zigzag_index
 from usc.runtime.mesh import run_in_threads, simulated_meshes
 from usc.runtime.ring_attention import Call, RingAttention, _mask_calls, masked_schedule, ring_attention
@@ -436,6 +436,20 @@ def test_hugging_face_llama_mask_is_proven_causal_under_cp():
     programs: list = []
     train_like_one_device(HF["llama"], "cp=2", hf_batches(), programs)
     assert [(r.causal, r.masked) for r in ring_nodes(programs[0])] == [(True, False)] * 2
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "pp=2 mb=2"])
+def test_hugging_face_llama_mask_is_proven_causal_without_cp(plan):
+    """Eager transformers gives sdpa no mask when nothing is padded; traced, it keeps a [B, 1, S, S]
+    mask, which every layer's sdpa would copy to float and save. Proven causal, it is gone."""
+    programs: list = []
+    gen = torch.Generator().manual_seed(0)
+    batches = [(ids, ids.roll(-1, 1)) for ids in (torch.randint(0, VOCAB, (4, SEQ), generator=gen) for _ in range(2))]
+    train_like_one_device(HF["llama"], plan, batches, programs)
+    attention = [n for n in programs[0].gm.graph.nodes if n.target is SDPA]
+    attention += [n for sub in programs[0].gm.modules() if isinstance(sub, torch.fx.GraphModule)
+                  and sub is not programs[0].gm for n in sub.graph.nodes if n.target is SDPA]
+    assert attention and all(sdpa_mask(n) is None and sdpa_args(n)["is_causal"] for n in attention)
 
 
 def test_hugging_face_llama_packed_documents_cross_zigzag_shards():
