@@ -161,24 +161,33 @@ def _local(node: fx.Node, mesh: MeshSpec) -> tuple[tuple[int, ...], torch.dtype]
 
 
 RUNS_IN = "usc_runs_in"  # set by passes/compute_dtype.py on the traced graph's float32 values
+ISLAND = "usc_float32_island"  # likewise, under every plan: a value a bf16 run keeps in float32
 
 
 def runs_in(node: fx.Node) -> torch.dtype:
     """The dtype ``node``'s value has when the program runs: a float32-traced value of a dtype=bf16
-    program is bfloat16 unless the model computes it in float32 on purpose. A node a pass inserted
-    (a collective) takes the dtype of the value it moves: its first float32 input's."""
+    program is bfloat16 unless the model computes it in float32 on purpose."""
+    value = node.meta["val"]
+    return value.dtype if value.dtype != torch.float32 else _compute_mark(node, RUNS_IN, torch.float32)
+
+
+def in_float32_island(node: fx.Node) -> bool:
+    """Whether a dtype=bf16 run keeps ``node``'s float32-traced value in float32."""
+    return bool(_compute_mark(node, ISLAND, False))
+
+
+def _compute_mark(node: fx.Node, key: str, default):
+    """``node.meta[key]`` as the compute-dtype pass set it; a float32 node a later pass made (a
+    collective, the loss's decomposition over the vocabulary) takes the mark of the value it
+    computes from, its first float32 input's, walked up."""
     at = node
-    while True:
-        value = at.meta.get("val")
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
-            return node.meta["val"].dtype
-        if RUNS_IN in at.meta:
-            return at.meta[RUNS_IN]
+    while key not in at.meta:
         inputs = [a for a in at.all_input_nodes
                   if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype == torch.float32]
         if not inputs:
-            return value.dtype
+            return default
         at = inputs[0]
+    return at.meta[key]
 
 
 def graph_collectives(gm: fx.GraphModule, mesh: MeshSpec, microbatches: int = 1) -> list[CollectiveRecord]:

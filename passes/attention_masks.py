@@ -45,15 +45,9 @@ MAX_BYTES = 1 << 28
 
 def attention_masks_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Replace masks proven causal by ``is_causal=True`` (see the module docstring)."""
-    changed, proven = False, {}  # (mask, query and key lengths) -> causal? every layer reads one mask
+    changed = False
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not SDPA:
-            continue
-        q, k = val(node.args[0]), val(node.args[1])
-        key = (sdpa_mask(node), None if q is None else int(q.shape[-2]), None if k is None else int(k.shape[-2]))
-        if key not in proven:
-            proven[key] = is_causal_mask(key[0], node)
-        if proven[key]:
+        if node.op == "call_function" and node.target is SDPA and is_causal_mask(sdpa_mask(node), node):
             _use_causal_flag(gm, node)
             changed = True
     if changed:
@@ -92,7 +86,7 @@ def is_causal_mask(mask, node: fx.Node) -> bool:
     if ancestry is None:
         return False
     key = (_signature(ancestry), int(q.shape[-2]))
-    if key not in _PROVEN:  # the same mask program in another compile of the model (a lint's stamps)
+    if key not in _PROVEN:  # every layer reads one mask, and each compile of the model (a lint's stamps) has it
         value = constant_value(mask)
         if len(_PROVEN) >= 64:
             _PROVEN.pop(next(iter(_PROVEN)))

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 import usc.compiler.moe  # noqa: F401 - registers usc::moe, whose tokens meet the experts' weights
-from usc.compiler.report import RUNS_IN  # node.meta key: the dtype a float32-traced value runs in
+from usc.compiler.report import ISLAND, RUNS_IN  # node.meta keys this pass sets (see the docstring)
 
 aten = torch.ops.aten
 CASTS = {aten.to.dtype: 1, aten._to_copy.default: "dtype"}
@@ -29,7 +29,6 @@ COMPUTE = {"bf16": torch.bfloat16}
 # ``x.to(device)``, ``x.cpu()``, ``x.to(memory_format=...)``: export records the traced dtype as the
 # target, but the model asked for no dtype (an explicit one records ``to.dtype`` or ``to.device``).
 MOVES = {aten.to.dtype_layout}
-ISLAND = "usc_float32_island"  # node.meta key: a float32-traced value a bf16 run keeps in float32
 
 
 def compute_dtype_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:

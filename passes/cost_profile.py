@@ -29,12 +29,12 @@ from torch.utils._pytree import tree_flatten
 from usc.compiler.cost_model import CollectiveCost, ModelProfile, ScaleKey, UnitCost
 from usc.compiler.errors import CompileError
 from usc.compiler.ir import META
-from usc.compiler.report import graph_collectives
+from usc.compiler.report import graph_collectives, in_float32_island
 from usc.compiler.stamp import block_signature, value_signature
 from usc.compiler.trace import Traced, module_path, trace
 from usc.dsl import PlanError, parse_plan
 from usc.passes import parallelize
-from usc.passes.compute_dtype import ISLAND
+from usc.passes.compute_dtype import CASTS
 from usc.passes.pipeline_split import constant_nodes, node_flops
 from usc.passes.recompute import (KEEP_COLLECTIVE, KEPT, RECOMPUTED, RULES, DecisionRule, recompute_regions,
                                   reissued_in_backward)
@@ -337,23 +337,11 @@ def _key(node: fx.Node, mesh, *, is_float: bool | None = None, bf16_only: bool =
     if is_float is None:
         value = node.meta.get("val")
         is_float = isinstance(value, torch.Tensor) and value.dtype == torch.float32
-    is_float = is_float and not _island(node)  # a float32 island stays float32 under bf16
+    is_float = is_float and not in_float32_island(node)  # a float32 island stays float32 under bf16
     placements = node.meta[META].layout.placements if META in node.meta else ()
     split = {a for a, p in zip(mesh.axes, placements) if isinstance(p, Shard)}
     factor = math.prod(mesh.size(a) for a in split)
     return ScaleKey("dp" in split, "cp" in split, "tp" in split, is_float, bf16_only), factor
-
-
-def _island(node: fx.Node) -> bool:
-    """Whether a bf16 run keeps ``node`` in float32 (``compute_dtype``'s mark); a node a later pass
-    made (the loss's decomposition over the vocabulary) is in an island when a float32 input with
-    dimensions is, as torch's promotion has it. Remembered in the node's meta."""
-    if ISLAND not in node.meta:
-        node.meta[ISLAND] = False  # a cycle-free graph: this only guards the recursion's own entry
-        node.meta[ISLAND] = any(_island(a) for a in node.all_input_nodes
-                                if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype == torch.float32
-                                and a.meta["val"].dim() > 0)
-    return bool(node.meta[ISLAND])
 
 
 def _probe_costs(program, units: list[str]):
@@ -692,9 +680,6 @@ def _saved_tensors(program) -> tuple[list[tuple[str, int, bool, bool]], set[str]
     return out, saved_params
 
 
-_CASTS = (torch.ops.aten.to.dtype, torch.ops.aten.to.device)
-
-
 def _island_cast(running: fx.Node, owner: fx.Node | None, storage: int, recorder) -> str | None:
     """The input of ``running`` through which it saves ``storage`` when that input is a cast into or
     out of a float32 island of the owner's value (an alias here, a copy under bf16); else None."""
@@ -702,9 +687,9 @@ def _island_cast(running: fx.Node, owner: fx.Node | None, storage: int, recorder
         return None
     for arg in running.all_input_nodes:
         value = recorder.env.get(arg)
-        if arg.target in _CASTS and arg is not owner and isinstance(value, torch.Tensor) \
+        if arg.target in CASTS and arg is not owner and isinstance(value, torch.Tensor) \
                 and value.untyped_storage()._cdata == storage and isinstance(arg.args[0], fx.Node) \
-                and bool(arg.meta.get(ISLAND)) != bool(arg.args[0].meta.get(ISLAND)):
+                and in_float32_island(arg) != in_float32_island(arg.args[0]):
             return arg.name
     return None
 
