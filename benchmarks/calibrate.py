@@ -247,8 +247,11 @@ def _cores() -> int:
 def write_toml(profile: dict, path: str, comment: str) -> None:
     lines = [f"# {line}" for line in comment.splitlines()]
     for key, value in profile.items():
-        lines.append(f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value}" if isinstance(value, int)
-                     else f"{key} = {float(value):.6g}")
+        if isinstance(value, (list, tuple)):  # a busbw-by-nodes table: [[nodes, bytes/s], ...]
+            lines.append(f"{key} = [{', '.join(f'[{int(n)}, {float(b):.6g}]' for n, b in value)}]")
+        else:
+            lines.append(f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value}"
+                         if isinstance(value, int) else f"{key} = {float(value):.6g}")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -340,6 +343,7 @@ def ranking_agrees(rows: list[dict]) -> bool:
 # equal the logs' model_tflops_per_gpu / tokens_per_sec_per_gpu (251e12 / 27,700 = 9.06 GFLOP).
 SHAPES = {
     "1B": (TinyLlama, LlamaConfig(vocab=128256, hidden=2048, heads=32, kv_heads=8, mlp=8192, layers=16, max_seq=8192)),
+    "3B": (TinyLlama, LlamaConfig(vocab=128256, hidden=3072, heads=24, kv_heads=8, mlp=8192, layers=28, max_seq=8192)),
     "8B": (TinyLlama, LlamaConfig(vocab=128256, hidden=4096, heads=32, kv_heads=8, mlp=14336, layers=32,
                                   max_seq=8192)),
     "70B": (TinyLlama, LlamaConfig(vocab=128256, hidden=8192, heads=64, kv_heads=8, mlp=28672, layers=80,
@@ -419,31 +423,6 @@ def published_rows(runs: list = PUBLISHED, profiles: dict = {}) -> list[dict]:  
     return rows
 
 
-# Which published runs the H100 profile's efficiency constants are fitted on (the rest are held out):
-# two nanotron runs of the same model and tokens per step that differ in microbatch size (8 vs 1).
-FITTED_ON = (0, 2)
-
-
-def fit_published(rows_of: list[int] = FITTED_ON) -> tuple[float, float]:
-    """(matmul_efficiency, unit_overhead) of the h100 profile minimising the squared log error of
-    tokens/s/GPU over the published runs ``rows_of`` (a grid: both enter the step time non-linearly)."""
-    import usc.compiler.hardware as hardware
-
-    base = hardware.BUILTIN_PROFILES["h100"]
-    best = (math.inf, None)
-    try:
-        for efficiency in np.arange(0.20, 0.81, 0.01):
-            for overhead in np.arange(0.0, 0.0121, 0.0002):
-                hardware.BUILTIN_PROFILES["h100"] = replace(base, matmul_efficiency=float(efficiency),
-                                                            unit_overhead=float(overhead))
-                rows = published_rows([PUBLISHED[i] for i in rows_of])
-                error = sum(math.log(r["predicted_tps"] / r["published_tps"]) ** 2 for r in rows)
-                best = min(best, (error, (round(float(efficiency), 2), round(float(overhead), 4))))
-    finally:
-        hardware.BUILTIN_PROFILES["h100"] = base
-    return best[1]
-
-
 def print_published(rows: list[dict]) -> None:
     print("| model | GPUs | plan | tokens/s/GPU published | predicted | MFU published | predicted | "
           "memory/rank (GiB) | setup complete | source |")
@@ -465,12 +444,7 @@ def main() -> None:
                         help="the model --validate measures (hf-llama: transformers' LlamaForCausalLM, "
                              "same shape)")
     parser.add_argument("--published", action="store_true", help="only the published-vs-predicted table")
-    parser.add_argument("--fit-published", action="store_true",
-                        help="fit the h100 profile's matmul_efficiency and unit_overhead to FITTED_ON")
     args = parser.parse_args()
-    if args.fit_published:
-        return print(f"fitted on {[PUBLISHED[i][2] for i in FITTED_ON]}: matmul_efficiency, unit_overhead = "
-                     f"{fit_published()}")
     if args.published:
         return print_published(published_rows())
     path = args.out or args.profile

@@ -59,7 +59,6 @@ LONG = (64, 32768, 32)  # GPUs, seq, global batch
 
 def table(names=("8B", "70B")) -> None:
     from usc.compiler.hardware import H100
-    from usc.compiler.planner import unchecked_terms
 
     print("| model | GPUs | seq | chosen plan | step (s) | MFU | memory/rank (GiB) | best of the other families | "
           "unchecked terms |")
@@ -77,7 +76,7 @@ def table(names=("8B", "70B")) -> None:
             others = "; ".join(f"{fam}: {c.step:.2f} s" if not isinstance(c, str) else f"{fam}: none fits"
                                for fam, c in result.families.items() if c is not best)
             print(f"| {name} | {gpus} | {seq} | `{best.plan.text()}` | {est.time['step']:.2f} | {est.mfu:.1%} | "
-                  f"{est.memory_total / 2**30:.1f} | {others} | {'; '.join(unchecked_terms(best.plan)) or '-'} |",
+                  f"{est.memory_total / 2**30:.1f} | {others} | {'; '.join(result.unchecked_terms) or '-'} |",
                   flush=True)
 
 

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from .cost_types import (BYTES_FP32, CollectiveCost, CollectiveEstimate, Estimate, ModelProfile,  # noqa: F401
                          PlanPoint, ScaleKey, UnitCost, tied_once)
-from .hardware import HardwareProfile
+from .hardware import BUSBW_FIELDS, HardwareProfile
 from usc.runtime.sizes import shape_bytes
 from .partition import balanced_cut, manual_cut
 from .shared_cores import SIMULATED, shared_bubble_units
@@ -340,10 +340,12 @@ class Link(NamedTuple):
     latency: float
     ring: bool = False
     factors: tuple = ()  # (kind, factor): what a kind takes over the formula (a profile's *_factor fields)
+    measured: tuple = ()  # (kind, bandwidth): kinds that run at a measured bus bandwidth instead (the
+    #                       profile's *_busbw_by_nodes at this group's node count)
 
 
 def collective_seconds(kind: str, nbytes: float, n: int, bandwidth: float, latency: float,
-                       ring: bool = False, factors: tuple = ()) -> float:
+                       ring: bool = False, factors: tuple = (), measured: tuple = ()) -> float:
     """Seconds of one collective; ``nbytes`` is this rank's payload, ``bandwidth`` what the link
     sustains. Bandwidth term of the ring algorithms (Patarasuk & Yuan 2009), which NCCL uses for
     large messages; latency term of the (double binary) trees NCCL switches to when messages are
@@ -351,9 +353,14 @@ def collective_seconds(kind: str, nbytes: float, n: int, bandwidth: float, laten
     model) -- or a ring's n-1 steps per phase (gloo's ring algorithms). The latency term is also what
     makes the bus bandwidth grow with the message size (busbw = bytes / (bytes/bw + steps*latency)).
     ``factors``: a library whose kinds are not equally efficient (gloo's all-gather and
-    reduce-scatter, measured by calibrate.py) takes each kind's factor times the formula."""
+    reduce-scatter, measured by calibrate.py) takes each kind's factor times the formula.
+    ``measured``: (kind, bandwidth) of kinds whose bus bandwidth over this group was measured (a
+    profile's busbw by node count): their bandwidth term runs at it."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    for k, bw in measured:
+        if k == kind:
+            bandwidth = bw
     if factors:
         factor = dict(factors).get(kind, 1.0)
         if factor != 1.0:
@@ -373,12 +380,34 @@ def _link(hw: HardwareProfile, plan: PlanPoint, axis: str) -> Link:
     cross nodes once per node and channel, one channel per NIC, so a group with g ranks in each
     node moves g NIC shares (2-node H100 all-reduce measures 435 GB/s bus bandwidth at 1 GB, far
     above one 50 GB/s NIC: docs/cost_model.md, "Published vs predicted"). A pipeline transfer is one
-    rank's send: one NIC."""
+    rank's send: one NIC. Where the profile measured a kind's bus bandwidth by node count (groups
+    filling whole nodes), a crossing group runs that kind at the figure for as many nodes as its
+    ranks would fill -- what falls with scale is the collective's length, its ranks in sequence,
+    not the network: the Ultra-Scale Playbook's sweep runs dp groups of one rank per node (tp=8)
+    over 32 nodes at 33% MFU, which the per-node figure, shared by eight such groups, puts at 16%
+    (docs/cost_model.md, "The playbook's sweep") -- and never above the NICs its ranks own."""
     crosses = crosses_node(plan, axis)
     bandwidth, latency = hw.link(crosses_node=crosses)
+    measured = ()
     if crosses and axis != "pp":
-        bandwidth = min(bandwidth * ranks_per_node(plan, axis), hw.intra_node_bandwidth)
-    return Link(bandwidth * hw.comm_efficiency, latency, hw.latency_steps == "ring", hw.collective_factors)
+        per_node = ranks_per_node(plan, axis)
+        bandwidth = min(bandwidth * per_node, hw.intra_node_bandwidth)
+        if hw.measured_nodes:
+            size = {"dp": plan.dp, "tp": plan.tp, "cp": plan.cp, "ep": plan.ep}[axis]
+            measured = _measured_links(hw, size, per_node)
+    return Link(bandwidth * hw.comm_efficiency, latency, hw.latency_steps == "ring", hw.collective_factors,
+                measured)
+
+
+@functools.lru_cache(maxsize=1024)
+def _measured_links(hw: HardwareProfile, ranks: int, per_node: int) -> tuple:
+    """(kind, bandwidth) of the kinds ``hw`` measured by node count, for a crossing group of
+    ``ranks`` ranks, ``per_node`` of them in each node: the figure at the nodes its ranks would fill,
+    at most its NICs' peak."""
+    fills = max(2, round(ranks / hw.gpus_per_node))
+    nics = per_node * hw.inter_node_bandwidth
+    return tuple((kind, min(hw.busbw_across(kind, fills), nics)) for kind in BUSBW_FIELDS
+                 if hw.busbw_across(kind, fills) is not None)
 
 
 def ranks_per_node(plan: PlanPoint, axis: str) -> int:
@@ -435,7 +464,7 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
         link = _link(hw, plan, axis)
         calls = max(1.0, math.ceil(grad_bytes / (plan.bucket_mb * 2**20)))
         seconds = collective_seconds(kind, payload, n, link.bandwidth, link.latency * calls, link.ring,
-                                     link.factors)
+                                     link.factors, link.measured)
         last_bucket = collective_seconds(kind, min(payload, plan.bucket_mb * 2**20), n, *link)
         exposed = max(seconds - hw.comm_overlap * backward_seconds, last_bucket)
         out.append(CollectiveEstimate(axis, kind, "backward", n, payload, calls, seconds, exposed))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -70,8 +71,19 @@ class HardwareProfile:
     host_cores: float = 0.0  # cores one node's ranks share: 0 where each rank owns its device (GPUs);
     #                          fewer than the node's ranks (CPU processes), a rank idle in a pipeline
     #                          bubble gives its core to the busy ones (compiler/shared_cores.py)
+    # Measured bus bandwidth (nccl-tests' busbw, bytes/s) of each kind on large messages over a group
+    # that fills N whole nodes, as (N, busbw) pairs from 2 nodes up: a fabric's collectives slow down
+    # as they span more nodes (congestion, rails, switch tiers), which no per-link number shows. A
+    # crossing group of a kind with a table runs at the busbw of its node count (log-log between the
+    # pairs; the last pair's beyond them, which the planner flags), times the share of each node's GPUs
+    # it holds; a kind without one takes the NIC formula above. Empty: the formula for every kind.
+    all_reduce_busbw_by_nodes: tuple = ()
+    all_gather_busbw_by_nodes: tuple = ()
+    reduce_scatter_busbw_by_nodes: tuple = ()
 
     def __post_init__(self) -> None:
+        for name in BUSBW_FIELDS.values():
+            object.__setattr__(self, name, _busbw_table(self.name, name, getattr(self, name)))
         for f in fields(self):
             _check_field(self.name, f.name, getattr(self, f.name))
         if int(self.gpus_per_node) != self.gpus_per_node:
@@ -100,6 +112,27 @@ class HardwareProfile:
         kinds = ((kind, getattr(self, name)) for kind, name in FACTOR_FIELDS.items())
         return tuple((k, f) for k, f in kinds if f != 1.0)
 
+    @functools.cached_property
+    def measured_nodes(self) -> int:
+        """The most nodes any busbw-by-nodes table measured (0: no table; the formula throughout)."""
+        return max((pairs[-1][0] for pairs in (getattr(self, f) for f in BUSBW_FIELDS.values()) if pairs),
+                   default=0)
+
+    def busbw_across(self, kind: str, nodes: int) -> "float | None":
+        """Measured bus bandwidth of ``kind`` over a group filling ``nodes`` nodes (log-log between
+        the table's node counts, its ends held beyond them); None when the profile has no table for it."""
+        name = BUSBW_FIELDS.get(kind)
+        pairs = getattr(self, name) if name else ()
+        if not pairs:
+            return None
+        if nodes <= pairs[0][0]:
+            return pairs[0][1]
+        for (n0, b0), (n1, b1) in zip(pairs, pairs[1:]):
+            if nodes <= n1:
+                t = math.log(nodes / n0) / math.log(n1 / n0)
+                return math.exp(math.log(b0) + t * (math.log(b1) - math.log(b0)))
+        return pairs[-1][1]
+
     def matmul_rate(self, rows: float, dtype: str) -> float:
         """FLOP/s of one rank's matmuls with ``rows`` rows (tokens) per call: the peak times the
         sustained efficiency, falling off below ``matmul_half_rows``."""
@@ -114,9 +147,38 @@ FACTOR_FIELDS = {"all-reduce": "all_reduce_factor", "all-gather": "all_gather_fa
                  "reduce-scatter": "reduce_scatter_factor", "all-to-all": "all_to_all_factor",
                  "send/recv": "send_recv_factor"}
 
+# The profile field of each kind's measured bus bandwidth by node count (``busbw_across``).
+BUSBW_FIELDS = {"all-reduce": "all_reduce_busbw_by_nodes", "all-gather": "all_gather_busbw_by_nodes",
+                "reduce-scatter": "reduce_scatter_busbw_by_nodes"}
+
+
+def _busbw_table(profile: str, name: str, value) -> tuple:
+    """``value`` as ((nodes, busbw), ...) with node counts from 2 up, ascending; raise naming the field."""
+    def bad(why: str) -> HardwareProfileError:
+        return HardwareProfileError(
+            f"hardware profile {profile!r}: {name!r} {why}; write it as [[2, 361.7e9], [4, 160.1e9], ...]: "
+            f"(nodes, bus bandwidth in bytes/s) pairs, node counts from 2 up")
+    if not isinstance(value, (list, tuple)):
+        raise bad(f"must be a list of pairs, got {value!r}")
+    pairs = []
+    for pair in value:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise bad(f"holds {pair!r}, not a (nodes, busbw) pair")
+        nodes, busbw = pair
+        if isinstance(nodes, bool) or not isinstance(nodes, (int, float)) or nodes != int(nodes) or nodes < 2:
+            raise bad(f"has node count {nodes!r}: a whole number of at least 2 (one node is NVLink's)")
+        if isinstance(busbw, bool) or not isinstance(busbw, (int, float)) or not busbw > 0:
+            raise bad(f"has bandwidth {busbw!r} at {nodes} nodes: a positive number of bytes/s")
+        pairs.append((int(nodes), float(busbw)))
+    if [n for n, _ in pairs] != sorted({n for n, _ in pairs}):
+        raise bad("must list each node count once, ascending")
+    return tuple(pairs)
+
+
 # Fields that may be zero (an overhead nobody measured is no overhead), and the string-valued ones.
 MAY_BE_ZERO = ("unit_overhead", "comm_overlap", "host_cores")
 TEXT_FIELDS = {"latency_steps": ("tree", "ring")}
+BUSBW_NAMES = frozenset(BUSBW_FIELDS.values())
 
 
 def _check_field(profile: str, name: str, value) -> None:
@@ -124,6 +186,8 @@ def _check_field(profile: str, name: str, value) -> None:
     if name == "name":
         if not isinstance(value, str) or not value:
             raise HardwareProfileError("hardware profile: 'name' must be a non-empty string")
+    elif name in BUSBW_NAMES:
+        return  # checked (and normalised) by _busbw_table
     elif name in TEXT_FIELDS:
         if value not in TEXT_FIELDS[name]:
             raise HardwareProfileError(f"hardware profile {profile!r}: {name!r} must be one of "
@@ -225,6 +289,8 @@ def _load_toml(text: str) -> dict:
 def _flat_toml_line(line: str) -> tuple[str, object]:  # pragma: no cover - Python 3.10
     key, _, value = line.split("#")[0].partition("=")
     value = value.strip()
+    if value.startswith("["):
+        return key.strip(), json.loads(value.replace("_", ""))
     if value.startswith('"'):
         return key.strip(), value.strip('"')
     number = float(value.replace("_", ""))

@@ -206,15 +206,27 @@ def test_a_family_that_does_not_fit_says_how_close_it_came(profile):
 def test_a_choice_resting_on_an_unchecked_term_is_flagged_with_the_checked_alternative(profile):
     from usc.compiler.planner import unchecked_terms
 
-    # two GPUs per node: pp=4 crosses nodes, a term the published runs do not support
-    target = PlanTarget(gpus=4, seq=32, global_batch=8, dtype="fp32", gpus_per_node=2, fixed=(("pp", 4),))
+    # cp=2: its ring's overlap with attention, a term no published run checks
+    target = PlanTarget(gpus=4, seq=32, global_batch=8, dtype="fp32", gpus_per_node=2, fixed=(("cp", 2),))
     result = search(profile, target, H100, supported=refusal)
-    assert unchecked_terms(result.best.plan) and "pp across nodes" in str(result)
+    assert unchecked_terms(result.best.plan) and "the cp ring's overlap" in str(result)
     free = search(profile, replace(target, fixed=()), H100, supported=refusal)
     if unchecked_terms(free.best.plan):
         assert free.best_checked is not None and not unchecked_terms(free.best_checked.plan)
         assert f"best plan relying on none: {free.best_checked.plan.text()}" in str(free)
     assert not unchecked_terms(PlanPoint(8, 32, dp=2, tp=2, gpus_per_node=8))
+
+
+def test_collective_bandwidth_is_checked_to_32_nodes_with_a_measured_table_and_16_without():
+    from usc.compiler.planner import unchecked_terms
+
+    assert H100.measured_nodes == 64 and not replace(H100, all_reduce_busbw_by_nodes=(), all_gather_busbw_by_nodes=(),
+                                                     reduce_scatter_busbw_by_nodes=()).measured_nodes
+    at = lambda nodes: PlanPoint(8 * nodes, 32, dp=8 * nodes, gpus_per_node=8)  # noqa: E731
+    flagged = lambda nodes, measured: any("beyond" in t for t in unchecked_terms(at(nodes), measured))  # noqa: E731
+    assert not flagged(32, 64) and flagged(33, 64) and flagged(64, 64)
+    assert not flagged(16, 0) and flagged(17, 0)
+    assert not flagged(8, 8) and flagged(9, 8)  # a table measured to 8 nodes: checked to 8
 
 
 def test_json_of_the_search_has_the_families_and_the_unchecked_terms(profile):
@@ -228,7 +240,7 @@ def test_json_of_the_search_has_the_families_and_the_unchecked_terms(profile):
     planner = cost_dict(SimpleNamespace(cost=None, plan_search=result))["planner"]
     assert set(planner["families"]) == set(result.families)
     assert planner["families"]["dp+ZeRO"]["plan"] == result.families["dp+ZeRO"].plan.text()
-    assert planner["unchecked_terms"] == unchecked_terms(result.best.plan)
+    assert planner["unchecked_terms"] == unchecked_terms(result.best.plan, H100.measured_nodes)
 
 
 def test_plan_point_with_is_replace():
