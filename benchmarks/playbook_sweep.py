@@ -11,7 +11,7 @@ fastest configurations, every pure-dp and pure-tp one, and the pipelined ones am
 fastest on 2+ nodes. Nothing in the h100 profile is fitted to them; its bus bandwidth by node count
 comes from the same cluster's collective measurements (the playbook's bandwidth figure).
 
-Each row is read as the plan usc would run: nanotron's dp/tp/pp, ZeRO-1 or none, GradAcc
+Each row is read as the plan usc would run: nanotron's pp/dp/tp mesh, ZeRO-1 or none, GradAcc
 microbatches of MBS sequences, tensor parallel with sequence parallelism (nanotron's reduce-scatter
 mode), 1F1B, no recompute, bf16. The models' shapes are not published: 1B, 3B and 8B are read as
 Llama 3.2 1B, Llama 3.2 3B and Llama 3 8B, whose FLOPs per token the sweep's own figures (its MFU
@@ -43,8 +43,8 @@ from usc.planning import point_of  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "playbook_sweep.csv"
 SEQ = 4096
-GROUPS = {"best": "the three fastest of the cell", "dp": "pure dp (tp=pp=1)", "tp": "pure tp (dp=pp=1)",
-          "pp": "pipelined on 2+ nodes (pp>1, tp<=8), among the cell's fifteen fastest"}
+GROUPS = {"best": "2+ nodes, the three fastest of the cell", "dp": "2+ nodes, pure dp (tp=pp=1)",
+          "tp": "2+ nodes, pure tp (dp=pp=1)", "pp": "2+ nodes, pipelined (pp>1, tp<=8), among the cell's fifteen fastest"}
 
 
 def rows(path: Path = DATA) -> list[dict]:
@@ -57,7 +57,9 @@ def rows(path: Path = DATA) -> list[dict]:
 
 
 def plan_text(r: dict) -> str:
-    parts = [f"dp={r['dp']}", f"tp={r['tp']}", f"pp={r['pp']}", f"mb={r['gradacc']}"]
+    # nanotron's mesh is (pp, dp, tp), outermost first (nanotron/parallel/context.py): written in that
+    # order, usc lays its groups out the same way, so the same groups cross nodes
+    parts = [f"pp={r['pp']}", f"dp={r['dp']}", f"tp={r['tp']}", f"mb={r['gradacc']}"]
     if r["zero"] and r["dp"] > 1:
         parts.append(f"zero={r['zero']}")
     if r["tp"] > 1:
@@ -99,12 +101,16 @@ def fit(data: list[dict], base: str = "h100") -> tuple[float, float]:
 
 
 def summary(predicted: list[dict], group: str) -> str:
-    sel = [p for p in predicted if group in p["groups"].split("+")]
+    """How the held-out rows (2+ nodes) of ``group`` fare; "fitted" is the one-node rows."""
+    if group == "fitted":
+        sel, name = [p for p in predicted if p["nodes"] == 1], "one node (the rows fitted on)"
+    else:
+        sel, name = [p for p in predicted if p["nodes"] > 1 and group in p["groups"].split("+")], GROUPS[group]
     if not sel:
         return f"{group}: no rows"
     errors = [p["predicted_mfu"] / p["mfu_percent"] * 100 - 1 for p in sel]
     points = [abs(p["predicted_mfu"] - p["mfu_percent"] / 100) for p in sel]
-    return (f"{GROUPS[group]}: {len(sel)} rows, MFU error median {statistics.median(errors):+.0%} "
+    return (f"{name}: {len(sel)} rows, MFU error median {statistics.median(errors):+.0%} "
             f"(median |error| {statistics.median(abs(e) for e in errors):.0%}); within 5 MFU points "
             f"{sum(d <= 0.05 for d in points)} of {len(sel)}")
 
@@ -147,7 +153,7 @@ def main() -> None:
     predicted = predict(rows(), args.hardware)
     if args.markdown:
         markdown(predicted)
-    for group in GROUPS:
+    for group in ("fitted", *GROUPS):
         print(summary(predicted, group))
     print("\n| model | nodes | rows | cost model's first | its measured MFU | predicted | measured best "
           "| its MFU | chosen vs best (tokens/s) |")

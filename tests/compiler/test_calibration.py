@@ -1,5 +1,5 @@
-"""The calibration's fits (benchmarks/calibrate.py) and, in the deep tier, the h100 profile against the
-published runs it was not fitted on."""
+"""The calibration's fits (benchmarks/calibrate.py) and the h100 profile against published runs it was
+not fitted on (benchmarks/playbook_sweep.py; every model in the deep tier)."""
 
 import importlib.util
 import math
@@ -71,13 +71,44 @@ def test_written_profile_reads_back(calibrate, tmp_path):
     assert math.isclose(profile.unit_overhead, 0.02) and profile.gpus_per_node == 8
 
 
-@pytest.mark.skipif(not DEEP, reason="profiles a 1B model: deep tier (USC_DEEP_TIER=1)")
-def test_held_out_single_node_published_run_within_5_points(calibrate):
-    """nanotron llama-1B dp=1 tp=4 pp=2 mbz=8 on 8 H100s: 23.8% MFU (25,900 tokens/s/GPU), a run the
-    h100 profile's constants were not fitted on."""
-    rows = calibrate.published_rows([calibrate.PUBLISHED[1]])
-    assert rows[0]["published_tps"] == 25_900
-    assert abs(rows[0]["predicted_mfu"] - 0.238) < 0.05
+@pytest.fixture(scope="module")
+def sweep():
+    path = Path(__file__).parents[2] / "benchmarks" / "playbook_sweep.py"
+    spec = importlib.util.spec_from_file_location("playbook_sweep", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _held_out(sweep, rows: list[dict], group: str) -> tuple[float, int, int]:
+    """(median |MFU error|, rows within 5 MFU points, rows) of ``group`` among predicted ``rows``."""
+    import statistics
+
+    sel = [r for r in rows if group in r["groups"].split("+")]
+    errors = [abs(r["predicted_mfu"] / (r["mfu_percent"] / 100) - 1) for r in sel]
+    within = sum(abs(r["predicted_mfu"] - r["mfu_percent"] / 100) <= 0.05 for r in sel)
+    return statistics.median(errors), within, len(sel)
+
+
+def test_playbook_sweep_1b_on_2_to_32_nodes_is_predicted_by_the_h100_profile(sweep):
+    """The Ultra-Scale Playbook's measured nanotron runs of its 1B model on 2-32 nodes of 8 H100 (held
+    out: the h100 profile's efficiency constants are fitted on the one-node rows only). Pure dp across
+    nodes is what the bus bandwidth by node count decides: without the profile's busbw tables it is
+    predicted 25% fast at the median, 7 of 16 within 5 MFU points."""
+    rows = sweep.predict([r for r in sweep.rows() if r["model"] == "1B" and 2 <= r["nodes"] <= 32])
+    median, within, n = _held_out(sweep, rows, "dp")
+    assert n == 16 and median <= 0.15 and within >= 12
+    median, within, n = _held_out(sweep, rows, "pp")
+    assert n == 26 and within >= 0.75 * n
+
+
+@pytest.mark.skipif(not DEEP, reason="profiles 3B and 8B models: deep tier (USC_DEEP_TIER=1)")
+def test_playbook_sweep_every_model_on_2_to_32_nodes(sweep):
+    rows = sweep.predict([r for r in sweep.rows() if 2 <= r["nodes"] <= 32])
+    median, within, n = _held_out(sweep, rows, "dp")
+    assert median <= 0.15 and within >= 0.7 * n
+    median, within, n = _held_out(sweep, rows, "pp")
+    assert median <= 0.10 and within >= 0.75 * n
 
 
 def test_validation_models_are_the_same_shape_to_the_cost_model(calibrate):

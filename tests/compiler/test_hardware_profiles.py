@@ -153,3 +153,67 @@ def test_comm_overlap_decides_what_compute_hides():
     exposed_none, total_none = time[0.0]
     assert total == pytest.approx(total_none)  # the same bytes and seconds on the wire
     assert exposed_none == pytest.approx(total_none, rel=1e-6) and exposed_hidden < exposed_none
+
+
+# The Ultra-Scale Playbook's medians (figure "Communication Bandwidth by Number of Nodes (size=256MB)"),
+# GB/s, which the h100 profile holds.
+PLAYBOOK_BUSBW = {"all-reduce": {2: 361.7, 4: 160.1, 8: 99.6, 16: 84.7, 32: 64.9, 64: 32.9},
+                  "all-gather": {2: 184.6, 4: 119.0, 8: 69.0, 16: 55.0, 32: 28.0, 64: 11.0}}
+
+
+@pytest.mark.parametrize("kind", sorted(PLAYBOOK_BUSBW))
+@pytest.mark.parametrize("nodes", [2, 4, 8, 16, 32, 64])
+def test_a_group_filling_whole_nodes_runs_at_the_measured_bus_bandwidth_of_its_node_count(kind, nodes):
+    """The plumbing from the profile's table to a collective's time: a 256 MB collective over a dp
+    group of every GPU of ``nodes`` nodes gives back the measured bus bandwidth, less the model's
+    tree latency on top of it (80-100 us: 6% of a 2-node and 3.1% of a 4-node all-reduce at this size,
+    less beyond)."""
+    from usc.compiler.cost_model import PlanPoint, _link, collective_seconds
+
+    n = 8 * nodes
+    link = _link(H100, PlanPoint(n, 4096, dp=n, gpus_per_node=8), "dp")
+    total = 256e6
+    payload = total if kind == "all-reduce" else total / n  # all-gather: each rank's shard
+    seconds = collective_seconds(kind, payload, n, *link)
+    busbw = (2 if kind == "all-reduce" else 1) * (n - 1) / n * total / seconds  # nccl-tests' definitions
+    assert busbw == pytest.approx(PLAYBOOK_BUSBW[kind][nodes] * 1e9, rel=0.07 if nodes <= 4 else 0.03)
+
+
+def test_a_group_with_fewer_ranks_per_node_runs_at_its_length_and_never_above_its_nics():
+    from dataclasses import replace
+
+    from usc.compiler.cost_model import PlanPoint, _link
+
+    measured = lambda plan: dict(_link(H100, plan, "dp").measured)  # noqa: E731
+    # 32 dp ranks, one per node (tp=8): the length of a 4-node group, at most one NIC (50 GB/s)
+    assert measured(PlanPoint(256, 4096, dp=32, tp=8, gpus_per_node=8))["all-reduce"] == pytest.approx(50e9)
+    # 128 dp ranks, two per node over 64 nodes (tp=4): the 16-node figure (84.7 GB/s), under two NICs
+    assert measured(PlanPoint(512, 4096, dp=128, tp=4, gpus_per_node=8))["all-reduce"] == pytest.approx(84.7e9)
+    # inside a node the NVLink formula holds; a profile without tables keeps the NIC formula everywhere
+    assert not _link(H100, PlanPoint(8, 4096, dp=8, gpus_per_node=8), "dp").measured
+    plain = replace(H100, all_reduce_busbw_by_nodes=(), all_gather_busbw_by_nodes=(), reduce_scatter_busbw_by_nodes=())
+    assert not _link(plain, PlanPoint(512, 4096, dp=512, gpus_per_node=8), "dp").measured
+
+
+def test_busbw_tables_are_read_checked_and_interpolated(tmp_path):
+    path = tmp_path / "fabric.toml"
+    path.write_text('base = "h100"\nall_reduce_busbw_by_nodes = [[2, 400e9], [8, 100e9]]\n'
+                    'all_gather_busbw_by_nodes = []\nreduce_scatter_busbw_by_nodes = []\n')
+    profile = hardware_profile(str(path))
+    assert profile.all_reduce_busbw_by_nodes == ((2, 400e9), (8, 100e9)) and profile.measured_nodes == 8
+    assert profile.busbw_across("all-reduce", 4) == pytest.approx(200e9)  # log-log between 2 and 8 nodes
+    assert profile.busbw_across("all-reduce", 64) == 100e9  # held beyond the last (the planner flags it)
+    assert profile.busbw_across("all-gather", 4) is None  # no table: the NIC formula
+    for text, message in [("[[1, 3e9]]", "node count 1"), ("[[4, 1e9], [2, 2e9]]", "each node count once, ascending"),
+                          ("5", "must be a list of pairs"), ("[[2, -1]]", "bandwidth -1 at 2 nodes"),
+                          ("[[2, 1e9, 3]]", "not a \\(nodes, busbw\\) pair")]:
+        path.write_text(f'base = "h100"\nall_reduce_busbw_by_nodes = {text}\n')
+        with pytest.raises(HardwareProfileError, match=f"'all_reduce_busbw_by_nodes' .*{message}"):
+            hardware_profile(str(path))
+
+
+def test_the_python_3_10_profile_reader_reads_busbw_tables():
+    from usc.compiler.hardware import _flat_toml_line
+
+    assert _flat_toml_line("all_gather_busbw_by_nodes = [[2, 184.6e9], [4, 119.0e9]]  # GB/s") == (
+        "all_gather_busbw_by_nodes", [[2, 184.6e9], [4, 119.0e9]])
