@@ -11,8 +11,9 @@ H100 (EFA between nodes), sequence 4,096, global batch 256 sequences (Tazi et al
 Playbook", 2025, the interactive figure of its "Finding the best training configuration" section).
 ``data/playbook_sweep.csv`` holds the rows read from that figure: per (model, nodes) cell the three
 fastest configurations, every pure-dp and pure-tp one, and the pipelined ones among the fifteen
-fastest on 2+ nodes. Nothing in the h100 profile is fitted to them; its bus bandwidth by node count
-comes from the same cluster's collective measurements (the playbook's bandwidth figure).
+fastest on 2+ nodes. The h100 profile's two efficiency constants are fitted on the one-node rows
+(``--fit``); every row on 2-64 nodes is held out. Its bus bandwidth by node count comes from the same
+cluster's collective measurements (the playbook's bandwidth figure).
 
 Each row is read as the plan usc would run: nanotron's pp/dp/tp mesh, ZeRO-1 or none, GradAcc
 microbatches of MBS sequences, tensor parallel with sequence parallelism (nanotron's reduce-scatter

@@ -74,9 +74,9 @@ class HardwareProfile:
     # Measured bus bandwidth (nccl-tests' busbw, bytes/s) of each kind on large messages over a group
     # that fills N whole nodes, as (N, busbw) pairs from 2 nodes up: a fabric's collectives slow down
     # as they span more nodes (congestion, rails, switch tiers), which no per-link number shows. A
-    # crossing group of a kind with a table runs at the busbw of its node count (log-log between the
-    # pairs; the last pair's beyond them, which the planner flags), times the share of each node's GPUs
-    # it holds; a kind without one takes the NIC formula above. Empty: the formula for every kind.
+    # crossing group of a kind with a table runs at the busbw of as many whole nodes as its ranks would
+    # fill (log-log between the pairs; the last pair's beyond them, which the planner flags), at most
+    # its NICs' peak; a kind without one takes the NIC formula above. Empty: the formula for every kind.
     all_reduce_busbw_by_nodes: tuple = ()
     all_gather_busbw_by_nodes: tuple = ()
     reduce_scatter_busbw_by_nodes: tuple = ()
