@@ -71,18 +71,23 @@ def plan_text(r: dict) -> str:
     return " ".join(parts + ["dtype=bf16"])
 
 
-def predict(data: list[dict], hw_name="h100", profiles: dict = {}) -> list[dict]:  # noqa: B006 - cache
+def model_profile(name: str, profiles: dict = {}):  # noqa: B006 - a cache
+    """The cost model's profile of the shape ``name`` (calibrate.SHAPES), built on the meta device once."""
+    if name not in profiles:
+        make, config = SHAPES[name]
+        with torch.device("meta"):
+            model = make(config)
+        tokens = torch.zeros(8, SEQ, dtype=torch.long, device="meta")
+        profiles[name] = profile_model(model, (tokens, tokens))
+    return profiles[name]
+
+
+def predict(data: list[dict], hw_name="h100") -> list[dict]:
     hw = hardware_profile(hw_name)
     out = []
     for r in data:
-        if r["model"] not in profiles:
-            make, config = SHAPES[r["model"]]
-            with torch.device("meta"):
-                model = make(config)
-            tokens = torch.zeros(8, SEQ, dtype=torch.long, device="meta")
-            profiles[r["model"]] = profile_model(model, (tokens, tokens))
         point = point_of(parse_plan(plan_text(r)), global_batch=r["gbs"], seq=SEQ)
-        est = estimate(profiles[r["model"]], replace(point, gpus_per_node=hw.gpus_per_node), hw)
+        est = estimate(model_profile(r["model"]), replace(point, gpus_per_node=hw.gpus_per_node), hw)
         tps = est.tokens_per_second / point.world
         out.append(dict(r, plan=plan_text(r), predicted_tps=tps, predicted_mfu=est.mfu,
                         predicted_memory=est.memory_total / 1e9, estimate=est))
@@ -145,11 +150,7 @@ def tp_scaling(hw_name="h100") -> list[str]:
     """Published vs predicted tokens/s/GPU of the TP and TP/SP figures; the last column scales the
     prediction by the sweep's FLOPs per token over Llama 3.2 3B's (1.195: its 3B is larger)."""
     hw = hardware_profile(hw_name)
-    make, config = SHAPES["3B"]
-    with torch.device("meta"):
-        model = make(config)
-    tokens = torch.zeros(8, SEQ, dtype=torch.long, device="meta")
-    profile = profile_model(model, (tokens, tokens))
+    profile = model_profile("3B")
     lines = []
     for sp, (published, batches) in TP_SCALING.items():
         for tp, tps, batch in zip(TP_SIZES, published, batches):
@@ -166,7 +167,7 @@ def tp_scaling(hw_name="h100") -> list[str]:
 NANOTRON_SPACE = (("zero", 1), ("recompute", "none"), ("fuse", False), ("cp", 1), ("schedule", "1f1b"))
 
 
-def planner_vs_sweep(hw_name="h100", profiles: dict = {}) -> list[str]:  # noqa: B006 - a cache
+def planner_vs_sweep(hw_name="h100") -> list[str]:
     """Per (model, nodes) cell: the plan usc.plan's search chooses in the sweep's space, its predicted
     MFU, and the MFU the sweep measured for its fastest configuration."""
     from usc.compiler.planner import PlanTarget, search
@@ -180,15 +181,9 @@ def planner_vs_sweep(hw_name="h100", profiles: dict = {}) -> list[str]:  # noqa:
             best[cell] = r
     lines = []
     for (model, nodes), measured in sorted(best.items(), key=lambda c: (c[0][0], c[0][1])):
-        if model not in profiles:
-            make, config = SHAPES[model]
-            with torch.device("meta"):
-                module = make(config)
-            tokens = torch.zeros(8, SEQ, dtype=torch.long, device="meta")
-            profiles[model] = profile_model(module, (tokens, tokens))
         target = PlanTarget(gpus=8 * nodes, seq=SEQ, global_batch=256, gpus_per_node=8, dtype="bf16",
                             fixed=NANOTRON_SPACE)
-        result = search(profiles[model], target, hw, supported=refusal)
+        result = search(model_profile(model), target, hw, supported=refusal)
         chosen = result.best
         lines.append(f"| {model} | {nodes} | `{chosen.plan.text()}` | {chosen.estimate.mfu:.1%} | "
                      f"`{plan_text(measured)}` | {measured['mfu_percent']:.1f}% | "

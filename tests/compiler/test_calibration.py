@@ -13,13 +13,18 @@ from usc.compiler.cost_model import collective_seconds
 DEEP = os.environ.get("USC_DEEP_TIER") == "1"
 
 
-@pytest.fixture(scope="module")
-def calibrate():
-    path = Path(__file__).parents[2] / "benchmarks" / "calibrate.py"
-    spec = importlib.util.spec_from_file_location("calibrate", path)
+def _benchmark(name: str):
+    """benchmarks/<name>.py as a module (the benchmarks are scripts, not a package)."""
+    path = Path(__file__).parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def calibrate():
+    return _benchmark("calibrate")
 
 
 def test_link_fit_recovers_a_gloo_like_link(calibrate):
@@ -73,11 +78,7 @@ def test_written_profile_reads_back(calibrate, tmp_path):
 
 @pytest.fixture(scope="module")
 def sweep():
-    path = Path(__file__).parents[2] / "benchmarks" / "playbook_sweep.py"
-    spec = importlib.util.spec_from_file_location("playbook_sweep", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _benchmark("playbook_sweep")
 
 
 def _held_out(sweep, rows: list[dict], group: str) -> tuple[float, int, int]:
