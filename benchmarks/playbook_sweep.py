@@ -124,6 +124,15 @@ def summary(predicted: list[dict], group: str) -> str:
             f"{sum(d <= 0.05 for d in points)} of {len(sel)}")
 
 
+def memory_summary(predicted: list[dict]) -> str:
+    """The model's memory per rank against the GPU memory each run reported (held out: nothing in
+    the memory model is fitted)."""
+    errors = [p["predicted_memory"] / p["gpu_memory_gb"] - 1 for p in predicted]
+    return (f"memory per rank, all {len(errors)} rows: error median {statistics.median(errors):+.1%} "
+            f"(median |error| {statistics.median(abs(e) for e in errors):.1%}); within 15% "
+            f"{sum(abs(e) <= 0.15 for e in errors)} of {len(errors)}")
+
+
 def ranking(predicted: list[dict]) -> list[str]:
     """Per cell: the configuration the cost model ranks first among the cell's rows, and what it measured."""
     lines = []
@@ -230,6 +239,7 @@ def main() -> None:
         markdown(predicted)
     for group in ("fitted", *GROUPS):
         print(summary(predicted, group))
+    print(memory_summary(predicted))
     print("\n| model | nodes | rows | cost model's first | its measured MFU | predicted | measured best "
           "| its MFU | chosen vs best (tokens/s) |")
     print("|---|---|---|---|---|---|---|---|---|")
