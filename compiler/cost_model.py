@@ -393,13 +393,14 @@ def _link(hw: HardwareProfile, plan: PlanPoint, axis: str) -> Link:
         per_node = ranks_per_node(plan, axis)
         bandwidth = min(bandwidth * per_node, hw.intra_node_bandwidth)
         if hw.measured_nodes:
-            size = {"dp": plan.dp, "tp": plan.tp, "cp": plan.cp, "ep": plan.ep}[axis]
-            measured = _measured_links(hw, size, per_node)
+            key = (getattr(plan, axis), per_node)
+            measured = hw.link_cache.get(key)
+            if measured is None:
+                measured = hw.link_cache[key] = _measured_links(hw, *key)
     return Link(bandwidth * hw.comm_efficiency, latency, hw.latency_steps == "ring", hw.collective_factors,
                 measured)
 
 
-@functools.lru_cache(maxsize=1024)
 def _measured_links(hw: HardwareProfile, ranks: int, per_node: int) -> tuple:
     """(kind, bandwidth) of the kinds ``hw`` measured by node count, for a crossing group of
     ``ranks`` ranks, ``per_node`` of them in each node: the figure at the nodes its ranks would fill,

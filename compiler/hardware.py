@@ -118,6 +118,12 @@ class HardwareProfile:
         return max((pairs[-1][0] for pairs in (getattr(self, f) for f in BUSBW_FIELDS.values()) if pairs),
                    default=0)
 
+    @functools.cached_property
+    def link_cache(self) -> dict:
+        """The cost model's measured links of this profile by (ranks, ranks per node): the planner asks
+        for every collective of every plan, and hashing the whole profile per call cost more."""
+        return {}
+
     def busbw_across(self, kind: str, nodes: int) -> "float | None":
         """Measured bus bandwidth of ``kind`` over a group filling ``nodes`` nodes (log-log between
         the table's node counts, its ends held beyond them); None when the profile has no table for it."""
