@@ -103,6 +103,16 @@ def test_playbook_sweep_1b_on_2_to_32_nodes_is_predicted_by_the_h100_profile(swe
     assert n == 26 and within >= 0.75 * n
 
 
+def test_playbook_sweep_1b_memory_per_rank_is_the_memory_the_runs_reported(sweep):
+    """The memory model against the GPU memory each of the sweep's 1B runs on 2-32 nodes reported
+    (H100s, nothing fitted): 47 of 56 within 15%, median |error| 7.7% when written."""
+    import statistics
+
+    rows = sweep.predict([r for r in sweep.rows() if r["model"] == "1B" and 2 <= r["nodes"] <= 32])
+    errors = [abs(r["predicted_memory"] / r["gpu_memory_gb"] - 1) for r in rows]
+    assert len(errors) == 56 and statistics.median(errors) <= 0.10 and sum(e <= 0.15 for e in errors) >= 42
+
+
 @pytest.mark.skipif(not DEEP, reason="profiles 3B and 8B models: deep tier (USC_DEEP_TIER=1)")
 def test_playbook_sweep_every_model_on_2_to_32_nodes(sweep):
     rows = sweep.predict([r for r in sweep.rows() if 2 <= r["nodes"] <= 32])
