@@ -396,24 +396,30 @@ PUBLISHED = [
 ]
 
 
-def published_rows(runs: list = PUBLISHED, profiles: dict = {}) -> list[dict]:  # noqa: B006 - a cache
+def model_profile(name: str, profiles: dict = {}):  # noqa: B006 - a cache
+    """The cost model's profile of the shape ``name`` (SHAPES), built on the meta device once per process."""
+    from usc.passes.cost_profile import profile_model
+
+    if name not in profiles:
+        make, config = SHAPES[name]
+        with torch.device("meta"):
+            model = make(config)
+        tokens = torch.zeros(8, min(4096, config.max_seq), dtype=torch.long, device="meta")
+        profiles[name] = profile_model(model, (tokens, tokens))
+    return profiles[name]
+
+
+def published_rows(runs: list = PUBLISHED) -> list[dict]:
     """Each publication's configuration estimated by the cost model, beside what was measured."""
     from usc.compiler.cost_model import estimate
     from usc.dsl import parse_plan
-    from usc.passes.cost_profile import profile_model
     from usc.planning import point_of
 
     rows = []
     for name, hw_name, plan, batch, seq, tps, mfu, source, complete in runs:
-        if name not in profiles:
-            make, config = SHAPES[name]
-            with torch.device("meta"):
-                model = make(config)
-            tokens = torch.zeros(8, min(4096, config.max_seq), dtype=torch.long, device="meta")
-            profiles[name] = profile_model(model, (tokens, tokens))
         hw = hardware_profile(hw_name)
         point = point_of(parse_plan(plan), global_batch=batch, seq=seq)
-        est = estimate(profiles[name], replace(point, gpus_per_node=hw.gpus_per_node), hw)
+        est = estimate(model_profile(name), replace(point, gpus_per_node=hw.gpus_per_node), hw)
         per_gpu = est.tokens_per_second / point.world
         # the publication's own FLOPs per token where it gives tokens/s and MFU; else usc's count
         mfu_same_count = mfu * per_gpu / tps if (tps and mfu) else est.mfu

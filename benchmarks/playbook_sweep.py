@@ -34,15 +34,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
-from calibrate import SHAPES  # noqa: E402
+from calibrate import model_profile  # noqa: E402
 
 from usc.compiler.cost_model import estimate  # noqa: E402
 from usc.compiler.hardware import hardware_profile  # noqa: E402
 from usc.dsl import parse_plan  # noqa: E402
-from usc.passes.cost_profile import profile_model  # noqa: E402
 from usc.planning import point_of  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "playbook_sweep.csv"
@@ -69,17 +66,6 @@ def plan_text(r: dict) -> str:
     if r["tp"] > 1:
         parts.append("sp=on")
     return " ".join(parts + ["dtype=bf16"])
-
-
-def model_profile(name: str, profiles: dict = {}):  # noqa: B006 - a cache
-    """The cost model's profile of the shape ``name`` (calibrate.SHAPES), built on the meta device once."""
-    if name not in profiles:
-        make, config = SHAPES[name]
-        with torch.device("meta"):
-            model = make(config)
-        tokens = torch.zeros(8, SEQ, dtype=torch.long, device="meta")
-        profiles[name] = profile_model(model, (tokens, tokens))
-    return profiles[name]
 
 
 def predict(data: list[dict], hw_name="h100") -> list[dict]:
