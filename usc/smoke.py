@@ -4,7 +4,9 @@
    tp, sp, cp (ring, zig-zag, Ulysses), pp, ep and ZeRO-3, against one device.
 2. The fused Triton kernels (``fuse=on``) against eager, in float32 and bfloat16.
 3. An NCCL world over every visible GPU (one process per GPU, ``launch_local``) with the same
-   parallelisms sized to the GPU count, against one device.
+   parallelisms sized to the GPU count, against one device. One GPU makes a world of one process
+   (dp=1, with and without microbatches): the launch, NCCL's process group on ``cuda:LOCAL_RANK`` and the
+   compiled step, without a collective that crosses devices.
 
 Each row trains a few SGD steps (SGD: a uniform gradient scale would show in the loss) from the
 same weights and reports the largest relative loss difference to one device. Without a GPU it
@@ -78,6 +80,8 @@ FUSED = [("fuse=on", "fp32"), ("fuse=on dtype=bf16", "bf16")]
 def nccl_plans(gpus: int) -> list[tuple[str, str]]:
     """The NCCL world's plans for `gpus` processes (each needs exactly that many ranks)."""
     half = f"dp={gpus // 2} " if gpus % 2 == 0 and gpus > 2 else ""
+    if gpus == 1:  # ZeRO needs dp>1: microbatches instead
+        return [("dp=1", "dense"), ("dp=1 mb=2", "dense")]
     plans = [(f"dp={gpus}", "dense"), (f"dp={gpus} zero=3", "dense")]
     if gpus % 2 == 0:  # ep carves from dp; tp, cp and pp of 2 leave dp = gpus / 2
         plans += [(f"dp={gpus} ep=2", "moe"), (f"{half}tp=2", "dense"), (f"{half}tp=2 sp=on", "dense"), (f"{half}cp=2", "dense"),
@@ -127,8 +131,8 @@ def check_rows(where: Where, *, simulated=SIMULATED, fused=FUSED) -> list[Row]:
         eager = _simulated_losses(plan.replace("fuse=on", "fuse=off"), "dense", where.device)
         rows.append(_compare(f"triton vs eager {precision}", plan, "dense", f"1 {where.device}",
                              lambda: _simulated_losses(plan, "dense", where.device), eager, TOLERANCE[precision]))
-    if where.processes < 2:
-        rows.append(Row(where.world, "-", f"{where.processes} processes", "skipped: needs 2 or more", None, 0.0))
+    if where.processes < 1:
+        rows.append(Row(where.world, "-", "0 processes", "skipped: no device", None, 0.0))
         return rows
     for plan, kind in nccl_plans(where.processes):
         if kind not in reference:

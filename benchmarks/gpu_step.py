@@ -1,0 +1,267 @@
+"""One GPU, measured with CUDA events, beside what the cost model predicts for it.
+
+    python benchmarks/gpu_step.py [--out DIR] [--model 1B] [--steps 5]
+
+1. **Matrix products**: the bf16 products of one decoder layer of the model's shape (q, k, v, o,
+   gate, up, down and the lm head) at 256-16,384 rows, forward only, each the median of 20 timed
+   calls: achieved FLOP/s over the profile's peak, beside the profile's ``matmul_rate`` (efficiency
+   times rows / (rows + matmul_half_rows)), and the (efficiency, half_rows) that fit the measured
+   curve best.
+2. **Attention**: ``scaled_dot_product_attention`` (causal, bf16, the model's heads) at sequence
+   4,096, forward and backward, counted as 4 * s^2 * d * heads / 2 FLOPs forward and 2.5 times that
+   backward.
+3. **Training steps** of the model (``usc.testing.models.TinyLlama`` at ``calibrate.SHAPES``), one
+   global batch of ``4 x 4096`` tokens, AdamW, bf16 compute with float32 weights:
+   - eager PyTorch as a user writes it (``torch.autocast``; gradient accumulation over the
+     microbatches), the reference;
+   - ``usc.compile(model, "dp=1 mb=M dtype=bf16")`` on the same GPU;
+   each the median of ``--steps`` steps after two warm-up steps (CUDA events around each step),
+   with ``torch.cuda.max_memory_allocated`` over the timed steps; beside the cost model's step time
+   and memory for the same plan (``cost_model.estimate`` on the hardware profile of this GPU).
+
+Nothing here is fitted: the table shows the model's assumptions against a measurement that does not
+read them. Writes ``gpu_step.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from calibrate import SHAPES, model_profile  # noqa: E402
+
+from usc.compiler.cost_model import estimate  # noqa: E402
+from usc.compiler.hardware import hardware_profile  # noqa: E402
+from usc.dsl import parse_plan  # noqa: E402
+from usc.planning import point_of  # noqa: E402
+
+SEQ = 4096
+ROWS = [256, 512, 1024, 2048, 4096, 8192, 16384]
+PLANS = [("dp=1 mb=4 dtype=bf16", 4), ("dp=1 mb=2 dtype=bf16", 4)]  # (plan, global batch in sequences)
+
+
+def this_gpu_profile():
+    """The built-in profile of this GPU: h100's for an H100; an H200 is an H100's compute with
+    HBM3e (datasheet: 141 GB at 4.8 TB/s)."""
+    name = torch.cuda.get_device_name(0)
+    hw = hardware_profile("a100" if "A100" in name else "h100")
+    if "H200" in name:
+        hw = replace(hw, name="h200", hbm_bytes=141e9, hbm_bandwidth=4.8e12)
+    return hw
+
+
+def _median_ms(fn, repeat: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def layer_products(config) -> list[tuple[str, int, int, int]]:
+    """(name, in, out, calls per layer) of one decoder layer, plus the lm head (once per model)."""
+    head_dim = config.hidden // config.heads
+    kv = config.kv_heads * head_dim
+    return [("q", config.hidden, config.hidden, 1), ("k", config.hidden, kv, 1), ("v", config.hidden, kv, 1),
+            ("o", config.hidden, config.hidden, 1), ("gate", config.hidden, config.mlp, 1),
+            ("up", config.hidden, config.mlp, 1), ("down", config.mlp, config.hidden, 1),
+            ("lm_head", config.hidden, config.vocab, 0)]
+
+
+def measure_matmuls(config, hw) -> list[dict]:
+    out = []
+    peak = hw.peak_flops("bf16")
+    for rows in ROWS:
+        flops = seconds = 0.0
+        per_op = {}
+        for name, k, n, per_layer in layer_products(config):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            ms = _median_ms(lambda: F.linear(x, w))
+            f = 2.0 * rows * k * n
+            per_op[name] = f / (ms / 1e3) / peak
+            weight = per_layer * config.layers or 1  # a layer's products once per layer, the head once
+            flops += weight * f
+            seconds += weight * ms / 1e3
+        out.append(dict(rows=rows, measured=flops / seconds / peak, predicted=hw.matmul_rate(rows, "bf16") / peak,
+                        per_op=per_op))
+    return out
+
+
+def fit_rate(points: list[dict]) -> tuple[float, float]:
+    """(efficiency, half_rows) of rate = eff * rows / (rows + half) closest in log error."""
+    best = (math.inf, (0.0, 0.0))
+    for half in range(0, 2049, 8):
+        # for a given half the best eff is the geometric mean of measured / (rows / (rows + half))
+        logs = [math.log(p["measured"] * (p["rows"] + half) / p["rows"]) for p in points]
+        eff = math.exp(sum(logs) / len(logs))
+        err = sum((math.log(eff * p["rows"] / (p["rows"] + half)) - math.log(p["measured"])) ** 2 for p in points)
+        best = min(best, (err, (eff, half)))
+    return best[1]
+
+
+def measure_attention(config, hw) -> dict:
+    head_dim = config.hidden // config.heads
+    q, k, v = (torch.randn(1, config.heads, SEQ, head_dim, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, config.heads, SEQ, head_dim, device="cuda", dtype=torch.bfloat16)
+    fwd_flops = 4.0 * SEQ * SEQ * head_dim * config.heads / 2
+    fwd = _median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    both = _median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad))
+    peak = hw.peak_flops("bf16")
+    return dict(forward=fwd_flops / (fwd / 1e3) / peak, forward_backward=3.5 * fwd_flops / (both / 1e3) / peak,
+                forward_ms=fwd, forward_backward_ms=both)
+
+
+def _timed_steps(step_fn, steps: int) -> tuple[float, float]:
+    """(median step seconds, peak bytes allocated over the timed steps) after two warm-up steps."""
+    for _ in range(2):
+        step_fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step_fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times), torch.cuda.max_memory_allocated()
+
+
+def _model(name: str):
+    make, config = SHAPES[name]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return make(config)
+
+
+def eager_step(name: str, global_batch: int, mb: int, steps: int) -> dict:
+    model = _model(name)
+    config = SHAPES[name][1]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    tokens = torch.randint(0, config.vocab, (global_batch, SEQ), device="cuda")
+
+    def step():
+        for chunk in tokens.chunk(mb):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(chunk, chunk) / mb
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    seconds, peak = _timed_steps(step, steps)
+    del model, opt
+    torch.cuda.empty_cache()
+    return dict(seconds=seconds, peak_bytes=peak)
+
+
+def usc_step(name: str, plan: str, global_batch: int, steps: int) -> dict:
+    import usc
+
+    config = SHAPES[name][1]
+    model = _model(name)
+    tokens = torch.randint(0, config.vocab, (global_batch, SEQ), device="cuda")
+    start = time.perf_counter()
+    compiled = usc.compile(model, plan, example_inputs=(tokens, tokens), device="cuda",
+                           optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5))
+    del model
+    losses = []
+    seconds, peak = _timed_steps(lambda: losses.append(compiled.step(tokens, tokens)), steps)
+    compile_s = time.perf_counter() - start
+    out = dict(seconds=seconds, peak_bytes=peak, first_loss=losses[0], last_loss=losses[-1],
+               wall_with_compile=compile_s, metrics=str(getattr(compiled, "metrics", "")))
+    del compiled
+    torch.cuda.empty_cache()
+    return out
+
+
+def predicted(name: str, plan: str, global_batch: int, hw) -> dict:
+    point = point_of(parse_plan(plan), global_batch=global_batch, seq=SEQ)
+    est = estimate(model_profile(name), replace(point, gpus_per_node=hw.gpus_per_node), hw)
+    return dict(seconds=est.time["step"], time=est.time, memory_bytes=sum(est.memory.values()),
+                memory=est.memory, mfu=est.mfu, model_flops=est.model_flops)
+
+
+def _run(part: str, fn, results: dict) -> None:
+    start = time.perf_counter()
+    try:
+        results[part] = fn()
+    except Exception as exc:  # noqa: BLE001 - each part reports and the next runs
+        results[part] = dict(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        print(f"{part}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    print(f"[{part}: {time.perf_counter() - start:.1f} s]", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--model", default="1B", choices=sorted(SHAPES))
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_step: no CUDA device is visible; nothing to measure")
+        return 0
+    hw = this_gpu_profile()
+    config = SHAPES[args.model][1]
+    results: dict = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, profile=hw.name,
+                         model=args.model)
+    _run("matmul", lambda: measure_matmuls(config, hw), results)
+    _run("attention", lambda: measure_attention(config, hw), results)
+    for plan, gbs in PLANS:
+        mb = parse_plan(plan).get("mb")
+        _run(f"predicted {plan}", lambda: predicted(args.model, plan, gbs, hw), results)
+        _run(f"eager mb={mb}", lambda: eager_step(args.model, gbs, mb, args.steps), results)
+        _run(f"usc {plan}", lambda: usc_step(args.model, plan, gbs, args.steps), results)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "gpu_step.json").write_text(json.dumps(results, indent=1, default=str))
+    report(results)
+    return 0
+
+
+def report(results: dict) -> None:
+    print(f"\n{results['device']}, torch {results['torch']}, profile {results['profile']}, model {results['model']}")
+    if isinstance(results.get("matmul"), list):
+        points = results["matmul"]
+        eff, half = fit_rate(points)
+        print("rows     measured/peak  profile's rate/peak")
+        for p in points:
+            print(f"{p['rows']:>6}   {p['measured']:.3f}          {p['predicted']:.3f}")
+        print(f"fit: matmul_efficiency {eff:.3f}, matmul_half_rows {half}")
+    att = results.get("attention", {})
+    if "forward" in att:
+        print(f"attention s={SEQ}: forward {att['forward']:.3f} of peak ({att['forward_ms']:.2f} ms), "
+              f"forward+backward {att['forward_backward']:.3f} ({att['forward_backward_ms']:.2f} ms)")
+    print("plan                    eager s  usc s   predicted s  usc/pred  eager GB  usc GB  predicted GB")
+    for plan, _ in PLANS:
+        mb = parse_plan(plan).get("mb")
+        e, u, p = (results.get(k, {}) for k in (f"eager mb={mb}", f"usc {plan}", f"predicted {plan}"))
+
+        def num(d, key, scale=1.0):
+            return f"{d[key] / scale:.3f}" if key in d else "ERROR"
+
+        ratio = f"{u['seconds'] / p['seconds']:.2f}" if "seconds" in u and "seconds" in p else "-"
+        print(f"{plan:<22}  {num(e, 'seconds')}    {num(u, 'seconds')}  {num(p, 'seconds')}        {ratio}     "
+              f"{num(e, 'peak_bytes', 1e9)}    {num(u, 'peak_bytes', 1e9)}   {num(p, 'memory_bytes', 1e9)}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
