@@ -118,28 +118,35 @@ def dry_setting(processes: int = 2) -> Where:
     return Where("cpu", "gloo world", processes, f"CPU (--dry: interpreted kernels, {processes} gloo processes)")
 
 
-def check_rows(where: Where, *, simulated=SIMULATED, fused=FUSED) -> list[Row]:
-    """Every row of the table: simulated meshes, fused kernels vs eager, the multi-process world."""
+def check_rows(where: Where, *, simulated=SIMULATED, fused=FUSED, report=None) -> list[Row]:
+    """Every row of the table: simulated meshes, the multi-process world, fused kernels vs eager
+    (slowest last: their first use compiles and tunes the kernels). ``report(row)`` is called as
+    each row finishes."""
     from usc.runtime.launch import launch_local
 
     rows = []
+
+    def add(row: Row) -> None:
+        rows.append(row)
+        if report is not None:
+            report(row)
+
     reference = {kind: _simulated_losses("dp=1", kind, where.device) for kind in {k for _, k in simulated} | {"dense"}}
     for plan, kind in simulated:
-        rows.append(_compare(f"simulated on {where.device}", plan, kind, "threads",
-                             lambda: _simulated_losses(plan, kind, where.device), reference[kind], TOLERANCE["fp32"]))
-    for plan, precision in fused:
-        eager = _simulated_losses(plan.replace("fuse=on", "fuse=off"), "dense", where.device)
-        rows.append(_compare(f"triton vs eager {precision}", plan, "dense", f"1 {where.device}",
-                             lambda: _simulated_losses(plan, "dense", where.device), eager, TOLERANCE[precision]))
+        add(_compare(f"simulated on {where.device}", plan, kind, "threads",
+                     lambda: _simulated_losses(plan, kind, where.device), reference[kind], TOLERANCE["fp32"]))
     if where.processes < 1:
-        rows.append(Row(where.world, "-", "0 processes", "skipped: no device", None, 0.0))
-        return rows
-    for plan, kind in nccl_plans(where.processes):
+        add(Row(where.world, "-", "0 processes", "skipped: no device", None, 0.0))
+    for plan, kind in nccl_plans(where.processes) if where.processes >= 1 else []:
         if kind not in reference:
             reference[kind] = _simulated_losses("dp=1", kind, where.device)
-        rows.append(_compare(where.world, plan, kind, f"{where.processes} processes",
-                             lambda: launch_local(_nccl_worker, where.processes, plan, kind)[0], reference[kind],
-                             TOLERANCE["fp32"]))
+        add(_compare(where.world, plan, kind, f"{where.processes} processes",
+                     lambda: launch_local(_nccl_worker, where.processes, plan, kind)[0], reference[kind],
+                     TOLERANCE["fp32"]))
+    for plan, precision in fused:
+        eager = _simulated_losses(plan.replace("fuse=on", "fuse=off"), "dense", where.device)
+        add(_compare(f"triton vs eager {precision}", plan, "dense", f"1 {where.device}",
+                     lambda: _simulated_losses(plan, "dense", where.device), eager, TOLERANCE[precision]))
     return rows
 
 
@@ -156,7 +163,9 @@ def run(out=sys.stdout, *, dry: bool = False, processes: int = 2) -> int:
               "runs this table on the CPU)", file=out)
         return 0
     where = dry_setting(processes) if dry else gpu_setting()
-    rows = check_rows(where)
+    print(f"usc.smoke on {where.title}: each row as it finishes, then the table", file=out, flush=True)
+    rows = check_rows(where, report=lambda r: print(f"  {r.check} | {r.plan} | {r.result} | {r.diff} | "
+                                                    f"{r.seconds:.1f} s", file=out, flush=True))
     _print_table(rows, where.title, out)
     return 0 if passed(rows) else 1
 
