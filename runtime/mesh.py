@@ -336,7 +336,13 @@ class _Outcomes:
 
 def _rank_thread(mesh: Mesh, fn: Callable[[Mesh], Any], outcomes: _Outcomes, meshes: Sequence[Mesh]) -> None:
     try:
-        result = fn(mesh)
+        # Backward runs on this thread, not on autograd's worker thread of the device: on a GPU every
+        # simulated rank's backward would queue on cuda:0's one worker, and a collective that one
+        # rank's backward waits in (a gradient hook's all-reduce, tp's backward all-reduce) would block
+        # the peers' backward queued behind it -- a deadlock (seen on an H200 at dp=2). On the CPU
+        # backward runs on the calling thread anyway. The setting is thread-local.
+        with torch.autograd.set_multithreading_enabled(False):
+            result = fn(mesh)
     except BaseException as exc:  # noqa: BLE001 - reported to the caller of run_in_threads
         # An error every rank raises at the same point (a non-finite global loss) needs no abort:
         # the peers are not waiting in a collective, and the groups stay usable afterwards.

@@ -120,3 +120,23 @@ def test_transfer_failures_become_collective_errors_of_the_right_kind(exc, kind)
                                  NotImplementedError("reduce op 'avg' on gloo"), KeyError("tp")])
 def test_a_local_bug_inside_a_launch_is_not_called_a_collective_error(exc):
     assert _raised_by_a_launch(exc) is exc
+
+
+def test_simulated_ranks_run_backward_on_their_own_thread():
+    """On a GPU, autograd runs backward on one worker thread per device: simulated ranks sharing
+    cuda:0 would queue their backward there, and a collective in one rank's backward (a gradient
+    hook's all-reduce) would block its peers' behind it. Each rank thread turns that worker off; on
+    the CPU the flag is what can be checked (backward runs on the caller there either way)."""
+    meshes = simulated_meshes(("dp",), (2,), timeout=10.0)
+
+    def rank(mesh):
+        x = torch.ones(3, requires_grad=True)
+        seen = []
+        x.register_hook(lambda g: seen.append(threading.current_thread().name) or mesh.comm("dp").all_reduce(g))
+        (x * 2).sum().backward()
+        return torch._C._is_multithreading_enabled(), seen, x.grad.tolist()
+
+    results = run_in_threads(meshes, rank, timeout=30.0)
+    assert [r[0] for r in results] == [False, False]
+    assert [r[1] for r in results] == [["usc-rank0"], ["usc-rank1"]]
+    assert torch._C._is_multithreading_enabled()  # the caller's own setting is untouched
