@@ -1,6 +1,7 @@
 """One GPU, measured with CUDA events, beside what the cost model predicts for it.
 
     python benchmarks/gpu_step.py [--out DIR] [--model 1B] [--steps 5]
+    python benchmarks/gpu_step.py --report benchmarks/data/gpu_step_h200.json   # a saved run's table
 
 1. **Matrix products**: the bf16 products of one decoder layer of the model's shape (q, k, v, o,
    gate, up, down and the lm head) at 256-16,384 rows, forward only, each the median of 20 timed
@@ -216,7 +217,11 @@ def main() -> int:
     parser.add_argument("--out", default=".")
     parser.add_argument("--model", default="1B", choices=sorted(SHAPES))
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--report", metavar="JSON", help="print the table of a saved run (no GPU needed)")
     args = parser.parse_args()
+    if args.report:
+        report(json.loads(Path(args.report).read_text()))
+        return 0
     if not torch.cuda.is_available():
         print("gpu_step: no CUDA device is visible; nothing to measure")
         return 0
@@ -249,7 +254,8 @@ def report(results: dict) -> None:
     att = results.get("attention", {})
     if "forward" in att:
         print(f"attention s={SEQ}: forward {att['forward']:.3f} of peak ({att['forward_ms']:.2f} ms), "
-              f"forward+backward {att['forward_backward']:.3f} ({att['forward_backward_ms']:.2f} ms)")
+              f"forward+backward {att['forward_backward']:.3f} ({att['forward_backward_ms']:.2f} ms); as the cost "
+              f"model counts it (3x the forward's FLOPs): attention_efficiency {att['forward_backward'] * 3 / 3.5:.3f}")
     print("plan                    eager s  usc s   predicted s  usc/pred  eager GB  usc GB  predicted GB")
     for plan, _ in PLANS:
         mb = parse_plan(plan).get("mb")

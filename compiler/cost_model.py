@@ -561,11 +561,17 @@ def pipeline_collectives(profile: ModelProfile, plan: PlanPoint, stages: list[Un
 
 def stage_flops(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> float:
     """Forward FLOPs of one microbatch on one rank of the stage."""
+    return sum(stage_flops_by_kind(profile, plan, units))
+
+
+def stage_flops_by_kind(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> tuple[float, float]:
+    """(matmul, attention) forward FLOPs of one microbatch on one rank of the stage: attention's
+    score and value products grow with the plan's sequence and run at their own rate."""
     tokens = tokens_per_microbatch(profile, plan)
     probe_tokens = profile.batch * profile.seq
     mm = sum(u.flops_matmul for u in units) * tokens / probe_tokens / plan.tp
     attn = sum(u.flops_attention for u in units) * tokens / probe_tokens * (plan.seq / profile.seq) / plan.tp
-    return mm + attn
+    return mm, attn
 
 
 def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile, *, memory: dict | None = None
@@ -631,14 +637,17 @@ def _attention_growth(profile: ModelProfile, plan: PlanPoint) -> float:
 def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], k: int,
                     hw: HardwareProfile, *, state: dict | None = None):
     units = [stages[k]]
-    fwd_flops = stage_flops(profile, plan, units)
-    rate = hw.matmul_rate(tokens_per_microbatch(profile, plan), plan.dtype)
+    mm_flops, attn_flops = stage_flops_by_kind(profile, plan, units)
+    fwd_flops = mm_flops + attn_flops
+    rows = tokens_per_microbatch(profile, plan)
+    # the seconds of the forward's FLOPs, each kind at its rate; backward is twice them (recompute adds one)
+    compute = mm_flops / hw.matmul_rate(rows, plan.dtype) + attn_flops / hw.attention_rate(rows, plan.dtype)
     extra = {"full": 1.0, "selective": 0.0}.get(plan.recompute, 0.0)  # selective: pointwise only
     acts = sum(_acts(u.acts.get(plan.sp and plan.tp > 1, {}), profile, plan) for u in units)
     pointwise = POINTWISE_TRAFFIC * acts / hw.hbm_bandwidth * (FUSED_POINTWISE if plan.fuse else 1.0)
     overhead = hw.unit_overhead * units[0].blocks  # launches and Python, per layer, whatever its size
-    forward = fwd_flops / rate + (pointwise + overhead) / 3
-    backward = (2 + extra) * fwd_flops / rate + 2 * (pointwise + overhead) / 3
+    forward = compute + (pointwise + overhead) / 3
+    backward = (2 + extra) * compute + 2 * (pointwise + overhead) / 3
     per_mb_comms = _stage_microbatch_collectives(profile, plan, k, hw)
     per_mb = forward + backward + sum(c.exposed_seconds for c in per_mb_comms)
     comms = (_per_step(per_mb_comms, plan.mb) + gradient_collectives(plan, units, hw, backward)
@@ -710,7 +719,8 @@ def _exposed_layer_comm(c: CollectiveEstimate, profile, plan, units, hw) -> floa
     if c.axis == "cp" and c.kind == "send/recv":
         attention = sum(u.flops_attention for u in units) * (3 * tokens_per_microbatch(profile, plan)
                                                             / (profile.batch * profile.seq))
-        attention *= plan.seq / profile.seq / plan.tp / (hw.peak_flops(plan.dtype) * hw.matmul_efficiency)
+        attention *= plan.seq / profile.seq / plan.tp / (
+            hw.peak_flops(plan.dtype) * (hw.attention_efficiency or hw.matmul_efficiency))
         return max(0.0, c.seconds - hw.comm_overlap * attention)
     return c.seconds
 

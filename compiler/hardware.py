@@ -54,6 +54,9 @@ class HardwareProfile:
     # are the datacenter-GPU values, a measured profile (benchmarks/calibrate.py) writes its own.
     matmul_efficiency: float = 0.6  # sustained fraction of the matmul peak on large per-rank matmuls
     matmul_half_rows: float = 256.0  # rows per microbatch at which matmuls reach half of that
+    attention_efficiency: float = 0.0  # fraction of the peak attention's forward + backward reaches,
+    #                                    counted as 3x its forward FLOPs like the rest of the model
+    #                                    (fused flash kernels run below the matmuls); 0: the matmul rate
     comm_efficiency: float = 0.8  # fraction of the link bandwidth collectives reach on large messages
     unit_overhead: float = 0.0  # seconds per pipeline unit (layer) per microbatch, forward + backward:
     #                             kernel launches and the host's Python, paid whatever the size
@@ -144,6 +147,13 @@ class HardwareProfile:
         sustained efficiency, falling off below ``matmul_half_rows``."""
         return self.peak_flops(dtype) * self.matmul_efficiency * rows / (rows + self.matmul_half_rows)
 
+    def attention_rate(self, rows: float, dtype: str) -> float:
+        """FLOP/s of attention's score and value products (forward + backward over 3x the forward's
+        FLOPs): ``attention_efficiency`` of the peak, or the matmul rate where the profile has none."""
+        if self.attention_efficiency:
+            return self.peak_flops(dtype) * self.attention_efficiency
+        return self.matmul_rate(rows, dtype)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -182,7 +192,7 @@ def _busbw_table(profile: str, name: str, value) -> tuple:
 
 
 # Fields that may be zero (an overhead nobody measured is no overhead), and the string-valued ones.
-MAY_BE_ZERO = ("unit_overhead", "comm_overlap", "host_cores")
+MAY_BE_ZERO = ("unit_overhead", "comm_overlap", "host_cores", "attention_efficiency")
 TEXT_FIELDS = {"latency_steps": ("tree", "ring")}
 BUSBW_NAMES = frozenset(BUSBW_FIELDS.values())
 

@@ -155,6 +155,31 @@ def test_comm_overlap_decides_what_compute_hides():
     assert exposed_none == pytest.approx(total_none, rel=1e-6) and exposed_hidden < exposed_none
 
 
+def test_attention_runs_at_its_own_rate_when_the_profile_has_one():
+    """attention_efficiency=0 keeps attention at the matmul rate; set to that same rate the step is
+    unchanged, and attention's seconds scale as 1/efficiency (halving it adds what doubling removes,
+    twice over) while the matmuls' do not move."""
+    from dataclasses import replace
+
+    import torch
+
+    import usc
+    from usc.testing.models import LlamaConfig, TinyLlama, token_batch
+
+    torch.manual_seed(0)
+    model, batch = TinyLlama(LlamaConfig(layers=3, hidden=96, heads=6, kv_heads=2)), token_batch(128, 6, 40)
+    rows = 6 * 40
+    same = H100.matmul_rate(rows, "bf16") / H100.peak_bf16_flops
+    step = {}
+    for name, efficiency in (("default", 0.0), ("same", same), ("half", same / 2), ("double", same * 2)):
+        hw = replace(H100, name=f"attention-{name}", attention_efficiency=efficiency)
+        step[name] = usc.lint(model, "dp=1 dtype=bf16", example_inputs=batch, hardware=hw).cost.time["compute"]
+    assert step["same"] == pytest.approx(step["default"], rel=1e-9)
+    slower, faster = step["half"] - step["default"], step["default"] - step["double"]
+    assert slower > 0 and faster > 0 and slower == pytest.approx(2 * faster, rel=1e-9)
+    assert slower < step["default"]  # only attention's part moved: the matmuls are the most of it
+
+
 # The Ultra-Scale Playbook's medians (figure "Communication Bandwidth by Number of Nodes (size=256MB)"),
 # GB/s, which the h100 profile holds.
 PLAYBOOK_BUSBW = {"all-reduce": {2: 361.7, 4: 160.1, 8: 99.6, 16: 84.7, 32: 64.9, 64: 32.9},
