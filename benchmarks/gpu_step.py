@@ -118,6 +118,19 @@ def fit_rate(points: list[dict]) -> tuple[float, float]:
     return best[1]
 
 
+def sdpa_backends(config) -> dict:
+    """The backend ``scaled_dot_product_attention`` picks for the model's q, k, v (laid out as the
+    model makes them: heads transposed out of (b, s, h, d)) at 1 and 2 sequences."""
+    head_dim = config.hidden // config.heads
+    out = {}
+    for b in (1, 2):
+        q, k, v = (torch.randn(b, SEQ, config.heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True).transpose(1, 2) for _ in range(3))
+        choice = torch._fused_sdp_choice(q, k, v, None, 0.0, True)
+        out[f"batch {b}"] = str(torch.nn.attention.SDPBackend(choice))
+    return out
+
+
 def measure_attention(config, hw) -> dict:
     head_dim = config.hidden // config.heads
     q, k, v = (torch.randn(1, config.heads, SEQ, head_dim, device="cuda", dtype=torch.bfloat16,
@@ -170,9 +183,18 @@ def eager_step(name: str, global_batch: int, mb: int, steps: int) -> dict:
         opt.zero_grad(set_to_none=True)
 
     seconds, peak = _timed_steps(step, steps)
-    del model, opt
+    # where the peak is: after one microbatch's forward (activations held) and after its backward
+    torch.cuda.reset_peak_memory_stats()
+    chunk = tokens.chunk(mb)[0]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(chunk, chunk)
+    forward_peak = torch.cuda.max_memory_allocated()
+    loss.backward()
+    backward_peak = torch.cuda.max_memory_allocated()
+    opt.zero_grad(set_to_none=True)
+    del model, opt, loss
     torch.cuda.empty_cache()
-    return dict(seconds=seconds, peak_bytes=peak)
+    return dict(seconds=seconds, peak_bytes=peak, forward_peak_bytes=forward_peak, backward_peak_bytes=backward_peak)
 
 
 def usc_step(name: str, plan: str, global_batch: int, steps: int) -> dict:
@@ -231,6 +253,7 @@ def main() -> int:
                          model=args.model)
     _run("matmul", lambda: measure_matmuls(config, hw), results)
     _run("attention", lambda: measure_attention(config, hw), results)
+    _run("sdpa backends", lambda: sdpa_backends(config), results)
     for plan, gbs in PLANS:
         mb = parse_plan(plan).get("mb")
         _run(f"predicted {plan}", lambda: predicted(args.model, plan, gbs, hw), results)
@@ -256,6 +279,8 @@ def report(results: dict) -> None:
         print(f"attention s={SEQ}: forward {att['forward']:.3f} of peak ({att['forward_ms']:.2f} ms), "
               f"forward+backward {att['forward_backward']:.3f} ({att['forward_backward_ms']:.2f} ms); as the cost "
               f"model counts it (3x the forward's FLOPs): attention_efficiency {att['forward_backward'] * 3 / 3.5:.3f}")
+    if "sdpa backends" in results:
+        print(f"sdpa backend for the model's q, k, v: {results['sdpa backends']}")
     print("plan                    eager s  usc s   predicted s  usc/pred  eager GB  usc GB  predicted GB")
     for plan, _ in PLANS:
         mb = parse_plan(plan).get("mb")
