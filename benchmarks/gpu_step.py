@@ -62,9 +62,14 @@ def this_gpu_profile():
     return hw
 
 
-def _median_ms(fn, repeat: int = 20, warmup: int = 3) -> float:
+def _median_ms(fn, repeat: int = 20, warmup: int = 3, before_timing=None) -> float:
+    """Median milliseconds of ``fn()`` between two CUDA events, after ``warmup`` calls (then
+    ``before_timing()``, if given)."""
     for _ in range(warmup):
         fn()
+    if before_timing is not None:
+        torch.cuda.synchronize()
+        before_timing()
     times = []
     for _ in range(repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -146,19 +151,8 @@ def measure_attention(config, hw) -> dict:
 
 def _timed_steps(step_fn, steps: int) -> tuple[float, float]:
     """(median step seconds, peak bytes allocated over the timed steps) after two warm-up steps."""
-    for _ in range(2):
-        step_fn()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step_fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times), torch.cuda.max_memory_allocated()
+    ms = _median_ms(step_fn, repeat=steps, warmup=2, before_timing=torch.cuda.reset_peak_memory_stats)
+    return ms / 1e3, torch.cuda.max_memory_allocated()
 
 
 def _model(name: str):
