@@ -163,17 +163,21 @@ def test_attention_runs_at_its_own_rate_when_the_profile_has_one():
 
     import torch
 
-    import usc
+    from usc.compiler.cost_model import estimate
+    from usc.dsl import parse_plan
+    from usc.passes.cost_profile import profile_model
+    from usc.planning import point_of
     from usc.testing.models import LlamaConfig, TinyLlama, token_batch
 
     torch.manual_seed(0)
     model, batch = TinyLlama(LlamaConfig(layers=3, hidden=96, heads=6, kv_heads=2)), token_batch(128, 6, 40)
-    rows = 6 * 40
-    same = H100.matmul_rate(rows, "bf16") / H100.peak_bf16_flops
+    profile = profile_model(model, batch)
+    point = replace(point_of(parse_plan("dp=1 dtype=bf16"), global_batch=6, seq=40), gpus_per_node=8)
+    same = H100.matmul_rate(6 * 40, "bf16") / H100.peak_bf16_flops
     step = {}
     for name, efficiency in (("default", 0.0), ("same", same), ("half", same / 2), ("double", same * 2)):
         hw = replace(H100, name=f"attention-{name}", attention_efficiency=efficiency)
-        step[name] = usc.lint(model, "dp=1 dtype=bf16", example_inputs=batch, hardware=hw).cost.time["compute"]
+        step[name] = estimate(profile, point, hw).time["compute"]
     assert step["same"] == pytest.approx(step["default"], rel=1e-9)
     slower, faster = step["half"] - step["default"], step["default"] - step["double"]
     assert slower > 0 and faster > 0 and slower == pytest.approx(2 * faster, rel=1e-9)
