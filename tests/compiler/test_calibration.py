@@ -137,3 +137,19 @@ def test_validation_models_are_the_same_shape_to_the_cost_model(calibrate):
         steps[name] = usc.lint(model, "dp=2 tp=2", example_inputs=batches[name], hardware=hw).cost.time["step"]
     assert isinstance(batches["hf-llama"], dict)
     assert abs(steps["hf-llama"] / steps["tiny-llama"] - 1) < 0.1, steps
+
+
+def test_the_gpu_benchmarks_rate_fit_recovers_a_known_curve():
+    """gpu_step.fit_rate (the docs' "0.709 * t/(t+664)" of the H200's products) finds the efficiency
+    and fall-off of points drawn from a known curve, and the saved H200 run reads back as the docs
+    quote it."""
+    import json
+
+    gpu_step = _benchmark("gpu_step")
+    points = [dict(rows=r, measured=0.71 * r / (r + 600)) for r in (256, 512, 1024, 2048, 4096, 8192, 16384)]
+    eff, half = gpu_step.fit_rate(points)
+    assert eff == pytest.approx(0.71, rel=0.01) and abs(half - 600) <= 8
+    saved = json.loads((Path(__file__).parents[2] / "benchmarks" / "data" / "gpu_step_h200.json").read_text())
+    eff, half = gpu_step.fit_rate(saved["matmul"])
+    assert round(eff, 3) == 0.709 and half == 664
+    assert [round(p["measured"], 3) for p in saved["matmul"]] == [0.187, 0.308, 0.471, 0.563, 0.615, 0.625, 0.654]
