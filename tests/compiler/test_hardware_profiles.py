@@ -158,7 +158,7 @@ def test_comm_overlap_decides_what_compute_hides():
 def test_attention_runs_at_its_own_rate_when_the_profile_has_one():
     """attention_efficiency=0 keeps attention at the matmul rate; set to that same rate the step is
     unchanged, and attention's seconds scale as 1/efficiency (halving it adds what doubling removes,
-    twice over) while the matmuls' do not move."""
+    twice over) while the matmuls keep theirs."""
     from dataclasses import replace
 
     import torch
@@ -173,15 +173,22 @@ def test_attention_runs_at_its_own_rate_when_the_profile_has_one():
     model, batch = TinyLlama(LlamaConfig(layers=3, hidden=96, heads=6, kv_heads=2)), token_batch(128, 6, 40)
     profile = profile_model(model, batch)
     point = replace(point_of(parse_plan("dp=1 dtype=bf16"), global_batch=6, seq=40), gpus_per_node=8)
-    same = H100.matmul_rate(6 * 40, "bf16") / H100.peak_bf16_flops
+    base = replace(H100, name="no-overhead", unit_overhead=0.0)  # a tiny model's step is all overhead else
+    same = base.matmul_rate(6 * 40, "bf16") / base.peak_bf16_flops
     step = {}
     for name, efficiency in (("default", 0.0), ("same", same), ("half", same / 2), ("double", same * 2)):
-        hw = replace(H100, name=f"attention-{name}", attention_efficiency=efficiency)
+        hw = replace(base, name=f"attention-{name}", attention_efficiency=efficiency)
         step[name] = estimate(profile, point, hw).time["compute"]
     assert step["same"] == pytest.approx(step["default"], rel=1e-9)
     slower, faster = step["half"] - step["default"], step["default"] - step["double"]
     assert slower > 0 and faster > 0 and slower == pytest.approx(2 * faster, rel=1e-9)
-    assert slower < step["default"]  # only attention's part moved: the matmuls are the most of it
+    # the matmuls keep the matmul rate when attention has its own: halving that rate moves the step,
+    # and attention's increment does not move with it
+    slow_mm = replace(base, name="slow-matmuls", matmul_efficiency=base.matmul_efficiency / 2)
+    at = {name: estimate(profile, point, replace(slow_mm, attention_efficiency=eff)).time["compute"]
+          for name, eff in (("same", same), ("half", same / 2))}
+    assert at["same"] > step["same"] * 1.2
+    assert at["half"] - at["same"] == pytest.approx(slower, rel=1e-9)
 
 
 # The Ultra-Scale Playbook's medians (figure "Communication Bandwidth by Number of Nodes (size=256MB)"),
