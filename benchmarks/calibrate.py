@@ -409,17 +409,23 @@ def model_profile(name: str, profiles: dict = {}):  # noqa: B006 - a cache
     return profiles[name]
 
 
-def published_rows(runs: list = PUBLISHED) -> list[dict]:
-    """Each publication's configuration estimated by the cost model, beside what was measured."""
+def estimate_shape(name: str, plan: str, global_batch: int, seq: int, hw):
+    """The cost model's estimate of ``plan`` for the shape ``name`` (SHAPES) on the profile ``hw``."""
     from usc.compiler.cost_model import estimate
     from usc.dsl import parse_plan
     from usc.planning import point_of
 
+    point = point_of(parse_plan(plan), global_batch=global_batch, seq=seq)
+    return estimate(model_profile(name), replace(point, gpus_per_node=hw.gpus_per_node), hw)
+
+
+def published_rows(runs: list = PUBLISHED) -> list[dict]:
+    """Each publication's configuration estimated by the cost model, beside what was measured."""
     rows = []
     for name, hw_name, plan, batch, seq, tps, mfu, source, complete in runs:
         hw = hardware_profile(hw_name)
-        point = point_of(parse_plan(plan), global_batch=batch, seq=seq)
-        est = estimate(model_profile(name), replace(point, gpus_per_node=hw.gpus_per_node), hw)
+        est = estimate_shape(name, plan, batch, seq, hw)
+        point = est.plan
         per_gpu = est.tokens_per_second / point.world
         # the publication's own FLOPs per token where it gives tokens/s and MFU; else usc's count
         mfu_same_count = mfu * per_gpu / tps if (tps and mfu) else est.mfu

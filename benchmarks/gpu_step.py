@@ -40,12 +40,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from calibrate import SHAPES, model_profile  # noqa: E402
+from calibrate import SHAPES, estimate_shape  # noqa: E402
 
-from usc.compiler.cost_model import estimate  # noqa: E402
 from usc.compiler.hardware import hardware_profile  # noqa: E402
 from usc.dsl import parse_plan  # noqa: E402
-from usc.planning import point_of  # noqa: E402
 
 SEQ = 4096
 ROWS = [256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -212,8 +210,7 @@ def usc_step(name: str, plan: str, global_batch: int, steps: int) -> dict:
 
 
 def predicted(name: str, plan: str, global_batch: int, hw) -> dict:
-    point = point_of(parse_plan(plan), global_batch=global_batch, seq=SEQ)
-    est = estimate(model_profile(name), replace(point, gpus_per_node=hw.gpus_per_node), hw)
+    est = estimate_shape(name, plan, global_batch, SEQ, hw)
     return dict(seconds=est.time["step"], time=est.time, memory_bytes=sum(est.memory.values()),
                 memory=est.memory, mfu=est.mfu, model_flops=est.model_flops)
 

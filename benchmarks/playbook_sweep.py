@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from calibrate import model_profile  # noqa: E402
+from calibrate import estimate_shape, model_profile  # noqa: E402
 
 from usc.compiler.cost_model import estimate  # noqa: E402
 from usc.compiler.hardware import hardware_profile  # noqa: E402
@@ -72,8 +72,8 @@ def predict(data: list[dict], hw_name="h100") -> list[dict]:
     hw = hardware_profile(hw_name)
     out = []
     for r in data:
-        point = point_of(parse_plan(plan_text(r)), global_batch=r["gbs"], seq=SEQ)
-        est = estimate(model_profile(r["model"]), replace(point, gpus_per_node=hw.gpus_per_node), hw)
+        est = estimate_shape(r["model"], plan_text(r), r["gbs"], SEQ, hw)
+        point = est.plan
         tps = est.tokens_per_second / point.world
         out.append(dict(r, plan=plan_text(r), predicted_tps=tps, predicted_mfu=est.mfu,
                         predicted_memory=est.memory_total / 1e9, estimate=est))
