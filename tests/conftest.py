@@ -53,3 +53,28 @@ def pytest_configure(config):
 def pytest_report_header(config):
     seed = config.getoption("hypothesis_seed", None)
     return f"hypothesis seed {seed} (replay: pytest --hypothesis-seed={seed})"
+
+
+# The longest tests (tens of seconds to minutes here; `pytest --durations=40`) start first, so that
+# with `-n auto` neither worker is left running one of them alone at the end of the run.
+LONGEST_FIRST = (
+    "tests/runtime/test_fake_cuda.py::test_the_tier_passes_in_a_fresh_process",
+    "tests/distributed/test_fusion_equivalence.py",
+    "tests/distributed/test_equivalence_gloo.py::test_gloo_ranks_match_one_device",
+    "tests/compiler/test_op_coverage.py",
+    "tests/distributed/test_equivalence_all_dimensions.py",
+    "tests/distributed/test_plan_space.py",
+    "tests/distributed/test_silent_wrongness_fuzz.py",
+    "tests/distributed/test_hf_bf16.py",
+    "tests/passes/test_rule_verifier.py",
+    "tests/distributed/test_functional_graph.py",
+    "tests/distributed/test_expert_parallel.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        return next((k for k, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)),
+                    len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: the order within each group, and of all other tests, is kept

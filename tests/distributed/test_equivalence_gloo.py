@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gloo_cases import check_case, die_mid_training, train_cases
+from gloo_cases import check_cases, die_mid_training, train_cases
 from harness import run_world
 from usc.testing.equivalence import reference_run
 
@@ -24,8 +24,7 @@ WORLDS = {2: [("llama", "dp=2"), ("llama", "tp=2"), ("gpt2", "dp=2"), ("gpt2", "
 @pytest.mark.parametrize("world", sorted(WORLDS))
 def test_gloo_ranks_match_one_device(world):
     results = run_world(train_cases, world, WORLDS[world], STEPS, timeout=240)
-    for index, case in enumerate(WORLDS[world]):
-        check_case(results, index, world, case, STEPS)
+    check_cases(results, world, WORLDS[world], STEPS)
 
 
 def test_dead_rank_turns_into_a_clear_timeout_error():

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import usc
-from gloo_cases import MODELS, check_case, train_cases
+from gloo_cases import MODELS, check_cases, train_cases
 from harness import run_world
 from usc.testing import assert_equivalent
 from usc.testing.memory_counters import count_activations
@@ -127,8 +127,7 @@ GLOO_CASES = [("llama", "tp=2 recompute=full"), ("gpt2", "dp=2 recompute=selecti
 @pytest.mark.distributed
 def test_gloo_recompute_matches_one_device():
     results = run_world(train_cases, 2, GLOO_CASES, STEPS, timeout=240)
-    for index, case in enumerate(GLOO_CASES):
-        check_case(results, index, 2, case, STEPS)
+    check_cases(results, 2, GLOO_CASES, STEPS)
 
 
 @pytest.mark.parametrize("model, plan", [("llama", "dp=2 tp=2 sp=on recompute=selective"), ("gpt2", "recompute=full")])
