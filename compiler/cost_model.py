@@ -212,12 +212,13 @@ def p2p_buffers(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost]) 
     if p == 1:
         return [0.0]
     sp = plan.sp and plan.tp > 1
-    key = ("p2p", id(stages), sp, _scale_of(plan))  # the stages are merged_stages' cached list
-    hidden = profile._stages.get(key)
-    if hidden is None:
-        hidden = profile._stages[key] = max(_acts(stages[i].boundary.get(sp, {}), profile, plan)
-                                            for i in range(p - 1))
-    return [P2P_BUFFERS_PER_CUT * (2 * plan.v - (k == 0) - (k == p - 1)) * hidden for k in range(p)]
+    key = ("p2p", id(stages), sp, _scale_of(plan), plan.v)  # the stages are merged_stages' cached list
+    hit = profile._stages.get(key)
+    if hit is None:
+        hidden = max(_acts(stages[i].boundary.get(sp, {}), profile, plan) for i in range(p - 1))
+        hit = profile._stages[key] = [P2P_BUFFERS_PER_CUT * (2 * plan.v - (k == 0) - (k == p - 1)) * hidden
+                                      for k in range(p)]
+    return hit
 
 
 def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], stage: int = 0,
@@ -581,7 +582,10 @@ def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile, *, mem
     ``memory``: ``peak_memory(profile, plan)`` when the caller has it already (the planner's check)."""
     stages = merged_stages(profile, plan.pp, plan.split)
     # at the plan's S: attention grows as S^2
-    busiest = max(range(len(stages)), key=lambda k: stage_flops(profile, plan, [stages[k]]))
+    key = ("busiest", id(stages), tokens_per_microbatch(profile, plan), plan.seq, plan.tp)  # all it reads
+    busiest = profile._stages.get(key)
+    if busiest is None:
+        busiest = profile._stages[key] = max(range(len(stages)), key=lambda k: stage_flops(profile, plan, [stages[k]]))
     # one stage: its memory is the peak the caller may have computed already
     state, flops, time, comms = _stage_estimate(profile, plan, stages, busiest, hw,
                                                 state=memory if len(stages) == 1 else None)
@@ -617,7 +621,13 @@ def peak_memory(profile: ModelProfile, plan: PlanPoint, *, stop_above: float = m
     of looking at the rest -- the planner's memory check needs no more for a plan that cannot fit."""
     most, most_total = None, -1.0
     stages = merged_stages(profile, plan.pp, plan.split)
+    repeats = _repeats_previous(profile, stages)
     for stage, (unit, p2p) in enumerate(zip(stages, p2p_buffers(profile, plan, stages))):
+        if repeats[stage] and 1 < stage < len(stages) - 1:
+            # a middle stage like the middle stage before it holds what that one holds with no more
+            # microbatches in flight (in_flight falls with the stage) and the same transfer buffers:
+            # it is not the peak (a deep pipeline of stamped blocks is three stages to look at)
+            continue
         memory = stage_memory(profile, plan, [unit], stage, p2p)
         total = sum(memory.values())
         if total > most_total:
@@ -625,6 +635,24 @@ def peak_memory(profile: ModelProfile, plan: PlanPoint, *, stop_above: float = m
             if total > stop_above:
                 break
     return most
+
+
+def _repeats_previous(profile: ModelProfile, stages: list[UnitCost]) -> list[bool]:
+    """Per stage, whether its unit holds what the previous stage's holds: every field but the names
+    (merged stamped blocks), its merged parts compared alike (kept in the profile's cache)."""
+    key = ("repeats", id(stages))
+    hit = profile._stages.get(key)
+    if hit is None or hit[0] is not stages:
+        def content(u: UnitCost) -> tuple:
+            fields = tuple(getattr(u, f) for f in _CONTENT_FIELDS)
+            return fields + tuple(content(p) for p in u.parts)
+
+        keys = [content(u) for u in stages]
+        hit = profile._stages[key] = (stages, [k > 0 and keys[k] == keys[k - 1] for k in range(len(keys))])
+    return hit[1]
+
+
+_CONTENT_FIELDS = tuple(f for f in UnitCost.__dataclass_fields__ if f not in ("name", "parts", "balance"))
 
 
 def _attention_growth(profile: ModelProfile, plan: PlanPoint) -> float:

@@ -310,3 +310,30 @@ def test_a_model_on_the_meta_device_profiles_as_on_the_cpu():
         tokens = torch.zeros(8, 32, dtype=torch.long, device=device)
         built[device] = [(u.name, u.acts, u.held) for u in profile_model(model, (tokens, tokens)).units]
     assert built["meta"] == built["cpu"]
+
+
+def test_peak_memory_is_the_fullest_stage_of_all():
+    """peak_memory passes over a middle stage that repeats the middle stage before it (it can hold no
+    more: as many or fewer microbatches in flight, the same transfer buffers); its answer must be
+    what every stage's own count gives, for every schedule, recompute mode, ZeRO stage and an
+    uneven split (13 blocks on 3-6 stages)."""
+    from usc.compiler.cost_model import _repeats_previous, merged_stages, p2p_buffers, peak_memory, stage_memory
+
+    with torch.device("meta"):
+        model = TinyLlama(LlamaConfig(layers=13, hidden=72, heads=6, kv_heads=2, mlp=120))
+    tokens = torch.zeros(6, 40, dtype=torch.long, device="meta")
+    profile = profile_model(model, (tokens, tokens))
+    skipped = 0
+    for pp in (3, 4, 6):
+        stages = merged_stages(profile, pp)
+        skipped += sum(r for k, r in enumerate(_repeats_previous(profile, stages)) if 1 < k < pp - 1)
+        for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb", 1)):
+            for recompute in ("none", "selective", "full"):
+                for zero in (0, 1, 3):
+                    plan = PlanPoint(24, 40, dp=2, tp=2, pp=pp, mb=pp * 2, zero=zero, schedule=schedule, v=v,
+                                     recompute=recompute, sp=True, dtype="bf16")
+                    every = [stage_memory(profile, plan, [u], k, p2p)
+                             for k, (u, p2p) in enumerate(zip(stages, p2p_buffers(profile, plan, stages)))]
+                    fullest = max(every, key=lambda m: sum(m.values()))  # the first of equals, as peak_memory
+                    assert peak_memory(profile, plan) == fullest, (plan.text(), pp)
+    assert skipped >= 2  # the shortcut ran
