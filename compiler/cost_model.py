@@ -205,19 +205,19 @@ def pipeline_bubble_units(plan: PlanPoint, hw: HardwareProfile) -> float:
 P2P_BUFFERS_PER_CUT = 3
 
 
-def p2p_buffers(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost]) -> list[float]:
+def p2p_buffers(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost]) -> tuple[float, ...]:
     """Per pipeline rank, bytes of the transfer buffers it holds (``P2P_BUFFERS_PER_CUT`` per cut; with
     v chunks per rank, each chunk's cuts)."""
     p = len(stages)
     if p == 1:
-        return [0.0]
+        return (0.0,)
     sp = plan.sp and plan.tp > 1
     key = ("p2p", id(stages), sp, _scale_of(plan), plan.v)  # the stages are merged_stages' cached list
     hit = profile._stages.get(key)
     if hit is None:
         hidden = max(_acts(stages[i].boundary.get(sp, {}), profile, plan) for i in range(p - 1))
-        hit = profile._stages[key] = [P2P_BUFFERS_PER_CUT * (2 * plan.v - (k == 0) - (k == p - 1)) * hidden
-                                      for k in range(p)]
+        hit = profile._stages[key] = tuple(P2P_BUFFERS_PER_CUT * (2 * plan.v - (k == 0) - (k == p - 1)) * hidden
+                                           for k in range(p))  # shared: a tuple, so no caller can change it
     return hit
 
 
