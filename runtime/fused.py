@@ -13,6 +13,8 @@ kernel, or the eager ops recomputed under autograd.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.util
 import math
 import os
@@ -74,6 +76,27 @@ def notice(reason: str) -> None:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@contextlib.contextmanager
+def _without_overflow_checks():
+    """Triton's interpreter checks every 32-bit integer add and multiply of a kernel for overflow
+    (``sanitize_overflow``; a compiled kernel drops those checks unless built with debug=True), which
+    is a third of an interpreted launch's time. Our launches run without them, as compiled; any other
+    kernel the process interprets keeps its checks (held under _INTERPRETER_LOCK)."""
+    try:
+        from triton.runtime import interpreter
+        builder = interpreter.interpreter_builder
+        options = builder.options
+        unchecked = dataclasses.replace(options, sanitize_overflow=False)
+    except (ImportError, AttributeError, TypeError):  # another triton: its own defaults
+        yield
+        return
+    builder.options = unchecked
+    try:
+        yield
+    finally:
+        builder.options = options
 
 
 def kernel_backend(tensors) -> str | None:
@@ -175,7 +198,7 @@ class _Launch:
         grid = (programs or max(self.rows, 1),)
         options = dict(flags or {}, ONE_TILE=self.length <= self.block, BLOCK=self.block, num_warps=self.warps)
         if tensors and tensors[0].device.type == "cpu":
-            with _INTERPRETER_LOCK:
+            with _INTERPRETER_LOCK, _without_overflow_checks():
                 fn[grid](*args, **options)
         else:
             fn[grid](*args, **options)

@@ -1,5 +1,6 @@
-"""fuse=on: 3 AdamW steps with generated Triton kernels (run by the interpreter on CPU) equal one
-device in float32, and the kernels really ran (forward and backward) instead of the eager ops."""
+"""fuse=on: 3 steps with generated Triton kernels (run by the interpreter on CPU) equal one device in
+float32 (AdamW; GPT-2 with SGD and momentum, gloo_cases.OPTIMIZERS), and the kernels really ran
+(forward and backward) instead of the eager ops."""
 
 import os
 
@@ -8,6 +9,7 @@ import torch
 
 import usc
 from usc.runtime.fused import FusedRegion
+from gloo_cases import optimizer_for
 from usc.testing import assert_equivalent
 from usc.testing.equivalence import assert_bf16_close
 from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
@@ -59,7 +61,8 @@ FUSED_CASES = [("llama", "dp=2 tp=2 fuse=on recompute=selective"), ("gpt2", "dp=
 @pytest.mark.parametrize(("model", "plan"), FUSED_CASES)
 def test_fused_kernels_match_one_device(model, plan):
     factory, batch = MODELS[model]
-    result = assert_equivalent(factory, plan, [batch(seed) for seed in range(3)], runner=run_fused)
+    result = assert_equivalent(factory, plan, [batch(seed) for seed in range(3)], runner=run_fused,
+                               optimizer=optimizer_for(model))
     assert result.max_param_diff <= 1e-5
 
 

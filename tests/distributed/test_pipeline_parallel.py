@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import usc
-from gloo_cases import MODELS
+from gloo_cases import MODELS, optimizer_for
 from usc.testing import assert_equivalent
 from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
 
@@ -25,7 +25,7 @@ FLOAT32_PLANS = [*every_schedule(2), "dp=2 pp=2 zero=1 mb=2", "dp=2 pp=2 zero=2 
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_pipeline_matches_one_device(model, plan):
     factory, batch = MODELS[model]
-    result = assert_equivalent(factory, plan, [batch(seed) for seed in range(3)])
+    result = assert_equivalent(factory, plan, [batch(seed) for seed in range(3)], optimizer=optimizer_for(model))
     assert result.max_param_diff <= 1e-5
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import usc
-from gloo_cases import MODELS
+from gloo_cases import MODELS, optimizer_for
 from usc.testing import assert_equivalent
 from usc.testing.equivalence import assert_bf16_close, compare_states, reference_run
 from usc.testing.models import LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
@@ -20,7 +20,7 @@ ZERO_PLANS = ["dp=2 zero=1", "dp=2 zero=2", "dp=2 zero=3", "dp=4 zero=1", "dp=4 
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_zero_and_microbatches_match_one_device(model, plan):
     factory, batch = MODELS[model]
-    result = assert_equivalent(factory, plan, [batch(seed) for seed in range(3)])
+    result = assert_equivalent(factory, plan, [batch(seed) for seed in range(3)], optimizer=optimizer_for(model))
     assert result.max_param_diff <= 1e-5
 
 

@@ -1,13 +1,14 @@
 """The fake-CUDA tier: every plan kind's rank programs on a device this machine does not have.
 
-Each rank of each plan runs on fake tensors (no memory, no GPU) with peerless collectives that
+Rank 0 and the last rank of each plan (the first and the last coordinate of every axis; every rank
+with USC_DEEP_TIER=1) run on fake tensors (no memory, no GPU) with peerless collectives that
 refuse tensors off the program's device (as NCCL refuses host tensors); the model and the batch
 are built on the CPU, as users build them, so the runtime must move them. A rank fails the test if
 any op mixes devices (FakeTensor raises) or the runtime creates a tensor off the device (the
 DeviceWatch records it, 0-dim tensors included). The ranks run on the Python-registered
 accelerator "fakegpu": in a CPU-only build fake ``cuda`` tensors cannot take part in autograd nor
 be copied (torch asks the missing CUDA device guard); on ``cuda:0`` each rank's bound program is
-checked as a graph. See usc/testing/fake_device.py. USC_DEEP_TIER=1 adds heavier plans (DEEP_PLANS).
+checked as a graph. See usc/testing/fake_device.py. USC_DEEP_TIER=1 also adds heavier plans (DEEP_PLANS).
 """
 
 from __future__ import annotations
@@ -99,12 +100,21 @@ def _compile(plan: str, kind: str):
 TRAINED = [(p, k) for p, k in PLANS if "recompute" not in p]
 
 
+def _first_and_last(world: int) -> tuple[int, ...]:
+    """Rank 0 (coordinate 0 of every axis: the rank that writes checkpoints, a pipeline's first
+    stage) and the last rank (the last coordinate of every axis: the last stage, the last tp and dp
+    shard). The ranks between run the same program at other coordinates; the deep tier runs them."""
+    if os.environ.get("USC_DEEP_TIER") == "1":
+        return tuple(range(world))
+    return tuple(sorted({0, world - 1}))
+
+
 @_tier
 @pytest.mark.parametrize("plan,kind", TRAINED, ids=[p for p, _ in TRAINED])
 def test_every_rank_trains_on_the_accelerator_without_a_host_tensor(plan, kind):
     compiled = _compile(plan, kind)
     device = fake_accelerator()
-    for rank in range(compiled.plan.world_size):
+    for rank in _first_and_last(compiled.plan.world_size):
         report = run_fake_rank(compiled, rank, device=device, steps=2)
         assert report.steps == 2
         assert report.wrong == [], f"rank {rank}: " + "; ".join(map(str, report.wrong))
