@@ -238,3 +238,25 @@ def test_without_triton_or_device_the_eager_ops_run_after_one_notice(monkeypatch
     err = capsys.readouterr().err
     assert err.count("usc: fused kernels fall back to eager ops") == 1 and message in err
     assert all(m.launches == {"forward": 0, "backward": 0} for m in gm.modules() if isinstance(m, FusedRegion))
+
+
+def test_launches_on_the_interpreter_leave_its_overflow_checks_to_other_kernels(monkeypatch):
+    """A fused launch on Triton's interpreter runs without its per-op int32 overflow checks (compiled
+    kernels have none unless built with debug=True: on the interpreter they were a third of a launch);
+    the interpreter's own setting is back after it, for any other kernel the process interprets."""
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+    builder = interpreter.interpreter_builder
+    seen = []
+    original = interpreter.GridExecutor.__call__
+
+    def spy(self, *args, **kwargs):
+        seen.append(builder.options.sanitize_overflow)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", spy)
+
+    def block(x, r, w):
+        h = x + r
+        return h, w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+    check_against_eager(block, rand(3, 37), rand(3, 37), rand(37))
+    assert seen == [False, False] and builder.options.sanitize_overflow is True
