@@ -3,6 +3,7 @@ every step of a save, damaged bytes and foreign checkpoints — each with a usc 
 
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -190,9 +191,19 @@ def _saved(tmp_path, plan="dp=2 tp=2", **kwargs):
     return tmp_path / "ckpt"
 
 
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory):
+    """One dp=2 tp=2 checkpoint for the damage tests; each damages its own copy (``_copy``)."""
+    return _saved(tmp_path_factory.mktemp("saved"))
+
+
+def _copy(saved, tmp_path):
+    return shutil.copytree(saved, tmp_path / "ckpt")
+
+
 @pytest.mark.parametrize("where", [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99])
-def test_a_flipped_byte_is_named(tmp_path, where):
-    path = _saved(tmp_path)
+def test_a_flipped_byte_is_named(saved_once, tmp_path, where):
+    path = _copy(saved_once, tmp_path)
     target = path / "rank00000.pt"
     data = bytearray(target.read_bytes())
     data[int(len(data) * where)] ^= 0xFF
@@ -202,8 +213,8 @@ def test_a_flipped_byte_is_named(tmp_path, where):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "flip"])
-def test_damaged_metadata_is_a_checkpoint_error(tmp_path, damage):
-    path = _saved(tmp_path)
+def test_damaged_metadata_is_a_checkpoint_error(saved_once, tmp_path, damage):
+    path = _copy(saved_once, tmp_path)
     meta = path / ".metadata"
     raw = meta.read_bytes()
     meta.write_bytes({"truncate": raw[: len(raw) // 2], "garbage": os.urandom(200),
@@ -212,8 +223,8 @@ def test_damaged_metadata_is_a_checkpoint_error(tmp_path, damage):
         usc.simulate(TinyLlama(), "dp=2", example_inputs=BATCHES[0]).load(path)
 
 
-def test_a_truncated_piece_file_is_a_checkpoint_error(tmp_path):
-    path = _saved(tmp_path)
+def test_a_truncated_piece_file_is_a_checkpoint_error(saved_once, tmp_path):
+    path = _copy(saved_once, tmp_path)
     target = path / "rank00001.pt"
     target.write_bytes(target.read_bytes()[:100])
     with pytest.raises(usc.CheckpointError, match="rank00001.pt"):
