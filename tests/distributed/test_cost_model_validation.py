@@ -164,7 +164,6 @@ def test_hf_llama_bf16_activations_within_5_percent_of_an_independent_count(hf_p
         hf_profiles[shape] = profile_model(hf_llama(**config), batch)
     torch.manual_seed(0)
     sim = usc.simulate(hf_llama(**config), plan, example_inputs=batch)
-    sim.step(*batch)
     est = estimate(hf_profiles[shape], point_of(sim.plan, global_batch=8, seq=seq), H100)
-    peaks = count_peaks(sim, batch)
+    peaks = count_peaks(sim, batch)  # the first step's (a step before it changes no count: measured)
     assert est.memory["activations"] == pytest.approx(max(peaks), rel=0.05), (est.memory["activations"], peaks)
