@@ -212,13 +212,11 @@ def p2p_buffers(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost]) 
     if p == 1:
         return (0.0,)
     sp = plan.sp and plan.tp > 1
-    key = ("p2p", id(stages), sp, _scale_of(plan), plan.v)  # the stages are merged_stages' cached list
-    hit = profile._stages.get(key)
-    if hit is None:
+
+    def compute():
         hidden = max(_acts(stages[i].boundary.get(sp, {}), profile, plan) for i in range(p - 1))
-        hit = profile._stages[key] = tuple(P2P_BUFFERS_PER_CUT * (2 * plan.v - (k == 0) - (k == p - 1)) * hidden
-                                           for k in range(p))  # shared: a tuple, so no caller can change it
-    return hit
+        return tuple(P2P_BUFFERS_PER_CUT * (2 * plan.v - (k == 0) - (k == p - 1)) * hidden for k in range(p))
+    return memo(profile, ("p2p", id(stages), sp, _scale_of(plan), plan.v), compute)
 
 
 def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], stage: int = 0,
@@ -285,6 +283,19 @@ def cached(profile: ModelProfile, key: tuple, units: list[UnitCost], compute):
     if hit is None or len(hit[0]) != len(units) or any(a is not b for a, b in zip(hit[0], units)):
         hit = profile._stages[key] = (tuple(units), compute())  # the units kept: their ids stay theirs
     return hit[1]
+
+
+def memo(profile: ModelProfile, key: tuple, compute):
+    """``compute()`` once per key, kept in the profile's cache; the key names everything it reads (a
+    stage list by ``id``: ``merged_stages`` keeps its lists for the profile's life, so an id is never
+    reused). Values are shared by every caller: tuples, not lists."""
+    hit = profile._stages.get(key, _MISSING)
+    if hit is _MISSING:
+        hit = profile._stages[key] = compute()
+    return hit
+
+
+_MISSING = object()
 
 
 def _recompute_peak(profile: ModelProfile, plan: PlanPoint, parts: tuple, key: tuple) -> float:
@@ -582,10 +593,8 @@ def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile, *, mem
     ``memory``: ``peak_memory(profile, plan)`` when the caller has it already (the planner's check)."""
     stages = merged_stages(profile, plan.pp, plan.split)
     # at the plan's S: attention grows as S^2
-    key = ("busiest", id(stages), tokens_per_microbatch(profile, plan), plan.seq, plan.tp)  # all it reads
-    busiest = profile._stages.get(key)
-    if busiest is None:
-        busiest = profile._stages[key] = max(range(len(stages)), key=lambda k: stage_flops(profile, plan, [stages[k]]))
+    busiest = memo(profile, ("busiest", id(stages), tokens_per_microbatch(profile, plan), plan.seq, plan.tp),
+                   lambda: max(range(len(stages)), key=lambda k: stage_flops(profile, plan, [stages[k]])))
     # one stage: its memory is the peak the caller may have computed already
     state, flops, time, comms = _stage_estimate(profile, plan, stages, busiest, hw,
                                                 state=memory if len(stages) == 1 else None)
@@ -698,12 +707,8 @@ def _stage_microbatch_collectives(profile: ModelProfile, plan: PlanPoint, k: int
                                   ) -> list[CollectiveEstimate]:
     """``_microbatch_collectives`` of stage k of the plan's own cut, kept in the profile's cache: they
     do not depend on the ZeRO stage, and the planner asks them again for each of the four."""
-    key = ("microbatch collectives", plan.with_(zero=0), k, hw)
-    hit = profile._stages.get(key)
-    if hit is None:
-        stages = merged_stages(profile, plan.pp, plan.split)
-        hit = profile._stages[key] = tuple(_microbatch_collectives(profile, plan, stages, k, hw))
-    return list(hit)
+    return list(memo(profile, ("microbatch collectives", plan.with_(zero=0), k, hw), lambda: tuple(
+        _microbatch_collectives(profile, plan, merged_stages(profile, plan.pp, plan.split), k, hw))))
 
 
 def _microbatch_collectives(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], k: int,
@@ -731,15 +736,14 @@ def _with_exposed(c: CollectiveEstimate, seconds: float) -> CollectiveEstimate:
 def loss_value_collectives(profile: ModelProfile, plan: PlanPoint) -> list[CollectiveEstimate]:
     """What every rank issues once per step to return the loss: the runtime's own description of it
     (runtime/loss_value.py) for this plan's pp."""
-    key = ("loss value", plan.dp, plan.tp, plan.pp, plan.cp, plan.ep)  # all it reads of the plan
-    if key not in profile._stages:
-        sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}
+    sizes = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp, "ep": plan.ep}  # all it reads
+
+    def compute():
         reduction = replace(profile.loss_value, pipelined=plan.pp > 1).over(sizes)
-        profile._stages[key] = tuple(
-            CollectiveEstimate(axis, "all-reduce", "forward", sizes[axis], shape_bytes(shape, dtype), 1, 0.0,
-                               0.0)
-            for axis, shape, dtype, _ in reduction.payloads() if sizes.get(axis, 1) > 1)
-    return list(profile._stages[key])
+        return tuple(CollectiveEstimate(axis, "all-reduce", "forward", sizes[axis], shape_bytes(shape, dtype),
+                                        1, 0.0, 0.0)
+                     for axis, shape, dtype, _ in reduction.payloads() if sizes.get(axis, 1) > 1)
+    return list(memo(profile, ("loss value", *sizes.values()), compute))
 
 
 def _exposed_layer_comm(c: CollectiveEstimate, profile, plan, units, hw) -> float:
