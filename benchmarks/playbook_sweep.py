@@ -5,6 +5,7 @@
     python benchmarks/playbook_sweep.py --tp-scaling  # the TP and TP/SP scaling figures (3B, tp=2..32)
     python benchmarks/playbook_sweep.py --planner   # usc.plan's choice per cell against the measured best
     python benchmarks/playbook_sweep.py --fit       # refit the h100 profile's two constants
+    python benchmarks/playbook_sweep.py --microbatch-cost  # what one more microbatch costs, measured vs predicted
 
 Hugging Face measured thousands of nanotron configurations of Llama-style models on 1-64 nodes of 8
 H100 (EFA between nodes), sequence 4,096, global batch 256 sequences (Tazi et al., "The Ultra-Scale
@@ -197,6 +198,37 @@ def markdown(predicted: list[dict]) -> None:
               f"{p['gpu_memory_gb']:.1f} | {p['predicted_memory']:.1f} |")
 
 
+# Layers of the models the rows are read as (Llama 3.2 1B / 3.2 3B / 3 8B)
+LAYERS = {"1B": 16, "3B": 28, "8B": 32}
+
+
+def microbatch_cost(hw_name="h100") -> list[str]:
+    """The one-node rows that differ only in their microbatch count (same mesh and ZeRO stage, the
+    same 256 sequences cut finer): what one more microbatch adds to the step, per layer, measured and
+    predicted. The cost model charges ``unit_overhead`` per layer per microbatch whatever the mesh."""
+    data = [r for r in rows() if r["nodes"] == 1]
+    predicted = {id(p_row): p for p_row, p in zip(data, predict(data, hw_name))}
+    groups: dict[tuple, list[dict]] = {}
+    for r in data:
+        groups.setdefault((r["model"], r["pp"], r["dp"], r["tp"], r["zero"]), []).append(r)
+    out = []
+    for (model, pp, dp, tp, zero), members in groups.items():
+        if len(members) < 2:
+            continue
+        few, many = sorted(members, key=lambda r: r["gradacc"])[::len(members) - 1]
+        extra = (many["gradacc"] - few["gradacc"]) * LAYERS[model]
+
+        def step(r, tps):  # seconds per step from tokens/s/GPU, 8 GPUs
+            return r["gbs"] * SEQ / (8 * tps)
+        measured = (step(many, many["tok_s_gpu"]) - step(few, few["tok_s_gpu"])) / extra
+        guess = (step(many, predicted[id(many)]["predicted_tps"]) - step(few, predicted[id(few)]["predicted_tps"])) / extra
+        out.append(f"| {model} | pp={pp} dp={dp} tp={tp} zero={zero} | {few['gradacc']} -> {many['gradacc']} | "
+                   f"{few['mfu_percent']:.1f}% -> {many['mfu_percent']:.1f}% | "
+                   f"{predicted[id(few)]['predicted_mfu']:.1%} -> {predicted[id(many)]['predicted_mfu']:.1%} | "
+                   f"{measured * 1e3:.2f} | {guess * 1e3:.2f} |")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="every row as a markdown table")
@@ -206,7 +238,14 @@ def main() -> None:
                         help="usc.plan's choice in the sweep's space per cell against the cell's measured best")
     parser.add_argument("--fit", action="store_true", help="fit matmul_efficiency and unit_overhead on the "
                         "one-node rows (the multi-node rows stay held out)")
+    parser.add_argument("--microbatch-cost", action="store_true",
+                        help="what one more microbatch adds per layer, measured vs predicted (one-node rows)")
     args = parser.parse_args()
+    if args.microbatch_cost:
+        print("| model | mesh | microbatches | measured MFU | predicted MFU | measured ms per layer per extra "
+              "microbatch | predicted |")
+        print("|---|---|---|---|---|---|---|")
+        return print("\n".join(microbatch_cost(args.hardware)))
     if args.planner:
         print("| model | nodes | usc.plan's choice | predicted MFU | the sweep's fastest | measured MFU | points "
               "| unchecked terms |")
