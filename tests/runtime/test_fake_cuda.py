@@ -111,7 +111,7 @@ def _first_and_last(world: int) -> tuple[int, ...]:
 
 @_tier
 @pytest.mark.parametrize("plan,kind", TRAINED, ids=[p for p, _ in TRAINED])
-def test_every_rank_trains_on_the_accelerator_without_a_host_tensor(plan, kind):
+def test_the_first_and_last_rank_train_on_the_accelerator_without_a_host_tensor(plan, kind):
     compiled = _compile(plan, kind)
     device = fake_accelerator()
     for rank in _first_and_last(compiled.plan.world_size):
