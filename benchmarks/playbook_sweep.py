@@ -36,7 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from calibrate import estimate_shape, model_profile  # noqa: E402
+from calibrate import SHAPES, estimate_shape, model_profile  # noqa: E402
 
 from usc.compiler.cost_model import estimate  # noqa: E402
 from usc.compiler.hardware import hardware_profile  # noqa: E402
@@ -198,33 +198,26 @@ def markdown(predicted: list[dict]) -> None:
               f"{p['gpu_memory_gb']:.1f} | {p['predicted_memory']:.1f} |")
 
 
-# Layers of the models the rows are read as (Llama 3.2 1B / 3.2 3B / 3 8B)
-LAYERS = {"1B": 16, "3B": 28, "8B": 32}
-
-
 def microbatch_cost(hw_name="h100") -> list[str]:
     """The one-node rows that differ only in their microbatch count (same mesh and ZeRO stage, the
     same 256 sequences cut finer): what one more microbatch adds to the step, per layer, measured and
     predicted. The cost model charges ``unit_overhead`` per layer per microbatch whatever the mesh."""
-    data = [r for r in rows() if r["nodes"] == 1]
-    predicted = {id(p_row): p for p_row, p in zip(data, predict(data, hw_name))}
     groups: dict[tuple, list[dict]] = {}
-    for r in data:
-        groups.setdefault((r["model"], r["pp"], r["dp"], r["tp"], r["zero"]), []).append(r)
+    for p in predict([r for r in rows() if r["nodes"] == 1], hw_name):
+        groups.setdefault((p["model"], p["pp"], p["dp"], p["tp"], p["zero"]), []).append(p)
     out = []
     for (model, pp, dp, tp, zero), members in groups.items():
         if len(members) < 2:
             continue
-        few, many = sorted(members, key=lambda r: r["gradacc"])[::len(members) - 1]
-        extra = (many["gradacc"] - few["gradacc"]) * LAYERS[model]
-
-        def step(r, tps):  # seconds per step from tokens/s/GPU, 8 GPUs
-            return r["gbs"] * SEQ / (8 * tps)
-        measured = (step(many, many["tok_s_gpu"]) - step(few, few["tok_s_gpu"])) / extra
-        guess = (step(many, predicted[id(many)]["predicted_tps"]) - step(few, predicted[id(few)]["predicted_tps"])) / extra
+        members.sort(key=lambda p: p["gradacc"])
+        few, many = members[0], members[-1]
+        extra = (many["gradacc"] - few["gradacc"]) * SHAPES[model][1].layers
+        seconds = lambda tps: few["gbs"] * SEQ / (8 * tps)  # noqa: E731 - a step from tokens/s/GPU, 8 GPUs
+        measured = (seconds(many["tok_s_gpu"]) - seconds(few["tok_s_gpu"])) / extra
+        guess = (seconds(many["predicted_tps"]) - seconds(few["predicted_tps"])) / extra
         out.append(f"| {model} | pp={pp} dp={dp} tp={tp} zero={zero} | {few['gradacc']} -> {many['gradacc']} | "
                    f"{few['mfu_percent']:.1f}% -> {many['mfu_percent']:.1f}% | "
-                   f"{predicted[id(few)]['predicted_mfu']:.1%} -> {predicted[id(many)]['predicted_mfu']:.1%} | "
+                   f"{few['predicted_mfu']:.1%} -> {many['predicted_mfu']:.1%} | "
                    f"{measured * 1e3:.2f} | {guess * 1e3:.2f} |")
     return out
 
