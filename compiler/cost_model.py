@@ -646,19 +646,16 @@ def peak_memory(profile: ModelProfile, plan: PlanPoint, *, stop_above: float = m
     return most
 
 
-def _repeats_previous(profile: ModelProfile, stages: list[UnitCost]) -> list[bool]:
+def _repeats_previous(profile: ModelProfile, stages: list[UnitCost]) -> tuple[bool, ...]:
     """Per stage, whether its unit holds what the previous stage's holds: every field but the names
     (merged stamped blocks), its merged parts compared alike (kept in the profile's cache)."""
-    key = ("repeats", id(stages))
-    hit = profile._stages.get(key)
-    if hit is None or hit[0] is not stages:
-        def content(u: UnitCost) -> tuple:
-            fields = tuple(getattr(u, f) for f in _CONTENT_FIELDS)
-            return fields + tuple(content(p) for p in u.parts)
+    def content(u: UnitCost) -> tuple:
+        return tuple(getattr(u, f) for f in _CONTENT_FIELDS) + tuple(content(p) for p in u.parts)
 
+    def compute():
         keys = [content(u) for u in stages]
-        hit = profile._stages[key] = (stages, [k > 0 and keys[k] == keys[k - 1] for k in range(len(keys))])
-    return hit[1]
+        return tuple(k > 0 and keys[k] == keys[k - 1] for k in range(len(keys)))
+    return memo(profile, ("repeats", id(stages)), compute)
 
 
 _CONTENT_FIELDS = tuple(f for f in UnitCost.__dataclass_fields__ if f not in ("name", "parts", "balance"))

@@ -7,7 +7,7 @@ import time
 import torch
 
 import usc
-from usc.testing.equivalence import as_float64, check_equivalent
+from usc.testing.equivalence import adamw, as_float64, check_equivalent
 from usc.testing.models import TinyDeepSeek, TinyGPT2, TinyLlama, TinyMixtral, shifted_batch, token_batch
 
 MODELS = {
@@ -36,7 +36,7 @@ OPTIMIZERS = {"gpt2": _SGD, "deepseek": _SGD}
 
 
 def optimizer_for(model_name: str):
-    return OPTIMIZERS.get(model_name, lambda params: torch.optim.AdamW(params))
+    return OPTIMIZERS.get(model_name, adamw)
 
 
 def train_cases(rank: int, world_size: int, cases: list[tuple[str, str]], steps: int, float64: bool = False) -> list:

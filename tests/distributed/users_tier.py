@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 import usc
-from usc.testing.equivalence import check_equivalent
+from usc.testing.equivalence import adamw, check_equivalent
 from users_models import FAMILIES, Family, batches
 
 def user_loss(family: Family, model: torch.nn.Module, batch) -> torch.Tensor:
@@ -66,10 +66,6 @@ def _mesh(family: Family, plan: str, optimizer):
     return run
 
 
-def _adamw(params):
-    return torch.optim.AdamW(params)
-
-
 def _sgd(params):
     return torch.optim.SGD(params, lr=0.1)
 
@@ -94,7 +90,7 @@ def judge(name: str, plan: str, *, steps: int = 2) -> Outcome:
     checked = f"{plan} replica_check=1"
     reference = _usc_one_device(family) if name in DRAWS else _eager(family)
     try:
-        result = _check(family, checked, data, _adamw, reference)
+        result = _check(family, checked, data, adamw, reference)
         decided = "float64 AdamW" if result.float32_miss else "float32 AdamW"
         return Outcome(name, plan, decided, result.max_param_diff, (result.float32_miss,) if result.float32_miss else ())
     except AssertionError as miss:

@@ -44,7 +44,8 @@ class EquivalenceResult:
     float32_miss: str | None = None  # what float32 missed when the float64 run had to decide
 
 
-def _adamw(params) -> torch.optim.Optimizer:
+def adamw(params) -> torch.optim.Optimizer:
+    """The equivalence checks' default optimizer: AdamW at torch's defaults, as users train."""
     return torch.optim.AdamW(params)
 
 
@@ -174,7 +175,7 @@ def _judge(model_factory, batches: list, optimizer, outcome, *, rtol: float, ato
 
 
 def check_equivalent(model_factory: Callable[[], nn.Module], batches: Sequence[tuple], outcome, *,
-                     rerun: MeshRun, optimizer: OptimizerFactory = _adamw, rtol: float = 1e-5,
+                     rerun: MeshRun, optimizer: OptimizerFactory = adamw, rtol: float = 1e-5,
                      atol: float = 1e-6, param_atol: float = 1e-5, what: str = "the mesh run",
                      reference: Reference | None = None) -> EquivalenceResult:
     """``outcome`` (losses, full state) of a mesh run from ``model_factory()`` (seeded 0) against one
@@ -199,7 +200,7 @@ def check_equivalent(model_factory: Callable[[], nn.Module], batches: Sequence[t
     return result
 
 
-def simulate_run(plan: str, optimizer: OptimizerFactory = _adamw) -> MeshRun:
+def simulate_run(plan: str, optimizer: OptimizerFactory = adamw) -> MeshRun:
     """Train with ``usc.simulate`` (every rank in this process)."""
     import usc
 
@@ -211,7 +212,7 @@ def simulate_run(plan: str, optimizer: OptimizerFactory = _adamw) -> MeshRun:
 
 
 def assert_equivalent(model_factory: Callable[[], nn.Module], plan: str, batches: Sequence[tuple], *,
-                      steps: int | None = None, optimizer: OptimizerFactory = _adamw, rtol: float = 1e-5,
+                      steps: int | None = None, optimizer: OptimizerFactory = adamw, rtol: float = 1e-5,
                       atol: float = 1e-6, param_atol: float = 1e-5,
                       runner: Callable | None = None, replica_check: int = 1,
                       reference: str = "eager") -> EquivalenceResult:
