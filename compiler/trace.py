@@ -12,11 +12,13 @@ inputs (so the runtime feeds each rank its own shards), records every node's mod
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
 import tempfile
 import traceback
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +32,7 @@ from .casts import held_casts, release_casts, writes_through_held_casts
 from .functional import distinct_inputs, explicit_writes, functionalize, user_output_specs
 from .inline_regions import inline_regions
 from .moe import MoEBlock, patched
+from . import trace_memo
 
 
 
@@ -146,13 +149,14 @@ class _Held:
     def __init__(self, file) -> None:
         self.file = file
 
-    def replay(self) -> None:
-        """Pass on what the model itself printed while it was traced."""
+    def replay(self) -> str:
+        """Pass on what the model itself printed while it was traced (and return it)."""
         self.file.seek(0)
         text = self.file.read()
         self.file.close()
         if text:
             sys.stderr.write(text)
+        return text
 
 
 @contextlib.contextmanager
@@ -211,6 +215,30 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     example_inputs = distinct_inputs(_to_device(example_inputs, _model_device(model)))
+    if not trace_memo.enabled():
+        return _trace(model, example_inputs, wrapper_source, moe_blocks)[0]
+    key = trace_memo.key(model, example_inputs, (wrapper_source, tuple(moe_blocks)))
+    hit = trace_memo.lookup(key)
+    if hit is not None:
+        traced, printed, caught = hit
+        if printed:
+            sys.stderr.write(printed)
+        trace_memo.replay_warnings(caught)
+        return dataclasses.replace(traced)  # a fresh record: per-compile fields stay per compile
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # every warning is recorded (and replayed through the filters)
+            traced, printed = _trace(model, example_inputs, wrapper_source, moe_blocks)
+    finally:
+        trace_memo.replay_warnings(caught)
+    trace_memo.store(key, dataclasses.replace(traced), printed, list(caught))
+    return traced
+
+
+def _trace(model: nn.Module, example_inputs: tuple, wrapper_source: str,
+           moe_blocks) -> tuple[Traced, str]:
+    """The trace, and what the model printed while traced."""
     error = None
     with _quiet_torch_logs(), _held_output() as held, patched(model, list(moe_blocks)):
         try:
@@ -221,7 +249,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
             error = exc if isinstance(exc, CompileError) else _trace_error(exc, model)  # formatting can print: held
     if error is not None:
         raise error from error.__cause__
-    held.replay()
+    printed = held.replay()
     user = [s.arg.name for s in exported.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     outputs = user_output_specs(exported)
     written = [o.target for o in outputs if "PARAMETER_MUTATION" in str(o.kind)]
@@ -241,7 +269,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
         _attribute_wrapper_frames(gm, wrapper_source)
     types = {name: type(m).__name__ for name, m in model.named_modules()}
     state = _without_unread_aliases(gm, _state_inputs(exported, model))
-    return Traced(gm, state, user, types, type(model).__name__, dict(exported.constants))
+    return Traced(gm, state, user, types, type(model).__name__, dict(exported.constants)), printed
 
 
 def _without_unread_aliases(gm: fx.GraphModule, state: list[StateInput]) -> list[StateInput]:

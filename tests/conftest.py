@@ -11,6 +11,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Run the IR verifier after every compiler pass in tests (usc.compiler.pass_runner.run_pipeline).
 os.environ.setdefault("USC_DEBUG", "1")
 
+# Reuse the trace of a model already traced with the same structure, attributes, values and inputs
+# (compiler/trace_memo.py says what the key holds): most tests compile one small model under many
+# plans. USC_TRACE_MEMO=0 traces every compile afresh.
+if os.environ.get("USC_TRACE_MEMO", "1") != "0":
+    from usc.compiler import trace_memo  # noqa: E402
+
+    trace_memo.memoize_traces(True)
+
 import datetime  # noqa: E402
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402

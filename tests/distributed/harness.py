@@ -41,6 +41,7 @@ _PRELOAD = [
     "torch.distributed.tensor",
     "usc.runtime.mesh",
     "usc.runtime.layout",
+    "warm_ranks",  # torch.export, usc and one small lint: what every rank's first compile pays
 ]
 
 
@@ -84,10 +85,28 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, con
     os._exit(0)
 
 
+def _ensure_forkserver() -> None:
+    """Start the forkserver with this directory importable: Python 3.11's forkserver ignores the
+    parent's sys.path, so warm_ranks (which lives here) would otherwise fail to preload, silently."""
+    from multiprocessing import forkserver
+
+    saved = os.environ.get("PYTHONPATH")
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join([here] + ([saved] if saved else []))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
 def _start(fn: Callable, world_size: int, args: tuple) -> tuple[list, list[Connection]]:
     """Start the processes; returns them and the parent ends of their result pipes."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
+    _ensure_forkserver()
     port = free_port()
     procs, conns = [], []
     for rank in range(world_size):

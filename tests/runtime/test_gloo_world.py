@@ -226,3 +226,16 @@ def test_harness_raises_the_first_failure_and_kills_the_rest():
     with pytest.raises(WorldFailure, match=r"(?s)rank 1 failed.*ValueError: rank one is broken"):
         run_world(_one_rank_raises, 2, timeout=20.0)
     assert time.monotonic() - start < 10.0
+
+
+def _preloaded(rank: int, world_size: int) -> list[str]:
+    import sys
+
+    return [m for m in ("warm_ranks", "torch._dynamo", "usc.api") if m not in sys.modules]
+
+
+def test_ranks_start_with_the_tracer_already_imported():
+    """Every rank forks from a server that imported torch.export and usc and ran one small lint
+    (tests/distributed/warm_ranks.py). multiprocessing skips a preload module that fails to import
+    without a word: this is what says so."""
+    assert run_world(_preloaded, 2, timeout=60) == [[], []]
