@@ -12,7 +12,6 @@ inputs (so the runtime feeds each rank its own shards), records every node's mod
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import sys
@@ -224,7 +223,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
         if printed:
             sys.stderr.write(printed)
         trace_memo.replay_warnings(caught)
-        return dataclasses.replace(traced)  # a fresh record: per-compile fields stay per compile
+        return trace_memo.fresh(traced)
     caught: list = []
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -232,7 +231,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
             traced, printed = _trace(model, example_inputs, wrapper_source, moe_blocks)
     finally:
         trace_memo.replay_warnings(caught)
-    trace_memo.store(key, dataclasses.replace(traced), printed, list(caught))
+    trace_memo.store(key, trace_memo.fresh(traced), printed, list(caught))
     return traced
 
 

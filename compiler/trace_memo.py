@@ -11,9 +11,10 @@ autocast modes, deterministic algorithms, usc's environment variables). An attri
 kind (an object the key cannot describe, a closure, a hook) makes the model unkeyable: it is traced
 every time. What the model printed and warned while traced is replayed on every reuse.
 
-A reused trace is the same ``Traced`` graph the first compile got (every pass copies it before
-editing, as the planner's reuse of one trace across plans already requires), in a fresh ``Traced``
-record so per-compile attributes (``batch_probe``) never leak between compiles.
+A reused trace is a copy of the graph the first compile got (nodes and their metadata copied, the
+submodules and constants shared: what every pass does before editing), in a fresh ``Traced``
+record: a caller that edits its graph or sets a per-compile field (``batch_probe``) reaches neither
+the memo nor another compile.
 
 Turned on by ``memoize_traces(True)`` (the test suite's conftest does; ``USC_TRACE_MEMO=0`` there
 turns it off). Nothing in usc's own API turns it on.
@@ -31,7 +32,9 @@ import warnings
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
+from torch.fx._lazy_graph_module import _make_graph_module
 
 _MEMO: OrderedDict | None = None
 _ENTRIES = 48  # the most recent traces kept (a test file reuses its own; older ones only hold memory)
@@ -170,6 +173,16 @@ def store(k, traced, printed: str, caught: list) -> None:
         _MEMO[k] = (traced, printed, caught)
         while len(_MEMO) > _ENTRIES:
             _MEMO.popitem(last=False)
+
+
+def fresh(traced):
+    """A record of ``traced`` over a copy of its graph (the submodules and constants shared): whoever
+    receives it may edit the graph or the record without reaching the memo or another compile."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(traced.gm.graph, {}))
+    gm = _make_graph_module(traced.gm, graph)
+    gm.meta = dict(getattr(traced.gm, "meta", {}))
+    return dataclasses.replace(traced, gm=gm)
 
 
 def replay_warnings(caught: list) -> None:

@@ -139,7 +139,13 @@ def test_per_compile_fields_do_not_leak_between_reuses(memo):
     first.batch_probe = "probe of the first compile"
     torch.manual_seed(0)
     second = trace(Scaled(), _x())
-    assert len(memo) == 1 and second.batch_probe is None and second.gm is first.gm
+    assert len(memo) == 1 and second.batch_probe is None
+    node = next(n for n in first.gm.graph.nodes if n.target is torch.ops.aten.sum.default)
+    node.target = torch.ops.aten.mean.default  # a caller editing its own graph
+    torch.manual_seed(0)
+    third = trace(Scaled(), _x())
+    code = third.gm.graph.python_code("self").src
+    assert len(memo) == 1 and "aten.sum" in code and "aten.mean" not in code
 
 
 def test_the_memo_is_off_unless_turned_on(memo):
