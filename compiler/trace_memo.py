@@ -121,9 +121,10 @@ def _class(cls: type):
 
 
 def _is_config(v) -> bool:
-    """A Hugging Face PretrainedConfig (plain attributes in its __dict__), without importing transformers."""
-    return any(c.__name__ == "PretrainedConfig" and c.__module__.startswith("transformers.")
-               for c in type(v).__mro__)
+    """A Hugging Face configuration (PretrainedConfig, GenerationConfig: plain attributes in their
+    __dict__), recognised without importing transformers."""
+    cls = type(v)
+    return cls.__module__.startswith("transformers.") and any(c.__name__.endswith("Config") for c in cls.__mro__)
 
 
 def _global_state() -> tuple:

@@ -154,3 +154,24 @@ def test_the_memo_is_off_unless_turned_on(memo):
         torch.manual_seed(0)
         trace(Scaled(), _x())
     assert len(memo) == 2 and not trace_memo.enabled()
+
+
+def test_a_hugging_face_model_is_keyed_and_reused(memo):
+    """transformers' models carry their PretrainedConfig and GenerationConfig: the key reads both."""
+    transformers = pytest.importorskip("transformers")
+    from usc.model_call import trainable
+
+    config = transformers.LlamaConfig(vocab_size=67, hidden_size=24, intermediate_size=40, num_hidden_layers=1,
+                                      num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=16)
+    tokens = torch.randint(0, 67, (2, 7), generator=torch.Generator().manual_seed(0))
+
+    def model():
+        torch.manual_seed(0)
+        wrapped = trainable(transformers.LlamaForCausalLM(config))
+        return wrapped, wrapped.flatten({"input_ids": tokens, "labels": tokens})
+
+    first = trace(*model())
+    again = trace(*model())
+    assert len(memo) == 1
+    trace_memo.memoize_traces(False)
+    assert _code(again) == _code(trace(*model())) == _code(first)
