@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from math import prod
 
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -128,3 +129,13 @@ def set_ann(node: fx.Node, base: NodeAnn | None = None, **changes) -> NodeAnn:
 
 def layout_of(node: fx.Node) -> Layout:
     return node.meta[META].layout
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A fresh graph over the same (shared) submodules: cheap, and safe to mutate. Under
+    ``_use_lazy_graph_module(True)`` (plan-only lint) its Python code is generated on first call
+    only, so the passes' recompiles cost nothing when nothing runs."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return _make_graph_module(gm, graph)

@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections import OrderedDict
 import hashlib
 import os
 import types
 import warnings
+from collections import OrderedDict
 from typing import Any
 
 import torch
-import torch.fx as fx
 from torch import nn
-from torch.fx._lazy_graph_module import _make_graph_module
+
+from .ir import copy_graph_module
 
 _MEMO: OrderedDict | None = None
 _ENTRIES = 48  # the most recent traces kept (a test file reuses its own; older ones only hold memory)
@@ -179,9 +179,7 @@ def store(k, traced, printed: str, caught: list) -> None:
 def fresh(traced):
     """A record of ``traced`` over a copy of its graph (the submodules and constants shared): whoever
     receives it may edit the graph or the record without reaching the memo or another compile."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(traced.gm.graph, {}))
-    gm = _make_graph_module(traced.gm, graph)
+    gm = copy_graph_module(traced.gm)
     gm.meta = dict(getattr(traced.gm, "meta", {}))
     return dataclasses.replace(traced, gm=gm)
 

@@ -7,11 +7,10 @@ Each pass is ``name_pass(gm, ctx, **options) -> gm`` in its own module, with ``R
 from __future__ import annotations
 
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _make_graph_module
 
 from usc.compiler.errors import ShardingError, UnsupportedOpError
 from usc.compiler.functional import input_write_warnings
-from usc.compiler.ir import MeshSpec
+from usc.compiler.ir import MeshSpec, copy_graph_module
 from usc.compiler.pass_runner import CompileContext, PassSpec, run_pipeline
 from usc.compiler.program import Program, build_program
 from usc.compiler.trace import Traced
@@ -70,16 +69,6 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
         # spans a stage boundary
         PassSpec("recompute", recompute_pass, {"params": params}),
     ]
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A fresh graph over the same (shared) submodules: cheap, and safe to mutate. Under
-    ``_use_lazy_graph_module(True)`` (plan-only lint) its Python code is generated on first call
-    only, so the passes' recompiles cost nothing when nothing runs."""
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return _make_graph_module(gm, graph)
 
 
 def parallelize(traced: Traced, plan, *, verify=None) -> Program:
