@@ -228,6 +228,8 @@ def calibrate() -> dict:
                "inter_node_bandwidth": bandwidth, "inter_node_latency": latency, "gpus_per_node": WORLD,
                "matmul_efficiency": 1.0, "matmul_half_rows": matmul["float32"][1], "comm_efficiency": 1.0,
                "unit_overhead": max(0.0, (deep - shallow) / 4), "latency_steps": "ring",
+               # the ranks run their kernels on the host: the per-layer overhead adds to the compute
+               "host_launch": "sync",
                # gloo's transfers run on the same cores as compute: with more ranks than cores
                # nothing is left to hide them behind (set by the machine, not fitted)
                "comm_overlap": 0.0 if WORLD >= _cores() else 1.0,

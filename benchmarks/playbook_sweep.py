@@ -4,7 +4,7 @@
     python benchmarks/playbook_sweep.py --markdown  # the tables docs/cost_model.md shows
     python benchmarks/playbook_sweep.py --tp-scaling  # the TP and TP/SP scaling figures (3B, tp=2..32)
     python benchmarks/playbook_sweep.py --planner   # usc.plan's choice per cell against the measured best
-    python benchmarks/playbook_sweep.py --fit       # refit the h100 profile's two constants
+    python benchmarks/playbook_sweep.py --fit       # refit the h100 profile's three constants
     python benchmarks/playbook_sweep.py --microbatch-cost  # what one more microbatch costs, measured vs predicted
 
 Hugging Face measured thousands of nanotron configurations of Llama-style models on 1-64 nodes of 8
@@ -12,7 +12,7 @@ H100 (EFA between nodes), sequence 4,096, global batch 256 sequences (Tazi et al
 Playbook", 2025, the interactive figure of its "Finding the best training configuration" section).
 ``data/playbook_sweep.csv`` holds the rows read from that figure: per (model, nodes) cell the three
 fastest configurations, every pure-dp and pure-tp one, and the pipelined ones among the fifteen
-fastest on 2+ nodes. The h100 profile's two efficiency constants are fitted on the one-node rows
+fastest on 2+ nodes. The h100 profile's three efficiency constants are fitted on the one-node rows
 (``--fit``); every row on 2-64 nodes is held out. Its bus bandwidth by node count comes from the same
 cluster's collective measurements (the playbook's bandwidth figure).
 
@@ -81,19 +81,29 @@ def predict(data: list[dict], hw_name="h100") -> list[dict]:
     return out
 
 
-def fit(data: list[dict], base: str = "h100") -> tuple[float, float]:
-    """(matmul_efficiency, unit_overhead) minimising the squared log error of tokens/s/GPU over
-    ``data`` (a grid: both enter the step time non-linearly)."""
+FITTED = ("matmul_efficiency", "unit_overhead", "pointwise_traffic")
+
+
+def fit(data: list[dict], base: str = "h100") -> dict:
+    """The h100 profile's three fitted fields (FITTED) minimising the squared log error of MFU over
+    ``data``: a coarse grid, then a fine one around its best (all three enter the step time
+    non-linearly, and the host's overhead only where it exceeds the device's time)."""
+    import itertools
+
     import numpy as np
 
     hw = hardware_profile(base)
-    best = (math.inf, None)
-    for efficiency in np.arange(0.30, 0.81, 0.01):
-        for overhead in np.arange(0.0, 0.0081, 0.0002):
-            trial = replace(hw, matmul_efficiency=float(efficiency), unit_overhead=float(overhead))
-            error = sum(math.log(p["predicted_mfu"] / p["mfu_percent"] * 100) ** 2 for p in predict(data, trial))
-            best = min(best, (error, (round(float(efficiency), 2), round(float(overhead), 4))))
-    return best[1]
+
+    def error(values) -> float:
+        trial = replace(hw, **dict(zip(FITTED, map(float, values))))
+        return sum(math.log(p["predicted_mfu"] / p["mfu_percent"] * 100) ** 2 for p in predict(data, trial))
+
+    coarse = (np.arange(0.40, 0.81, 0.05), np.arange(0.0, 0.0061, 0.0004), np.arange(3.0, 15.1, 1.0))
+    e, o, t = min(itertools.product(*coarse), key=error)
+    fine = (np.arange(e - 0.04, e + 0.041, 0.01), np.arange(max(0.0, o - 0.0006), o + 0.00061, 0.0002),
+            np.arange(max(1.0, t - 1.0), t + 1.01, 0.5))
+    best = min(itertools.product(*fine), key=error)
+    return dict(zip(FITTED, (round(float(best[0]), 2), round(float(best[1]), 4), round(float(best[2]), 1))))
 
 
 def summary(predicted: list[dict], group: str) -> str:
@@ -198,12 +208,14 @@ def markdown(predicted: list[dict]) -> None:
               f"{p['gpu_memory_gb']:.1f} | {p['predicted_memory']:.1f} |")
 
 
-def microbatch_cost(hw_name="h100") -> list[str]:
+def microbatch_costs(hw_name="h100", models=("1B", "3B", "8B")) -> list[dict]:
     """The one-node rows that differ only in their microbatch count (same mesh and ZeRO stage, the
     same 256 sequences cut finer): what one more microbatch adds to the step, per layer, measured and
-    predicted. The cost model charges ``unit_overhead`` per layer per microbatch whatever the mesh."""
+    predicted. The cost model charges ``unit_overhead`` per layer per microbatch where the host takes
+    longer to issue a microbatch's kernels than the device takes to run them (small per-rank work:
+    tp's slices of one sequence), and nothing where the device is the slower (dp's whole layers)."""
     groups: dict[tuple, list[dict]] = {}
-    for p in predict([r for r in rows() if r["nodes"] == 1], hw_name):
+    for p in predict([r for r in rows() if r["nodes"] == 1 and r["model"] in models], hw_name):
         groups.setdefault((p["model"], p["pp"], p["dp"], p["tp"], p["zero"]), []).append(p)
     out = []
     for (model, pp, dp, tp, zero), members in groups.items():
@@ -213,13 +225,18 @@ def microbatch_cost(hw_name="h100") -> list[str]:
         few, many = members[0], members[-1]
         extra = (many["gradacc"] - few["gradacc"]) * SHAPES[model][1].layers
         seconds = lambda tps: few["gbs"] * SEQ / (8 * tps)  # noqa: E731 - a step from tokens/s/GPU, 8 GPUs
-        measured = (seconds(many["tok_s_gpu"]) - seconds(few["tok_s_gpu"])) / extra
-        guess = (seconds(many["predicted_tps"]) - seconds(few["predicted_tps"])) / extra
-        out.append(f"| {model} | pp={pp} dp={dp} tp={tp} zero={zero} | {few['gradacc']} -> {many['gradacc']} | "
-                   f"{few['mfu_percent']:.1f}% -> {many['mfu_percent']:.1f}% | "
-                   f"{few['predicted_mfu']:.1%} -> {many['predicted_mfu']:.1%} | "
-                   f"{measured * 1e3:.2f} | {guess * 1e3:.2f} |")
+        out.append(dict(model=model, mesh=f"pp={pp} dp={dp} tp={tp} zero={zero}", few=few, many=many,
+                        measured=(seconds(many["tok_s_gpu"]) - seconds(few["tok_s_gpu"])) / extra,
+                        predicted=(seconds(many["predicted_tps"]) - seconds(few["predicted_tps"])) / extra))
     return out
+
+
+def microbatch_cost(hw_name="h100") -> list[str]:
+    """``microbatch_costs`` as the markdown rows docs/cost_model.md shows."""
+    return [f"| {c['model']} | {c['mesh']} | {c['few']['gradacc']} -> {c['many']['gradacc']} | "
+            f"{c['few']['mfu_percent']:.1f}% -> {c['many']['mfu_percent']:.1f}% | "
+            f"{c['few']['predicted_mfu']:.1%} -> {c['many']['predicted_mfu']:.1%} | "
+            f"{c['measured'] * 1e3:.2f} | {c['predicted'] * 1e3:.2f} |" for c in microbatch_costs(hw_name)]
 
 
 def main() -> None:
@@ -229,7 +246,7 @@ def main() -> None:
     parser.add_argument("--tp-scaling", action="store_true", help="the TP and TP/SP scaling figures")
     parser.add_argument("--planner", action="store_true",
                         help="usc.plan's choice in the sweep's space per cell against the cell's measured best")
-    parser.add_argument("--fit", action="store_true", help="fit matmul_efficiency and unit_overhead on the "
+    parser.add_argument("--fit", action="store_true", help="fit matmul_efficiency, unit_overhead and pointwise_traffic on the "
                         "one-node rows (the multi-node rows stay held out)")
     parser.add_argument("--microbatch-cost", action="store_true",
                         help="what one more microbatch adds per layer, measured vs predicted (one-node rows)")
@@ -250,8 +267,8 @@ def main() -> None:
         return print("\n".join(tp_scaling(args.hardware)))
     if args.fit:
         one_node = [r for r in rows() if r["nodes"] == 1]
-        return print(f"fitted on {len(one_node)} one-node rows: matmul_efficiency, unit_overhead = "
-                     f"{fit(one_node, args.hardware)}")
+        fitted = ", ".join(f"{k} = {v}" for k, v in fit(one_node, args.hardware).items())
+        return print(f"fitted on {len(one_node)} one-node rows: {fitted}")
     predicted = predict(rows(), args.hardware)
     if args.markdown:
         markdown(predicted)

@@ -37,9 +37,8 @@ from .shared_cores import SIMULATED, shared_bubble_units
 # The sustained fraction of the matmul peak (and its fall-off with the rows per microbatch,
 # t / (t + half_rows)), the fraction of link bandwidth collectives reach and the per-layer launch
 # overhead are fields of the hardware profile (compiler/hardware.py), which a calibration measures.
-# Element-wise work is memory bound: each saved activation byte is read/written about 3 times in
-# forward + backward (write in forward, read + gradient write in backward).
-POINTWISE_TRAFFIC = 3.0
+# Element-wise work is memory bound: it moves ``pointwise_traffic`` bytes (a hardware profile field,
+# the runtime's kernels as much as the GPU's) per saved activation byte in forward + backward.
 # fuse=on: generated kernels run a chain of element-wise ops in one pass, so intermediates are not
 # written to and read back from HBM; we take half the traffic (typical of fused norm/activation chains).
 FUSED_POINTWISE = 0.5
@@ -678,12 +677,20 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     compute = mm_flops / hw.matmul_rate(rows, plan.dtype) + attn_flops / hw.attention_rate(rows, plan.dtype)
     extra = {"full": 1.0, "selective": 0.0}.get(plan.recompute, 0.0)  # selective: pointwise only
     acts = sum(_acts(u.acts.get(plan.sp and plan.tp > 1, {}), profile, plan) for u in units)
-    pointwise = POINTWISE_TRAFFIC * acts / hw.hbm_bandwidth * (FUSED_POINTWISE if plan.fuse else 1.0)
-    overhead = hw.unit_overhead * units[0].blocks  # launches and Python, per layer, whatever its size
-    forward = compute + (pointwise + overhead) / 3
-    backward = (2 + extra) * compute + 2 * (pointwise + overhead) / 3
+    pointwise = hw.pointwise_traffic * acts / hw.hbm_bandwidth * (FUSED_POINTWISE if plan.fuse else 1.0)
+    forward = compute + pointwise / 3
+    backward = (2 + extra) * compute + 2 * pointwise / 3
     per_mb_comms = _stage_microbatch_collectives(profile, plan, k, hw)
-    per_mb = forward + backward + sum(c.exposed_seconds for c in per_mb_comms)
+    per_mb_comm = sum(c.exposed_seconds for c in per_mb_comms)
+    # launches and Python, per layer whatever its size: where the host queues kernels ahead of the
+    # device only what exceeds the device's own time for the microbatch shows; else all of it adds
+    overhead = hw.unit_overhead * units[0].blocks
+    waits = 0.0  # what of it the device waits for, per microbatch: the step's "host" term
+    if hw.host_launch == "async":
+        overhead = waits = max(0.0, overhead - (forward + backward + per_mb_comm))
+    forward += overhead / 3
+    backward += 2 * overhead / 3
+    per_mb = forward + backward + per_mb_comm
     comms = (_per_step(per_mb_comms, plan.mb) + gradient_collectives(plan, units, hw, backward)
              + shared_gradient_collectives(profile, plan, hw))
     if state is None:
@@ -693,8 +700,8 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     zero3_exposed = _zero3_exposed(comms, hw.comm_overlap * plan.mb * (forward + backward))
     comms = [_with_exposed(c, zero3_exposed) if c.direction == "forward+backward" else c for c in comms]
     exposed = sum(c.exposed_seconds for c in comms)
-    time = {"compute": plan.mb * (forward + backward), "exposed_comm": exposed, "bubble": bubble,
-            "optimizer": optimizer}
+    time = {"compute": plan.mb * (forward + backward - waits), "host": plan.mb * waits, "exposed_comm": exposed,
+            "bubble": bubble, "optimizer": optimizer}
     time["step"] = sum(time.values())
     flops = plan.mb * (3 + extra) * fwd_flops
     return state, flops, time, comms

@@ -58,9 +58,17 @@ class HardwareProfile:
     #                                    counted as 3x its forward FLOPs like the rest of the model
     #                                    (fused flash kernels run below the matmuls); 0: the matmul rate
     comm_efficiency: float = 0.8  # fraction of the link bandwidth collectives reach on large messages
+    pointwise_traffic: float = 3.0  # bytes element-wise work (norms, activations, residuals, the loss's
+    #                                 softmax) moves through memory, forward + backward, per byte of
+    #                                 activation a layer saves: 3 is one write and two reads of each;
+    #                                 unfused intermediates that are not saved raise it
     unit_overhead: float = 0.0  # seconds per pipeline unit (layer) per microbatch, forward + backward:
     #                             kernel launches and the host's Python, paid whatever the size
     latency_steps: str = "tree"  # "tree": log2(n) latency steps per collective (NCCL); "ring": n-1 (gloo)
+    host_launch: str = "async"  # "async": the host queues kernels ahead of the device (CUDA streams), so
+    #                             unit_overhead shows only where the device finishes a microbatch's
+    #                             layers sooner than the host issues them; "sync": the host runs the
+    #                             kernels itself (CPU ranks), and the overhead adds to the compute
     comm_overlap: float = 1.0  # fraction of the compute a collective can hide behind: 1 where transfers run
     #                            beside compute (NCCL's own SMs and copy engines), 0 where they need the
     #                            cores compute uses (gloo with more processes than cores)
@@ -193,7 +201,7 @@ def _busbw_table(profile: str, name: str, value) -> tuple:
 
 # Fields that may be zero (an overhead nobody measured is no overhead), and the string-valued ones.
 MAY_BE_ZERO = ("unit_overhead", "comm_overlap", "host_cores", "attention_efficiency")
-TEXT_FIELDS = {"latency_steps": ("tree", "ring")}
+TEXT_FIELDS = {"latency_steps": ("tree", "ring"), "host_launch": ("async", "sync")}
 BUSBW_NAMES = frozenset(BUSBW_FIELDS.values())
 
 

@@ -116,7 +116,7 @@ def _memory_rows(a: Report, b: Report, plan_a, plan_b) -> list[DiffRow]:
     return rows
 
 
-TIME_PARTS = (("step", "step time"), ("compute", "compute"), ("exposed_comm", "exposed comm"),
+TIME_PARTS = (("step", "step time"), ("compute", "compute"), ("host", "host wait"), ("exposed_comm", "exposed comm"),
               ("bubble", "bubble"))
 
 

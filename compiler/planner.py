@@ -349,7 +349,8 @@ def _distinct(candidates: list[Candidate], keep: int) -> list[Candidate]:
     return out
 
 
-TIME_TERMS = {"compute": "compute", "exposed_comm": "exposed communication", "bubble": "pipeline bubble",
+TIME_TERMS = {"compute": "compute", "host": "waiting on the host's kernel launches",
+              "exposed_comm": "exposed communication", "bubble": "pipeline bubble",
               "optimizer": "optimizer step"}
 
 

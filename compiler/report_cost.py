@@ -51,8 +51,11 @@ def render_time_breakdown(est) -> list[str]:
     t = est.time
     step = t["step"]
     lines = [f"time breakdown per step on {est.hardware} (cost model estimate, {est.plan.world} GPUs):"]
-    for key, label in (("compute", "compute"), ("exposed_comm", "exposed communication"),
-                       ("bubble", "pipeline bubble"), ("optimizer", "optimizer step")):
+    for key, label in (("compute", "compute"), ("host", "waiting on the host"),
+                       ("exposed_comm", "exposed communication"), ("bubble", "pipeline bubble"),
+                       ("optimizer", "optimizer step")):
+        if key == "host" and not t[key]:
+            continue  # the device outruns the host's launches: nothing waits
         lines.append(f"  {label:<22} {_ms(t[key]):>12}  {t[key] / step:6.1%}")
     lines.append(f"  {'step':<22} {_ms(step):>12}")
     exposed = {}

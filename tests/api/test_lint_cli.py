@@ -203,7 +203,7 @@ def test_diff_shows_what_changes_and_why(capsys):
     step = next(line[2:] for line in lines if line[2:].startswith("step time")).split()
     assert all(float(step[i]) > 0 and step[i + 1] in ("s", "ms", "us") for i in (2, 4))  # the cost model's
     assert [line[2:].split()[0] for line in lines[lines.index("time:") + 1:-1] if not line.startswith("      ")] \
-        == ["step", "compute", "exposed", "bubble"]
+        == ["step", "compute", "host", "exposed", "bubble"]
 
 
 def test_diff_names_a_plan_that_does_not_compile(capsys):

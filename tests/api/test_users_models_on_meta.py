@@ -41,9 +41,11 @@ def test_meta_model_compiles_plan_only_and_stepping_asks_for_its_ranks():
 
 
 def test_plan_of_a_meta_model_takes_the_global_batch_not_the_examples():
-    """A collator batch of one row gives shapes only: global_batch=48 lets the planner use dp > 1."""
+    """A collator batch of one row gives shapes only: global_batch=48 lets the planner use dp > 1 (on
+    a model this small every plan waits on the host alike, so which family wins is a near tie)."""
     chosen = usc.plan(on_meta("qwen2_moe"), "gpus=4 global_batch=48", example_inputs=FAMILIES["qwen2_moe"].batch(0, 1))
-    assert chosen.size("dp") > 1 and chosen.world_size == 4
+    assert chosen.world_size == 4
+    assert chosen.search.families["dp+ZeRO"].plan.dp == 4
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])

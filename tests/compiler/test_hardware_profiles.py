@@ -173,7 +173,8 @@ def test_attention_runs_at_its_own_rate_when_the_profile_has_one():
     model, batch = TinyLlama(LlamaConfig(layers=3, hidden=96, heads=6, kv_heads=2)), token_batch(128, 6, 40)
     profile = profile_model(model, batch)
     point = replace(point_of(parse_plan("dp=1 dtype=bf16"), global_batch=6, seq=40), gpus_per_node=8)
-    base = replace(H100, name="no-overhead", unit_overhead=0.0)  # a tiny model's step is all overhead else
+    # a tiny model's step is all overhead and element-wise traffic else
+    base = replace(H100, name="no-overhead", unit_overhead=0.0, pointwise_traffic=1.0)
     same = base.matmul_rate(6 * 40, "bf16") / base.peak_bf16_flops
     step = {}
     for name, efficiency in (("default", 0.0), ("same", same), ("half", same / 2), ("double", same * 2)):

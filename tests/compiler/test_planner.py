@@ -49,7 +49,7 @@ def test_tp_inside_a_node_and_dp_across_nodes():
 
 def test_time_terms_add_up_and_give_tokens_per_second(profile):
     est = estimate(profile, PlanPoint(8, 32, dp=2, tp=2, pp=2, mb=2, sp=True), H100)
-    parts = ("compute", "exposed_comm", "bubble", "optimizer")
+    parts = ("compute", "host", "exposed_comm", "bubble", "optimizer")
     assert est.time["step"] == pytest.approx(sum(est.time[k] for k in parts))
     assert est.tokens_per_second == pytest.approx(8 * 32 / est.time["step"])
     assert 0 < est.mfu < 1 and est.time["bubble"] > 0
@@ -337,3 +337,28 @@ def test_peak_memory_is_the_fullest_stage_of_all():
                     fullest = max(every, key=lambda m: sum(m.values()))  # the first of equals, as peak_memory
                     assert peak_memory(profile, plan) == fullest, (plan.text(), pp)
     assert skipped >= 2  # the shortcut ran
+
+
+def test_the_hosts_launch_time_shows_only_where_the_device_runs_the_microbatch_sooner(profile):
+    """``unit_overhead`` is the host's time to issue one unit's kernels per microbatch. Where the host
+    queues kernels ahead of the device (``host_launch="async"``, GPUs) a microbatch takes the longer of
+    the two and the device's idle share is the step's ``host`` term; where the host runs the kernels
+    itself (``"sync"``, CPU ranks) all of it adds to the compute."""
+    point = PlanPoint(8, 32, mb=2)  # one rank: no collective inside a microbatch
+    units = len(profile.units)  # one stage holds every unit
+    device = estimate(profile, point, replace(H100, unit_overhead=0.0)).time
+    assert device["host"] == 0 and device["compute"] > 0
+    per_microbatch = device["compute"] / point.mb
+
+    hidden = estimate(profile, point, replace(H100, unit_overhead=0.5 * per_microbatch / units)).time
+    assert hidden == pytest.approx(device, rel=1e-12)  # the device is the slower: nothing shows
+
+    slow = 10 * per_microbatch / units  # the host takes ten times the device's time
+    waits = estimate(profile, point, replace(H100, unit_overhead=slow)).time
+    assert waits["compute"] == pytest.approx(device["compute"], rel=1e-12)
+    assert waits["host"] == pytest.approx(point.mb * (units * slow - per_microbatch), rel=1e-9)
+    assert waits["step"] == pytest.approx(device["step"] + waits["host"], rel=1e-9)
+
+    adds = estimate(profile, point, replace(H100, unit_overhead=slow, host_launch="sync")).time
+    assert adds["host"] == 0
+    assert adds["compute"] == pytest.approx(device["compute"] + point.mb * units * slow, rel=1e-9)
