@@ -104,9 +104,34 @@ def measure_matmuls(config, hw) -> list[dict]:
             weight = per_layer * config.layers or 1  # a layer's products once per layer, the head once
             flops += weight * f
             seconds += weight * ms / 1e3
-        out.append(dict(rows=rows, measured=flops / seconds / peak, predicted=hw.matmul_rate(rows, "bf16") / peak,
+        out.append(dict(rows=rows, measured=flops / seconds / peak, predicted=profile_rate(config, hw, rows) / peak,
                         per_op=per_op))
     return out
+
+
+def profile_rate(config, hw, rows: int) -> float:
+    """The profile's FLOP/s over the same products, weighted as measure_matmuls weighs them."""
+    flops = seconds = 0.0
+    for _, k, n, per_layer in layer_products(config):
+        weight = per_layer * config.layers or 1
+        flops += weight * 2.0 * rows * k * n
+        seconds += weight * hw.matmul_seconds(2.0 * rows * k * n, 1, rows, "bf16")
+    return flops / seconds
+
+
+def fit_call_rate(points: list[dict], config) -> tuple[float, float]:
+    """(efficiency, half_work) of each product's rate = eff * W / (W + half), W its multiply-adds,
+    closest in log error over every product and row count measured (``per_op``)."""
+    sizes = {name: k * n for name, k, n, _ in layer_products(config)}
+    samples = [(p["rows"] * sizes[name], e) for p in points for name, e in p["per_op"].items()]
+    best = (math.inf, (0.0, 0.0))
+    for i in range(401):  # half from 1e7 to 1e12 multiply-adds, log-spaced
+        half = 10 ** (7 + 5 * i / 400)
+        logs = [math.log(e * (w + half) / w) for w, e in samples]
+        eff = math.exp(sum(logs) / len(logs))
+        err = sum((math.log(eff * w / (w + half)) - math.log(e)) ** 2 for w, e in samples)
+        best = min(best, (err, (eff, half)))
+    return best[1]
 
 
 def fit_rate(points: list[dict]) -> tuple[float, float]:
@@ -265,6 +290,9 @@ def report(results: dict) -> None:
         for p in points:
             print(f"{p['rows']:>6}   {p['measured']:.3f}          {p['predicted']:.3f}")
         print(f"fit: matmul_efficiency {eff:.3f}, matmul_half_rows {half}")
+        if all("per_op" in p for p in points):
+            eff, work = fit_call_rate(points, SHAPES[results["model"]][1])
+            print(f"fit per product call: matmul_efficiency {eff:.3f}, matmul_half_work {work:.3g} multiply-adds")
     att = results.get("attention", {})
     if "forward" in att:
         print(f"attention s={SEQ}: forward {att['forward']:.3f} of peak ({att['forward_ms']:.2f} ms), "

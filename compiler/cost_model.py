@@ -157,7 +157,8 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
                     params_expert=sum(u.params_expert for u in units), moe_layers=sum(u.moe_layers for u in units),
                     params_saved=(sum(u.params_saved[0] for u in units), sum(u.params_saved[1] for u in units)),
                     boundary=units[-1].boundary, boundary_grad=units[-1].boundary_grad,
-                    params_unreduced=tuple(map(sum, zip(*(u.params_unreduced for u in units)))), tied=tied)
+                    params_unreduced=tuple(map(sum, zip(*(u.params_unreduced for u in units)))), tied=tied,
+                    matmul_calls=sum(u.matmul_calls for u in units))
 
 
 def in_flight(plan: PlanPoint, stage: int = 0) -> float:
@@ -674,7 +675,8 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     fwd_flops = mm_flops + attn_flops
     rows = tokens_per_microbatch(profile, plan)
     # the seconds of the forward's FLOPs, each kind at its rate; backward is twice them (recompute adds one)
-    compute = mm_flops / hw.matmul_rate(rows, plan.dtype) + attn_flops / hw.attention_rate(rows, plan.dtype)
+    compute = (hw.matmul_seconds(mm_flops, units[0].matmul_calls, rows, plan.dtype)
+               + attn_flops / hw.attention_rate(rows, plan.dtype))
     extra = {"full": 1.0, "selective": 0.0}.get(plan.recompute, 0.0)  # selective: pointwise only
     acts = sum(_acts(u.acts.get(plan.sp and plan.tp > 1, {}), profile, plan) for u in units)
     pointwise = hw.pointwise_traffic * acts / hw.hbm_bandwidth * (FUSED_POINTWISE if plan.fuse else 1.0)

@@ -74,6 +74,9 @@ class UnitCost:
     # (name, replicated, tp-split bytes) of parameters other units also use (tied embedding / lm
     # head): in params_rep/params_tp of each user, once per merged stage
     tied: tuple = ()
+    # matrix-product calls of one forward (linears, matmuls; not attention): each call costs the
+    # device a fixed time beside its FLOPs (the hardware profile's matmul_half_work)
+    matmul_calls: int = 0
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,11 @@ class HardwareProfile:
     # are the datacenter-GPU values, a measured profile (benchmarks/calibrate.py) writes its own.
     matmul_efficiency: float = 0.6  # sustained fraction of the matmul peak on large per-rank matmuls
     matmul_half_rows: float = 256.0  # rows per microbatch at which matmuls reach half of that
+    matmul_half_work: float = 0.0  # multiply-adds of one matrix-product call at which it reaches half
+    #                                the sustained rate: a call of W runs at matmul_efficiency *
+    #                                W / (W + matmul_half_work), i.e. costs a fixed device time beside
+    #                                its FLOPs; set, it replaces the fall-off by rows (narrow products
+    #                                -- k/v, tp's slices -- fall off as short ones do); 0: by rows
     attention_efficiency: float = 0.0  # fraction of the peak attention's forward + backward reaches,
     #                                    counted as 3x its forward FLOPs like the rest of the model
     #                                    (fused flash kernels run below the matmuls); 0: the matmul rate
@@ -152,8 +157,17 @@ class HardwareProfile:
 
     def matmul_rate(self, rows: float, dtype: str) -> float:
         """FLOP/s of one rank's matmuls with ``rows`` rows (tokens) per call: the peak times the
-        sustained efficiency, falling off below ``matmul_half_rows``."""
+        sustained efficiency, falling off below ``matmul_half_rows`` -- or, with
+        ``matmul_half_work``, the sustained rate, each call's fixed time added by ``matmul_seconds``."""
+        if self.matmul_half_work:
+            return self.peak_flops(dtype) * self.matmul_efficiency
         return self.peak_flops(dtype) * self.matmul_efficiency * rows / (rows + self.matmul_half_rows)
+
+    def matmul_seconds(self, flops: float, calls: float, rows: float, dtype: str) -> float:
+        """Seconds of ``calls`` matrix products of ``flops`` FLOPs in all, ``rows`` rows each: with
+        ``matmul_half_work`` each call of W multiply-adds runs at W / (W + half) of the sustained
+        rate, which is the same as 2 * half FLOPs more per call at that rate."""
+        return (flops + 2 * self.matmul_half_work * calls) / self.matmul_rate(rows, dtype)
 
     def attention_rate(self, rows: float, dtype: str) -> float:
         """FLOP/s of attention's score and value products (forward + backward over 3x the forward's
@@ -200,7 +214,7 @@ def _busbw_table(profile: str, name: str, value) -> tuple:
 
 
 # Fields that may be zero (an overhead nobody measured is no overhead), and the string-valued ones.
-MAY_BE_ZERO = ("unit_overhead", "comm_overlap", "host_cores", "attention_efficiency")
+MAY_BE_ZERO = ("unit_overhead", "comm_overlap", "host_cores", "attention_efficiency", "matmul_half_work")
 TEXT_FIELDS = {"latency_steps": ("tree", "ring"), "host_launch": ("async", "sync")}
 BUSBW_NAMES = frozenset(BUSBW_FIELDS.values())
 

@@ -94,6 +94,7 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
                for block in blocks):
         return None
     flops = _flops_by_unit(traced.gm, units)
+    calls = _matmul_calls_by_unit(traced.gm, units)
     per_sp = {sp: _probe_costs(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
     params = _param_bytes(probe_sp, units)  # with sp, replicated norm weights also get their tp sum
     saved = _regathered_params(probe_sp, units, per_sp[False][3])
@@ -113,7 +114,8 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
                               params_saved=saved.get(name, (0, 0)),
                               params_unreduced=unreduced.get(name, (0, 0)), tied=tied.get(name, ()),
                               boundary={sp: per_sp[sp][4][name][0] for sp in per_sp},
-                              boundary_grad={sp: per_sp[sp][4][name][1] for sp in per_sp}))
+                              boundary_grad={sp: per_sp[sp][4][name][1] for sp in per_sp},
+                              matmul_calls=calls.get(name, 0)))
     layers = sum(1 for u in units if u.rsplit(".", 1)[-1].isdigit())
     return ModelProfile(traced.model_name, batch, seq, tuple(built), tp_divides=_tp_divides(probe_plain, batch, seq),
                         cp_possible="cp" in probe_plain.mesh.axes, layers=layers, experts=experts,
@@ -329,6 +331,16 @@ def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> dict[str, tuple[floa
         elif node.target in ATTENTION:
             unit[2] += cost
     return {u: tuple(v) for u, v in out.items()}
+
+
+def _matmul_calls_by_unit(gm: fx.GraphModule, units: list[str]) -> dict[str, int]:
+    """Matrix-product calls (MATMULS with work to do) of one forward, per unit."""
+    where = _units_by_node(gm, units)
+    out: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in MATMULS and node_flops(node) > 0:
+            out[where[node.name]] = out.get(where[node.name], 0) + 1
+    return out
 
 
 def _key(node: fx.Node, mesh, *, is_float: bool | None = None, bf16_only: bool = False) -> tuple[ScaleKey, int]:

@@ -166,3 +166,24 @@ def test_the_gpu_benchmarks_rate_fit_recovers_a_known_curve():
     eff, half = gpu_step.fit_rate(saved["matmul"])
     assert round(eff, 3) == 0.709 and half == 664
     assert [round(p["measured"], 3) for p in saved["matmul"]] == [0.187, 0.308, 0.471, 0.563, 0.615, 0.625, 0.654]
+
+
+def test_the_per_call_fit_recovers_a_known_curve_and_the_h100_profile_holds_the_h200s():
+    """gpu_step.fit_call_rate: each product of W multiply-adds at eff * W / (W + half). Points drawn
+    from a known curve give it back; the saved H200 run's 56 products (eight of a 1.2B layer, 256-16,384
+    rows) give 0.721 and 7.72e9, what the h100 profile holds (an H200 is an H100's compute)."""
+    import json
+
+    from usc.compiler.hardware import H100
+
+    gpu_step = _benchmark("gpu_step")
+    config = gpu_step.SHAPES["1B"][1]
+    sizes = {name: k * n for name, k, n, _ in gpu_step.layer_products(config)}
+    points = [dict(rows=r, per_op={name: 0.7 * r * s / (r * s + 3e9) for name, s in sizes.items()})
+              for r in (256, 1024, 4096, 16384)]
+    eff, half = gpu_step.fit_call_rate(points, config)
+    assert eff == pytest.approx(0.7, rel=0.01) and half == pytest.approx(3e9, rel=0.03)
+    saved = json.loads((Path(__file__).parents[2] / "benchmarks" / "data" / "gpu_step_h200.json").read_text())
+    eff, half = gpu_step.fit_call_rate(saved["matmul"], config)
+    assert round(eff, 3) == 0.721 and half == pytest.approx(7.72e9, rel=0.005)
+    assert H100.matmul_efficiency == pytest.approx(eff, abs=0.005) and H100.matmul_half_work == pytest.approx(half, rel=0.01)

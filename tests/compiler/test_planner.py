@@ -362,3 +362,20 @@ def test_the_hosts_launch_time_shows_only_where_the_device_runs_the_microbatch_s
     adds = estimate(profile, point, replace(H100, unit_overhead=slow, host_launch="sync")).time
     assert adds["host"] == 0
     assert adds["compute"] == pytest.approx(device["compute"] + point.mb * units * slow, rel=1e-9)
+
+
+def test_each_matrix_product_call_costs_a_fixed_time_beside_its_flops(profile):
+    """With ``matmul_half_work`` a call of W multiply-adds runs at eff * W / (W + half), the same as
+    2 * half FLOPs more per call at the sustained rate. The profile counts each unit's calls (a Llama
+    block: q, k, v, o, gate, up, down; the head one), forward and backward (twice the calls) pay it
+    per microbatch, and tp shrinks each call, not their number."""
+    calls = {u.name: u.matmul_calls for u in profile.units}
+    assert [calls[f"layers.{i}"] for i in range(CONFIG.layers)] == [7] * CONFIG.layers and calls["lm_head"] == 1
+    assert calls["embed_tokens"] == 0 and calls["norm"] == 0
+    half = 5e8
+    flat = replace(H100, unit_overhead=0.0, matmul_half_work=0.0, matmul_half_rows=1e-9)  # the sustained rate
+    per_call = replace(flat, matmul_half_work=half)
+    rate = H100.peak_bf16_flops * H100.matmul_efficiency
+    for point in (PlanPoint(8, 32, mb=2, dtype="bf16"), PlanPoint(8, 32, tp=2, mb=2, sp=True, dtype="bf16")):
+        added = estimate(profile, point, per_call).time["compute"] - estimate(profile, point, flat).time["compute"]
+        assert added == pytest.approx(point.mb * 3 * 2 * half * sum(calls.values()) / rate, rel=1e-6)
