@@ -34,9 +34,9 @@ from usc.runtime.sizes import shape_bytes
 from .partition import balanced_cut, manual_cut
 from .shared_cores import SIMULATED, shared_bubble_units
 
-# The sustained fraction of the matmul peak (and its fall-off with the rows per microbatch,
-# t / (t + half_rows)), the fraction of link bandwidth collectives reach and the per-layer launch
-# overhead are fields of the hardware profile (compiler/hardware.py), which a calibration measures.
+# The sustained fraction of the matmul peak (and its fall-off with each call's work, or with the rows
+# per microbatch), the fraction of link bandwidth collectives reach and the host's per-layer launch
+# time are fields of the hardware profile (compiler/hardware.py), which a calibration measures.
 # Element-wise work is memory bound: it moves ``pointwise_traffic`` bytes (a hardware profile field,
 # the runtime's kernels as much as the GPU's) per saved activation byte in forward + backward.
 # fuse=on: generated kernels run a chain of element-wise ops in one pass, so intermediates are not

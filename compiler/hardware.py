@@ -67,8 +67,9 @@ class HardwareProfile:
     #                                 softmax) moves through memory, forward + backward, per byte of
     #                                 activation a layer saves: 3 is one write and two reads of each;
     #                                 unfused intermediates that are not saved raise it
-    unit_overhead: float = 0.0  # seconds per pipeline unit (layer) per microbatch, forward + backward:
-    #                             kernel launches and the host's Python, paid whatever the size
+    unit_overhead: float = 0.0  # the host's seconds per pipeline unit (layer) per microbatch, forward +
+    #                             backward: kernel launches and Python, whatever the size (host_launch
+    #                             says whether it hides behind the device's work or adds to it)
     latency_steps: str = "tree"  # "tree": log2(n) latency steps per collective (NCCL); "ring": n-1 (gloo)
     host_launch: str = "async"  # "async": the host queues kernels ahead of the device (CUDA streams), so
     #                             unit_overhead shows only where the device finishes a microbatch's

@@ -93,8 +93,7 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
     if not all(_block_keeps_its_nodes(program, units, block) for program in (probe_sp, probe_plain)
                for block in blocks):
         return None
-    flops = _flops_by_unit(traced.gm, units)
-    calls = _matmul_calls_by_unit(traced.gm, units)
+    flops, calls = _flops_by_unit(traced.gm, units)
     per_sp = {sp: _probe_costs(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
     params = _param_bytes(probe_sp, units)  # with sp, replicated norm weights also get their tp sum
     saved = _regathered_params(probe_sp, units, per_sp[False][3])
@@ -315,10 +314,12 @@ def model_forward_flops(gm: fx.GraphModule) -> float:
     return sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in MATMULS | ATTENTION)
 
 
-def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> dict[str, tuple[float, float, float]]:
-    """(balance, matmul, attention) forward FLOPs per unit at the example's shapes."""
+def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> tuple[dict[str, tuple[float, float, float]], dict[str, int]]:
+    """(balance, matmul, attention) forward FLOPs per unit at the example's shapes, and the unit's
+    matrix-product calls (MATMULS with work to do) of one forward."""
     where = _units_by_node(gm, units)
     out: dict[str, list[float]] = {u: [0.0, 0.0, 0.0] for u in units}
+    calls: dict[str, int] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -328,19 +329,11 @@ def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> dict[str, tuple[floa
             unit[0] += cost
         if node.target in MATMULS:
             unit[1] += cost
+            if cost > 0:
+                calls[where[node.name]] = calls.get(where[node.name], 0) + 1
         elif node.target in ATTENTION:
             unit[2] += cost
-    return {u: tuple(v) for u, v in out.items()}
-
-
-def _matmul_calls_by_unit(gm: fx.GraphModule, units: list[str]) -> dict[str, int]:
-    """Matrix-product calls (MATMULS with work to do) of one forward, per unit."""
-    where = _units_by_node(gm, units)
-    out: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in MATMULS and node_flops(node) > 0:
-            out[where[node.name]] = out.get(where[node.name], 0) + 1
-    return out
+    return {u: tuple(v) for u, v in out.items()}, calls
 
 
 def _key(node: fx.Node, mesh, *, is_float: bool | None = None, bf16_only: bool = False) -> tuple[ScaleKey, int]:
