@@ -39,6 +39,9 @@ from .shared_cores import SIMULATED, shared_bubble_units
 # time are fields of the hardware profile (compiler/hardware.py), which a calibration measures.
 # Element-wise work is memory bound: it moves ``pointwise_traffic`` bytes (a hardware profile field,
 # the runtime's kernels as much as the GPU's) per saved activation byte in forward + backward.
+# The terms of a step's time (``Estimate.time``, less "step"), as reports name them.
+TIME_TERMS = {"compute": "compute", "host": "waiting on the host", "exposed_comm": "exposed communication",
+              "bubble": "pipeline bubble", "optimizer": "optimizer step"}
 # fuse=on: generated kernels run a chain of element-wise ops in one pass, so intermediates are not
 # written to and read back from HBM; we take half the traffic (typical of fused norm/activation chains).
 FUSED_POINTWISE = 0.5

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
-from .cost_model import Estimate, ModelProfile, PlanPoint, crosses_node, estimate, peak_memory
+from .cost_model import TIME_TERMS, Estimate, ModelProfile, PlanPoint, crosses_node, estimate, peak_memory
 from .hardware import HardwareProfile
 
 # Fraction of HBM a plan may fill: the CUDA context, NCCL buffers and allocator fragmentation take
@@ -347,11 +347,6 @@ def _distinct(candidates: list[Candidate], keep: int) -> list[Candidate]:
         if len(out) == keep:
             break
     return out
-
-
-TIME_TERMS = {"compute": "compute", "host": "waiting on the host's kernel launches",
-              "exposed_comm": "exposed communication", "bubble": "pipeline bubble",
-              "optimizer": "optimizer step"}
 
 
 def why_slower(loser: Candidate, best: Candidate) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from usc.dsl import parse_plan
 from usc.runtime.sizes import human_bytes
 
-
+from .cost_model import TIME_TERMS
 
 
 def cost_sections(report) -> list[str]:
@@ -51,9 +51,7 @@ def render_time_breakdown(est) -> list[str]:
     t = est.time
     step = t["step"]
     lines = [f"time breakdown per step on {est.hardware} (cost model estimate, {est.plan.world} GPUs):"]
-    for key, label in (("compute", "compute"), ("host", "waiting on the host"),
-                       ("exposed_comm", "exposed communication"), ("bubble", "pipeline bubble"),
-                       ("optimizer", "optimizer step")):
+    for key, label in TIME_TERMS.items():
         if key == "host" and not t[key]:
             continue  # the device outruns the host's launches: nothing waits
         lines.append(f"  {label:<22} {_ms(t[key]):>12}  {t[key] / step:6.1%}")
