@@ -28,6 +28,16 @@ MEMORY_HEADROOM = 0.9
 # Microbatch counts tried beyond the minimum (powers of two, as practitioners choose them).
 MAX_MICROBATCHES = 64
 RECOMPUTE_ORDER = ("none", "selective", "full")  # lightest first: the search tries them in this order
+# Plans whose predicted steps are within this fraction of the fastest are a tie, well inside the cost
+# model's error (docs/cost_model.md): the simplest of them is chosen (``simplicity``).
+TIE = 0.005
+
+
+def simplicity(p: PlanPoint) -> tuple:
+    """How much a plan asks of a user's run, least first: kinds of parallelism beside dp, then
+    pipeline stages, tp, cp and ep sizes, microbatches, recompute, the ZeRO stage."""
+    return (sum(n > 1 for n in (p.tp, p.pp, p.cp, p.ep)), p.pp * p.v, p.tp, p.cp, p.ep, p.mb,
+            RECOMPUTE_ORDER.index(p.recompute), p.zero)
 # Interleaved schedules are tried with this many virtual stages per rank (Narayanan et al. 2021 use 2-4).
 INTERLEAVED_V = (2,)
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
@@ -204,6 +214,10 @@ def search(profile: ModelProfile, target: PlanTarget, hw: HardwareProfile, *,
             continue
         fits += search_state.shape(sizes)
     fits.sort(key=lambda c: c.step)
+    if fits:  # within a tie the simplest plan leads (the cost model cannot tell them apart)
+        chosen = min((c for c in fits if c.step <= fits[0].step * (1 + TIE)), key=lambda c: simplicity(c.plan))
+        fits.remove(chosen)
+        fits.insert(0, chosen)
     result.best = fits[0] if fits else None
     result.alternatives = _distinct(fits, keep + 1)[1:]
     result.families = _best_of_families(fits, search_state.closest_misses)
@@ -354,6 +368,8 @@ def why_slower(loser: Candidate, best: Candidate) -> str:
     from .report_cost import _ms
 
     slower = loser.step / best.step - 1
+    if slower < 0:  # a tie the simpler choice won
+        return f"{slower:+.1%} step time: within {TIE:.1%} of the choice, which is the simpler plan"
     deltas = {k: loser.estimate.time[k] - best.estimate.time[k] for k in TIME_TERMS}
     term = max(deltas, key=deltas.get)
     axes = _exposed_by_axis(loser.estimate)

@@ -8,7 +8,7 @@ import torch
 import usc
 from usc.compiler.cost_model import PlanPoint, bubble_units, crosses_node, estimate, in_flight
 from usc.compiler.hardware import H100
-from usc.compiler.planner import PlanTarget, search
+from usc.compiler.planner import TIE, PlanTarget, search, simplicity
 from usc.passes.pipeline_schedule import build_schedule
 from usc.passes.pipeline_schedule_check import check_schedule
 from usc.passes.plan_checks import check_supported
@@ -379,3 +379,23 @@ def test_each_matrix_product_call_costs_a_fixed_time_beside_its_flops(profile):
     for point in (PlanPoint(8, 32, mb=2, dtype="bf16"), PlanPoint(8, 32, tp=2, mb=2, sp=True, dtype="bf16")):
         added = estimate(profile, point, per_call).time["compute"] - estimate(profile, point, flat).time["compute"]
         assert added == pytest.approx(point.mb * 3 * 2 * half * sum(calls.values()) / rate, rel=1e-6)
+
+
+def test_within_a_tie_the_simplest_plan_is_chosen(profile):
+    """Plans whose predicted steps lie within ``TIE`` of the fastest are one tie for the cost model: the
+    simplest leads (fewest kinds of parallelism, then sizes, microbatches, recompute, ZeRO). On the h100
+    profile the tiny model's every plan waits on the host about alike, and a faster-by-a-hair mesh of
+    tp and pp must not be what a user is handed; a plan faster by more than the tie still wins."""
+    target = PlanTarget(gpus=4, seq=32, global_batch=8, dtype="bf16")
+    result = search(profile, target, H100, supported=refusal)
+    faster = [c for c in result.alternatives if c.step < result.best.step]
+    assert faster, "no tie: the test would not see the rule"
+    assert result.best.plan.tp == result.best.plan.pp == result.best.plan.cp == 1
+    for c in faster:
+        assert c.step >= result.best.step / (1 + TIE)
+        assert simplicity(result.best.plan) < simplicity(c.plan)
+        assert "which is the simpler plan" in result.why_lost(c)
+    # with the host's time gone nothing ties within half a percent of the choice from below
+    device_bound = search(profile, target, replace(H100, unit_overhead=0.0), supported=refusal)
+    fastest = min([device_bound.best] + device_bound.alternatives, key=lambda c: c.step)
+    assert device_bound.best.step <= fastest.step * (1 + TIE)
