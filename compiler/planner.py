@@ -38,6 +38,8 @@ def simplicity(p: PlanPoint) -> tuple:
     pipeline stages, tp, cp and ep sizes, microbatches, recompute, the ZeRO stage."""
     return (sum(n > 1 for n in (p.tp, p.pp, p.cp, p.ep)), p.pp * p.v, p.tp, p.cp, p.ep, p.mb,
             RECOMPUTE_ORDER.index(p.recompute), p.zero)
+
+
 # Interleaved schedules are tried with this many virtual stages per rank (Narayanan et al. 2021 use 2-4).
 INTERLEAVED_V = (2,)
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb")
@@ -57,8 +59,8 @@ FAMILIES = (
 # where"): a plan that relies on one is flagged, with the best plan that relies on none beside it.
 # Checked: one-node tp/sp/pp and the host's per-microbatch launch time (the playbook's sweep,
 # fitted), dp, tp, pp and their mixes across 2-32 nodes (the same sweep, held out: docs/cost_model.md),
-# FSDP over 8-16 nodes (torchtitan, MaxText). At 64 nodes the sweep measured 1.6-2.3x below the
-# prediction (each cell's fastest; up to 11.8x for the rest), so collective bandwidth is checked to
+# FSDP over 8-16 nodes (torchtitan, MaxText). At 64 nodes the sweep measured 1.6-2.2x below the
+# prediction (each cell's fastest; up to 10.5x for the rest), so collective bandwidth is checked to
 # 32 nodes where the profile measured it by node count, and to 16 where it did not.
 UNCHECKED_TERMS = (
     (lambda p, n: p.cp > 1, "the cp ring's overlap with attention"),
@@ -339,7 +341,8 @@ def _shape_text(sizes: dict) -> str:
 
 
 def _best_of_families(fits: list[Candidate], misses: dict[str, str]) -> dict:
-    """Each family's fastest plan (``fits`` is sorted), or why none of the family fits."""
+    """Each family's fastest plan (``fits`` is sorted, but for the choice first: a tie's simplest plan
+    stands for its family), or why none of the family fits."""
     out: dict = {}
     for c in fits:
         out.setdefault(family(c.plan), c)
