@@ -11,7 +11,10 @@
 2. **Attention**: ``scaled_dot_product_attention`` (causal, bf16, the model's heads) at sequence
    4,096, forward and backward, counted as 4 * s^2 * d * heads / 2 FLOPs forward and 2.5 times that
    backward.
-3. **Training steps** of the model (``usc.testing.models.TinyLlama`` at ``calibrate.SHAPES``), one
+3. **The host's time per layer**: ``usc.compile`` steps of a Llama too narrow for the device to
+   matter (hidden 64) at 2 and 10 layers, ``dp=1 mb=4``: their difference per layer per microbatch is
+   usc's own ``unit_overhead`` on this host (the h100 profile holds nanotron's, fitted on the sweep).
+4. **Training steps** of the model (``usc.testing.models.TinyLlama`` at ``calibrate.SHAPES``), one
    global batch of ``4 x 4096`` tokens, AdamW, bf16 compute with float32 weights:
    - eager PyTorch as a user writes it (``torch.autocast``; gradient accumulation over the
      microbatches), the reference;
@@ -234,6 +237,41 @@ def usc_step(name: str, plan: str, global_batch: int, steps: int) -> dict:
     return out
 
 
+HOST_PROBE_LAYERS = (2, 10)  # the narrow Llama's depths: their difference is the per-layer time
+
+
+def measure_host_time(device: str = "cuda", steps: int = 5, microbatches: int = 4) -> dict:
+    """usc's host time per layer per microbatch (the profile's ``unit_overhead``): steps of a Llama too
+    narrow for the device to matter (hidden 64, 64 tokens a sequence) at 2 and 10 layers, ``dp=1
+    mb=4``; the step time's growth per layer per microbatch is what issuing a layer's forward and
+    backward costs the host (on a CPU, where the host runs the kernels, it is their time too)."""
+    import usc
+    from usc.testing.models import LlamaConfig, TinyLlama
+
+    out = {}
+    for layers in HOST_PROBE_LAYERS:
+        torch.manual_seed(0)
+        model = TinyLlama(LlamaConfig(layers=layers)).to(device)
+        tokens = torch.randint(0, 128, (microbatches, 64), device=device)
+        compiled = usc.compile(model, f"dp=1 mb={microbatches}", example_inputs=(tokens, tokens), device=device,
+                               optimizer=lambda params: torch.optim.SGD(params, lr=1e-3))
+        for _ in range(2):
+            compiled.step(tokens, tokens)
+        times = []
+        for _ in range(steps):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            compiled.step(tokens, tokens)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        out[f"{layers} layers"] = statistics.median(times)
+    few, many = HOST_PROBE_LAYERS
+    out["per layer per microbatch"] = (out[f"{many} layers"] - out[f"{few} layers"]) / ((many - few) * microbatches)
+    return out
+
+
 def predicted(name: str, plan: str, global_batch: int, hw) -> dict:
     est = estimate_shape(name, plan, global_batch, SEQ, hw)
     return dict(seconds=est.time["step"], time=est.time, memory_bytes=sum(est.memory.values()),
@@ -270,6 +308,7 @@ def main() -> int:
     _run("matmul", lambda: measure_matmuls(config, hw), results)
     _run("attention", lambda: measure_attention(config, hw), results)
     _run("sdpa backends", lambda: sdpa_backends(config), results)
+    _run("host time", lambda: measure_host_time("cuda", args.steps), results)
     for plan, gbs in PLANS:
         mb = parse_plan(plan).get("mb")
         _run(f"predicted {plan}", lambda: predicted(args.model, plan, gbs, hw), results)
@@ -298,6 +337,10 @@ def report(results: dict) -> None:
         print(f"attention s={SEQ}: forward {att['forward']:.3f} of peak ({att['forward_ms']:.2f} ms), "
               f"forward+backward {att['forward_backward']:.3f} ({att['forward_backward_ms']:.2f} ms); as the cost "
               f"model counts it (3x the forward's FLOPs): attention_efficiency {att['forward_backward'] * 3 / 3.5:.3f}")
+    host = results.get("host time", {})
+    if "per layer per microbatch" in host:
+        print(f"usc's host time per layer per microbatch (unit_overhead): {host['per layer per microbatch'] * 1e3:.2f} ms "
+              f"(the {results['profile']} profile holds {hardware_profile('h100').unit_overhead * 1e3:.1f} ms, nanotron's)")
     if "sdpa backends" in results:
         print(f"sdpa backend for the model's q, k, v: {results['sdpa backends']}")
     print("plan                    eager s  usc s   predicted s  usc/pred  eager GB  usc GB  predicted GB")

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from usc.compiler.cost_model import collective_seconds
 
@@ -188,3 +189,13 @@ def test_the_per_call_fit_recovers_a_known_curve_and_the_h100_profile_holds_the_
     eff, half = gpu_step.fit_call_rate(saved["matmul"], config)
     assert round(eff, 3) == 0.721 and half == pytest.approx(7.72e9, rel=0.005)
     assert H100.matmul_efficiency == pytest.approx(eff, abs=0.005) and H100.matmul_half_work == pytest.approx(half, rel=0.01)
+
+
+def test_the_gpu_benchmarks_host_probe_runs_here_and_is_reported(capsys):
+    """gpu_step.measure_host_time (usc's own per-layer host time, for a GPU session to measure) runs on
+    the CPU too, where the host runs the kernels, and the report prints what it measured."""
+    gpu_step = _benchmark("gpu_step")
+    probe = gpu_step.measure_host_time("cpu", steps=2)
+    assert probe["2 layers"] > 0 and probe["10 layers"] > 0 and "per layer per microbatch" in probe
+    gpu_step.report(dict(device="cpu", torch=torch.__version__, profile="h100", model="1B", **{"host time": probe}))
+    assert "usc's host time per layer per microbatch (unit_overhead)" in capsys.readouterr().out
