@@ -41,7 +41,7 @@ from usc.passes.recompute import (KEEP_COLLECTIVE, KEPT, RECOMPUTED, RULES, Deci
 from usc.runtime.ring_attention import GRAD_BLOCKS, RingAttention
 from usc.passes.saved_values import base_of, saves_for_backward
 from usc.passes.zero3 import layer_key
-from usc.runtime.op_classes import ATTENTION, MATMULS
+from usc.runtime.op_classes import ATTENTION, MATMULS, is_grouped_matmul
 from usc.runtime.sizes import shape_bytes
 
 aten = torch.ops.aten
@@ -311,12 +311,13 @@ def _units_by_node(gm: fx.GraphModule, units: list[str]) -> dict[str, str]:
 def model_forward_flops(gm: fx.GraphModule) -> float:
     """Matmul and attention FLOPs of one forward at the graph's shapes: what the cost model's model
     FLOPs (and MFU) count, the sum of every unit's ``flops_matmul + flops_attention``."""
-    return sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in MATMULS | ATTENTION)
+    return sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function"
+               and (n.target in MATMULS or n.target in ATTENTION or is_grouped_matmul(n.target)))
 
 
 def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> tuple[dict[str, tuple[float, float, float]], dict[str, int]]:
     """(balance, matmul, attention) forward FLOPs per unit at the example's shapes, and the unit's
-    matrix-product calls (MATMULS with work to do) of one forward."""
+    matrix-product calls (MATMULS and grouped expert products with work to do) of one forward."""
     where = _units_by_node(gm, units)
     out: dict[str, list[float]] = {u: [0.0, 0.0, 0.0] for u in units}
     calls: dict[str, int] = {}
@@ -327,7 +328,7 @@ def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> tuple[dict[str, tupl
         unit = out[where[node.name]]
         if module_path(node):
             unit[0] += cost
-        if node.target in MATMULS:
+        if node.target in MATMULS or is_grouped_matmul(node.target):  # an expert group's one kernel
             unit[1] += cost
             if cost > 0:
                 calls[where[node.name]] = calls.get(where[node.name], 0) + 1

@@ -29,7 +29,7 @@ from usc.compiler.ir import META
 from usc.compiler.partition import CutError, NoCutFits, balanced_cut, manual_cut
 from usc.compiler.trace import module_path
 from usc.runtime.collectives import CollectiveNode
-from usc.runtime.op_classes import ATTENTION, MATMUL_OPERANDS
+from usc.runtime.op_classes import ATTENTION, MATMUL_OPERANDS, is_grouped_matmul
 
 from .graph_edit import shape_of
 from .pipeline_schedule import Compute, ComputeOp, build_schedule
@@ -47,6 +47,8 @@ def node_flops(node: fx.Node) -> float:
     if node.target in MATMUL_OPERANDS:
         _, right, dim = MATMUL_OPERANDS[node.target]
         return 2.0 * math.prod(out) * shape_of(node.args[right])[dim]
+    if is_grouped_matmul(node.target):  # [S, K] rows through their experts' [K, N]: S * K * N
+        return 2.0 * math.prod(out) * shape_of(node.args[0])[-1]
     if node.target in ATTENTION:
         b, h, s, d = shape_of(node.args[0])
         return 4.0 * b * h * s * shape_of(node.args[1])[2] * d

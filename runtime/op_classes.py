@@ -24,6 +24,17 @@ MATMUL_OPERANDS = {
     aten.baddbmm.default: (1, 2, -2),
 }
 MATMULS = frozenset(MATMUL_OPERANDS) | {aten.einsum.default}
+# Grouped products of mixture-of-experts layers: rows [S, K], each through its group's weight of
+# [E, K, N], give [S, N] (torch's own, and transformers' fallback, which exists only once
+# transformers is imported: both matched by name).
+GROUPED_MATMUL_NAMES = frozenset({"aten::_grouped_mm", "transformers::grouped_mm_fallback"})
+
+
+def is_grouped_matmul(target) -> bool:
+    name = getattr(target, "name", None)
+    return callable(name) and isinstance(target, torch._ops.OpOverload) and name() in GROUPED_MATMUL_NAMES
+
+
 # The kernels the products run as at dispatch (what a selective-checkpoint policy sees).
 MATMUL_KERNELS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
 # Products with a weight matrix (the projections of a layer; bmm multiplies two activations).

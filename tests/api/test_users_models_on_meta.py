@@ -66,3 +66,28 @@ def test_a_model_that_fills_an_empty_cache_in_training_is_planned():
     chosen = usc.plan(FAMILIES["granitemoe"].build(), "gpus=8 global_batch=48",
                       example_inputs=FAMILIES["granitemoe"].batch(0, 6))
     assert chosen.world_size == 8
+
+
+def test_the_cost_profile_counts_an_hf_moe_layers_expert_products():
+    """transformers' MoE layers run their experts as grouped products (one ``transformers::
+    grouped_mm_fallback`` or ``aten::_grouped_mm`` per projection, [S, K] rows through [E, K, N]):
+    the profile counts their FLOPs and calls beside the attention's and the router's. Mixtral's
+    first layer, counted here from its config: q, k, v, o and the router on every token, then each
+    token's top-2 experts (gate and up fused, down)."""
+    from usc.model_call import trainable
+    from usc.passes.cost_profile import profile_model
+
+    torch.manual_seed(0)
+    family = FAMILIES["mixtral"]
+    model = trainable(family.build(), family.loss_fn)
+    batch = model.flatten(family.batch(0, 4))
+    profile = profile_model(model, tuple(batch))
+    cfg = next(m.config for m in model.modules() if hasattr(m, "config"))
+    tokens = batch[0].numel()
+    hidden, inner, head_dim = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    attention = 2 * tokens * hidden * head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    router = 2 * tokens * hidden * cfg.num_local_experts
+    experts = 2 * tokens * cfg.num_experts_per_tok * 3 * hidden * inner
+    layer = next(u for u in profile.units if u.name.endswith("layers.0"))
+    assert layer.flops_matmul == attention + router + experts
+    assert layer.matmul_calls == 4 + 1 + 2
