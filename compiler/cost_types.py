@@ -155,8 +155,10 @@ class PlanPoint:
         return new
 
     def text(self) -> str:
-        """The plan text (axes > 1 in mesh order, options that differ from the defaults)."""
-        sizes = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
+        """The plan text (axes > 1 in mesh order, options that differ from the defaults). The point's
+        ``dp`` counts replicas of an expert, as the cost model divides the batch (dp * ep ranks see
+        their own data); a written plan carves ep from dp, so its dp is ``dp * ep``."""
+        sizes = {"dp": self.dp * self.ep, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
         items = [f"{a}={sizes[a]}" for a in self.order if sizes[a] > 1]
         extras = [("zero", self.zero, 0), ("mb", self.mb, 1), ("sp", "on" if self.sp else "off", "off"),
                   ("recompute", self.recompute, "none"), ("dtype", self.dtype, "fp32"),

@@ -29,19 +29,20 @@ from torch.utils._pytree import tree_flatten
 from usc.compiler.cost_model import CollectiveCost, ModelProfile, ScaleKey, UnitCost
 from usc.compiler.errors import CompileError
 from usc.compiler.ir import META
+from usc.compiler.moe import find_blocks
 from usc.compiler.report import graph_collectives, in_float32_island
 from usc.compiler.stamp import block_signature, value_signature
 from usc.compiler.trace import Traced, module_path, trace
 from usc.dsl import PlanError, parse_plan
 from usc.passes import parallelize
 from usc.passes.compute_dtype import CASTS
-from usc.passes.pipeline_split import constant_nodes, node_flops
+from usc.passes.pipeline_split import constant_nodes, node_flops, routed_expert_products
 from usc.passes.recompute import (KEEP_COLLECTIVE, KEPT, RECOMPUTED, RULES, DecisionRule, recompute_regions,
                                   reissued_in_backward)
 from usc.runtime.ring_attention import GRAD_BLOCKS, RingAttention
 from usc.passes.saved_values import base_of, saves_for_backward
 from usc.passes.zero3 import layer_key
-from usc.runtime.op_classes import ATTENTION, MATMULS, is_grouped_matmul
+from usc.runtime.op_classes import ATTENTION, MATMULS, is_grouped_matmul, is_routed_experts
 from usc.runtime.sizes import shape_bytes
 
 aten = torch.ops.aten
@@ -73,14 +74,15 @@ def profile_model(model: torch.nn.Module, example_inputs: tuple, *, traced: Trac
         return _profile(traced, example_inputs)
     with _shallow_stacks(model) as stacks:
         try:
-            shallow = trace(model, tuple(example_inputs)) if stacks else None
+            shallow = trace(model, tuple(example_inputs), moe_blocks=find_blocks(model)) if stacks else None
         except CompileError:
             shallow = None
     stamped = None
     if shallow is not None and all(_blocks_repeat(shallow, path) for path in stacks):
         measured = _profile(shallow, example_inputs, blocks=tuple(f"{path}.{STEADY}" for path in stacks))
         stamped = _stamp(measured, stacks) if measured is not None else None
-    return stamped or _profile(trace(model, tuple(example_inputs)), example_inputs)
+    # mixture-of-experts blocks usc recognises trace as one usc::moe node each, as usc.compile traces them
+    return stamped or _profile(trace(model, tuple(example_inputs), moe_blocks=find_blocks(model)), example_inputs)
 
 
 def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] = ()) -> ModelProfile | None:
@@ -94,11 +96,12 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
                for block in blocks):
         return None
     flops, calls = _flops_by_unit(traced.gm, units)
+    routed = _routed_expert_weights(traced.gm)
     per_sp = {sp: _probe_costs(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
-    params = _param_bytes(probe_sp, units)  # with sp, replicated norm weights also get their tp sum
-    saved = _regathered_params(probe_sp, units, per_sp[False][3])
-    unreduced, tied = _unreduced_params(probe_sp, units), _tied_params(probe_sp, units)
-    expert_bytes, experts = _experts(probe_plain, units)
+    params = _param_bytes(probe_sp, units, routed)  # with sp, replicated norm weights also get their tp sum
+    saved = _regathered_params(probe_sp, units, per_sp[False][3], routed)
+    unreduced, tied = _unreduced_params(probe_sp, units, routed), _tied_params(probe_sp, units, routed)
+    expert_bytes, experts = _experts(probe_plain, units, routed)
     built = []
     for name in units:
         built.append(UnitCost(name, *flops.get(name, (0.0, 0.0, 0.0)), *params.get(name, (0, 0, 0)),
@@ -312,7 +315,8 @@ def model_forward_flops(gm: fx.GraphModule) -> float:
     """Matmul and attention FLOPs of one forward at the graph's shapes: what the cost model's model
     FLOPs (and MFU) count, the sum of every unit's ``flops_matmul + flops_attention``."""
     return sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function"
-               and (n.target in MATMULS or n.target in ATTENTION or is_grouped_matmul(n.target)))
+               and (n.target in MATMULS or n.target in ATTENTION or is_grouped_matmul(n.target)
+                    or is_routed_experts(n.target)))
 
 
 def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> tuple[dict[str, tuple[float, float, float]], dict[str, int]]:
@@ -332,6 +336,10 @@ def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> tuple[dict[str, tupl
             unit[1] += cost
             if cost > 0:
                 calls[where[node.name]] = calls.get(where[node.name], 0) + 1
+        elif is_routed_experts(node.target):  # usc's experts: each expert's products, one call each
+            unit[1] += cost
+            # the runtime loops over the experts (under ep a rank runs its share; counted whole)
+            calls[where[node.name]] = calls.get(where[node.name], 0) + routed_expert_products(node)[2]
         elif node.target in ATTENTION:
             unit[2] += cost
     return {u: tuple(v) for u, v in out.items()}, calls
@@ -531,17 +539,35 @@ def _reissued_by_full_recompute(gm: fx.GraphModule) -> set[str]:
 EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")  # MoE experts in a ModuleList named `experts`
 
 
-def _experts(program, units: list[str]) -> tuple[dict[str, int], int]:
-    """(expert parameter bytes per unit, experts per MoE layer) from the parameter names."""
+def _routed_expert_weights(gm: fx.GraphModule) -> tuple[frozenset[str], int]:
+    """(placeholders of the weights ``usc::moe`` nodes route to, the most experts one holds): a
+    recognised block's experts, stacked ([E, ...] tensors) or in a list, whatever their names."""
+    names, most = set(), 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and is_routed_experts(node.target):
+            names |= {a.name for a in node.args[3] if isinstance(a, fx.Node) and a.op == "placeholder"}
+            stacked = node.args[4]
+            most = max(most, node.args[3][0].meta["val"].shape[0] if stacked else len(node.args[3]) // 3)
+    return frozenset(names), most
+
+
+def _is_expert(spec, routed: tuple) -> bool:
+    return bool(EXPERT.search(spec.name)) or spec.placeholder in routed[0]
+
+
+def _experts(program, units: list[str], routed: tuple = (frozenset(), 0)) -> tuple[dict[str, int], int]:
+    """(expert parameter bytes per unit, experts per MoE layer): experts in a list named ``experts``
+    by their names, and the weights ``usc::moe`` nodes route to (``routed``)."""
     nbytes: dict[str, int] = {}
     indices: dict[str, set] = {}
     for spec in program.state:
-        match = EXPERT.search(spec.name)
-        if spec.kind == "param" and spec.trainable and match:
+        if spec.kind == "param" and spec.trainable and _is_expert(spec, routed):
             unit = _param_unit(spec.name, units)
             nbytes[unit] = nbytes.get(unit, 0) + shape_bytes(spec.global_shape, spec.dtype)
-            indices.setdefault(unit, set()).add(match.group(2))
-    return nbytes, max((len(i) for i in indices.values()), default=0)
+            match = EXPERT.search(spec.name)
+            if match:
+                indices.setdefault(unit, set()).add(match.group(2))
+    return nbytes, max([len(i) for i in indices.values()] + [routed[1]])
 
 
 def _param_unit(name: str, units: list[str]) -> str:
@@ -549,11 +575,11 @@ def _param_unit(name: str, units: list[str]) -> str:
     return unit if unit in units else units[-1 if unit == "<root>" else 0]
 
 
-def _param_bytes(program, units: list[str]) -> dict[str, tuple[int, int, int]]:
+def _param_bytes(program, units: list[str], routed: tuple = (frozenset(), 0)) -> dict[str, tuple[int, int, int]]:
     """(replicated, tp-split, tp-reduced) fp32 bytes of trainable dense parameters per unit, unsplit.
     A weight several units use is in each (a stage holds a copy)."""
     out: dict[str, list[int]] = {}
-    for spec, held_by in _dense_params(program, units):
+    for spec, held_by in _dense_params(program, units, routed):
         rep, split = _split_bytes(program, spec)
         for unit in held_by:
             row = out.setdefault(unit, [0, 0, 0])
@@ -564,7 +590,8 @@ def _param_bytes(program, units: list[str]) -> dict[str, tuple[int, int, int]]:
     return {u: tuple(v) for u, v in out.items()}
 
 
-def _regathered_params(program, units: list[str], saved: set[str]) -> dict[str, tuple[int, int]]:
+def _regathered_params(program, units: list[str], saved: set[str], routed: tuple = (frozenset(), 0)
+                       ) -> dict[str, tuple[int, int]]:
     """Per unit: (replicated, tp-split) bytes ZeRO-3 gathers again in backward. ZeRO-3 gathers the
     parameters of a layer with the layer of their first use, and gathers them all again in backward
     when autograd keeps one of them (passes/zero3.py); ``saved``: the parameters autograd keeps."""
@@ -572,7 +599,7 @@ def _regathered_params(program, units: list[str], saved: set[str]) -> dict[str, 
     placeholders = {n.name: n for n in program.gm.graph.nodes if n.op == "placeholder"}
     order = {n: i for i, n in enumerate(program.gm.graph.nodes)}
     groups: dict[str, list] = {}
-    for spec, held_by in _dense_params(program, units):
+    for spec, held_by in _dense_params(program, units, routed):
         if held_by:
             first = min(placeholders[spec.placeholder].users, key=order.__getitem__)
             groups.setdefault(where[first.name], []).append(spec)
@@ -580,7 +607,7 @@ def _regathered_params(program, units: list[str], saved: set[str]) -> dict[str, 
             for unit, members in groups.items() if any(s.name in saved for s in members)}
 
 
-def _dense_params(program, units: list[str]) -> list[tuple]:
+def _dense_params(program, units: list[str], routed: tuple = (frozenset(), 0)) -> list[tuple]:
     """(spec, units that hold it) of every trainable dense parameter: the unit its name says, or every
     unit that reads it when several do (a tied embedding / lm head); none for one the graph never
     reads (export passes the second name of a tied weight as an unused input)."""
@@ -588,7 +615,7 @@ def _dense_params(program, units: list[str]) -> list[tuple]:
     placeholders = {n.name: n for n in program.gm.graph.nodes if n.op == "placeholder"}
     out = []
     for spec in program.state:
-        if spec.kind != "param" or not spec.trainable or EXPERT.search(spec.name):
+        if spec.kind != "param" or not spec.trainable or _is_expert(spec, routed):
             continue
         users = placeholders[spec.placeholder].users
         readers = list(dict.fromkeys(where[u.name] for u in users if u.name in where))
@@ -604,22 +631,22 @@ def _split_bytes(program, spec) -> tuple[int, int]:
     return (0, nbytes) if split else (nbytes, 0)
 
 
-def _tied_params(program, units: list[str]) -> dict[str, tuple]:
+def _tied_params(program, units: list[str], routed: tuple = (frozenset(), 0)) -> dict[str, tuple]:
     """Per unit: (name, replicated, tp-split bytes) of the parameters it shares with other units."""
     out: dict[str, tuple] = {}
-    for spec, held_by in _dense_params(program, units):
+    for spec, held_by in _dense_params(program, units, routed):
         for unit in held_by if len(held_by) > 1 else ():
             out[unit] = out.get(unit, ()) + ((spec.name, *_split_bytes(program, spec)),)
     return out
 
 
-def _unreduced_params(program, units: list[str]) -> dict[str, tuple[int, int]]:
+def _unreduced_params(program, units: list[str], routed: tuple = (frozenset(), 0)) -> dict[str, tuple[int, int]]:
     """Per unit: (replicated, tp-split) bytes of the parameters whose gradient no bucket sums over dp
     (the graph sums it, e.g. a position table read at positions every dp rank shares)."""
     out: dict[str, tuple[int, int]] = {}
     if "dp" not in program.mesh.axes:  # the probe could not split the batch: nothing to tell
         return out
-    for spec, held_by in _dense_params(program, units):
+    for spec, held_by in _dense_params(program, units, routed):
         if "dp" not in spec.grad_axes:
             for unit in held_by:
                 out[unit] = tuple(a + b for a, b in zip(out.get(unit, (0, 0)), _split_bytes(program, spec)))

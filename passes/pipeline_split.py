@@ -29,7 +29,7 @@ from usc.compiler.ir import META
 from usc.compiler.partition import CutError, NoCutFits, balanced_cut, manual_cut
 from usc.compiler.trace import module_path
 from usc.runtime.collectives import CollectiveNode
-from usc.runtime.op_classes import ATTENTION, MATMUL_OPERANDS, is_grouped_matmul
+from usc.runtime.op_classes import ATTENTION, MATMUL_OPERANDS, is_grouped_matmul, is_routed_experts
 
 from .graph_edit import shape_of
 from .pipeline_schedule import Compute, ComputeOp, build_schedule
@@ -37,6 +37,16 @@ from .saved_values import base_of, saved_values
 from .zero3 import layer_key
 
 aten = torch.ops.aten
+
+
+def routed_expert_products(node: fx.Node) -> tuple[int, float, int]:
+    """(rows, weight elements of one expert, products in all) of a ``usc::moe`` node: its rows are the
+    (token, chosen expert) pairs; its experts are stacked [E, in, out] matrices or E of each."""
+    _, _, indices, experts, stacked = node.args[:5]
+    matrices = [shape_of(e) for e in experts if len(shape_of(e)) == (3 if stacked else 2)]
+    count = matrices[0][0] if stacked else len(matrices) // 3
+    per_expert = sum(math.prod(m) for m in matrices) / count
+    return math.prod(shape_of(indices)), per_expert, count * len(matrices) if stacked else len(matrices)
 
 
 def node_flops(node: fx.Node) -> float:
@@ -49,6 +59,9 @@ def node_flops(node: fx.Node) -> float:
         return 2.0 * math.prod(out) * shape_of(node.args[right])[dim]
     if is_grouped_matmul(node.target):  # [S, K] rows through their experts' [K, N]: S * K * N
         return 2.0 * math.prod(out) * shape_of(node.args[0])[-1]
+    if is_routed_experts(node.target):  # every (token, chosen expert) row through one expert's matrices
+        rows, per_expert, _ = routed_expert_products(node)
+        return 2.0 * rows * per_expert
     if node.target in ATTENTION:
         b, h, s, d = shape_of(node.args[0])
         return 4.0 * b * h * s * shape_of(node.args[1])[2] * d

@@ -35,6 +35,11 @@ def is_grouped_matmul(target) -> bool:
     return callable(name) and isinstance(target, torch._ops.OpOverload) and name() in GROUPED_MATMUL_NAMES
 
 
+def is_routed_experts(target) -> bool:
+    """usc's own routed-experts op (``usc::moe``: a recognised mixture-of-experts block traced whole)."""
+    return isinstance(target, torch._ops.OpOverload) and target.name() == "usc::moe"
+
+
 # The kernels the products run as at dispatch (what a selective-checkpoint policy sees).
 MATMUL_KERNELS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
 # Products with a weight matrix (the projections of a layer; bmm multiplies two activations).

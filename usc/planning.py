@@ -54,6 +54,8 @@ def default_dtype(plan: Plan, hw: HardwareProfile) -> tuple[str, str]:
 def point_of(plan: Plan, *, global_batch: int, seq: int) -> PlanPoint:
     """The cost model's view of a written plan."""
     sizes = {axis: plan.size(axis) for axis in ("dp", "tp", "pp", "cp", "ep")}
+    if sizes["dp"] % sizes["ep"] == 0:  # ep ranks are carved from dp: the cost model's dp is per expert
+        sizes["dp"] //= sizes["ep"]
     order = tuple(plan.mesh_axes) + tuple(a for a in ("dp", "pp", "cp", "ep", "tp") if a not in plan.mesh_axes)
     return PlanPoint(global_batch, seq, **sizes, zero=int(plan.get("zero")), mb=int(plan.get("mb")),
                      sp=bool(plan.get("sp")), recompute=plan.get("recompute"), schedule=plan.get("schedule"),

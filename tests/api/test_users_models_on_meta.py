@@ -68,12 +68,12 @@ def test_a_model_that_fills_an_empty_cache_in_training_is_planned():
     assert chosen.world_size == 8
 
 
-def test_the_cost_profile_counts_an_hf_moe_layers_expert_products():
-    """transformers' MoE layers run their experts as grouped products (one ``transformers::
-    grouped_mm_fallback`` or ``aten::_grouped_mm`` per projection, [S, K] rows through [E, K, N]):
-    the profile counts their FLOPs and calls beside the attention's and the router's. Mixtral's
-    first layer, counted here from its config: q, k, v, o and the router on every token, then each
-    token's top-2 experts (gate and up fused, down)."""
+def test_the_cost_profile_counts_an_hf_moe_layers_experts():
+    """transformers' MoE layers keep their experts as stacked ``gate_up_proj`` / ``down_proj`` weights
+    in an experts module, which usc recognises and traces as one ``usc::moe`` node, as usc.compile
+    does: the profile counts each (token, chosen expert) pair's products, the experts' calls (usc's
+    op runs each expert's two products) and their weights as expert weights (split over ep), beside
+    the attention's and the router's. Mixtral's first layer, counted here from its config."""
     from usc.model_call import trainable
     from usc.passes.cost_profile import profile_model
 
@@ -83,11 +83,13 @@ def test_the_cost_profile_counts_an_hf_moe_layers_expert_products():
     batch = model.flatten(family.batch(0, 4))
     profile = profile_model(model, tuple(batch))
     cfg = next(m.config for m in model.modules() if hasattr(m, "config"))
-    tokens = batch[0].numel()
+    tokens, experts = batch[0].numel(), cfg.num_local_experts
     hidden, inner, head_dim = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
     attention = 2 * tokens * hidden * head_dim * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-    router = 2 * tokens * hidden * cfg.num_local_experts
-    experts = 2 * tokens * cfg.num_experts_per_tok * 3 * hidden * inner
+    router = 2 * tokens * hidden * experts
+    chosen = 2 * tokens * cfg.num_experts_per_tok * 3 * hidden * inner
     layer = next(u for u in profile.units if u.name.endswith("layers.0"))
-    assert layer.flops_matmul == attention + router + experts
-    assert layer.matmul_calls == 4 + 1 + 2
+    assert layer.flops_matmul == attention + router + chosen
+    assert layer.matmul_calls == 4 + 1 + 2 * experts
+    assert layer.params_expert == experts * 3 * hidden * inner * 4 and layer.moe_layers == 1
+    assert profile.experts == experts

@@ -399,3 +399,39 @@ def test_within_a_tie_the_simplest_plan_is_chosen(profile):
     device_bound = search(profile, target, replace(H100, unit_overhead=0.0), supported=refusal)
     fastest = min([device_bound.best] + device_bound.alternatives, key=lambda c: c.step)
     assert device_bound.best.step <= fastest.step * (1 + TIE)
+
+
+def test_a_moe_block_usc_recognises_is_planned_with_its_experts_counted():
+    """usc.compile traces a mixture-of-experts block it recognises (here a router and a list of SwiGLU
+    experts chosen by boolean masks) as one ``usc::moe`` node; the planner's profile now traces it the
+    same way (usc.plan refused the model with a data-dependent-shape error) and counts each (token,
+    chosen expert) pair's products and the experts' calls. The expected FLOPs are counted here from
+    the config: q, k, v, o and the router on every token, three products per chosen expert."""
+    from usc.model_call import trainable
+    from usc.testing.models import MoEConfig, TinyMixtral
+
+    cfg = MoEConfig()
+    torch.manual_seed(0)
+    chosen = usc.plan(TinyMixtral(cfg), "gpus=4 ep=2", example_inputs=token_batch(cfg.vocab, 8, 16))
+    assert chosen.size("ep") == 2 and chosen.world_size == 4
+    model = trainable(TinyMixtral(cfg), None)
+    profile = profile_model(model, tuple(model.flatten(token_batch(cfg.vocab, 4, 16))))
+    tokens, head_dim = 4 * 16, cfg.hidden // cfg.heads
+    attention = 2 * tokens * cfg.hidden * head_dim * (2 * cfg.heads + 2 * cfg.kv_heads)
+    router = 2 * tokens * cfg.hidden * cfg.experts
+    experts = 2 * tokens * cfg.top_k * 3 * cfg.hidden * cfg.mlp
+    layer = next(u for u in profile.units if u.name == "layers.0")
+    assert layer.flops_matmul == attention + router + experts
+    assert layer.matmul_calls == 4 + 1 + 3 * cfg.experts and layer.moe_layers == 1
+
+
+def test_a_written_plans_ep_is_carved_from_its_dp_in_the_cost_model_too():
+    """usc.compile carves the ep ranks from dp (``dp=4 ep=2`` runs on 4 ranks); the cost model's point
+    counts dp per expert replica (2 here) and ep beside it. Reading a plan and writing a point back
+    keep the plan's text and its world size (the planner once wrote ``dp=2 ep=2`` for 4 GPUs: 2 ranks)."""
+    from usc.planning import point_of
+
+    plan = usc.parse_plan("dp=4 ep=2 tp=2")
+    point = point_of(plan, global_batch=8, seq=32)
+    assert (point.dp, point.ep, point.tp, point.world) == (2, 2, 2, plan.world_size) == (2, 2, 2, 8)
+    assert usc.parse_plan(point.text()) == plan
