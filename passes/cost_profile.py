@@ -339,7 +339,7 @@ def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> tuple[dict[str, tupl
         elif is_routed_experts(node.target):  # usc's experts: each expert's products, one call each
             unit[1] += cost
             # the runtime loops over the experts (under ep a rank runs its share; counted whole)
-            calls[where[node.name]] = calls.get(where[node.name], 0) + routed_expert_products(node)[2]
+            calls[where[node.name]] = calls.get(where[node.name], 0) + routed_expert_products(node)[3]
         elif node.target in ATTENTION:
             unit[2] += cost
     return {u: tuple(v) for u, v in out.items()}, calls
@@ -546,8 +546,7 @@ def _routed_expert_weights(gm: fx.GraphModule) -> tuple[frozenset[str], int]:
     for node in gm.graph.nodes:
         if node.op == "call_function" and is_routed_experts(node.target):
             names |= {a.name for a in node.args[3] if isinstance(a, fx.Node) and a.op == "placeholder"}
-            stacked = node.args[4]
-            most = max(most, node.args[3][0].meta["val"].shape[0] if stacked else len(node.args[3]) // 3)
+            most = max(most, routed_expert_products(node)[2])
     return frozenset(names), most
 
 

@@ -39,14 +39,15 @@ from .zero3 import layer_key
 aten = torch.ops.aten
 
 
-def routed_expert_products(node: fx.Node) -> tuple[int, float, int]:
-    """(rows, weight elements of one expert, products in all) of a ``usc::moe`` node: its rows are the
-    (token, chosen expert) pairs; its experts are stacked [E, in, out] matrices or E of each."""
+def routed_expert_products(node: fx.Node) -> tuple[int, float, int, int]:
+    """(rows, weight elements of one expert, experts, products in all) of a ``usc::moe`` node: its
+    rows are the (token, chosen expert) pairs; its experts are stacked [E, in, out] matrices or E of
+    each."""
     _, _, indices, experts, stacked = node.args[:5]
     matrices = [shape_of(e) for e in experts if len(shape_of(e)) == (3 if stacked else 2)]
     count = matrices[0][0] if stacked else len(matrices) // 3
     per_expert = sum(math.prod(m) for m in matrices) / count
-    return math.prod(shape_of(indices)), per_expert, count * len(matrices) if stacked else len(matrices)
+    return math.prod(shape_of(indices)), per_expert, count, count * len(matrices) if stacked else len(matrices)
 
 
 def node_flops(node: fx.Node) -> float:
@@ -60,7 +61,7 @@ def node_flops(node: fx.Node) -> float:
     if is_grouped_matmul(node.target):  # [S, K] rows through their experts' [K, N]: S * K * N
         return 2.0 * math.prod(out) * shape_of(node.args[0])[-1]
     if is_routed_experts(node.target):  # every (token, chosen expert) row through one expert's matrices
-        rows, per_expert, _ = routed_expert_products(node)
+        rows, per_expert, _, _ = routed_expert_products(node)
         return 2.0 * rows * per_expert
     if node.target in ATTENTION:
         b, h, s, d = shape_of(node.args[0])
