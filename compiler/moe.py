@@ -36,6 +36,8 @@ from torch import nn
 
 from usc.runtime.moe import ACTIVATIONS, ExpertForm
 
+from .errors import TraceError
+
 ROUTER_NAMES = ("gate", "router")
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
 EXPERT_LIST_NAMES = ("experts",)
@@ -537,6 +539,17 @@ def _router_error(got, expected) -> float:
                _error(got[1].gather(-1, order_got), expected[1].gather(-1, order_exp)))
 
 
+def traced_blocks(model: nn.Module, marked: frozenset[str] = frozenset()) -> list[MoEBlock]:
+    """``find_blocks`` for a trace: a block usc cannot reproduce is the TraceError it is for tracing,
+    unless a rule marked it (the caller names the rule: ``MoEPatternError`` with its path)."""
+    try:
+        return find_blocks(model, marked)
+    except MoEPatternError as err:
+        if err.path in marked:
+            raise
+        raise TraceError(f"usc could not reproduce the mixture-of-experts block {err}") from None
+
+
 def find_blocks(model: nn.Module, marked: frozenset[str] = frozenset()) -> list[MoEBlock]:
     """Every MoE block of ``model`` (outermost first), verified; ``marked`` paths must be blocks."""
     found: list[MoEBlock] = []
@@ -578,4 +591,4 @@ def patched(model: nn.Module, blocks: list[MoEBlock]):
             del modules[block.path].forward
 
 
-__all__ = ["MoEBlock", "ExpertsModule", "RouterModule", "MoEPatternError", "Routing", "find_blocks", "patched", "moe", "swiglu", "expert_weights", "expert_tensors"]
+__all__ = ["MoEBlock", "ExpertsModule", "RouterModule", "MoEPatternError", "Routing", "find_blocks", "traced_blocks", "patched", "moe", "swiglu", "expert_weights", "expert_tensors"]

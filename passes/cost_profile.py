@@ -19,6 +19,7 @@ import re
 from collections import Counter
 from dataclasses import replace
 from functools import reduce
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -29,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from usc.compiler.cost_model import CollectiveCost, ModelProfile, ScaleKey, UnitCost
 from usc.compiler.errors import CompileError
 from usc.compiler.ir import META
-from usc.compiler.moe import find_blocks
+from usc.compiler.moe import traced_blocks
 from usc.compiler.report import graph_collectives, in_float32_island
 from usc.compiler.stamp import block_signature, value_signature
 from usc.compiler.trace import Traced, module_path, trace
@@ -62,27 +63,28 @@ def batch_and_sequence(example_inputs: tuple) -> tuple[int, int]:
     raise CompileError("the planner needs an example input shaped [batch, sequence, ...] (token ids)")
 
 
-def profile_model(model: torch.nn.Module, example_inputs: tuple, *, traced: Traced | None = None) -> ModelProfile:
+def profile_model(model: torch.nn.Module, example_inputs: tuple, *, traced: Traced | None = None,
+                  moe_blocks=traced_blocks) -> ModelProfile:
     """Per-unit costs of ``model`` at the example's batch and sequence (one trace, two probe compiles).
 
     A stack of identical blocks (an ``nn.ModuleList`` of same-shaped layers, the 32 or 80 decoder
     layers) is measured on its first ``KEEP_BLOCKS`` blocks and the steady one is stamped for the
     rest, so profiling time does not grow with depth; a model whose forward needs every block, or
     whose first two blocks trace to different programs, is traced whole. ``traced``: profile this
-    trace as it is."""
+    trace as it is. ``moe_blocks(model)``: the mixture-of-experts blocks to trace whole, as
+    usc.compile traces them (``usc.build.moe_blocks`` with a plan's ``expert`` rules)."""
     if traced is not None:
         return _profile(traced, example_inputs)
     with _shallow_stacks(model) as stacks:
         try:
-            shallow = trace(model, tuple(example_inputs), moe_blocks=find_blocks(model)) if stacks else None
-        except CompileError:
-            shallow = None
+            shallow = trace(model, tuple(example_inputs), moe_blocks=moe_blocks(model)) if stacks else None
+        except (CompileError, PlanError):  # the cut model is a shortcut: a list of experts cut to
+            shallow = None                  # KEEP_BLOCKS no longer matches its router; trace it whole
     stamped = None
     if shallow is not None and all(_blocks_repeat(shallow, path) for path in stacks):
         measured = _profile(shallow, example_inputs, blocks=tuple(f"{path}.{STEADY}" for path in stacks))
         stamped = _stamp(measured, stacks) if measured is not None else None
-    # mixture-of-experts blocks usc recognises trace as one usc::moe node each, as usc.compile traces them
-    return stamped or _profile(trace(model, tuple(example_inputs), moe_blocks=find_blocks(model)), example_inputs)
+    return stamped or _profile(trace(model, tuple(example_inputs), moe_blocks=moe_blocks(model)), example_inputs)
 
 
 def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] = ()) -> ModelProfile | None:
@@ -539,22 +541,28 @@ def _reissued_by_full_recompute(gm: fx.GraphModule) -> set[str]:
 EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")  # MoE experts in a ModuleList named `experts`
 
 
-def _routed_expert_weights(gm: fx.GraphModule) -> tuple[frozenset[str], int]:
-    """(placeholders of the weights ``usc::moe`` nodes route to, the most experts one holds): a
-    recognised block's experts, stacked ([E, ...] tensors) or in a list, whatever their names."""
+class RoutedExperts(NamedTuple):
+    """The experts ``usc::moe`` nodes route to (a recognised block's, stacked or in a list, whatever
+    their names): their weights' placeholders, and the most experts one node holds."""
+
+    weights: frozenset
+    most: int
+
+
+def _routed_expert_weights(gm: fx.GraphModule) -> RoutedExperts:
     names, most = set(), 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and is_routed_experts(node.target):
             names |= {a.name for a in node.args[3] if isinstance(a, fx.Node) and a.op == "placeholder"}
             most = max(most, routed_expert_products(node)[2])
-    return frozenset(names), most
+    return RoutedExperts(frozenset(names), most)
 
 
-def _is_expert(spec, routed: tuple) -> bool:
-    return bool(EXPERT.search(spec.name)) or spec.placeholder in routed[0]
+def _is_expert(spec, routed: RoutedExperts) -> bool:
+    return bool(EXPERT.search(spec.name)) or spec.placeholder in routed.weights
 
 
-def _experts(program, units: list[str], routed: tuple = (frozenset(), 0)) -> tuple[dict[str, int], int]:
+def _experts(program, units: list[str], routed: RoutedExperts) -> tuple[dict[str, int], int]:
     """(expert parameter bytes per unit, experts per MoE layer): experts in a list named ``experts``
     by their names, and the weights ``usc::moe`` nodes route to (``routed``)."""
     nbytes: dict[str, int] = {}
@@ -566,7 +574,7 @@ def _experts(program, units: list[str], routed: tuple = (frozenset(), 0)) -> tup
             match = EXPERT.search(spec.name)
             if match:
                 indices.setdefault(unit, set()).add(match.group(2))
-    return nbytes, max([len(i) for i in indices.values()] + [routed[1]])
+    return nbytes, max([len(i) for i in indices.values()] + [routed.most])
 
 
 def _param_unit(name: str, units: list[str]) -> str:
@@ -574,7 +582,7 @@ def _param_unit(name: str, units: list[str]) -> str:
     return unit if unit in units else units[-1 if unit == "<root>" else 0]
 
 
-def _param_bytes(program, units: list[str], routed: tuple = (frozenset(), 0)) -> dict[str, tuple[int, int, int]]:
+def _param_bytes(program, units: list[str], routed: RoutedExperts) -> dict[str, tuple[int, int, int]]:
     """(replicated, tp-split, tp-reduced) fp32 bytes of trainable dense parameters per unit, unsplit.
     A weight several units use is in each (a stage holds a copy)."""
     out: dict[str, list[int]] = {}
@@ -589,7 +597,7 @@ def _param_bytes(program, units: list[str], routed: tuple = (frozenset(), 0)) ->
     return {u: tuple(v) for u, v in out.items()}
 
 
-def _regathered_params(program, units: list[str], saved: set[str], routed: tuple = (frozenset(), 0)
+def _regathered_params(program, units: list[str], saved: set[str], routed: RoutedExperts
                        ) -> dict[str, tuple[int, int]]:
     """Per unit: (replicated, tp-split) bytes ZeRO-3 gathers again in backward. ZeRO-3 gathers the
     parameters of a layer with the layer of their first use, and gathers them all again in backward
@@ -606,7 +614,7 @@ def _regathered_params(program, units: list[str], saved: set[str], routed: tuple
             for unit, members in groups.items() if any(s.name in saved for s in members)}
 
 
-def _dense_params(program, units: list[str], routed: tuple = (frozenset(), 0)) -> list[tuple]:
+def _dense_params(program, units: list[str], routed: RoutedExperts) -> list[tuple]:
     """(spec, units that hold it) of every trainable dense parameter: the unit its name says, or every
     unit that reads it when several do (a tied embedding / lm head); none for one the graph never
     reads (export passes the second name of a tied weight as an unused input)."""
@@ -630,7 +638,7 @@ def _split_bytes(program, spec) -> tuple[int, int]:
     return (0, nbytes) if split else (nbytes, 0)
 
 
-def _tied_params(program, units: list[str], routed: tuple = (frozenset(), 0)) -> dict[str, tuple]:
+def _tied_params(program, units: list[str], routed: RoutedExperts) -> dict[str, tuple]:
     """Per unit: (name, replicated, tp-split bytes) of the parameters it shares with other units."""
     out: dict[str, tuple] = {}
     for spec, held_by in _dense_params(program, units, routed):
@@ -639,7 +647,7 @@ def _tied_params(program, units: list[str], routed: tuple = (frozenset(), 0)) ->
     return out
 
 
-def _unreduced_params(program, units: list[str], routed: tuple = (frozenset(), 0)) -> dict[str, tuple[int, int]]:
+def _unreduced_params(program, units: list[str], routed: RoutedExperts) -> dict[str, tuple[int, int]]:
     """Per unit: (replicated, tp-split) bytes of the parameters whose gradient no bucket sums over dp
     (the graph sums it, e.g. a position table read at positions every dp rank shares)."""
     out: dict[str, tuple[int, int]] = {}

@@ -13,8 +13,6 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from usc.compiler.errors import TraceError
-from usc.compiler.moe import MoEPatternError, find_blocks
 from usc.compiler.report import Report, build_report
 from usc.compiler.trace import trace
 from usc.dsl import Plan, check_rules_match, parse_plan
@@ -23,7 +21,7 @@ from usc.passes.pipeline_schedule import build_schedule, refuse_unimplemented
 from usc.passes.pipeline_schedule_check import check_schedule
 from usc.runtime.executor import PipelineExecutor, RankExecutor, estimate_activation_bytes
 from usc.runtime.materialize import InitFn, MetaState, has_meta_tensors
-from usc.planning import estimate_plan
+from usc.planning import estimate_plan, moe_blocks
 
 from .model_call import BatchLayout, trainable, with_checkpointed_layers
 
@@ -169,16 +167,7 @@ class _Compiled:
         return out
 
     def _moe_blocks(self) -> list:
-        """The model's mixture-of-experts blocks (rules with the action ``expert`` mark more)."""
-        rules = {path: rule for path, _ in self.model.named_modules() for rule in self.plan.rules
-                 if rule.matches(path) and any(a.name == "expert" for a in rule.actions)}
-        try:
-            return find_blocks(self.model, frozenset(rules))
-        except MoEPatternError as err:
-            if err.path in rules:
-                raise self.plan.error_at(rules[err.path], f"rule 'expert' on {err}",
-                                         hint="see README, 'Mixture of experts', for the patterns usc knows") from None
-            raise TraceError(f"usc could not reproduce the mixture-of-experts block {err}") from None
+        return moe_blocks(self.model, self.plan)
 
     def _microbatch(self, batch: tuple) -> tuple:
         """The program is compiled for one global microbatch (mb=M splits the batch's dim 0)."""

@@ -12,6 +12,7 @@ from usc.compiler.cost_model import Estimate, ModelProfile, PlanPoint, estimate
 from usc.compiler.hardware import HardwareProfile, hardware_profile, with_plan_memory
 from usc.compiler.planner import PlanSearch, PlanTarget, search
 from usc.dsl import OPTIONS, Plan, PlanError, parse_plan
+from usc.compiler.moe import MoEPatternError, traced_blocks
 from usc.passes.plan_checks import check_supported
 
 from usc.passes.cost_profile import batch_and_sequence, profile_model
@@ -96,7 +97,7 @@ def choose(model, spec: "str | Plan", example_inputs: tuple, *, hardware=None, k
     hw = with_plan_memory(hardware_profile(hardware or plan.get("hardware")), plan)
     target = plan_target(plan, example_inputs, hw)
     with collector_paused():
-        profile = profile or profile_model(model, tuple(example_inputs))
+        profile = profile or profile_model(model, tuple(example_inputs), moe_blocks=lambda m: moe_blocks(m, plan))
         result = search(profile, target, hw, supported=refusal, keep=keep)
     if result.best is None:
         raise plan.error_at("auto", f"no plan for {target.gpus} GPUs fits this model:\n{result}",
@@ -124,4 +125,17 @@ def estimate_plan(model, plan: Plan, example_inputs: tuple, hardware="h100",
     return estimate(profile, point, hw)
 
 
-__all__ = ["choose", "estimate_plan", "point_of", "plan_target", "refusal", "PlanSearch", "OPTIONS"]
+def moe_blocks(model, plan) -> list:
+    """The model's mixture-of-experts blocks (rules with the action ``expert`` mark more), as
+    usc.compile traces them and the planner profiles them."""
+    rules = {path: rule for path, _ in model.named_modules() for rule in plan.rules
+             if rule.matches(path) and any(a.name == "expert" for a in rule.actions)}
+    try:
+        return traced_blocks(model, frozenset(rules))
+    except MoEPatternError as err:
+        raise plan.error_at(rules[err.path], f"rule 'expert' on {err}",
+                            hint="see README, 'Mixture of experts', for the patterns usc knows") from None
+
+
+__all__ = ["choose", "estimate_plan", "moe_blocks", "point_of", "plan_target", "refusal", "PlanSearch", "OPTIONS"]
+

@@ -226,3 +226,12 @@ def test_the_matched_variant_is_exact_even_when_expert_outputs_are_tiny():
     cfg = MoEConfig(vocab=8, hidden=2, heads=1, kv_heads=1, mlp=4, shared_mlp=4, layers=1, max_seq=2)
     assert_equivalent(lambda: TinyMixtral(cfg).double(), "dp=1", [token_batch(8, 1, 2, seed=s) for s in range(2)],
                       rtol=1e-12, atol=1e-12, param_atol=1e-10)
+
+
+def test_the_planner_reads_the_same_expert_rule():
+    """usc.plan traces the model as usc.compile does, a plan's ``expert`` rules included: without the
+    rule the same refusal, with it a plan (ep kept as written, carved from dp: four ranks)."""
+    with pytest.raises(usc.TraceError, match="(?s)module 'block'.*depends on tensor values"):
+        usc.plan(OddModel(), "gpus=4", example_inputs=BATCH)
+    chosen = usc.plan(OddModel(), "gpus=4 ep=2\nblock: expert", example_inputs=BATCH)
+    assert chosen.size("ep") == 2 and chosen.world_size == 4 and chosen.rules
