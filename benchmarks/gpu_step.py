@@ -127,24 +127,23 @@ def fit_call_rate(points: list[dict], config) -> tuple[float, float]:
     closest in log error over every product and row count measured (``per_op``)."""
     sizes = {name: k * n for name, k, n, _ in layer_products(config)}
     samples = [(p["rows"] * sizes[name], e) for p in points for name, e in p["per_op"].items()]
-    best = (math.inf, (0.0, 0.0))
-    for i in range(401):  # half from 1e7 to 1e12 multiply-adds, log-spaced
-        half = 10 ** (7 + 5 * i / 400)
-        logs = [math.log(e * (w + half) / w) for w, e in samples]
-        eff = math.exp(sum(logs) / len(logs))
-        err = sum((math.log(eff * w / (w + half)) - math.log(e)) ** 2 for w, e in samples)
-        best = min(best, (err, (eff, half)))
-    return best[1]
+    return _fit_saturating(samples, (10 ** (7 + 5 * i / 400) for i in range(401)))  # 1e7..1e12, log-spaced
 
 
 def fit_rate(points: list[dict]) -> tuple[float, float]:
     """(efficiency, half_rows) of rate = eff * rows / (rows + half) closest in log error."""
+    return _fit_saturating([(p["rows"], p["measured"]) for p in points],
+                           range(0, 2049, 8))
+
+
+def _fit_saturating(samples: list[tuple[float, float]], halves) -> tuple[float, float]:
+    """(eff, half) of e = eff * x / (x + half) closest in log error to the (x, e) samples, half from
+    ``halves``: for a given half the best eff is the geometric mean of e / (x / (x + half))."""
     best = (math.inf, (0.0, 0.0))
-    for half in range(0, 2049, 8):
-        # for a given half the best eff is the geometric mean of measured / (rows / (rows + half))
-        logs = [math.log(p["measured"] * (p["rows"] + half) / p["rows"]) for p in points]
+    for half in halves:
+        logs = [math.log(e * (x + half) / x) for x, e in samples]
         eff = math.exp(sum(logs) / len(logs))
-        err = sum((math.log(eff * p["rows"] / (p["rows"] + half)) - math.log(p["measured"])) ** 2 for p in points)
+        err = sum((math.log(eff * x / (x + half)) - math.log(e)) ** 2 for x, e in samples)
         best = min(best, (err, (eff, half)))
     return best[1]
 

@@ -158,7 +158,7 @@ class PlanPoint:
         """The plan text (axes > 1 in mesh order, options that differ from the defaults). The point's
         ``dp`` counts replicas of an expert, as the cost model divides the batch (dp * ep ranks see
         their own data); a written plan carves ep from dp, so its dp is ``dp * ep``."""
-        sizes = {"dp": self.dp * self.ep, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
+        sizes = written_sizes({"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep})
         items = [f"{a}={sizes[a]}" for a in self.order if sizes[a] > 1]
         extras = [("zero", self.zero, 0), ("mb", self.mb, 1), ("sp", "on" if self.sp else "off", "off"),
                   ("recompute", self.recompute, "none"), ("dtype", self.dtype, "fp32"),
@@ -171,6 +171,12 @@ class PlanPoint:
             extras += [("cp_mode", self.cp_mode, "ring")]
         items += [f"{k}={v}" for k, v, default in extras if v != default]
         return " ".join(items) or "dp=1"
+
+
+def written_sizes(sizes: dict) -> dict:
+    """A point's axis sizes as a plan writes them: dp holds the ep ranks (a point's dp counts the
+    replicas of an expert, ep beside it)."""
+    return dict(sizes, dp=sizes["dp"] * sizes["ep"])
 
 
 @dataclass(frozen=True)

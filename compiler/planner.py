@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 from .cost_model import TIME_TERMS, Estimate, ModelProfile, PlanPoint, crosses_node, estimate, peak_memory
+from .cost_types import written_sizes
 from .hardware import HardwareProfile
 
 # Fraction of HBM a plan may fill: the CUDA context, NCCL buffers and allocator fragmentation take
@@ -157,7 +158,8 @@ def mesh_shapes(profile: ModelProfile, target: PlanTarget) -> Iterator[tuple[dic
                 for ep in (e for e in eps if (target.gpus // (tp * pp * cp)) % e == 0):
                     dp = target.gpus // (tp * pp * cp * ep)
                     sizes = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
-                    if any(axis in fixed and fixed[axis] != written_size(sizes, axis) for axis in sizes):
+                    written = written_sizes(sizes)
+                    if any(axis in fixed and fixed[axis] != n for axis, n in written.items()):
                         continue
                     yield sizes, _shape_problem(profile, target, sizes, layers)
 
@@ -188,15 +190,9 @@ def base_point(target: PlanTarget, sizes: dict) -> PlanPoint:
 
 
 def _matches_fixed(point: PlanPoint, fixed: dict) -> bool:
-    sizes = {axis: getattr(point, axis) for axis in ("dp", "tp", "pp", "cp", "ep")}
-    return all((written_size(sizes, name) if name in sizes else getattr(point, name)) == value
+    written = written_sizes({axis: getattr(point, axis) for axis in ("dp", "tp", "pp", "cp", "ep")})
+    return all(written.get(name, getattr(point, name, None)) == value
                for name, value in fixed.items() if hasattr(point, name) and name != "recompute")
-
-
-def written_size(sizes: dict, axis: str) -> int:
-    """An axis's size as a plan writes it: dp holds the ep ranks (the search's dp counts replicas of
-    an expert)."""
-    return sizes["dp"] * sizes["ep"] if axis == "dp" else sizes[axis]
 
 
 def _schedules(pp: int) -> list[tuple[str, int]]:

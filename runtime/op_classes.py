@@ -31,8 +31,7 @@ GROUPED_MATMUL_NAMES = frozenset({"aten::_grouped_mm", "transformers::grouped_mm
 
 
 def is_grouped_matmul(target) -> bool:
-    name = getattr(target, "name", None)
-    return callable(name) and isinstance(target, torch._ops.OpOverload) and name() in GROUPED_MATMUL_NAMES
+    return isinstance(target, torch._ops.OpOverload) and target.name() in GROUPED_MATMUL_NAMES
 
 
 def is_routed_experts(target) -> bool:
