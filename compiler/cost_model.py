@@ -94,7 +94,8 @@ def tokens_per_microbatch(profile: ModelProfile, plan: PlanPoint) -> float:
 
 def _params(u: UnitCost, plan: PlanPoint) -> float:
     """fp32 bytes of the unit's parameters one rank holds (before ZeRO)."""
-    return u.params_rep + u.params_tp / plan.tp + u.params_expert / plan.ep
+    return (u.params_rep + u.params_tp / plan.tp + (u.params_expert - u.params_expert_tp) / plan.ep
+            + u.params_expert_tp / (plan.ep * plan.tp))
 
 
 def _unreduced(u: UnitCost, plan: PlanPoint) -> float:
@@ -149,7 +150,9 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
     modes = {m for u in units for m in u.held}
     return UnitCost(units[0].name if len(units) == 1 else f"{units[0].name}..{units[-1].name}",
                     sum(u.balance for u in units), sum(u.flops_matmul for u in units),
-                    sum(u.flops_attention for u in units), sum(u.params_rep for u in units) - extra_rep,
+                    sum(u.flops_attention for u in units),
+                    {sp: sum(u.flops_tp_whole.get(sp, 0.0) for u in units) for sp in sps},
+                    sum(u.params_rep for u in units) - extra_rep,
                     sum(u.params_tp for u in units) - extra_tp, sum(u.params_tp_reduced for u in units),
                     {sp: add(u.acts.get(sp, {}) for u in units) for sp in sps},
                     {sp: add(u.input_bytes.get(sp, {}) for u in units) for sp in sps},
@@ -157,7 +160,9 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
                     blocks=sum(u.blocks for u in units), largest_acts=largest,
                     held={m: add(u.held.get(m, {}) for u in units) for m in modes},
                     parts=tuple(p for u in units for p in (u.parts or (u,))),
-                    params_expert=sum(u.params_expert for u in units), moe_layers=sum(u.moe_layers for u in units),
+                    params_expert=sum(u.params_expert for u in units),
+                    params_expert_tp=sum(u.params_expert_tp for u in units),
+                    moe_layers=sum(u.moe_layers for u in units),
                     params_saved=(sum(u.params_saved[0] for u in units), sum(u.params_saved[1] for u in units)),
                     boundary=units[-1].boundary, boundary_grad=units[-1].boundary_grad,
                     params_unreduced=tuple(map(sum, zip(*(u.params_unreduced for u in units)))), tied=tied,
@@ -581,10 +586,12 @@ def stage_flops(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -
 
 def stage_flops_by_kind(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost]) -> tuple[float, float]:
     """(matmul, attention) forward FLOPs of one microbatch on one rank of the stage: attention's
-    score and value products grow with the plan's sequence and run at their own rate."""
+    score and value products grow with the plan's sequence and run at their own rate; tp divides the
+    products it splits, and every tp rank runs the rest whole."""
     tokens = tokens_per_microbatch(profile, plan)
     probe_tokens = profile.batch * profile.seq
-    mm = sum(u.flops_matmul for u in units) * tokens / probe_tokens / plan.tp
+    whole = sum(u.flops_tp_whole.get(plan.sp and plan.tp > 1, 0.0) for u in units)  # every tp rank runs these
+    mm = ((sum(u.flops_matmul for u in units) - whole) / plan.tp + whole) * tokens / probe_tokens
     attn = sum(u.flops_attention for u in units) * tokens / probe_tokens * (plan.seq / profile.seq) / plan.tp
     return mm, attn
 
@@ -596,7 +603,8 @@ def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile, *, mem
     ``memory``: ``peak_memory(profile, plan)`` when the caller has it already (the planner's check)."""
     stages = merged_stages(profile, plan.pp, plan.split)
     # at the plan's S: attention grows as S^2
-    busiest = memo(profile, ("busiest", id(stages), tokens_per_microbatch(profile, plan), plan.seq, plan.tp),
+    busiest = memo(profile, ("busiest", id(stages), tokens_per_microbatch(profile, plan), plan.seq, plan.tp,
+                             plan.sp),
                    lambda: max(range(len(stages)), key=lambda k: stage_flops(profile, plan, [stages[k]])))
     # one stage: its memory is the peak the caller may have computed already
     state, flops, time, comms = _stage_estimate(profile, plan, stages, busiest, hw,

@@ -49,6 +49,9 @@ class UnitCost:
     balance: float = 0.0  # the pipeline split's cost estimate (passes/pipeline_split.node_flops)
     flops_matmul: float = 0.0  # forward FLOPs of linears/matmuls at (B0, S0): scales with tokens
     flops_attention: float = 0.0  # forward FLOPs of attention at (B0, S0): scales with B*S^2
+    # sp (bool) -> forward FLOPs at (B0, S0) of the matrix products every tp rank runs whole (their
+    # output replicated over tp: a router, experts tp leaves whole); part of flops_matmul
+    flops_tp_whole: dict = field(default_factory=dict)
     params_rep: int = 0  # fp32 bytes of trainable parameters tp does not split
     params_tp: int = 0  # ... that tp splits
     params_tp_reduced: int = 0  # replicated parameters whose gradients are summed over tp under sp
@@ -56,7 +59,8 @@ class UnitCost:
     input_bytes: dict = field(default_factory=dict)  # sp -> {ScaleKey: bytes} of the unit's input
     collectives: dict = field(default_factory=dict)  # sp -> tuple[CollectiveCost]
     blocks: int = 1  # units merged into this one (a pipeline stage)
-    params_expert: int = 0  # fp32 bytes of MoE expert weights (split over ep; not in params_rep/params_tp)
+    params_expert: int = 0  # fp32 bytes of MoE expert weights ep splits (not in params_rep/params_tp)
+    params_expert_tp: int = 0  # ... of them, the bytes tp splits too (each expert's hidden size)
     moe_layers: int = 0  # MoE layers in the unit (each dispatches and combines its tokens over ep)
     params_saved: tuple = (0, 0)  # (replicated, tp-split) bytes of parameters autograd saves (ZeRO-3 re-gathers)
     boundary: dict = field(default_factory=dict)  # sp -> {ScaleKey: bytes} crossing a pipeline cut after this unit
@@ -89,6 +93,7 @@ class ModelProfile:
     units: tuple[UnitCost, ...]
     tp_divides: int = 0  # gcd of every dim tp splits (heads, kv heads, hidden, vocab); 0: tp impossible
     cp_possible: bool = True
+    sp_possible: bool = True  # sp compiles where tp does (else tp is planned without it)
     layers: int = 0  # numbered layers (what pp cuts between)
     experts: int = 0  # experts per MoE layer (0: dense)
     # how the returned loss is summed (axes, dtype), as the runtime does it for the probe's plan

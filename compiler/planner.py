@@ -180,10 +180,11 @@ def _shape_problem(profile: ModelProfile, target: PlanTarget, s: dict, layers: i
     return next((reason for bad, reason in rules if bad), None)
 
 
-def base_point(target: PlanTarget, sizes: dict) -> PlanPoint:
+def base_point(target: PlanTarget, sizes: dict, sp_possible: bool = True) -> PlanPoint:
     """The plan of a mesh shape before options: sp whenever tp>1 allows it (it only saves memory,
-    Korthikanti et al. 2022), zig-zag cp when the sequence splits into 2*cp chunks (balanced causal work)."""
-    sp = sizes["tp"] > 1 and (target.seq // sizes["cp"]) % sizes["tp"] == 0
+    Korthikanti et al. 2022) and the model's sp compiles, zig-zag cp when the sequence splits into
+    2*cp chunks (balanced causal work)."""
+    sp = sp_possible and sizes["tp"] > 1 and (target.seq // sizes["cp"]) % sizes["tp"] == 0
     cp_mode = "zigzag" if sizes["cp"] > 1 and target.seq % (2 * sizes["cp"]) == 0 else "ring"
     return PlanPoint(target.global_batch, target.seq, **sizes, sp=sp, cp_mode=cp_mode, dtype=target.dtype,
                      gpus_per_node=target.gpus_per_node)
@@ -246,7 +247,7 @@ class _Search:
         """For each ZeRO stage and schedule, microbatch counts in increasing order: more microbatches
         save activation memory and shrink the bubble but make each matmul smaller, so the walk stops
         once a plan fits without recompute (pp=1) or once the step time stops improving (pp>1)."""
-        base = base_point(self.target, sizes)
+        base = base_point(self.target, sizes, self.profile.sp_possible)
         if "fuse" not in self.fixed and not self.refusal(replace(base, fuse=True)):
             base = replace(base, fuse=True)  # fusion only saves memory traffic: use it once compile runs it
         per_replica = self.target.global_batch // sizes["dp"]

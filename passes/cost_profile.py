@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.utils._pytree import tree_flatten
 
@@ -37,12 +37,13 @@ from usc.compiler.trace import Traced, module_path, trace
 from usc.dsl import PlanError, parse_plan
 from usc.passes import parallelize
 from usc.passes.compute_dtype import CASTS
-from usc.passes.pipeline_split import constant_nodes, node_flops, routed_expert_products
+from usc.passes.pipeline_split import constant_nodes, expert_module_flops, node_flops, routed_expert_products
 from usc.passes.recompute import (KEEP_COLLECTIVE, KEPT, RECOMPUTED, RULES, DecisionRule, recompute_regions,
                                   reissued_in_backward)
 from usc.runtime.ring_attention import GRAD_BLOCKS, RingAttention
 from usc.passes.saved_values import base_of, saves_for_backward
 from usc.passes.zero3 import layer_key
+from usc.runtime.moe import ExpertParallelMoE
 from usc.runtime.op_classes import ATTENTION, MATMULS, is_grouped_matmul, is_routed_experts
 from usc.runtime.sizes import shape_bytes
 
@@ -93,6 +94,8 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
     batch, seq = batch_and_sequence(example_inputs)
     with _use_lazy_graph_module(True):  # the probes run node by node on fake tensors: no Python for them
         probe_sp, probe_plain = _probe_programs(traced, batch, seq)
+    sp_possible = probe_sp is not None
+    probe_sp = probe_sp or probe_plain
     units = _unit_order(traced.gm)
     if not all(_block_keeps_its_nodes(program, units, block) for program in (probe_sp, probe_plain)
                for block in blocks):
@@ -100,13 +103,18 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
     flops, calls = _flops_by_unit(traced.gm, units)
     routed = _routed_expert_weights(traced.gm)
     per_sp = {sp: _probe_costs(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
+    whole = {sp: _tp_whole_flops(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
     params = _param_bytes(probe_sp, units, routed)  # with sp, replicated norm weights also get their tp sum
     saved = _regathered_params(probe_sp, units, per_sp[False][3], routed)
     unreduced, tied = _unreduced_params(probe_sp, units, routed), _tied_params(probe_sp, units, routed)
     expert_bytes, experts = _experts(probe_plain, units, routed)
+    moe_units = {where for where in _moe_units(traced.gm, units)}
     built = []
     for name in units:
-        built.append(UnitCost(name, *flops.get(name, (0.0, 0.0, 0.0)), *params.get(name, (0, 0, 0)),
+        balance, matmul, attention = flops.get(name, (0.0, 0.0, 0.0))
+        rep, split, reduced = params.get(name, (0, 0, 0))
+        built.append(UnitCost(name, balance, matmul, attention, {sp: whole[sp].get(name, 0.0) for sp in whole},
+                              rep, split, reduced,
                               acts={sp: per_sp[sp][0].get(name, {}) for sp in per_sp},
                               input_bytes={sp: per_sp[sp][1].get(name, {}) for sp in per_sp},
                               held={(*how, sp): held.get(name, {}) for sp in per_sp
@@ -114,7 +122,9 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
                               recomputed={(*how, sp): again.get(name, ()) for sp in per_sp
                                           for how, (_, again) in per_sp[sp][5].items()},
                               collectives={sp: tuple(per_sp[sp][2].get(name, ())) for sp in per_sp},
-                              params_expert=expert_bytes.get(name, 0), moe_layers=int(name in expert_bytes),
+                              params_expert=expert_bytes.get(name, (0, 0))[0],
+                              params_expert_tp=expert_bytes.get(name, (0, 0))[1],
+                              moe_layers=int(name in moe_units),
                               params_saved=saved.get(name, (0, 0)),
                               params_unreduced=unreduced.get(name, (0, 0)), tied=tied.get(name, ()),
                               boundary={sp: per_sp[sp][4][name][0] for sp in per_sp},
@@ -122,7 +132,7 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
                               matmul_calls=calls.get(name, 0)))
     layers = sum(1 for u in units if u.rsplit(".", 1)[-1].isdigit())
     return ModelProfile(traced.model_name, batch, seq, tuple(built), tp_divides=_tp_divides(probe_plain, batch, seq),
-                        cp_possible="cp" in probe_plain.mesh.axes, layers=layers, experts=experts,
+                        cp_possible="cp" in probe_plain.mesh.axes, sp_possible=sp_possible, layers=layers, experts=experts,
                         loss_value=probe_plain.loss_value)
 
 
@@ -275,18 +285,23 @@ def _stamp(profile: ModelProfile, stacks: dict[str, int]) -> ModelProfile | None
 # ------------------------------------------------------------------------------------------ probes
 
 def _probe_programs(traced: Traced, batch: int, seq: int):
-    """Compile the largest probe the model allows: each axis 2 where it divides, dropped where not."""
+    """Compile the largest probe the model allows: each axis 2 where it divides, dropped where not;
+    and the same with sp (None when sp cannot compile where tp can: the planner then plans tp alone)."""
     axes = [a for a, ok in (("dp", batch % 2 == 0), ("cp", seq % 2 == 0), ("tp", True)) if ok]
     while True:
         try:
             plain = parallelize(traced, parse_plan(" ".join(f"{a}=2" for a in axes) or "dp=1"))
-            if "tp" not in axes or (seq // (2 if "cp" in axes else 1)) % 2:
-                return plain, plain
-            return parallelize(traced, parse_plan(" ".join(f"{a}=2" for a in axes) + " sp=on")), plain
+            break
         except (PlanError, CompileError):
             if not axes:
                 raise
             axes.remove("cp" if "cp" in axes else "tp" if "tp" in axes else "dp")
+    if "tp" not in axes or (seq // (2 if "cp" in axes else 1)) % 2:
+        return plain, plain
+    try:
+        return parallelize(traced, parse_plan(" ".join(f"{a}=2" for a in axes) + " sp=on")), plain
+    except (PlanError, CompileError):  # tp without sp (a reshape sp cannot follow): plan tp alone
+        return None, plain
 
 
 def _unit_of(node: fx.Node, current: str) -> str:
@@ -345,6 +360,30 @@ def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> tuple[dict[str, tupl
         elif node.target in ATTENTION:
             unit[2] += cost
     return {u: tuple(v) for u, v in out.items()}, calls
+
+
+def _tp_whole_flops(program, units: list[str]) -> dict[str, float]:
+    """Per unit: forward FLOPs (unsplit, at the probe's shapes) of the matrix products whose output
+    the probe replicates over tp -- every tp rank runs them whole: a router, experts tp keeps whole
+    (transformers' fused gate_up), a product on tokens tp does not split. A product tp splits has
+    a sharded or partial output."""
+    if "tp" not in program.mesh.axes:
+        return {}
+    index = program.mesh.axes.index("tp")
+    where = _units_by_node(program.gm, units)
+    out: dict[str, float] = {}
+    for node in program.gm.graph.nodes:
+        if META not in node.meta or not isinstance(node.meta[META].layout.placements[index], Replicate):
+            continue
+        if node.op == "call_function" and (node.target in MATMULS or is_grouped_matmul(node.target)):
+            flops = node_flops(node)
+        elif node.op == "call_module" and isinstance(module := program.gm.get_submodule(node.target),
+                                                     ExpertParallelMoE):
+            flops = expert_module_flops(node, module.stacked)
+        else:
+            continue
+        out[where[node.name]] = out.get(where[node.name], 0.0) + flops
+    return out
 
 
 def _key(node: fx.Node, mesh, *, is_float: bool | None = None, bf16_only: bool = False) -> tuple[ScaleKey, int]:
@@ -542,8 +581,10 @@ EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")  # MoE experts in a ModuleList na
 
 
 class RoutedExperts(NamedTuple):
-    """The experts ``usc::moe`` nodes route to (a recognised block's, stacked or in a list, whatever
-    their names): their weights' placeholders, and the most experts one node holds."""
+    """The experts ``usc::moe`` nodes route to (a recognised block's, whatever their names): the
+    placeholders of the stacked expert weights, which ep splits (experts in a list stay whole on ep,
+    every rank keeps them all: dense parameters to the cost model), and the most experts one node
+    holds."""
 
     weights: frozenset
     most: int
@@ -553,27 +594,43 @@ def _routed_expert_weights(gm: fx.GraphModule) -> RoutedExperts:
     names, most = set(), 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and is_routed_experts(node.target):
-            names |= {a.name for a in node.args[3] if isinstance(a, fx.Node) and a.op == "placeholder"}
+            if node.args[4]:  # stacked
+                names |= {a.name for a in node.args[3] if isinstance(a, fx.Node) and a.op == "placeholder"}
             most = max(most, routed_expert_products(node)[2])
     return RoutedExperts(frozenset(names), most)
 
 
+def _moe_units(gm: fx.GraphModule, units: list[str]) -> list[str]:
+    """Units holding a mixture-of-experts block: a ``usc::moe`` node, or experts in a list named
+    ``experts`` (by their parameters' names)."""
+    where = _units_by_node(gm, units)
+    found = [where[n.name] for n in gm.graph.nodes if n.op == "call_function" and is_routed_experts(n.target)]
+    found += [_param_unit(name, units) for name, _ in gm.named_parameters() if EXPERT.search(name)]
+    return list(dict.fromkeys(found))
+
+
 def _is_expert(spec, routed: RoutedExperts) -> bool:
-    return bool(EXPERT.search(spec.name)) or spec.placeholder in routed.weights
+    """A weight ep splits (passes/expert_parallel.expert_layouts)."""
+    return spec.placeholder in routed.weights
 
 
-def _experts(program, units: list[str], routed: RoutedExperts) -> tuple[dict[str, int], int]:
-    """(expert parameter bytes per unit, experts per MoE layer): experts in a list named ``experts``
-    by their names, and the weights ``usc::moe`` nodes route to (``routed``)."""
-    nbytes: dict[str, int] = {}
+def _experts(program, units: list[str], routed: RoutedExperts) -> tuple[dict[str, tuple[int, int]], int]:
+    """((expert bytes, of them tp-split) per unit, experts per MoE layer): the bytes of the weights ep
+    splits (``routed``), the count of experts in a list named ``experts`` by their names or of
+    those the ``usc::moe`` nodes route to."""
+    nbytes: dict[str, tuple[int, int]] = {}
     indices: dict[str, set] = {}
     for spec in program.state:
-        if spec.kind == "param" and spec.trainable and _is_expert(spec, routed):
-            unit = _param_unit(spec.name, units)
-            nbytes[unit] = nbytes.get(unit, 0) + shape_bytes(spec.global_shape, spec.dtype)
-            match = EXPERT.search(spec.name)
-            if match:
-                indices.setdefault(unit, set()).add(match.group(2))
+        if spec.kind != "param" or not spec.trainable:
+            continue
+        unit = _param_unit(spec.name, units)
+        if _is_expert(spec, routed):
+            rep, split = _split_bytes(program, spec)
+            total, tp_split = nbytes.get(unit, (0, 0))
+            nbytes[unit] = (total + rep + split, tp_split + split)
+        match = EXPERT.search(spec.name)
+        if match:
+            indices.setdefault(unit, set()).add(match.group(2))
     return nbytes, max([len(i) for i in indices.values()] + [routed.most])
 
 
