@@ -108,7 +108,7 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
     saved = _regathered_params(probe_sp, units, per_sp[False][3], routed)
     unreduced, tied = _unreduced_params(probe_sp, units, routed), _tied_params(probe_sp, units, routed)
     expert_bytes, experts = _experts(probe_plain, units, routed)
-    moe_units = {where for where in _moe_units(traced.gm, units)}
+    moe_units = _moe_units(traced.gm, probe_plain, units)
     built = []
     for name in units:
         balance, matmul, attention = flops.get(name, (0.0, 0.0, 0.0))
@@ -600,13 +600,12 @@ def _routed_expert_weights(gm: fx.GraphModule) -> RoutedExperts:
     return RoutedExperts(frozenset(names), most)
 
 
-def _moe_units(gm: fx.GraphModule, units: list[str]) -> list[str]:
-    """Units holding a mixture-of-experts block: a ``usc::moe`` node, or experts in a list named
-    ``experts`` (by their parameters' names)."""
+def _moe_units(gm: fx.GraphModule, program, units: list[str]) -> set[str]:
+    """Units holding a mixture-of-experts block: a ``usc::moe`` node of ``gm``, or experts in a list
+    named ``experts`` (by the names of ``program``'s parameters)."""
     where = _units_by_node(gm, units)
-    found = [where[n.name] for n in gm.graph.nodes if n.op == "call_function" and is_routed_experts(n.target)]
-    found += [_param_unit(name, units) for name, _ in gm.named_parameters() if EXPERT.search(name)]
-    return list(dict.fromkeys(found))
+    return ({where[n.name] for n in gm.graph.nodes if n.op == "call_function" and is_routed_experts(n.target)}
+            | {_param_unit(s.name, units) for s in program.state if s.kind == "param" and EXPERT.search(s.name)})
 
 
 def _is_expert(spec, routed: RoutedExperts) -> bool:
