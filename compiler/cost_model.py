@@ -166,7 +166,8 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
                     params_saved=(sum(u.params_saved[0] for u in units), sum(u.params_saved[1] for u in units)),
                     boundary=units[-1].boundary, boundary_grad=units[-1].boundary_grad,
                     params_unreduced=tuple(map(sum, zip(*(u.params_unreduced for u in units)))), tied=tied,
-                    matmul_calls=sum(u.matmul_calls for u in units))
+                    matmul_calls=sum(u.matmul_calls for u in units),
+                    expert_calls=sum(u.expert_calls for u in units))
 
 
 def in_flight(plan: PlanPoint, stage: int = 0) -> float:
@@ -686,7 +687,8 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     fwd_flops = mm_flops + attn_flops
     rows = tokens_per_microbatch(profile, plan)
     # the seconds of the forward's FLOPs, each kind at its rate; backward is twice them (recompute adds one)
-    compute = (hw.matmul_seconds(mm_flops, units[0].matmul_calls, rows, plan.dtype)
+    calls = units[0].matmul_calls - units[0].expert_calls * (1 - 1 / plan.ep)  # a rank runs E/ep experts
+    compute = (hw.matmul_seconds(mm_flops, calls, rows, plan.dtype)
                + attn_flops / hw.attention_rate(rows, plan.dtype))
     extra = {"full": 1.0, "selective": 0.0}.get(plan.recompute, 0.0)  # selective: pointwise only
     acts = sum(_acts(u.acts.get(plan.sp and plan.tp > 1, {}), profile, plan) for u in units)

@@ -81,6 +81,7 @@ class UnitCost:
     # matrix-product calls of one forward (linears, matmuls; not attention): each call costs the
     # device a fixed time beside its FLOPs (the hardware profile's matmul_half_work)
     matmul_calls: int = 0
+    expert_calls: int = 0  # of matmul_calls, the routed experts' products: an ep rank runs its E/ep share
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
     if not all(_block_keeps_its_nodes(program, units, block) for program in (probe_sp, probe_plain)
                for block in blocks):
         return None
-    flops, calls = _flops_by_unit(traced.gm, units)
+    flops, calls, expert_calls = _flops_by_unit(traced.gm, units)
     routed = _routed_expert_weights(traced.gm)
     per_sp = {sp: _probe_costs(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
     whole = {sp: _tp_whole_flops(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
@@ -129,7 +129,7 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
                               params_unreduced=unreduced.get(name, (0, 0)), tied=tied.get(name, ()),
                               boundary={sp: per_sp[sp][4][name][0] for sp in per_sp},
                               boundary_grad={sp: per_sp[sp][4][name][1] for sp in per_sp},
-                              matmul_calls=calls.get(name, 0)))
+                              matmul_calls=calls.get(name, 0), expert_calls=expert_calls.get(name, 0)))
     layers = sum(1 for u in units if u.rsplit(".", 1)[-1].isdigit())
     return ModelProfile(traced.model_name, batch, seq, tuple(built), tp_divides=_tp_divides(probe_plain, batch, seq),
                         cp_possible="cp" in probe_plain.mesh.axes, sp_possible=sp_possible, layers=layers, experts=experts,
@@ -336,12 +336,15 @@ def model_forward_flops(gm: fx.GraphModule) -> float:
                     or is_routed_experts(n.target)))
 
 
-def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> tuple[dict[str, tuple[float, float, float]], dict[str, int]]:
-    """(balance, matmul, attention) forward FLOPs per unit at the example's shapes, and the unit's
-    matrix-product calls (MATMULS and grouped expert products with work to do) of one forward."""
+def _flops_by_unit(gm: fx.GraphModule, units: list[str]
+                   ) -> tuple[dict[str, tuple[float, float, float]], dict[str, int], dict[str, int]]:
+    """(balance, matmul, attention) forward FLOPs per unit at the example's shapes, the unit's
+    matrix-product calls (MATMULS and grouped expert products with work to do) of one forward, and
+    of those the routed experts' (each expert's products: an ep rank runs its share)."""
     where = _units_by_node(gm, units)
     out: dict[str, list[float]] = {u: [0.0, 0.0, 0.0] for u in units}
     calls: dict[str, int] = {}
+    experts: dict[str, int] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -355,11 +358,12 @@ def _flops_by_unit(gm: fx.GraphModule, units: list[str]) -> tuple[dict[str, tupl
                 calls[where[node.name]] = calls.get(where[node.name], 0) + 1
         elif is_routed_experts(node.target):  # usc's experts: each expert's products, one call each
             unit[1] += cost
-            # the runtime loops over the experts (under ep a rank runs its share; counted whole)
+            # the runtime loops over the experts (under ep a rank runs its share: UnitCost.expert_calls)
             calls[where[node.name]] = calls.get(where[node.name], 0) + routed_expert_products(node)[3]
+            experts[where[node.name]] = experts.get(where[node.name], 0) + routed_expert_products(node)[3]
         elif node.target in ATTENTION:
             unit[2] += cost
-    return {u: tuple(v) for u, v in out.items()}, calls
+    return {u: tuple(v) for u, v in out.items()}, calls, experts
 
 
 def _tp_whole_flops(program, units: list[str]) -> dict[str, float]:

@@ -425,6 +425,34 @@ def test_a_moe_block_usc_recognises_is_planned_with_its_experts_counted():
     assert layer.matmul_calls == 4 + 1 + 3 * cfg.experts and layer.moe_layers == 1
 
 
+def test_an_ep_rank_pays_the_fixed_time_of_its_own_experts_calls_only():
+    """usc's expert node loops over the experts a rank holds: under ep=2 a rank runs half of them, so
+    half of the experts' product calls (each a fixed device time beside its FLOPs, ~22 us on the
+    h100 profile; 384 a layer for 128 experts); the attention's and the router's calls stay whole.
+    The per-call time added is counted here from the config: q, k, v, o and the router, and three
+    products per expert the rank holds."""
+    from usc.model_call import trainable
+    from usc.passes.cost_profile import profile_model
+    from usc.testing.models import MoEConfig, TinyMixtral
+
+    cfg = MoEConfig()
+    torch.manual_seed(0)
+    model = trainable(TinyMixtral(cfg), None)
+    profile = profile_model(model, tuple(model.flatten(token_batch(cfg.vocab, 4, 16))))
+    layers = [u for u in profile.units if u.moe_layers]
+    assert len(layers) == cfg.layers and all(u.expert_calls == 3 * cfg.experts for u in layers)
+    others = sum(u.matmul_calls for u in profile.units) - cfg.layers * 3 * cfg.experts
+    half = 5e8
+    flat = replace(H100, unit_overhead=0.0, matmul_half_work=0.0, matmul_half_rows=1e-9)
+    per_call = replace(flat, matmul_half_work=half)
+    rate = H100.peak_bf16_flops * H100.matmul_efficiency
+    for ep in (1, 2):
+        point = PlanPoint(8, 16, dp=1, ep=ep, mb=2, dtype="bf16")
+        added = estimate(profile, point, per_call).time["compute"] - estimate(profile, point, flat).time["compute"]
+        calls = others + cfg.layers * 3 * cfg.experts / ep
+        assert added == pytest.approx(point.mb * 3 * 2 * half * calls / rate, rel=1e-6), ep
+
+
 def test_a_written_plans_ep_is_carved_from_its_dp_in_the_cost_model_too():
     """usc.compile carves the ep ranks from dp (``dp=4 ep=2`` runs on 4 ranks); the cost model's point
     counts dp per expert replica (2 here) and ep beside it. Reading a plan and writing a point back
