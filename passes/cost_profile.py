@@ -64,6 +64,22 @@ def batch_and_sequence(example_inputs: tuple) -> tuple[int, int]:
     raise CompileError("the planner needs an example input shaped [batch, sequence, ...] (token ids)")
 
 
+def at_sequence(example_inputs: tuple, seq: int) -> tuple:
+    """The example made ``seq`` long: every input whose second dim is the example's sequence (token
+    ids, masks, labels, positions) tiled along it and cut to ``seq``, the rest as they are. A profile
+    of it measures the activations at the sequence planned for instead of scaling them from the
+    example's: what a rank holds does not grow linearly with the sequence everywhere (attention
+    scores an eager attention keeps, tokens gathered whole over cp such as a mixture-of-experts
+    block's)."""
+    _, current = batch_and_sequence(example_inputs)
+    if seq == current:
+        return tuple(example_inputs)
+    reps = -(-seq // current)
+    return tuple(v.repeat(1, reps, *[1] * (v.dim() - 2))[:, :seq]
+                 if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == current else v
+                 for v in example_inputs)
+
+
 def profile_model(model: torch.nn.Module, example_inputs: tuple, *, traced: Traced | None = None,
                   moe_blocks=traced_blocks) -> ModelProfile:
     """Per-unit costs of ``model`` at the example's batch and sequence (one trace, two probe compiles).

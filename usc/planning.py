@@ -15,7 +15,8 @@ from usc.dsl import OPTIONS, Plan, PlanError, parse_plan
 from usc.compiler.moe import MoEPatternError, traced_blocks
 from usc.passes.plan_checks import check_supported
 
-from usc.passes.cost_profile import batch_and_sequence, profile_model
+from usc.compiler.errors import CompileError
+from usc.passes.cost_profile import at_sequence, batch_and_sequence, profile_model
 
 # Options only the planner reads; they describe the target, not the plan it returns.
 TARGET_OPTIONS = ("gpus", "seq", "global_batch", "hardware")
@@ -97,12 +98,32 @@ def choose(model, spec: "str | Plan", example_inputs: tuple, *, hardware=None, k
     hw = with_plan_memory(hardware_profile(hardware or plan.get("hardware")), plan)
     target = plan_target(plan, example_inputs, hw)
     with collector_paused():
-        profile = profile or profile_model(model, tuple(example_inputs), moe_blocks=lambda m: moe_blocks(m, plan))
+        if profile is None:
+            profile, scaled = _profile_at(model, tuple(example_inputs), target.seq, plan)
+            if scaled:
+                target = replace(target, assumption="\n  ".join(filter(None, (target.assumption, scaled))))
         result = search(profile, target, hw, supported=refusal, keep=keep)
     if result.best is None:
         raise plan.error_at("auto", f"no plan for {target.gpus} GPUs fits this model:\n{result}",
                             hint="add GPUs, lower global_batch or seq, or write options that save memory")
     return replace(_written_back(plan, result.best.plan), search=result)
+
+
+def _profile_at(model, example: tuple, seq: int, plan: Plan) -> tuple[ModelProfile, str]:
+    """The model's profile at the sequence planned for (the example lengthened to it: activations do
+    not all grow linearly with the sequence), and what was assumed where the lengthened example does
+    not trace (the profile of the example as given, its activations scaled to ``seq``)."""
+    blocks = lambda m: moe_blocks(m, plan)  # noqa: E731
+    try:
+        return profile_model(model, at_sequence(example, seq), moe_blocks=blocks), ""
+    except (CompileError, PlanError) as err:
+        _, given = batch_and_sequence(example)
+        if seq == given:
+            raise
+        why = str(err).splitlines()[0]
+    return profile_model(model, example, moe_blocks=blocks), (
+        f"activations scaled from the example's sequence {given} to seq={seq} (the example lengthened "
+        f"to {seq} does not trace: {why}); pass an example at seq={seq} to measure them")
 
 
 def _written_back(plan: Plan, point: PlanPoint) -> Plan:
