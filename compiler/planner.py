@@ -180,7 +180,7 @@ def _shape_problem(profile: ModelProfile, target: PlanTarget, s: dict, layers: i
     return next((reason for bad, reason in rules if bad), None)
 
 
-def base_point(target: PlanTarget, sizes: dict, sp_possible: bool = True) -> PlanPoint:
+def base_point(target: PlanTarget, sizes: dict, sp_possible: bool) -> PlanPoint:
     """The plan of a mesh shape before options: sp whenever tp>1 allows it (it only saves memory,
     Korthikanti et al. 2022) and the model's sp compiles, zig-zag cp when the sequence splits into
     2*cp chunks (balanced causal work)."""

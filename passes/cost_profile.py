@@ -37,7 +37,7 @@ from usc.compiler.trace import Traced, module_path, trace
 from usc.dsl import PlanError, parse_plan
 from usc.passes import parallelize
 from usc.passes.compute_dtype import CASTS
-from usc.passes.pipeline_split import constant_nodes, expert_module_flops, node_flops, routed_expert_products
+from usc.passes.pipeline_split import constant_nodes, expert_products, node_flops, routed_expert_products
 from usc.passes.recompute import (KEEP_COLLECTIVE, KEPT, RECOMPUTED, RULES, DecisionRule, recompute_regions,
                                   reissued_in_backward)
 from usc.runtime.ring_attention import GRAD_BLOCKS, RingAttention
@@ -375,8 +375,9 @@ def _flops_by_unit(gm: fx.GraphModule, units: list[str]
         elif is_routed_experts(node.target):  # usc's experts: each expert's products, one call each
             unit[1] += cost
             # the runtime loops over the experts (under ep a rank runs its share: UnitCost.expert_calls)
-            calls[where[node.name]] = calls.get(where[node.name], 0) + routed_expert_products(node)[3]
-            experts[where[node.name]] = experts.get(where[node.name], 0) + routed_expert_products(node)[3]
+            products = routed_expert_products(node)[3]
+            calls[where[node.name]] = calls.get(where[node.name], 0) + products
+            experts[where[node.name]] = experts.get(where[node.name], 0) + products
         elif node.target in ATTENTION:
             unit[2] += cost
     return {u: tuple(v) for u, v in out.items()}, calls, experts
@@ -399,7 +400,9 @@ def _tp_whole_flops(program, units: list[str]) -> dict[str, float]:
             flops = node_flops(node)
         elif node.op == "call_module" and isinstance(module := program.gm.get_submodule(node.target),
                                                      ExpertParallelMoE):
-            flops = expert_module_flops(node, module.stacked)
+            _, _, indices, *experts = node.args
+            rows, per_expert, _, _ = expert_products(indices, experts, module.stacked)
+            flops = 2.0 * rows * per_expert
         else:
             continue
         out[where[node.name]] = out.get(where[node.name], 0.0) + flops

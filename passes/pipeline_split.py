@@ -44,19 +44,16 @@ def routed_expert_products(node: fx.Node) -> tuple[int, float, int, int]:
     rows are the (token, chosen expert) pairs; its experts are stacked [E, in, out] matrices or E of
     each."""
     _, _, indices, experts, stacked = node.args[:5]
+    return expert_products(indices, experts, stacked)
+
+
+def expert_products(indices: fx.Node, experts, stacked: bool) -> tuple[int, float, int, int]:
+    """``routed_expert_products`` of a block's indices and expert weights (a ``usc::moe`` node's
+    arguments, or the runtime node's that replaced it: x, router weights, indices, then the experts')."""
     matrices = [shape_of(e) for e in experts if len(shape_of(e)) == (3 if stacked else 2)]
     count = matrices[0][0] if stacked else len(matrices) // 3
     per_expert = sum(math.prod(m) for m in matrices) / count
     return math.prod(shape_of(indices)), per_expert, count, count * len(matrices) if stacked else len(matrices)
-
-
-def expert_module_flops(node: fx.Node, stacked: bool) -> float:
-    """Forward FLOPs of an expanded ``usc::moe`` (runtime ExpertParallelMoE, called on x, router
-    weights, indices, then the experts' weights): as ``node_flops`` of the node it replaced."""
-    _, _, indices, *experts = node.args
-    matrices = [shape_of(e) for e in experts if len(shape_of(e)) == (3 if stacked else 2)]
-    count = matrices[0][0] if stacked else len(matrices) // 3
-    return 2.0 * math.prod(shape_of(indices)) * sum(math.prod(m) for m in matrices) / count
 
 
 def node_flops(node: fx.Node) -> float:
