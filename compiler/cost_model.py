@@ -151,7 +151,8 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
     return UnitCost(units[0].name if len(units) == 1 else f"{units[0].name}..{units[-1].name}",
                     sum(u.balance for u in units), sum(u.flops_matmul for u in units),
                     sum(u.flops_attention for u in units),
-                    {sp: sum(u.flops_tp_whole.get(sp, 0.0) for u in units) for sp in sps},
+                    {key: sum(u.flops_tp_whole.get(key, 0.0) for u in units)
+                     for key in {k for u in units for k in u.flops_tp_whole}},
                     sum(u.params_rep for u in units) - extra_rep,
                     sum(u.params_tp for u in units) - extra_tp, sum(u.params_tp_reduced for u in units),
                     {sp: add(u.acts.get(sp, {}) for u in units) for sp in sps},
@@ -591,7 +592,8 @@ def stage_flops_by_kind(profile: ModelProfile, plan: PlanPoint, units: list[Unit
     products it splits, and every tp rank runs the rest whole."""
     tokens = tokens_per_microbatch(profile, plan)
     probe_tokens = profile.batch * profile.seq
-    whole = sum(u.flops_tp_whole.get(plan.sp and plan.tp > 1, 0.0) for u in units)  # every tp rank runs these
+    key = (plan.sp and plan.tp > 1, plan.cp > 1)
+    whole = sum(u.flops_tp_whole.get(key, 0.0) for u in units)  # every tp rank runs these
     mm = ((sum(u.flops_matmul for u in units) - whole) / plan.tp + whole) * tokens / probe_tokens
     attn = sum(u.flops_attention for u in units) * tokens / probe_tokens * (plan.seq / profile.seq) / plan.tp
     return mm, attn
@@ -605,7 +607,7 @@ def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile, *, mem
     stages = merged_stages(profile, plan.pp, plan.split)
     # at the plan's S: attention grows as S^2
     busiest = memo(profile, ("busiest", id(stages), tokens_per_microbatch(profile, plan), plan.seq, plan.tp,
-                             plan.sp),
+                             plan.sp, plan.cp > 1),
                    lambda: max(range(len(stages)), key=lambda k: stage_flops(profile, plan, [stages[k]])))
     # one stage: its memory is the peak the caller may have computed already
     state, flops, time, comms = _stage_estimate(profile, plan, stages, busiest, hw,

@@ -49,8 +49,9 @@ class UnitCost:
     balance: float = 0.0  # the pipeline split's cost estimate (passes/pipeline_split.node_flops)
     flops_matmul: float = 0.0  # forward FLOPs of linears/matmuls at (B0, S0): scales with tokens
     flops_attention: float = 0.0  # forward FLOPs of attention at (B0, S0): scales with B*S^2
-    # sp (bool) -> forward FLOPs at (B0, S0) of the matrix products every tp rank runs whole (their
-    # output replicated over tp: a router, experts tp leaves whole); part of flops_matmul
+    # (sp, cp > 1) -> forward FLOPs at (B0, S0) of the matrix products every tp rank runs whole (their
+    # output replicated over tp: a router, experts tp leaves whole, GPT-2's fused projections without
+    # sp); part of flops_matmul
     flops_tp_whole: dict = field(default_factory=dict)
     params_rep: int = 0  # fp32 bytes of trainable parameters tp does not split
     params_tp: int = 0  # ... that tp splits

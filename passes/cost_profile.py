@@ -119,7 +119,7 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
     flops, calls, expert_calls = _flops_by_unit(traced.gm, units)
     routed = _routed_expert_weights(traced.gm)
     per_sp = {sp: _probe_costs(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
-    whole = {sp: _tp_whole_flops(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
+    whole = _tp_whole(traced, probe_sp, probe_plain, sp_possible, units)
     params = _param_bytes(probe_sp, units, routed)  # with sp, replicated norm weights also get their tp sum
     saved = _regathered_params(probe_sp, units, per_sp[False][3], routed)
     unreduced, tied = _unreduced_params(probe_sp, units, routed), _tied_params(probe_sp, units, routed)
@@ -129,7 +129,7 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
     for name in units:
         balance, matmul, attention = flops.get(name, (0.0, 0.0, 0.0))
         rep, split, reduced = params.get(name, (0, 0, 0))
-        built.append(UnitCost(name, balance, matmul, attention, {sp: whole[sp].get(name, 0.0) for sp in whole},
+        built.append(UnitCost(name, balance, matmul, attention, {key: whole[key].get(name, 0.0) for key in whole},
                               rep, split, reduced,
                               acts={sp: per_sp[sp][0].get(name, {}) for sp in per_sp},
                               input_bytes={sp: per_sp[sp][1].get(name, {}) for sp in per_sp},
@@ -381,6 +381,23 @@ def _flops_by_unit(gm: fx.GraphModule, units: list[str]
         elif node.target in ATTENTION:
             unit[2] += cost
     return {u: tuple(v) for u, v in out.items()}, calls, experts
+
+
+def _tp_whole(traced: Traced, probe_sp, probe_plain, sp_possible: bool, units: list[str]) -> dict[tuple, dict]:
+    """(sp, cp > 1) -> ``_tp_whole_flops`` per unit. Where tp splits a product depends on cp: sp
+    cannot split the tokens of a sequence cp already splits (GPT-2's projections run whole on every
+    tp rank under cp=2 sp=on, split without cp). The probes hold cp where the model allows it; when
+    they show any product whole on tp, the same probes without cp say what plans without cp run."""
+    with_cp = "cp" in probe_plain.mesh.axes
+    found = {(sp, with_cp): _tp_whole_flops(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
+    if not with_cp or not any(any(v.values()) for v in found.values()):
+        return {**found, **{(sp, not with_cp): flops for (sp, _), flops in found.items()}}
+    axes = " ".join(f"{a}=2" for a in probe_plain.mesh.axes if a != "cp")
+    plain = sp_program = parallelize(traced, parse_plan(axes))
+    if sp_possible:
+        with contextlib.suppress(PlanError, CompileError):  # sp compiled with cp; without, as plain
+            sp_program = parallelize(traced, parse_plan(axes + " sp=on"))
+    return {**found, (True, False): _tp_whole_flops(sp_program, units), (False, False): _tp_whole_flops(plain, units)}
 
 
 def _tp_whole_flops(program, units: list[str]) -> dict[str, float]:

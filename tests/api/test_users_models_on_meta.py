@@ -142,6 +142,36 @@ def test_every_tp_rank_runs_the_products_tp_keeps_whole():
             assert predicted == counter.get_flop_counts()["Global"][torch.ops.aten.mm], (name, text)
 
 
+@pytest.mark.parametrize("text", ["dp=2 tp=2", "dp=2 tp=2 sp=on", "dp=2 cp=2 tp=2", "dp=2 cp=2 tp=2 sp=on"])
+def test_a_ranks_products_under_tp_and_cp_are_what_the_runtime_runs(text):
+    """GPT-2's fused q/k/v and output projections run whole on every tp rank without sp, and split
+    with it -- unless cp splits the sequence sp would split, where they run whole again. The
+    profile's probes hold cp, so what plans without cp run is asked of probes without it. Held
+    against FlopCounterMode on rank 0's forward of each plan's program (fake tensors)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from usc.compiler.cost_model import merged_stages, stage_flops_by_kind
+    from usc.dsl import parse_plan
+    from usc.model_call import trainable
+    from usc.passes import parallelize
+    from usc.planning import point_of
+    from usc.runtime.executor import fake_rank_zero
+    from usc.testing.models import GPT2Config, TinyGPT2, token_batch
+
+    torch.manual_seed(0)
+    model = trainable(TinyGPT2(GPT2Config(vocab=512, hidden=256, heads=8, layers=3, max_seq=256)), None)
+    batch = tuple(model.flatten(token_batch(512, 4, 64)))
+    traced, profile = _traced_and_profile(model, batch)
+    with fake_rank_zero(parallelize(traced, parse_plan(text))) as (rank, inputs):
+        with FlopCounterMode(display=False) as counter:
+            rank._loss(rank._split(inputs)[0])
+    products = sum(n for op, n in counter.get_flop_counts()["Global"].items()
+                   if op in (torch.ops.aten.mm, torch.ops.aten.addmm))
+    predicted, _ = stage_flops_by_kind(profile, point_of(parse_plan(text), global_batch=4, seq=64),
+                                       merged_stages(profile, 1, None))
+    assert predicted == products
+
+
 def test_expert_weights_per_rank_are_what_the_runtime_holds():
     """The parameter bytes one rank holds, as the memory model counts them, against the compiled
     program's own placements (each parameter's local shape): stacked experts are split over ep, and
