@@ -306,7 +306,7 @@ def _probe_programs(traced: Traced, batch: int, seq: int):
     axes = [a for a, ok in (("dp", batch % 2 == 0), ("cp", seq % 2 == 0), ("tp", True)) if ok]
     while True:
         try:
-            plain = parallelize(traced, parse_plan(" ".join(f"{a}=2" for a in axes) or "dp=1"))
+            plain = _probe(traced, axes)
             break
         except (PlanError, CompileError):
             if not axes:
@@ -314,10 +314,20 @@ def _probe_programs(traced: Traced, batch: int, seq: int):
             axes.remove("cp" if "cp" in axes else "tp" if "tp" in axes else "dp")
     if "tp" not in axes or (seq // (2 if "cp" in axes else 1)) % 2:
         return plain, plain
+    return _sp_probe(traced, axes), plain
+
+
+def _probe(traced: Traced, axes, sp: bool = False):
+    """The program of ``traced`` with each of ``axes`` of size 2 (``sp=on`` with ``sp``)."""
+    return parallelize(traced, parse_plan(" ".join([f"{a}=2" for a in axes] + ["sp=on"] * sp) or "dp=1"))
+
+
+def _sp_probe(traced: Traced, axes):
+    """``_probe`` with sp, or None where sp cannot compile (a reshape sp's sequence split cannot follow)."""
     try:
-        return parallelize(traced, parse_plan(" ".join(f"{a}=2" for a in axes) + " sp=on")), plain
-    except (PlanError, CompileError):  # tp without sp (a reshape sp cannot follow): plan tp alone
-        return None, plain
+        return _probe(traced, axes, sp=True)
+    except (PlanError, CompileError):
+        return None
 
 
 def _unit_of(node: fx.Node, current: str) -> str:
@@ -392,11 +402,9 @@ def _tp_whole(traced: Traced, probe_sp, probe_plain, sp_possible: bool, units: l
     found = {(sp, with_cp): _tp_whole_flops(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
     if not with_cp or not any(any(v.values()) for v in found.values()):
         return {**found, **{(sp, not with_cp): flops for (sp, _), flops in found.items()}}
-    axes = " ".join(f"{a}=2" for a in probe_plain.mesh.axes if a != "cp")
-    plain = sp_program = parallelize(traced, parse_plan(axes))
-    if sp_possible:
-        with contextlib.suppress(PlanError, CompileError):  # sp compiled with cp; without, as plain
-            sp_program = parallelize(traced, parse_plan(axes + " sp=on"))
+    axes = [a for a in probe_plain.mesh.axes if a != "cp"]
+    plain = _probe(traced, axes)
+    sp_program = (_sp_probe(traced, axes) if sp_possible else None) or plain
     return {**found, (True, False): _tp_whole_flops(sp_program, units), (False, False): _tp_whole_flops(plain, units)}
 
 

@@ -9,14 +9,13 @@ import os
 from dataclasses import replace
 
 from usc.compiler.cost_model import Estimate, ModelProfile, PlanPoint, estimate
+from usc.compiler.errors import CompileError
 from usc.compiler.hardware import HardwareProfile, hardware_profile, with_plan_memory
+from usc.compiler.moe import MoEPatternError, traced_blocks
 from usc.compiler.planner import PlanSearch, PlanTarget, search
 from usc.dsl import OPTIONS, Plan, PlanError, parse_plan
-from usc.compiler.moe import MoEPatternError, traced_blocks
-from usc.passes.plan_checks import check_supported
-
-from usc.compiler.errors import CompileError
 from usc.passes.cost_profile import at_sequence, batch_and_sequence, profile_model
+from usc.passes.plan_checks import check_supported
 
 # Options only the planner reads; they describe the target, not the plan it returns.
 TARGET_OPTIONS = ("gpus", "seq", "global_batch", "hardware")
@@ -114,12 +113,12 @@ def _profile_at(model, example: tuple, seq: int, plan: Plan) -> tuple[ModelProfi
     not all grow linearly with the sequence), and what was assumed where the lengthened example does
     not trace (the profile of the example as given, its activations scaled to ``seq``)."""
     blocks = lambda m: moe_blocks(m, plan)  # noqa: E731
+    _, given = batch_and_sequence(example)
+    if seq == given:
+        return profile_model(model, example, moe_blocks=blocks), ""
     try:
         return profile_model(model, at_sequence(example, seq), moe_blocks=blocks), ""
     except (CompileError, PlanError) as err:
-        _, given = batch_and_sequence(example)
-        if seq == given:
-            raise
         why = str(err).splitlines()[0]
     return profile_model(model, example, moe_blocks=blocks), (
         f"activations scaled from the example's sequence {given} to seq={seq} (the example lengthened "

@@ -441,7 +441,8 @@ def test_an_ep_rank_pays_the_fixed_time_of_its_own_experts_calls_only():
     profile = profile_model(model, tuple(model.flatten(token_batch(cfg.vocab, 4, 16))))
     layers = [u for u in profile.units if u.moe_layers]
     assert len(layers) == cfg.layers and all(u.expert_calls == 3 * cfg.experts for u in layers)
-    others = sum(u.matmul_calls for u in profile.units) - cfg.layers * 3 * cfg.experts
+    others = cfg.layers * (4 + 1) + 1  # q, k, v, o and the router per layer; the head
+    assert sum(u.matmul_calls for u in profile.units) == others + cfg.layers * 3 * cfg.experts
     half = 5e8
     flat = replace(H100, unit_overhead=0.0, matmul_half_work=0.0, matmul_half_rows=1e-9)
     per_call = replace(flat, matmul_half_work=half)
