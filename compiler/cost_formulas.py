@@ -56,7 +56,10 @@ def formulas(profile: ModelProfile, *, sp: bool = False) -> dict[str, sympy.Expr
     f_attn = sympy.Float(sum(u.flops_attention for u in profile.units) / (tokens * profile.seq), 6)
     return {
         "params": sympy.Piecewise((sharded, sympy.Ge(zero, 3)), (params, True)),
-        "grads": sympy.Piecewise((sharded, sympy.Ge(zero, 2)), (params, True)),
+        # ZeRO-1 holds whole gradients only while microbatches accumulate (a pipeline's stage always)
+        "grads": sympy.Piecewise((sharded, sympy.Ge(zero, 2)),
+                                 (sharded, sympy.And(sympy.Eq(zero, 1), sympy.Eq(mb, 1), sympy.Eq(pp, 1))),
+                                 (params, True), evaluate=False),
         "optimizer": 2 * sympy.Piecewise((sharded, sympy.Ge(zero, 1)), (params, True)),
         "activations": per_mb / pp * in_flight,
         "flops": 3 * (f_mm * B * S + f_attn * B * S**2) / (dp * tp * pp * cp),

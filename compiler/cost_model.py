@@ -238,7 +238,9 @@ def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], 
         params += _params(u, plan)
         unreduced += _unreduced(u, plan)
     sharded = (params - unreduced) / plan.dp + unreduced  # ZeRO shards what the dp buckets reduce
-    grads = sharded if plan.zero >= 2 else params
+    # ZeRO-1 accumulates whole gradients over the microbatches (a pipeline's stage always has
+    # several); with one, each bucket's whole gradient is dropped once it is sent, as ZeRO-2's are
+    grads = sharded if plan.zero >= 2 or (plan.zero == 1 and plan.mb == 1 and plan.pp == 1) else params
     optimizer = 2 * (sharded if plan.zero >= 1 else params)
     held = sharded if plan.zero >= 3 else params
     gathered = 0.0
@@ -468,29 +470,34 @@ def layer_collectives(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
 def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwareProfile, backward_seconds: float
                          ) -> list[CollectiveEstimate]:
     """Gradient sums over dp (and cp), ZeRO gathers; overlapped with the last backward as buckets fill.
-    Parameters whose gradient the graph sums itself are in no bucket (their sums are layer collectives)."""
+    Parameters whose gradient the graph sums itself are in no bucket (their sums are layer collectives).
+    ZeRO-1 and -2 reduce-scatter over dp (runtime/zero.py): ZeRO-1 once, in the last microbatch's
+    backward; ZeRO-2 in every microbatch's (``backward_seconds`` is one microbatch's backward, so each
+    send overlaps its own), the other axes once on the summed slice."""
     params = sum(_params(u, plan) - _unreduced(u, plan) for u in units)
     grad_bytes = params / (2 if plan.reduce_dtype == "bf16" else 1)
     out = []
-    # Buckets are reduced over one axis after the other (dp first): after ZeRO-2's dp reduce-scatter
+    # Buckets are reduced over one axis after the other (dp first): after ZeRO's dp reduce-scatter
     # the cp and tp sums move only this rank's slice.
-    sliced = plan.dp if plan.zero >= 2 else 1
+    sliced = plan.dp if plan.zero >= 1 else 1
     dense = sum(u.params_rep + u.params_tp / plan.tp - _unreduced(u, plan) for u in units) / (
         2 if plan.reduce_dtype == "bf16" else 1)
     for axis, n in (("dp", plan.dp), ("cp", plan.cp), ("ep", plan.ep)):
         if n <= 1:
             continue
-        kind = "reduce-scatter" if axis == "dp" and plan.zero >= 2 else "all-reduce"
+        kind = "reduce-scatter" if axis == "dp" and plan.zero >= 1 else "all-reduce"
         payload = grad_bytes if axis == "dp" else (dense if axis == "ep" else grad_bytes) / sliced
         if axis == "dp" and plan.zero == 3:  # in the graph, on the compute-dtype copies' gradients
             payload = params / _zero3_wire(plan)
+        sends = plan.mb if axis == "dp" and plan.zero == 2 else 1
         link = _link(hw, plan, axis)
         calls = max(1.0, math.ceil(grad_bytes / (plan.bucket_mb * 2**20)))
         seconds = collective_seconds(kind, payload, n, link.bandwidth, link.latency * calls, link.ring,
                                      link.factors, link.measured)
         last_bucket = collective_seconds(kind, min(payload, plan.bucket_mb * 2**20), n, *link)
         exposed = max(seconds - hw.comm_overlap * backward_seconds, last_bucket)
-        out.append(CollectiveEstimate(axis, kind, "backward", n, payload, calls, seconds, exposed))
+        out.append(CollectiveEstimate(axis, kind, "backward", n, payload * sends, calls * sends, seconds * sends,
+                                      exposed * sends))
     tp_reduced = sum(u.params_tp_reduced for u in units) / sliced
     if plan.sp and plan.tp > 1 and tp_reduced:  # norm weights see a sequence shard under sp: sum over tp
         link = _link(hw, plan, "tp")

@@ -334,22 +334,24 @@ def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: b
     return done + [(axes, names, nbytes) for axes, (names, nbytes) in open_buckets.items()]
 
 
-def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0, *, pp_rank: int = 0
-                     ) -> list[CollectiveRecord]:
-    """Gradient reductions per bucket (all-reduce; reduce-scatter over dp at zero=2), and with
+def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0, *, pp_rank: int = 0,
+                     microbatches: int = 1) -> list[CollectiveRecord]:
+    """Gradient reductions per bucket (all-reduce; reduce-scatter over dp at zero=1/2: once per step
+    at zero=1, once per microbatch at zero=2, the other axes once on the summed slice), and with
     zero=1/2 the all-gather of the updated slices after the optimizer step (of pp rank ``pp_rank``)."""
     records = []
     for axes, names, nbytes in _pack_buckets(program, bucket_bytes, pp_rank=pp_rank):
         label = names[0] if len(names) == 1 else f"{names[-1]} .. {names[0]} ({len(names)} params)"
         payload = nbytes
         for axis in axes:  # reduced one axis after the other; after the dp reduce-scatter only a slice is left
-            kind = "reduce-scatter" if zero_stage == 2 and axis == "dp" else "all-reduce"
+            kind = "reduce-scatter" if zero_stage in (1, 2) and axis == "dp" else "all-reduce"
+            calls = microbatches if kind == "reduce-scatter" and zero_stage == 2 else 1
             if kind == "reduce-scatter":
                 payload = -(-nbytes // (4 * program.mesh.size(axis))) * 4 * program.mesh.size(axis)
+            reason = ("data-parallel gradient sum, launched during backward as the bucket fills"
+                      + (" (every microbatch's)" if calls > 1 else ""))
             records.append(CollectiveRecord(kind, axis, program.mesh.size(axis), "backward", (payload // 4,),
-                                            "float32", payload, 1, label, "gradient bucket",
-                                            "data-parallel gradient sum, launched during backward as the bucket "
-                                            "fills", "reducer"))
+                                            "float32", payload, calls, label, "gradient bucket", reason, "reducer"))
             if kind == "reduce-scatter":
                 payload //= program.mesh.size(axis)
         if zero_stage in (1, 2) and "dp" in axes:  # each rank hands its (padded) slice to the gather
@@ -361,14 +363,17 @@ def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0, *
     return records
 
 
-def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_states: int = 2) -> dict[int, dict]:
+def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_states: int = 2,
+                         microbatches: int = 1) -> dict[int, dict]:
     """Predicted bytes per rank in parameters, gradients and optimizer state for ZeRO stages 0-3.
 
     Rajbhandari et al. 2020: stage 1 shards the optimizer state over dp, stage 2 also the
     gradients, stage 3 also the parameters. Sharded buffers are the gradient buckets reduced over
     dp, each padded to a multiple of dp; with pp, rank 0's stages' parameters. optimizer_states: tensors of the parameter's size the
     optimizer keeps per parameter (2 for Adam/AdamW: exp_avg, exp_avg_sq). Gradients are counted
-    at their peak, after the reduction and before the optimizer step.
+    at their peak: stage 1 holds whole gradients while microbatches accumulate (a pipeline's stage
+    always has several); with one, each bucket's whole gradient is dropped once it is
+    reduce-scattered, as stage 2's are.
     """
     params = sum(shape_bytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
                  for s in state_of_pp_rank(program) if s.kind == "param" and s.trainable)
@@ -377,9 +382,11 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
     sharded = sum(nbytes for axes, nbytes in buckets if "dp" in axes) if dp > 1 else 0
     padded_slice = sum(-(-nbytes // (4 * dp)) * 4 for axes, nbytes in buckets if "dp" in axes) if dp > 1 else 0
     whole, part = params - sharded, padded_slice
+    accumulates = microbatches > 1 or program.mesh.size("pp") > 1
     return {
         0: {"params": params, "grads": params, "optimizer": optimizer_states * params},
-        1: {"params": params, "grads": params, "optimizer": optimizer_states * (whole + part)},
+        1: {"params": params, "grads": params if accumulates else whole + part,
+            "optimizer": optimizer_states * (whole + part)},
         2: {"params": params, "grads": whole + part, "optimizer": optimizer_states * (whole + part)},
         3: {"params": whole + part, "grads": whole + part, "optimizer": optimizer_states * (whole + part)},
     }
@@ -441,7 +448,7 @@ def step_traffic(program: Program, *, bucket_bytes: int, zero_stage: int, microb
                for r in _graph_collectives(part, mesh)]
     counted += [(r, 2 * per_stage * microbatches) for r in pipeline_transfers(program.gm, mesh)]
     counted += [(r, per_stage) for rank in range(mesh.size("pp"))
-                for r in gradient_buckets(program, bucket_bytes, zero_stage, pp_rank=rank)]
+                for r in gradient_buckets(program, bucket_bytes, zero_stage, pp_rank=rank, microbatches=microbatches)]
     every_rank = pipeline_loss_records(program) + loss_value_records(program) + shared_gradient_records(
         program)
     counted += [(r, mesh.world_size) for r in every_rank]
@@ -455,10 +462,10 @@ def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, 
                  warnings: list[str] | None = None, zero_stage: int = 0, microbatches: int = 1,
                  recompute_mode: str = "none") -> Report:
     collectives = graph_collectives(program.gm, program.mesh, microbatches) + gradient_buckets(
-        program, bucket_bytes, zero_stage)
+        program, bucket_bytes, zero_stage, microbatches=microbatches)
     collectives += pipeline_loss_records(program) + loss_value_records(program)
     collectives += shared_gradient_records(program)
-    memory = memory_by_zero_stage(program, bucket_bytes)
+    memory = memory_by_zero_stage(program, bucket_bytes, microbatches=microbatches)
     params = memory[zero_stage]["params"]
     warnings = list(warnings or []) + list(program.warnings) + [
         f"{c.module}: {c.reason}" for c in program.tp_choices if c.style == "replicate"]

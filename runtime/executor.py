@@ -122,7 +122,8 @@ class RankExecutor(ShardedCheckpoint):
         sharded = zero in (1, 2) and mesh.size("dp") > 1
         factory = optimizer or default_optimizer
         self.reducer = GradReducer(entries, mesh, bucket_bytes=bucket_bytes,
-                                   scatter_axis="dp" if sharded and zero >= 2 else None, wire_dtype=reduce_dtype,
+                                   scatter_axis="dp" if sharded else None,
+                                   scatter_each=sharded and zero >= 2, wire_dtype=reduce_dtype,
                                    group_of=self._group_of(factory))
         named = NamedParameters(self.params, [(self._param_names[id(p)],) for p in self.params])
         self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, named, build_optimizer) \
@@ -346,7 +347,9 @@ class RankExecutor(ShardedCheckpoint):
         With microbatches the loss is the global token mean, not a mean of microbatch means:
         microbatch m contributes sum_m / N where N is the total count, so each backward is scaled
         by count_m / N once N is known (after the last forward); the gradient reduction runs
-        once, during the last microbatch's backward."""
+        once, during the last microbatch's backward. ZeRO-2 reduce-scatters in every microbatch's
+        backward: there each backward carries count_m and the sums are scaled by 1 / N once reduced.
+        ``peak_state_bytes``: the most parameter, gradient and optimizer bytes held at once."""
         micro = self.check_batch(batch)
         for module in self.gm.modules():
             if hasattr(module, "reset_stats"):  # per-step statistics (MoE loads)
@@ -354,6 +357,8 @@ class RankExecutor(ShardedCheckpoint):
         # token counts stay on the device (no host sync per microbatch): the step's one sync is
         # the global loss below
         count, weighted, several = 0.0, [], len(micro) > 1
+        scale_after = several and self.reducer.scatters_each
+        held = None
         with self._state_cast_once():
             for m, piece in enumerate(micro):
                 last = m == len(micro) - 1
@@ -362,15 +367,19 @@ class RankExecutor(ShardedCheckpoint):
                     loss, n = self._loss(piece)
                 count = count + n
                 if last and several:
-                    self._scale_grads(1.0 / count)
+                    held = self.memory_bytes()  # what the earlier microbatches accumulated
+                    if not scale_after:
+                        self._scale_grads(1.0 / count)
                 weighted.append(loss.detach() * n)
                 with self._span("backward"), (contextlib.nullcontext() if last else self.reducer.no_sync()):
                     if not several:
                         loss.backward()
                     else:
-                        (loss * (n / count if last else n)).backward()
+                        (loss * (n / count if last and not scale_after else n)).backward()
         self.reducer.finish()
-        self.peak_state_bytes = self.memory_bytes()  # gradients are at their peak here
+        if scale_after:
+            self._scale_reduced(1.0 / count)
+        self.peak_state_bytes = self._most(held, self.memory_bytes())
         value = self._global(sum(weighted) / count)
         self._check_finite(value, count)
         self._clip_if_asked()
@@ -454,6 +463,18 @@ class RankExecutor(ShardedCheckpoint):
             return "an id or label outside the vocabulary reached a vocabulary-parallel op on this rank (a " \
                 "batch already on the device is checked there, inside the step); fix the data"
         return None
+
+    def _scale_reduced(self, factor) -> None:
+        """Scale every reduced gradient: the parameters' and ZeRO's slices."""
+        self._scale_grads(factor)
+        for bucket in self.reducer.buckets:
+            if bucket.shard is not None and bucket.shard_grad is not None:
+                bucket.shard_grad.mul_(factor)
+
+    @staticmethod
+    def _most(held: dict | None, now: dict) -> dict:
+        """Per kind of state, the larger of two ``memory_bytes`` readings."""
+        return now if held is None else {k: max(v, held[k]) for k, v in now.items()}
 
     def _scale_grads(self, factor) -> None:
         """Multiply every gradient by factor (a float, or a 0-dim tensor on the device)."""

@@ -399,6 +399,8 @@ class PipelineMixin:
                     count += flight.count
             elif train:
                 final = self._final_backward.get(action.stage) == index
+                if final:  # before the stage's last backward: what its earlier microbatches accumulated
+                    self._accumulated = self._most(self._accumulated, self.memory_bytes())
                 with contextlib.nullcontext() if final else self.reducer.no_sync(), self._span(f"{op}{action.mb}"):
                     self._BACKWARD_STEPS[op](self, action.stage, action.mb, flights[key])
                 if op in ("B", "W"):
@@ -420,6 +422,7 @@ class PipelineMixin:
         return both[0], both[1]
 
     def step(self, batch: tuple) -> float:
+        self._accumulated = None
         with self._state_cast_once():
             total, count = self._run_schedule(batch, train=True)
         self._wait_sends()
@@ -431,7 +434,7 @@ class PipelineMixin:
         # count is a device tensor (read on the host it would be a second sync): with no counted
         # token 1 / count is inf, the loss below is NaN and the step is refused and rolled back
         self._scale_reduced(1.0 / count)
-        self.peak_state_bytes = self.memory_bytes()
+        self.peak_state_bytes = self._most(self._accumulated, self.memory_bytes())
         value = self._global(total / count)
         self._check_finite(value, count)
         self._clip_if_asked()
@@ -448,13 +451,6 @@ class PipelineMixin:
         self._wait_sends()
         total, count = self._pipeline_global(total, count)
         return self._global(total / count)
-
-    def _scale_reduced(self, factor) -> None:
-        """Scale every reduced gradient: the parameters' and ZeRO-2's slices."""
-        self._scale_grads(factor)
-        for bucket in self.reducer.buckets:
-            if bucket.shard is not None and bucket.shard_grad is not None:
-                bucket.shard_grad.mul_(factor)
 
     def _sum_shared_grads(self) -> None:
         """A weight used by stages on two ranks (tied embedding / lm head) gets both stages' gradients

@@ -58,9 +58,14 @@ class _Bucket:
     work: Work | None = None
     stage: int = 0  # number of axes launched so far
     span: SpanToken | None = None
-    shard: str | None = None  # ZeRO-2: this axis is reduce-scattered; the bucket keeps one slice
+    shard: str | None = None  # ZeRO: this axis is reduce-scattered; the bucket keeps one slice
     shard_grad: torch.Tensor | None = None  # after finish(): this rank's slice of the summed gradient
     deferred: bool = False  # launched by finish() only (see GradReducer.defer)
+    # ZeRO-2 (scatter_each): the shard axis is reduce-scattered in every microbatch's backward, even
+    # under no_sync; the slices sent this step (output, Work, span) and their sum so far
+    eager: bool = False
+    sent: list = field(default_factory=list)
+    partial: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -142,12 +147,20 @@ class GradReducer:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeline: Timeline | None = None,
         scatter_axis: str | None = None,
+        scatter_each: bool = False,
         wire_dtype: torch.dtype | None = None,
         group_of: Callable[[str], int] | None = None,
     ):
-        """scatter_axis (ZeRO-2): buckets reduced over this axis are reduce-scattered over it first
+        """scatter_axis (ZeRO): buckets reduced over this axis are reduce-scattered over it first
         (padded to a multiple of its size); each rank keeps only its slice in `bucket.shard_grad`
-        and the parameters' full gradients are dropped."""
+        and the parameters' full gradients are dropped.
+        scatter_each (ZeRO-2): those buckets are reduce-scattered in every microbatch's backward
+        (no_sync does not hold them back) and the slices summed, so no full gradient outlives its
+        bucket's send; the other axes are reduced once, on the summed slice, by finish(). A bucket
+        whose gradients are all there is sent from the hook; one that is not (a parameter this
+        microbatch left without a gradient, two of this rank's stages sharing the bucket) keeps
+        accumulating and is sent with what it has at its next full arrival or by finish(): every
+        gradient is in exactly one send, so the sum is the same."""
         self.mesh = mesh
         self.timeline = timeline
         self.wire_dtype = wire_dtype  # reduce_dtype=bf16: sums travel in bf16, halving the bytes
@@ -156,6 +169,7 @@ class GradReducer:
             for bucket in self.buckets:
                 if scatter_axis in bucket.axes:
                     bucket.shard = scatter_axis
+                    bucket.eager = scatter_each
                     bucket.axes = (scatter_axis,) + tuple(a for a in bucket.axes if a != scatter_axis)
         self._bucket_of = {id(p): b for b in self.buckets for _, p in b.params}
         self._launch_order: list[_Bucket] = []
@@ -167,13 +181,19 @@ class GradReducer:
             for _, p in b.params
         ]
 
+    @property
+    def scatters_each(self) -> bool:
+        """Some bucket is reduce-scattered in every microbatch (ZeRO-2)."""
+        return any(b.eager for b in self.buckets)
+
     def __repr__(self) -> str:
         sizes = [len(b.params) for b in self.buckets]
         return f"GradReducer({len(self.buckets)} buckets, params per bucket {sizes})"
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (micro-batches but the last); nothing is launched."""
+        """Accumulate gradients locally (micro-batches but the last); nothing is launched but
+        ZeRO-2's reduce-scatters (scatter_each), which run in every microbatch."""
         self._sync = False
         try:
             yield
@@ -194,8 +214,22 @@ class GradReducer:
         Returns how many buckets had been launched during backward (the overlap achieved).
         """
         for bucket in self.buckets:
-            if not bucket.launched:
+            if bucket.eager:  # overlapped: everything it got was sent from backward's hooks
+                if bucket.partial is None and not bucket.sent or any(p.grad is not None for _, p in bucket.params):
+                    self._send_slice(bucket)
+                else:
+                    self.launched_during_backward += 1
+            elif not bucket.launched:
                 self._launch(bucket)
+        for bucket in self.buckets:  # in index order, the same on every rank
+            if bucket.eager:
+                self._settle(bucket)
+                bucket.flat, bucket.partial, bucket.stage = bucket.partial, None, 1
+                if bucket.stage < len(bucket.axes):
+                    self._launch_next_axis(bucket)
+                    self._launch_order.append(bucket)
+                else:
+                    self._write_back(bucket)
         self._complete_all()
         overlapped = self.launched_during_backward
         self._reset()
@@ -208,9 +242,14 @@ class GradReducer:
 
     # ------------------------------------------------------------------------------ internals
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        bucket = self._bucket_of[id(param)]
+        if bucket.eager:
+            bucket.ready.add(id(param))
+            if len(bucket.ready) == len(bucket.params) and not bucket.deferred:
+                self._send_slice(bucket)
+            return
         if not self._sync:
             return
-        bucket = self._bucket_of[id(param)]
         if bucket.launched or id(param) in bucket.ready:
             name = next(n for n, p in bucket.params if p is param)
             raise RuntimeError(
@@ -239,6 +278,32 @@ class GradReducer:
             bucket.span = self.timeline.begin(f"grad-bucket{bucket.index}{list(bucket.axes)}", "comm")
         self._launch_next_axis(bucket)
         self._launch_order.append(bucket)
+
+    def _send_slice(self, bucket: _Bucket) -> None:
+        """ZeRO-2: reduce-scatter the gradients the bucket's parameters hold now (missing ones as
+        zeros) and drop them; the slice is summed into ``bucket.partial`` by ``_settle``."""
+        flat = torch.cat([_grad_or_zeros(p).reshape(-1) for _, p in bucket.params])
+        if self.wire_dtype is not None and flat.dtype != self.wire_dtype:
+            flat = flat.to(self.wire_dtype)
+        flat = pad_to_multiple(flat, self.mesh.size(bucket.shard))
+        for _, p in bucket.params:
+            p.grad = None
+        span = None if self.timeline is None else self.timeline.begin(
+            f"grad-bucket{bucket.index}[{bucket.shard}]", "comm")
+        out, work = self.mesh.comm(bucket.shard).reduce_scatter(flat, 0, async_op=True)
+        bucket.sent.append((out, work, span))
+        bucket.ready.clear()
+
+    def _settle(self, bucket: _Bucket) -> None:
+        """Wait for the bucket's sent slices and sum them (in the parameters' dtype)."""
+        dtype = bucket.params[0][1].dtype
+        for out, work, span in bucket.sent:
+            work.wait()
+            out = out.to(dtype)
+            bucket.partial = out if bucket.partial is None else bucket.partial.add_(out)
+            if span is not None and self.timeline is not None:
+                self.timeline.end(span)
+        bucket.sent = []
 
     def _fill_buffer(self, bucket: _Bucket) -> torch.Tensor:
         """The gradients copied into the bucket's own flat buffer, allocated once and reused: a
@@ -327,6 +392,7 @@ class GradReducer:
     def _reset(self) -> None:
         for bucket in self.buckets:
             bucket.ready.clear()
+            bucket.sent, bucket.partial = [], None
             bucket.flat, bucket.work, bucket.stage, bucket.span = None, None, 0, None
         self._launch_order = []
         self.launched_during_backward = 0

@@ -7,10 +7,14 @@ dp, and rank r owns slice r of every bucket. The optimizer the user's factory bu
 the parameters that are not reduced over dp. An element-wise optimizer (Adam, AdamW, SGD with
 momentum) on the slices equals the full update exactly.
 
-Stage 1: gradients are all-reduced in full (as plain data parallelism does); each rank steps its
-slice, then the updated slices are all-gathered into every rank's parameters.
-Stage 2: gradients are reduce-scattered during backward (the reducer's scatter_axis); each rank
-keeps only its slice of the summed gradient.
+Both stages reduce-scatter the gradients over dp (the reducer's scatter_axis: each rank receives
+only the sum of its own slice, half an all-reduce's bytes), each rank steps its slice, then the
+updated slices are all-gathered into every rank's parameters: together the bytes of plain data
+parallelism's all-reduce. They differ in what a rank holds while microbatches accumulate:
+Stage 1: full gradients accumulate locally; one reduce-scatter per bucket, in the last
+microbatch's backward.
+Stage 2: every microbatch's gradients are reduce-scattered in its own backward and the slices
+accumulate; a full gradient lives only until its bucket is sent.
 """
 
 from __future__ import annotations
@@ -63,19 +67,10 @@ class ZeroOptimizer:
         return self.inner.param_groups
 
     def _slice_grads(self) -> None:
-        size_of = lambda flat: flat.numel() // self.comm.size  # noqa: E731
-        for bucket, flat, master in zip(self.buckets, self.flats, self.masters):
-            if self.stage >= 2:
-                master.grad = bucket.shard_grad
-                bucket.shard_grad = None
-                continue
-            full = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                              for _, p in bucket.params])
-            full = pad_to_multiple(full, self.comm.size)
-            size = size_of(flat)
-            master.grad = full[self.comm.rank * size: (self.comm.rank + 1) * size].clone()
-            for _, p in bucket.params:
-                p.grad = None  # the full gradient is not needed past this point
+        """The reducer reduce-scattered each bucket over dp: its slice is this master's gradient."""
+        for bucket, master in zip(self.buckets, self.masters):
+            master.grad = bucket.shard_grad
+            bucket.shard_grad = None
 
     def step(self) -> None:
         self._slice_grads()

@@ -136,7 +136,8 @@ def test_planner_options_need_auto():
 
 
 @pytest.mark.parametrize("plan", [PlanPoint(8, 32, dp=2), PlanPoint(8, 32, tp=2, zero=0, mb=2),
-                                  PlanPoint(16, 64, dp=2, cp=2, zero=2), PlanPoint(8, 32, dp=4, tp=2, zero=3)])
+                                  PlanPoint(16, 64, dp=2, cp=2, zero=2), PlanPoint(8, 32, dp=4, tp=2, zero=3),
+                                  PlanPoint(8, 32, dp=2, zero=1, mb=2), PlanPoint(8, 32, dp=2, zero=1, mb=1)])
 def test_symbolic_formulas_equal_the_numeric_estimate(profile, plan):
     from usc.compiler.cost_formulas import evaluate, formulas
 

@@ -28,6 +28,9 @@ PLANS = ["dp=2", "tp=2", "tp=2 sp=on", "cp=2", "cp=2 cp_mode=zigzag", "dp=2 zero
          "dp=2 cp=2 tp=2 sp=on zero=2", "pp=2 mb=4 schedule=gpipe", "dp=2 pp=2 mb=2 zero=1", "pp=4 mb=4",
          "tp=2 pp=2 mb=2", "cp=2 pp=2 mb=2", "dp=2 tp=2 sp=on pp=2 mb=2 zero=2",
          "dp=2 pp=2 v=2 mb=4 schedule=interleaved",
+         # ZeRO-1 holds whole gradients while microbatches accumulate, ZeRO-2 only its slices
+         # (reduce-scattered in every microbatch's backward)
+         "dp=2 mb=4 zero=1", "dp=2 mb=4 zero=2",
          # full recompute re-issues a block's forward collectives in backward, all but the one after
          # its last saving op (checkpointing stops there); selective regions hold none
          "tp=2 recompute=full", "cp=2 recompute=full", "dp=2 tp=2 recompute=selective", "dp=2 tp=2 zero=3",

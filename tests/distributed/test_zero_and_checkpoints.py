@@ -33,18 +33,43 @@ def test_zero_is_exact_in_float64(plan):
     assert result.max_param_diff <= 1e-10
 
 
-def test_microbatches_reduce_gradients_once_per_step():
-    batch = token_batch(128, 8, 16)
-    sim = usc.simulate(TinyLlama(), "dp=2 mb=4", example_inputs=batch)
-    comm = sim.ranks[0].mesh.comm("dp")
-    before = comm.stats.calls.get("all-reduce", 0)
+@pytest.mark.parametrize("model, plan, batch, seq", [
+    # the reduce-scatters of ZeRO-1 (once per step) and ZeRO-2 (every microbatch; the cp sum once, on
+    # the summed slice; pipelines, an interleaved one, whose two local stages share a bucket that fills
+    # across microbatches; GPT-2's tied weight, summed over pp first, in a bucket sent once), odd
+    # sizes so the slices are padded
+    ("gpt2", "dp=3 mb=3 zero=1", 9, 15), ("gpt2", "dp=3 mb=3 zero=2", 9, 15), ("gpt2", "dp=2 cp=2 mb=3 zero=2", 6, 14),
+    ("gpt2", "dp=3 mb=3 zero=2 tp=2", 9, 15), ("llama", "dp=2 pp=2 mb=3 zero=2", 6, 15),
+    ("llama", "dp=2 pp=2 v=2 mb=4 schedule=interleaved zero=2", 8, 15),
+    ("gpt2", "dp=2 pp=2 mb=3 zero=2 bucket_mb=0.01", 6, 15)])
+def test_zero_reduce_scatter_is_exact_in_float64(model, plan, batch, seq):
+    """SGD with momentum (a gradient summed twice or scaled wrong moves the parameters at once), three
+    steps: the sharded updates are the full ones up to float64 rounding."""
+    make, data = (TinyGPT2, shifted_batch) if model == "gpt2" else (TinyLlama, token_batch)
+    result = assert_equivalent(lambda: make().double(), plan, [data(127, batch, seq, seed=s) for s in range(3)],
+                               optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                               rtol=1e-12, atol=1e-12, param_atol=1e-10)
+    assert result.max_param_diff <= 1e-10
+
+
+@pytest.mark.parametrize("zero, sends", [(1, 1), (2, 3)])
+def test_zero_reduce_scatters_gradients_once_per_step_or_per_microbatch(zero, sends):
+    """ZeRO-1 and -2 reduce-scatter the gradients over dp (no all-reduce of them): ZeRO-1 once per
+    step, ZeRO-2 in each of the three microbatches' backward; the report lists the same calls, and
+    every rank ends holding only its slice of each bucket's gradient."""
+    batch = token_batch(128, 12, 16)
+    sim = usc.simulate(TinyLlama(), f"dp=2 mb=3 zero={zero}", example_inputs=batch)
+    rank = sim.ranks[0]
+    comm = rank.mesh.comm("dp")
+    calls = dict(comm.stats.calls)
     sim.step(*batch)
-    buckets = len(sim.ranks[0].reducer.buckets)
-    # per microbatch: one all-reduce of the token count (forward); gradients: one per bucket, once;
-    # and one of the loss value the step returns.
-    assert comm.stats.calls["all-reduce"] - before == 4 + buckets + 1
-    listed = [c for c in sim.report.collectives if c.axis == "dp"]
-    assert sum(c.calls_per_step for c in listed) == 4 + buckets + 1
+    buckets = len(rank.reducer.buckets)
+    assert comm.stats.calls["reduce-scatter"] - calls.get("reduce-scatter", 0) == sends * buckets
+    # the token count per microbatch and the returned loss: the only all-reduces over dp
+    assert comm.stats.calls["all-reduce"] - calls.get("all-reduce", 0) == 3 + 1
+    listed = [c for c in sim.report.collectives if c.axis == "dp" and c.kind == "reduce-scatter"]
+    assert sum(c.calls_per_step for c in listed) == sends * buckets
+    assert all(p.grad is None for p in rank.params)
 
 
 @pytest.mark.parametrize("plan", ["dp=2 tp=2 dtype=bf16", "dp=2 zero=3 dtype=bf16"])
