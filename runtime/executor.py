@@ -376,6 +376,8 @@ class RankExecutor(ShardedCheckpoint):
                         loss.backward()
                     else:
                         (loss * (n / count if last and not scale_after else n)).backward()
+                if scale_after and not last:
+                    self.reducer.settle()
         self.reducer.finish()
         if scale_after:
             self._scale_reduced(1.0 / count)
@@ -546,6 +548,8 @@ class RankExecutor(ShardedCheckpoint):
             return sum(seen.values())
 
         grads = [p.grad for p in self.params] + [b.shard_grad for b in self.reducer.buckets]
+        # ZeRO-2 between microbatches: the slices summed so far and the one still in flight
+        grads += [b.partial for b in self.reducer.buckets] + [sent[0] for b in self.reducer.buckets for sent in b.sent]
         if isinstance(self.optimizer, ZeroOptimizer):
             grads += [m.grad for m in self.optimizer.masters]
             states = self.optimizer.inner.state.values()

@@ -403,6 +403,8 @@ class PipelineMixin:
                     self._accumulated = self._most(self._accumulated, self.memory_bytes())
                 with contextlib.nullcontext() if final else self.reducer.no_sync(), self._span(f"{op}{action.mb}"):
                     self._BACKWARD_STEPS[op](self, action.stage, action.mb, flights[key])
+                if not final and op in ("B", "W") and self.reducer.scatters_each:
+                    self.reducer.settle()
                 if op in ("B", "W"):
                     del flights[key]
         return total, count

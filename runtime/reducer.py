@@ -279,9 +279,20 @@ class GradReducer:
         self._launch_next_axis(bucket)
         self._launch_order.append(bucket)
 
+    def settle(self) -> None:
+        """ZeRO-2, after a microbatch's backward: wait for its reduce-scatters and sum their slices,
+        so between microbatches a rank holds one summed slice per bucket (on a GPU the wait orders
+        the compute stream after the sends; the host does not block)."""
+        for bucket in self.buckets:
+            if bucket.eager:
+                self._settle(bucket)
+
     def _send_slice(self, bucket: _Bucket) -> None:
         """ZeRO-2: reduce-scatter the gradients the bucket's parameters hold now (missing ones as
-        zeros) and drop them; the slice is summed into ``bucket.partial`` by ``_settle``."""
+        zeros) and drop them; the slice is summed into ``bucket.partial`` by ``_settle``. The
+        bucket's earlier send (an earlier microbatch's, long done) is summed first, so a bucket holds
+        one slice in flight and their sum, not one slice per microbatch."""
+        self._settle(bucket)
         flat = torch.cat([_grad_or_zeros(p).reshape(-1) for _, p in bucket.params])
         if self.wire_dtype is not None and flat.dtype != self.wire_dtype:
             flat = flat.to(self.wire_dtype)
