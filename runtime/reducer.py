@@ -266,14 +266,10 @@ class GradReducer:
         """Flatten the bucket's gradients (missing ones as zeros) and reduce over its first axis."""
         if bucket.shard is None:
             bucket.flat = self._fill_buffer(bucket)
+            if self.wire_dtype is not None and bucket.flat.dtype != self.wire_dtype:
+                bucket.flat = bucket.flat.to(self.wire_dtype)
         else:
-            bucket.flat = torch.cat([_grad_or_zeros(p).reshape(-1) for _, p in bucket.params])
-        if self.wire_dtype is not None and bucket.flat.dtype != self.wire_dtype:
-            bucket.flat = bucket.flat.to(self.wire_dtype)
-        if bucket.shard is not None:
-            bucket.flat = pad_to_multiple(bucket.flat, self.mesh.size(bucket.shard))
-            for _, p in bucket.params:
-                p.grad = None  # ZeRO-2: only this rank's slice of the sum is kept
+            bucket.flat = self._take_for_scatter(bucket)
         if self.timeline is not None:
             bucket.span = self.timeline.begin(f"grad-bucket{bucket.index}{list(bucket.axes)}", "comm")
         self._launch_next_axis(bucket)
@@ -293,17 +289,23 @@ class GradReducer:
         bucket's earlier send (an earlier microbatch's, long done) is summed first, so a bucket holds
         one slice in flight and their sum, not one slice per microbatch."""
         self._settle(bucket)
-        flat = torch.cat([_grad_or_zeros(p).reshape(-1) for _, p in bucket.params])
-        if self.wire_dtype is not None and flat.dtype != self.wire_dtype:
-            flat = flat.to(self.wire_dtype)
-        flat = pad_to_multiple(flat, self.mesh.size(bucket.shard))
-        for _, p in bucket.params:
-            p.grad = None
+        flat = self._take_for_scatter(bucket)
         span = None if self.timeline is None else self.timeline.begin(
             f"grad-bucket{bucket.index}[{bucket.shard}]", "comm")
         out, work = self.mesh.comm(bucket.shard).reduce_scatter(flat, 0, async_op=True)
         bucket.sent.append((out, work, span))
         bucket.ready.clear()
+
+    def _take_for_scatter(self, bucket: _Bucket) -> torch.Tensor:
+        """The bucket's gradients (missing ones as zeros) in one flat tensor of the wire dtype, padded
+        to a multiple of the shard axis; the parameters' own gradients are dropped (ZeRO keeps only
+        this rank's slice of the sum)."""
+        flat = torch.cat([_grad_or_zeros(p).reshape(-1) for _, p in bucket.params])
+        if self.wire_dtype is not None and flat.dtype != self.wire_dtype:
+            flat = flat.to(self.wire_dtype)
+        for _, p in bucket.params:
+            p.grad = None
+        return pad_to_multiple(flat, self.mesh.size(bucket.shard))
 
     def _settle(self, bucket: _Bucket) -> None:
         """Wait for the bucket's sent slices and sum them (in the parameters' dtype)."""
