@@ -27,7 +27,9 @@ def batch(seed: int):
     return ids, ids
 
 
-@pytest.mark.parametrize("plan", ["dp=2", "tp=2", "dp=2 tp=2 sp=on zero=2", "dp=2 zero=3"])
+@pytest.mark.parametrize("plan", ["dp=2", "tp=2", "dp=2 tp=2 sp=on zero=2", "dp=2 zero=3",
+                                  # ZeRO's reduce-scatter once per step, and in every microbatch
+                                  "dp=2 mb=2 zero=1", "dp=2 mb=2 zero=2"])
 def test_hf_llama_matches_one_device(plan):
     result = assert_equivalent(llama, plan, [batch(s) for s in range(2)])
     assert result.max_param_diff <= 1e-5
