@@ -37,7 +37,7 @@ from usc.compiler.trace import Traced, module_path, trace
 from usc.dsl import PlanError, parse_plan
 from usc.passes import parallelize
 from usc.passes.compute_dtype import CASTS
-from usc.passes.pipeline_split import constant_nodes, expert_products, node_flops, routed_expert_products
+from usc.passes.pipeline_split import constant_nodes, expert_flops, node_flops, routed_expert_products
 from usc.passes.recompute import (KEEP_COLLECTIVE, KEPT, RECOMPUTED, RULES, DecisionRule, recompute_regions,
                                   reissued_in_backward)
 from usc.runtime.ring_attention import GRAD_BLOCKS, RingAttention
@@ -426,8 +426,7 @@ def _tp_whole_flops(program, units: list[str]) -> dict[str, float]:
         elif node.op == "call_module" and isinstance(module := program.gm.get_submodule(node.target),
                                                      ExpertParallelMoE):
             _, _, indices, *experts = node.args
-            rows, per_expert, _, _ = expert_products(indices, experts, module.stacked)
-            flops = 2.0 * rows * per_expert
+            flops = expert_flops(indices, experts, module.stacked)
         else:
             continue
         out[where[node.name]] = out.get(where[node.name], 0.0) + flops

@@ -56,6 +56,13 @@ def expert_products(indices: fx.Node, experts, stacked: bool) -> tuple[int, floa
     return math.prod(shape_of(indices)), per_expert, count, count * len(matrices) if stacked else len(matrices)
 
 
+def expert_flops(indices: fx.Node, experts, stacked: bool) -> float:
+    """Forward FLOPs of a block's routed experts: each (token, chosen expert) pair through one
+    expert's matrices."""
+    rows, per_expert, _, _ = expert_products(indices, experts, stacked)
+    return 2.0 * rows * per_expert
+
+
 def node_flops(node: fx.Node) -> float:
     """A rough cost: 2 * multiply-adds for matmuls and attention, else the output size."""
     out = shape_of(node)
@@ -66,9 +73,9 @@ def node_flops(node: fx.Node) -> float:
         return 2.0 * math.prod(out) * shape_of(node.args[right])[dim]
     if is_grouped_matmul(node.target):  # [S, K] rows through their experts' [K, N]: S * K * N
         return 2.0 * math.prod(out) * shape_of(node.args[0])[-1]
-    if is_routed_experts(node.target):  # every (token, chosen expert) row through one expert's matrices
-        rows, per_expert, _, _ = routed_expert_products(node)
-        return 2.0 * rows * per_expert
+    if is_routed_experts(node.target):
+        _, _, indices, experts, stacked = node.args[:5]
+        return expert_flops(indices, experts, stacked)
     if node.target in ATTENTION:
         b, h, s, d = shape_of(node.args[0])
         return 4.0 * b * h * s * shape_of(node.args[1])[2] * d

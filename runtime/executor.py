@@ -126,7 +126,7 @@ class RankExecutor(ShardedCheckpoint):
                                    scatter_each=sharded and zero >= 2, wire_dtype=reduce_dtype,
                                    group_of=self._group_of(factory))
         named = NamedParameters(self.params, [(self._param_names[id(p)],) for p in self.params])
-        self.optimizer = ZeroOptimizer(self.reducer, "dp", zero, factory, named, build_optimizer) \
+        self.optimizer = ZeroOptimizer(self.reducer, "dp", factory, named, build_optimizer) \
             if sharded else build_optimizer(factory, named)
         check_optimizer(self.optimizer.inner if sharded else self.optimizer, self._split_params(sharded, zero))
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -547,9 +547,7 @@ class RankExecutor(ShardedCheckpoint):
                     seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()  # also unique for fake tensors
             return sum(seen.values())
 
-        grads = [p.grad for p in self.params] + [b.shard_grad for b in self.reducer.buckets]
-        # ZeRO-2 between microbatches: the slices summed so far and the one still in flight
-        grads += [b.partial for b in self.reducer.buckets] + [sent[0] for b in self.reducer.buckets for sent in b.sent]
+        grads = [p.grad for p in self.params] + self.reducer.slices()
         if isinstance(self.optimizer, ZeroOptimizer):
             grads += [m.grad for m in self.optimizer.masters]
             states = self.optimizer.inner.state.values()

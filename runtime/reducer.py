@@ -275,6 +275,12 @@ class GradReducer:
         self._launch_next_axis(bucket)
         self._launch_order.append(bucket)
 
+    def slices(self) -> list[torch.Tensor]:
+        """The gradient slices the reducer holds: ZeRO's reduced slices, and between ZeRO-2's
+        microbatches the slices summed so far and those still in flight."""
+        return [t for b in self.buckets for t in (b.shard_grad, b.partial, *(sent[0] for sent in b.sent))
+                if t is not None]
+
     def settle(self) -> None:
         """ZeRO-2, after a microbatch's backward: wait for its reduce-scatters and sum their slices,
         so between microbatches a rank holds one summed slice per bucket (on a GPU the wait orders

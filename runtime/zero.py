@@ -31,9 +31,10 @@ from .training import NamedParameters
 class ZeroOptimizer:
     """Wraps the user's optimizer so it only holds state for this rank's slices."""
 
-    def __init__(self, reducer: GradReducer, axis: str, stage: int, factory: Callable[[Iterable], torch.optim.Optimizer],
+    def __init__(self, reducer: GradReducer, axis: str, factory: Callable[[Iterable], torch.optim.Optimizer],
                  other_params: list[nn.Parameter], build: Callable | None = None) -> None:
-        self.reducer, self.axis, self.stage = reducer, axis, stage
+        """Stages 1 and 2 differ only in the reducer (``scatter_each``); this wrapper is the same."""
+        self.reducer, self.axis = reducer, axis
         self.comm = reducer.mesh.comm(axis)
         self.buckets = [b for b in reducer.buckets if axis in b.axes]
         self.flats: list[torch.Tensor] = []
