@@ -20,6 +20,7 @@ from .fusion import fusion_pass
 from .expert_parallel import expert_layouts
 from .attention_masks import attention_masks_pass
 from .batch_coupling import batch_coupling_pass
+from .batch_outer import batch_outer_pass
 from .compute_dtype import compute_dtype_pass
 from .grad_sync import grad_sync_pass
 from .layouts import batch_layouts, merge_layouts, tp_layouts
@@ -52,6 +53,9 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
         PassSpec("random_ops", random_ops_pass, annotated=False),
         # before batch_coupling: a buffer written from the batch is named as such
         PassSpec("state_writes", state_writes_pass, {"user_inputs": tuple(user_inputs)}, annotated=False),
+        # before batch_coupling and propagate: a batch merged inside another dim is merged outside
+        PassSpec("batch_outer", batch_outer_pass, {"user_inputs": tuple(user_inputs), "params": frozenset(params)},
+                 annotated=False),
         PassSpec("batch_coupling", batch_coupling_pass, {"user_inputs": tuple(user_inputs), "params": frozenset(params),
                                                          "probe": batch_probe}, annotated=False),
         PassSpec("compute_dtype", compute_dtype_pass, annotated=False),

@@ -39,18 +39,17 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from usc.compiler.errors import CompileError
 from usc.compiler.ir import META, Layout, MeshSpec
-from usc.compiler.pass_runner import CompileContext
 from usc.compiler.trace import module_path, user_source
 from usc.runtime.collectives import AllGather, AllReduce, AllToAll, LocalShard, ReduceScatter
 from usc.runtime.op_classes import RESHAPES
 
+from .batch_outer import MERGES, batch_outer_pass, merged_groups, region_stop
 from .graph_edit import shape_of, val
-from .propagate import propagate_pass
 from .random_ops import DRAW, random_ops_pass
 from .row_index import row_index_pass
+from .virtual_batch import VIRTUAL, batch_size, virtual_size, virtual_propagation
 
 aten = torch.ops.aten
-VIRTUAL = "dp"
 COUPLING_COLLECTIVES = (AllGather, AllReduce, AllToAll, ReduceScatter)
 OPTIONS = ("options: mb=1 (no microbatching); batch_coupling=per_microbatch (each microbatch computes the loss "
            "on its own samples and the step averages the microbatch losses, as Megatron does for auxiliary "
@@ -70,7 +69,9 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
     if per_microbatch and not draws:
         gm.meta["usc_loss_combine"] = "per_microbatch"
         return gm
-    virtual = _virtual_propagation(gm if probe is None else _with_draws(probe, ctx), ctx, user_inputs, params)
+    analysed = gm if probe is None else batch_outer_pass(_with_draws(probe, ctx), ctx, user_inputs=user_inputs,
+                                                        params=params)
+    virtual = _virtual_propagation(analysed, ctx, user_inputs, params)
     _set_draw_batch_dims(gm, virtual, microbatches)
     if per_microbatch:
         gm.meta["usc_loss_combine"] = "per_microbatch"
@@ -83,7 +84,7 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
     layouts = {n.name: n.meta[META].layout for n in virtual.graph.nodes if META in n.meta}
     terms = loss_terms(gm, _batch_dependent(gm, user_inputs))
     kinds = [(term, _kind(term, layouts)) for term in terms]
-    _refuse_unclear(ctx, microbatches, kinds, _batch_size(gm, user_inputs))
+    _refuse_unclear(ctx, microbatches, kinds, batch_size(gm, user_inputs))
     _weight_sums(gm, kinds, microbatches)
     gm.meta["usc_loss_combine"] = "token_mean" if any(k == "token_mean" for _, k in kinds) else "mean"
     gm.recompile()
@@ -99,16 +100,9 @@ def _with_draws(probe: fx.GraphModule, ctx) -> fx.GraphModule:
 
 
 def _virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.GraphModule:
-    """A copy of the graph propagated with the batch's dim 0 sharded over a 2-way dp axis."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    copy = fx.GraphModule(gm, graph)
-    _functional_twins(copy)
-    mesh = MeshSpec((VIRTUAL,), (_virtual_size(_batch_size(gm, user_inputs)),))
-    layouts = {name: Layout((Shard(0),)) for name in user_inputs if _rank(gm, name) > 0}
-    plan = ctx.plan.with_options(mb=1, sp=None, cp_mode=None)
+    mesh = MeshSpec((VIRTUAL,), (virtual_size(batch_size(gm, user_inputs)),))
     try:
-        return propagate_pass(copy, CompileContext(mesh, plan), input_layouts=layouts, grad_inputs=set(params))
+        return virtual_propagation(gm, ctx, user_inputs, params)
     except CompileError as err:  # a rule refused the op, or no rule places it
         hint = getattr(err, "hint", "") or ""
         # the refusal names the virtual axis (dp=N): say so, or a dp=1 plan reads "under dp=2"
@@ -116,43 +110,6 @@ def _virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.Gra
                                       f"that the program treats samples independently (split as {mesh} would split "
                                       f"the batch): {err}",
                                 hint=f"{OPTIONS}{'; ' + hint if hint else ''}") from None
-
-
-def _functional_twins(gm: fx.GraphModule) -> None:
-    """In-place ops (``div_`` in a router) read as their out-of-place twins: what they couple is the
-    same, and the sharding rules are written for the twins."""
-    for node in gm.graph.nodes:
-        twin = _twin(node.target)
-        if twin is not None:
-            node.target = twin
-
-
-def _twin(target):
-    if not isinstance(target, torch._ops.OpOverload):
-        return None
-    name = target._schema.name.split("::")[-1]
-    if not name.endswith("_") or name.startswith("_"):
-        return None
-    packet = getattr(aten, name[:-1], None)
-    return getattr(packet, target._overloadname, None) if packet is not None else None
-
-
-def _virtual_size(batch: int) -> int:
-    """The smallest prime factor of the microbatch's batch size: every reshape that keeps the batch
-    outermost divides by it. A microbatch of one sample cannot show a split; the build then traces a
-    two-sample probe of the model, analysed in its place (``probe``)."""
-    return next((p for p in range(2, batch + 1) if batch % p == 0), 2)
-
-
-def _rank(gm: fx.GraphModule, name: str) -> int:
-    node = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == name), None)
-    shape = shape_of(node) if node is not None else None
-    return len(shape) if shape is not None else 0
-
-
-def _batch_size(gm: fx.GraphModule, user_inputs) -> int:
-    shapes = [shape_of(n) for n in gm.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
-    return next((s[0] for s in shapes if s), 1)
 
 
 def _first_coupling(virtual: fx.GraphModule, user_inputs) -> str | None:
@@ -197,17 +154,46 @@ def _token_counts(virtual: fx.GraphModule) -> set[fx.Node]:
     return found
 
 
+def _where(node: fx.Node) -> str:
+    ann = node.meta.get(META)
+    return f"module '{ann.module or '<root>'}'{f' ({ann.source})' if ann.source else ''}" if ann else "the model"
+
+
 def _describe_coupling(node: fx.Node, module) -> str:
     consumer = next(iter(node.users), None)
     op = _op_name(consumer) if consumer is not None else "the output"
     ann = node.meta.get(META)
-    where = f"module '{ann.module or '<root>'}'{f' ({ann.source})' if ann.source else ''}" if ann else "the model"
+    where = _where(node)
+    merged = _describe_merge(node, consumer) if isinstance(module, AllGather) and consumer is not None else None
+    if merged is not None:
+        return merged
     if isinstance(module, AllReduce):
         return (f"{op} in {where} is not linear in a sum or mean over the batch (a batch statistic, or a "
                 f"product of batch means such as a load-balancing loss): its value on a microbatch is not its "
                 "share of the value on the batch")
     return (f"{op} in {where} mixes samples across the batch dim (it needs the whole batch: "
             f"{ann.reason if ann else 'gathered'})")
+
+
+def _describe_merge(gather: fx.Node, reshape: fx.Node) -> str | None:
+    """A gather before a reshape that merges the batch inside another dim: the use of the merged
+    rows that stopped batch_outer from keeping them sharded is the coupling to name."""
+    source = gather.args[0] if gather.args else None
+    if reshape.target not in MERGES or not isinstance(source, fx.Node) or META not in source.meta:
+        return None
+    placement = source.meta[META].layout.placements[0]
+    if not isinstance(placement, Shard):
+        return None
+    for group, dim in merged_groups(reshape):
+        if placement.dim in group[1:]:
+            stop = region_stop(reshape, group, dim)
+            use = (f"{_op_name(stop)} in {_where(stop)}" if stop is not None and stop.op != "output"
+                   else "the program's output")
+            return (f"{_op_name(reshape)} {list(shape_of(source))} -> {list(shape_of(reshape))} in {_where(reshape)} "
+                    f"merges the batch (dim {placement.dim}) inside dim {dim}, and {use} does not treat the "
+                    "merged rows alike (it reduces, reorders or draws across them, or meets rows of its own), "
+                    "so the samples cannot be run apart")
+    return None
 
 
 # ------------------------------------------------------------------ draws: which dim is the batch
