@@ -488,7 +488,7 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
         kind = "reduce-scatter" if axis == "dp" and plan.zero >= 1 else "all-reduce"
         payload = grad_bytes if axis == "dp" else (dense if axis == "ep" else grad_bytes) / sliced
         if axis == "dp" and plan.zero == 3:  # in the graph, on the compute-dtype copies' gradients
-            payload = params / _zero3_wire(plan)
+            payload = params / _weight_wire(plan)
         sends = plan.mb if axis == "dp" and plan.zero == 2 else 1
         link = _link(hw, plan, axis)
         calls = max(1.0, math.ceil(grad_bytes / (plan.bucket_mb * 2**20)))
@@ -505,23 +505,25 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
         out.append(CollectiveEstimate("tp", "all-reduce", "backward", plan.tp, tp_reduced, 1, seconds, seconds))
     if plan.dp > 1 and plan.zero in (1, 2):  # updated slices gathered after the step: not overlapped
         link = _link(hw, plan, "dp")
-        seconds = collective_seconds("all-gather", params / plan.dp, plan.dp, *link)
-        out.append(CollectiveEstimate("dp", "all-gather", "optimizer", plan.dp, params / plan.dp, 1, seconds, seconds))
+        shard = params / plan.dp / _weight_wire(plan)  # in the compute dtype (runtime/zero.py)
+        seconds = collective_seconds("all-gather", shard, plan.dp, *link)
+        out.append(CollectiveEstimate("dp", "all-gather", "optimizer", plan.dp, shard, 1, seconds, seconds))
     if plan.dp > 1 and plan.zero == 3:  # per layer gathers in forward and backward (prefetched)
         link = _link(hw, plan, "dp")
         layers = max(1, sum(u.blocks for u in units))
         # backward gathers again only the parameters autograd saved (an embedding saves its indices)
         saved = sum(u.params_saved[0] + u.params_saved[1] / plan.tp for u in units)
-        payload = (params + saved) / plan.dp / _zero3_wire(plan)
+        payload = (params + saved) / plan.dp / _weight_wire(plan)
         seconds = collective_seconds("all-gather", payload / (2 * layers), plan.dp, *link) * 2 * layers
         out.append(CollectiveEstimate("dp", "all-gather", "forward+backward", plan.dp, payload * plan.mb,
                                       2 * layers * plan.mb, seconds * plan.mb, 0.0))
     return out
 
 
-def _zero3_wire(plan: PlanPoint) -> int:
-    """ZeRO-3 gathers the weights the executor cast to the compute dtype (runtime/zero3.py's
-    wire_dtype): half the fp32 bytes under dtype=bf16."""
+def _weight_wire(plan: PlanPoint) -> int:
+    """ZeRO gathers weights in the compute dtype (ZeRO-3 the copies the executor cast, runtime/zero3.py's
+    wire_dtype; ZeRO-1/2 the updated slices, runtime/zero.py's gather_dtype): half the fp32 bytes
+    under dtype=bf16."""
     return 2 if plan.dtype == "bf16" else 1
 
 

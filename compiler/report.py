@@ -338,8 +338,9 @@ def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0, *
                      microbatches: int = 1) -> list[CollectiveRecord]:
     """Gradient reductions per bucket (all-reduce; reduce-scatter over dp at zero=1/2: once per step
     at zero=1, once per microbatch at zero=2, the other axes once on the summed slice), and with
-    zero=1/2 the all-gather of the updated slices after the optimizer step (of pp rank ``pp_rank``)."""
-    records = []
+    zero=1/2 the all-gather of the updated slices after the optimizer step (of pp rank ``pp_rank``), in
+    the dtype the forward takes the weights in."""
+    records, gather_dtype = [], None
     for axes, names, nbytes in _pack_buckets(program, bucket_bytes, pp_rank=pp_rank):
         label = names[0] if len(names) == 1 else f"{names[-1]} .. {names[0]} ({len(names)} params)"
         payload = nbytes
@@ -356,11 +357,28 @@ def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0, *
                 payload //= program.mesh.size(axis)
         if zero_stage in (1, 2) and "dp" in axes:  # each rank hands its (padded) slice to the gather
             n = program.mesh.size("dp")
-            shard = -(-nbytes // (4 * n)) * 4
-            records.append(CollectiveRecord("all-gather", "dp", n, "optimizer", (shard // 4,),
-                                            "float32", shard, 1, label, "ZeRO step",
-                                            "each rank updated its slice; the slices are gathered", "optimizer"))
+            numel = -(-nbytes // (4 * n))
+            wire = gather_dtype if gather_dtype is not None else _weights_run_in(program)
+            records.append(CollectiveRecord("all-gather", "dp", n, "optimizer", (numel,),
+                                            str(wire).replace("torch.", ""), numel * wire.itemsize, 1, label,
+                                            "ZeRO step", "each rank updated its slice; the slices are gathered"
+                                            + (" in the compute dtype" if wire != torch.float32 else ""),
+                                            "optimizer"))
+            gather_dtype = wire
     return records
+
+
+def _weights_run_in(program: Program) -> torch.dtype:
+    """The dtype the forward takes the trainable weights in (bfloat16 under dtype=bf16): ZeRO-1/2
+    gather the updated slices in it (runtime/zero.py)."""
+    params = {s.placeholder for s in program.state if s.kind == "param" and s.trainable}
+    for module in program.gm.modules():
+        graph = getattr(module, "graph", None)
+        for node in graph.nodes if isinstance(graph, fx.Graph) else ():
+            if node.op == "placeholder" and node.name in params and isinstance(node.meta.get("val"), torch.Tensor):
+                dtype = runs_in(node)
+                return dtype if dtype.is_floating_point and dtype.itemsize < 4 else torch.float32
+    return torch.float32
 
 
 def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_states: int = 2,

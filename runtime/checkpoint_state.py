@@ -260,6 +260,8 @@ def start_save(rank, path, meta: dict, *, background: bool = False) -> PendingSa
     write this rank's pieces — now, or in a thread from a copy of them (this rank's share only) while
     training goes on."""
     mesh, target = rank.mesh, Path(path)
+    if isinstance(rank.optimizer, ZeroOptimizer):
+        rank.optimizer.exact()  # the weights as their owners hold them, not the compute-dtype gather's
     pieces = rank.checkpoint_pieces()
     if background:  # the next step updates the state in place: write what it is now
         pieces = [(piece, value.detach().clone()) for piece, value in pieces]

@@ -126,11 +126,18 @@ class RankExecutor(ShardedCheckpoint):
                                    scatter_each=sharded and zero >= 2, wire_dtype=reduce_dtype,
                                    group_of=self._group_of(factory))
         named = NamedParameters(self.params, [(self._param_names[id(p)],) for p in self.params])
-        self.optimizer = ZeroOptimizer(self.reducer, "dp", factory, named, build_optimizer) \
+        self.optimizer = ZeroOptimizer(self.reducer, "dp", factory, named, build_optimizer, compute_dtype) \
             if sharded else build_optimizer(factory, named)
         check_optimizer(self.optimizer.inner if sharded else self.optimizer, self._split_params(sharded, zero))
         self._order = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
-        self.guard = ReplicaGuard(program, mesh, self.state, replica_check) if replica_check else None
+        self.guard = ReplicaGuard(program, mesh, self.state, replica_check, self._agreed_dtype) \
+            if replica_check else None
+
+    def _agreed_dtype(self, placeholder: str) -> torch.dtype | None:
+        """ZeRO-1/2 gathered the updated slices in the compute dtype: dp copies agree in it."""
+        if not isinstance(self.optimizer, ZeroOptimizer) or not self.optimizer.rounded:
+            return None
+        return self.optimizer.replica_dtypes().get(id(self.state[placeholder]))
 
     def _group_of(self, factory) -> Callable[[str], int] | None:
         """A grouping factory's group of each state entry, by the name named_parameters() gives it."""
@@ -558,6 +565,8 @@ class RankExecutor(ShardedCheckpoint):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded state under every state_dict name (tied weights appear under each name)."""
+        if isinstance(self.optimizer, ZeroOptimizer):
+            self.optimizer.exact()  # ZeRO's compute-dtype gather left other ranks' slices rounded
         out = {}
         for spec in self.program.state:
             full = gather_full(self._dp_whole(spec), spec.layout.placements, self.mesh)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Callable
+
 import torch
 from torch.distributed.tensor import Replicate
 
@@ -69,8 +71,11 @@ def position_weights(n: int, device) -> torch.Tensor:
 class ReplicaGuard:
     """Compares the fingerprints of one rank's replicated state with its peers' every ``every`` steps."""
 
-    def __init__(self, program, mesh, state: dict[str, torch.Tensor], every: int) -> None:
-        self.mesh, self.state, self.every = mesh, state, every
+    def __init__(self, program, mesh, state: dict[str, torch.Tensor], every: int,
+                 agreed_dtype: Callable[[str], torch.dtype | None] = lambda placeholder: None) -> None:
+        """``agreed_dtype(placeholder)``: the dtype in which a tensor's copies agree where they do not
+        agree exactly (ZeRO's compute-dtype gather: a rank's own slice keeps its float32 values)."""
+        self.mesh, self.state, self.every, self.agreed_dtype = mesh, state, every, agreed_dtype
         sizes = {a: mesh.size(a) for a in mesh.axes}
         self._cache: dict[tuple, torch.Tensor] = {}  # position weights by (numel, device)
         self.names = [s.name for s in program.state]
@@ -100,6 +105,10 @@ class ReplicaGuard:
                               f"axis '{self.mesh.axes[axis]}': rank {first} holds another value than rank {other} "
                               f"(rank {self.mesh.rank} stops with them)\n  fix: {_FIX}")
 
+    def _agreed(self, placeholder: str) -> torch.Tensor:
+        value, dtype = self.state[placeholder], self.agreed_dtype(placeholder)
+        return value if dtype is None else value.detach().to(dtype)
+
     def _everywhere(self, t: torch.Tensor) -> torch.Tensor:
         """The elementwise max of ``t`` over the whole mesh."""
         t = t.to(self.mesh.device)  # NCCL reduces device tensors only
@@ -112,7 +121,7 @@ class ReplicaGuard:
         mine = [w for w in self.watched if axis in w.axes]
         if not mine:  # peers on one axis hold the same stages and layouts: they all skip
             return None
-        prints = torch.stack([fingerprint(self.state[w.placeholder], self._weights(self.state[w.placeholder]))
+        prints = torch.stack([fingerprint(self._agreed(w.placeholder), self._weights(self.state[w.placeholder]))
                               for w in mine])
         table = self.mesh.comm(axis).all_gather(prints.reshape(1, -1), 0)  # (peers, 2 * tensors)
         for i, watched in enumerate(mine):

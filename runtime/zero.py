@@ -10,7 +10,13 @@ momentum) on the slices equals the full update exactly.
 Both stages reduce-scatter the gradients over dp (the reducer's scatter_axis: each rank receives
 only the sum of its own slice, half an all-reduce's bytes), each rank steps its slice, then the
 updated slices are all-gathered into every rank's parameters: together the bytes of plain data
-parallelism's all-reduce. They differ in what a rank holds while microbatches accumulate:
+parallelism's all-reduce. Under dtype=bf16 the slices travel in bfloat16 (``gather_dtype``), as
+Megatron's distributed optimizer and nanotron gather their bf16 working weights: half the bytes.
+A rank's own slice keeps its float32 values (the master); the other slices hold the bf16 values
+the forward casts to anyway, so every forward computes what a float32 gather would give. What
+reads the weights whole reads them exact: a checkpoint writes each rank's own slices (no
+gather), ``exact()`` gathers the float32 slices (``full_state_dict``), and the replica guard
+compares the copies in bf16, the values the replicas share. They differ in what a rank holds while microbatches accumulate:
 Stage 1: full gradients accumulate locally; one reduce-scatter per bucket, in the last
 microbatch's backward.
 Stage 2: every microbatch's gradients are reduce-scattered in its own backward and the slices
@@ -32,8 +38,10 @@ class ZeroOptimizer:
     """Wraps the user's optimizer so it only holds state for this rank's slices."""
 
     def __init__(self, reducer: GradReducer, axis: str, factory: Callable[[Iterable], torch.optim.Optimizer],
-                 other_params: list[nn.Parameter], build: Callable | None = None) -> None:
-        """Stages 1 and 2 differ only in the reducer (``scatter_each``); this wrapper is the same."""
+                 other_params: list[nn.Parameter], build: Callable | None = None,
+                 gather_dtype: torch.dtype | None = None) -> None:
+        """Stages 1 and 2 differ only in the reducer (``scatter_each``); this wrapper is the same.
+        ``gather_dtype``: the compute dtype the updated slices travel in (None: their own)."""
         self.reducer, self.axis = reducer, axis
         self.comm = reducer.mesh.comm(axis)
         self.buckets = [b for b in reducer.buckets if axis in b.axes]
@@ -51,6 +59,10 @@ class ZeroOptimizer:
             [named.get(id(p), ()) for p in rest]
         # build: the executor's (a rank with nothing to train still gets an optimizer)
         self.inner = (build or (lambda f, p: f(p)))(factory, NamedParameters(self.masters + rest, names))
+        floating = all(f.dtype.is_floating_point and f.dtype.itemsize > 2 for f in self.flats)
+        self.gather_dtype = gather_dtype if floating and gather_dtype not in (None, *(f.dtype for f in self.flats)) \
+            else None
+        self.rounded = False  # other ranks' slices hold gather_dtype values (exact() restores them)
 
     def _partition(self, bucket) -> tuple[torch.Tensor, nn.Parameter]:
         """One flat buffer per bucket; parameters become views into it; the master is my slice."""
@@ -76,9 +88,29 @@ class ZeroOptimizer:
     def step(self) -> None:
         self._slice_grads()
         self.inner.step()
+        self._gather(self.gather_dtype)
+
+    def exact(self) -> None:
+        """Every slice back to its owner's float32 values (a float32 gather; a no-op unless the
+        last step gathered in the compute dtype). Every rank of the dp group calls it."""
+        if self.rounded:
+            self._gather(None)
+
+    def _gather(self, dtype: torch.dtype | None) -> None:
+        rank, n = self.comm.rank, self.comm.size
         for flat, master in zip(self.flats, self.masters):
-            gathered = self.comm.all_gather(master.detach(), 0)
-            flat.copy_(gathered)
+            mine = master.detach()
+            gathered = self.comm.all_gather(mine if dtype is None else mine.to(dtype), 0)
+            rows, got = flat.view(n, -1), gathered.view(n, -1)
+            rows[:rank].copy_(got[:rank])  # my own slice keeps its exact values
+            rows[rank + 1:].copy_(got[rank + 1:])
+        self.rounded = dtype is not None
+
+    def replica_dtypes(self) -> dict[int, torch.dtype]:
+        """id(parameter) -> the dtype its dp copies agree in (the gather's, after a rounded step)."""
+        if self.gather_dtype is None:
+            return {}
+        return {id(p): self.gather_dtype for bucket in self.buckets for _, p in bucket.params}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
