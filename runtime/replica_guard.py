@@ -17,7 +17,6 @@ are compared exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Callable
 
 import torch

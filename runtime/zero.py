@@ -14,9 +14,10 @@ parallelism's all-reduce. Under dtype=bf16 the slices travel in bfloat16 (``gath
 Megatron's distributed optimizer and nanotron gather their bf16 working weights: half the bytes.
 A rank's own slice keeps its float32 values (the master); the other slices hold the bf16 values
 the forward casts to anyway, so every forward computes what a float32 gather would give. What
-reads the weights whole reads them exact: a checkpoint writes each rank's own slices (no
-gather), ``exact()`` gathers the float32 slices (``full_state_dict``), and the replica guard
-compares the copies in bf16, the values the replicas share. They differ in what a rank holds while microbatches accumulate:
+reads the weights whole reads them exact: a save and ``full_state_dict`` first gather the float32
+slices (``exact()``), and the replica guard compares the copies in bf16, the values they share.
+
+The two stages differ in what a rank holds while microbatches accumulate:
 Stage 1: full gradients accumulate locally; one reduce-scatter per bucket, in the last
 microbatch's backward.
 Stage 2: every microbatch's gradients are reduce-scattered in its own backward and the slices
