@@ -57,6 +57,7 @@ PLANS = [
     ("pp=2 mb=2 schedule=zb", "llama"),
     ("dp=2 zero=1", "llama"),
     ("dp=2 mb=2 zero=2", "llama"),  # reduce-scattered in every microbatch, the slices summed
+    ("dp=2 zero=1 dtype=bf16", "llama"),  # the updated slices gathered in bf16, then a save's float32 gather
     ("dp=2 zero=3", "llama"),
     ("dp=2 mb=2 dtype=bf16", "llama"),
     ("dp=2 recompute=selective", "llama"),
