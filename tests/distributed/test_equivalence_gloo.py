@@ -49,3 +49,27 @@ def test_gloo_checkpoint_loads_in_the_simulator_under_another_plan(tmp_path):
     sim.load(path)
     losses = [sim.step(*b) for b in batches[2:]]
     assert losses == pytest.approx(expected[2:], rel=1e-5, abs=1e-6)
+
+
+def test_gloo_zero1_bf16_gather_saves_the_float32_weights(tmp_path):
+    """ZeRO-1 under dtype=bf16 on real gloo processes: the slices travel in bf16, and the checkpoint
+    holds the float32 weights the simulator's run of the same plan ends with when it gathers in
+    float32 (a reference that does not rest on the save's own float32 gather)."""
+    import usc
+    from gloo_cases import save_after_two_steps
+    from usc.testing.models import TinyLlama, token_batch
+
+    plan = "dp=2 zero=1 dtype=bf16"
+    path = str(tmp_path / "ckpt")
+    losses = run_world(save_after_two_steps, 2, plan, path, timeout=120)
+    batches = [token_batch(128, 4, 16, seed=s) for s in range(2)]
+    torch.manual_seed(0)
+    sim = usc.simulate(TinyLlama(), plan, example_inputs=batches[0])
+    for rank in sim.ranks:
+        rank.optimizer.gather_dtype = None
+    assert losses[0] == pytest.approx([sim.step(*b) for b in batches], rel=1e-6)
+    one = usc.simulate(TinyLlama(), "dtype=bf16", example_inputs=batches[0])
+    one.load(path)
+    expected, loaded = sim.full_state_dict(), one.full_state_dict()
+    assert all(torch.allclose(loaded[k], expected[k], rtol=0, atol=1e-7) for k in expected)
+    assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in loaded.values() if t.is_floating_point())
