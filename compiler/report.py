@@ -340,7 +340,8 @@ def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0, *
     at zero=1, once per microbatch at zero=2, the other axes once on the summed slice), and with
     zero=1/2 the all-gather of the updated slices after the optimizer step (of pp rank ``pp_rank``), in
     the dtype the forward takes the weights in."""
-    records, gather_dtype = [], None
+    records = []
+    wire = _weights_run_in(program) if zero_stage in (1, 2) else None
     for axes, names, nbytes in _pack_buckets(program, bucket_bytes, pp_rank=pp_rank):
         label = names[0] if len(names) == 1 else f"{names[-1]} .. {names[0]} ({len(names)} params)"
         payload = nbytes
@@ -358,13 +359,11 @@ def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0, *
         if zero_stage in (1, 2) and "dp" in axes:  # each rank hands its (padded) slice to the gather
             n = program.mesh.size("dp")
             numel = -(-nbytes // (4 * n))
-            wire = gather_dtype if gather_dtype is not None else _weights_run_in(program)
             records.append(CollectiveRecord("all-gather", "dp", n, "optimizer", (numel,),
                                             str(wire).replace("torch.", ""), numel * wire.itemsize, 1, label,
                                             "ZeRO step", "each rank updated its slice; the slices are gathered"
                                             + (" in the compute dtype" if wire != torch.float32 else ""),
                                             "optimizer"))
-            gather_dtype = wire
     return records
 
 

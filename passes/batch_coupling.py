@@ -38,7 +38,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from usc.compiler.errors import CompileError
-from usc.compiler.ir import META, Layout, MeshSpec
+from usc.compiler.ir import META, Layout
 from usc.compiler.trace import module_path, user_source
 from usc.runtime.collectives import AllGather, AllReduce, AllToAll, LocalShard, ReduceScatter
 from usc.runtime.op_classes import RESHAPES
@@ -47,7 +47,7 @@ from .batch_outer import MERGES, batch_outer_pass, merged_groups, region_stop
 from .graph_edit import shape_of, val
 from .random_ops import DRAW, random_ops_pass
 from .row_index import row_index_pass
-from .virtual_batch import VIRTUAL, batch_size, virtual_size, virtual_propagation
+from .virtual_batch import VIRTUAL, batch_size, virtual_mesh, virtual_propagation
 
 aten = torch.ops.aten
 COUPLING_COLLECTIVES = (AllGather, AllReduce, AllToAll, ReduceScatter)
@@ -100,7 +100,7 @@ def _with_draws(probe: fx.GraphModule, ctx) -> fx.GraphModule:
 
 
 def _virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.GraphModule:
-    mesh = MeshSpec((VIRTUAL,), (virtual_size(batch_size(gm, user_inputs)),))
+    mesh = virtual_mesh(gm, user_inputs)
     try:
         return virtual_propagation(gm, ctx, user_inputs, params)
     except CompileError as err:  # a rule refused the op, or no rule places it

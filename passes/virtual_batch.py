@@ -27,10 +27,15 @@ def virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.Grap
     graph.output(graph.graph_copy(gm.graph, {}))
     copy = fx.GraphModule(gm, graph)
     _functional_twins(copy)
-    mesh = MeshSpec((VIRTUAL,), (virtual_size(batch_size(gm, user_inputs)),))
+    mesh = virtual_mesh(gm, user_inputs)
     layouts = {name: Layout((Shard(0),)) for name in user_inputs if _rank(gm, name) > 0}
     plan = ctx.plan.with_options(mb=1, sp=None, cp_mode=None)
     return propagate_pass(copy, CompileContext(mesh, plan), input_layouts=layouts, grad_inputs=set(params))
+
+
+def virtual_mesh(gm: fx.GraphModule, user_inputs) -> MeshSpec:
+    """The one-axis mesh the batch is split over: its size the batch's smallest prime factor."""
+    return MeshSpec((VIRTUAL,), (virtual_size(batch_size(gm, user_inputs)),))
 
 
 def _functional_twins(gm: fx.GraphModule) -> None:
@@ -70,4 +75,4 @@ def batch_size(gm: fx.GraphModule, user_inputs) -> int:
     return next((s[0] for s in shapes if s), 1)
 
 
-__all__ = ["VIRTUAL", "virtual_propagation", "virtual_size", "batch_size"]
+__all__ = ["VIRTUAL", "virtual_propagation", "virtual_mesh", "virtual_size", "batch_size"]

@@ -135,9 +135,9 @@ class RankExecutor(ShardedCheckpoint):
 
     def _agreed_dtype(self, placeholder: str) -> torch.dtype | None:
         """ZeRO-1/2 gathered the updated slices in the compute dtype: dp copies agree in it."""
-        if not isinstance(self.optimizer, ZeroOptimizer) or not self.optimizer.rounded:
+        if not isinstance(self.optimizer, ZeroOptimizer):
             return None
-        return self.optimizer.replica_dtypes().get(id(self.state[placeholder]))
+        return self.optimizer.agreed_dtype(self.state[placeholder])
 
     def _group_of(self, factory) -> Callable[[str], int] | None:
         """A grouping factory's group of each state entry, by the name named_parameters() gives it."""

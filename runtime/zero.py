@@ -60,10 +60,12 @@ class ZeroOptimizer:
             [named.get(id(p), ()) for p in rest]
         # build: the executor's (a rank with nothing to train still gets an optimizer)
         self.inner = (build or (lambda f, p: f(p)))(factory, NamedParameters(self.masters + rest, names))
-        floating = all(f.dtype.is_floating_point and f.dtype.itemsize > 2 for f in self.flats)
-        self.gather_dtype = gather_dtype if floating and gather_dtype not in (None, *(f.dtype for f in self.flats)) \
-            else None
+        # gathered in the compute dtype only where it is narrower than the weights (bf16 under float32)
+        narrower = gather_dtype is not None and all(
+            f.dtype.is_floating_point and f.dtype.itemsize > gather_dtype.itemsize for f in self.flats)
+        self.gather_dtype = gather_dtype if narrower else None
         self.rounded = False  # other ranks' slices hold gather_dtype values (exact() restores them)
+        self._sliced = {id(p) for bucket in self.buckets for _, p in bucket.params}
 
     def _partition(self, bucket) -> tuple[torch.Tensor, nn.Parameter]:
         """One flat buffer per bucket; parameters become views into it; the master is my slice."""
@@ -107,11 +109,10 @@ class ZeroOptimizer:
             rows[rank + 1:].copy_(got[rank + 1:])
         self.rounded = dtype is not None
 
-    def replica_dtypes(self) -> dict[int, torch.dtype]:
-        """id(parameter) -> the dtype its dp copies agree in (the gather's, after a rounded step)."""
-        if self.gather_dtype is None:
-            return {}
-        return {id(p): self.gather_dtype for bucket in self.buckets for _, p in bucket.params}
+    def agreed_dtype(self, param: torch.Tensor) -> torch.dtype | None:
+        """The dtype in which ``param``'s dp copies agree, where they do not agree exactly (after a
+        compute-dtype gather: each rank's own slice keeps its float32 values); None: exactly."""
+        return self.gather_dtype if self.rounded and id(param) in self._sliced else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
