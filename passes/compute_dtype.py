@@ -8,7 +8,9 @@ they cast: a cast to float32 of a value computed from an earlier cast to float32
 Each cast is in the graph as the model wrote it, with its own uses only (``compiler/casts.py``:
 torch records a cast to a value's own dtype as the value itself). Values computed from an island
 stay in it by torch's promotion (a float32 scalar does not lift a bf16 tensor); a matmul, norm,
-attention or expert op where an island meets a bf16 value runs in bf16.
+attention or expert op where an island meets a bf16 value runs in bf16. A random draw made like a
+tensor (dropout's mask, ``rand_like``) is drawn in that tensor's dtype, as torch draws it: a float32
+mask would lift a bf16 activation to float32 (and fail at the next matmul with a bf16 weight).
 
 Requires: the traced graph (before propagation). Establishes: such casts name the compute dtype;
 every float32-traced value's ``meta["usc_runs_in"]`` names the dtype it runs in, and
@@ -22,6 +24,8 @@ import torch.fx as fx
 
 import usc.compiler.moe  # noqa: F401 - registers usc::moe, whose tokens meet the experts' weights
 from usc.compiler.report import ISLAND, RUNS_IN  # node.meta keys this pass sets (see the docstring)
+
+from .random_ops import DRAW, DRAW_DTYPE
 
 aten = torch.ops.aten
 CASTS = {aten.to.dtype: 1, aten._to_copy.default: "dtype"}
@@ -37,11 +41,19 @@ def compute_dtype_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     the cost profile's probes, compiled without a dtype, read to count those bytes at full size)."""
     dtype = COMPUTE.get(ctx.plan.get("dtype"))
     upcast: set[fx.Node] = set()  # values computed in float32 on purpose
+    by_name = {n.name: n for n in gm.graph.nodes}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         inputs = [a for a in node.all_input_nodes]
-        if node.target in MOVES and _keeps_dtype(node):
+        if node.target is DRAW and node.args[DRAW_DTYPE] == torch.float32:
+            # drawn like a tensor (dropout's mask, rand_like): in that tensor's dtype, as torch draws
+            like = by_name.get(node.meta.get("usc_draw_like"))
+            if like is None or like in upcast:
+                upcast.add(node)  # a float32 factory the model wrote, or an island's own draw
+            elif dtype is not None:
+                node.args = node.args[:DRAW_DTYPE] + (dtype,) + node.args[DRAW_DTYPE + 1:]
+        elif node.target in MOVES and _keeps_dtype(node):
             if dtype is not None:
                 node.kwargs = {**node.kwargs, "dtype": None}  # a device move keeps the dtype it meets
             if any(a in upcast for a in inputs):

@@ -28,6 +28,7 @@ from .graph_edit import val
 aten = torch.ops.aten
 KEY_MODULE = "usc_random_key"
 DRAW = torch.ops.usc.draw.default
+DRAW_DTYPE = 5  # the draw's dtype argument: (key, shape, op, batch_dim, microbatches, dtype, ...)
 
 
 class _Rewriter:

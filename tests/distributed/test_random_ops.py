@@ -239,3 +239,58 @@ def masked_lm_batch(seed: int) -> dict:
 @pytest.mark.parametrize("plan", ["dp=2", "tp=2", "pp=2 mb=2"])
 def test_bert_with_its_default_dropout_equals_usc_one_device(plan):
     assert_equivalent(bert, plan, [masked_lm_batch(s) for s in range(2)], **FLOAT64)
+
+
+class _EncoderWithDropout(nn.Module):
+    """torch's encoder layer with its default-style dropout (attention weights, both residual
+    branches, the feed-forward), batch first, odd sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 15)
+        layer = nn.TransformerEncoderLayer(15, 3, dim_feedforward=22, dropout=0.2, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(15, 1)
+
+    def forward(self, x, y):
+        return (self.head(self.encoder(self.embed(x))).squeeze(-1) - y).pow(2).mean()
+
+
+def _bf16_and_float32_losses(factory, plan: str, batch) -> tuple[list, list, object]:
+    """Three SGD steps of ``plan`` and of the same plan without dtype=bf16 (same seed: same masks)."""
+    runs = []
+    for dtype_plan in (plan, plan.replace("dtype=bf16", "").strip() or "dp=1"):
+        torch.manual_seed(0)
+        sim = usc.simulate(factory(), dtype_plan, example_inputs=batch,
+                           optimizer=lambda p: torch.optim.SGD(p, lr=0.05))
+        runs.append(([sim.step(batch) if isinstance(batch, dict) else sim.step(*batch) for _ in range(3)], sim))
+    (bf16, sim), (fp32, _) = runs
+    return bf16, fp32, sim
+
+
+def _within_bf16_rounding(bf16, fp32) -> bool:
+    from usc.testing.equivalence import BF16_U
+
+    return bf16 != fp32 and all(abs(a - b) <= (i + 1) * 2 * BF16_U * abs(b) for i, (a, b) in enumerate(zip(bf16, fp32)))
+
+
+@pytest.mark.parametrize("plan", ["dtype=bf16", "dp=3 mb=2 dtype=bf16"])
+def test_dropout_masks_are_drawn_in_the_compute_dtype(plan):
+    """Under dtype=bf16 a float32 mask lifted each dropped activation to float32, and the attention's
+    next matmul failed ("expected scalar type Float but found BFloat16"). The masks are drawn in the
+    dtype of the tensor they drop from, and the bf16 run stays within bf16 rounding of the float32
+    run of the same plan (same seed: the same masks, compared on 32 bits whatever the dtype)."""
+    g = torch.Generator().manual_seed(5)
+    batch = (torch.randn(6, 7, 4, generator=g), torch.randn(6, 7, generator=g))
+    bf16, fp32, sim = _bf16_and_float32_losses(_EncoderWithDropout, plan, batch)
+    draws = [n for n in sim.program.gm.graph.nodes if n.target is torch.ops.usc.draw.default]
+    assert len(draws) == 8 and all(n.args[5] == torch.bfloat16 for n in draws)
+    assert _within_bf16_rounding(bf16, fp32), (bf16, fp32)
+
+
+@pytest.mark.parametrize("plan", ["dtype=bf16", "dp=2 dtype=bf16"])
+def test_bert_with_its_default_dropout_trains_in_bf16(plan):
+    """transformers' BERT (dropout 0.1 everywhere) failed under any dtype=bf16 plan ("mat1 and mat2
+    must have the same dtype, but got Float and BFloat16")."""
+    bf16, fp32, _ = _bf16_and_float32_losses(lambda: bert().float(), plan, masked_lm_batch(0))
+    assert _within_bf16_rounding(bf16, fp32), (bf16, fp32)
