@@ -5,6 +5,7 @@
     python benchmarks/playbook_sweep.py --tp-scaling  # the TP and TP/SP scaling figures (3B, tp=2..32)
     python benchmarks/playbook_sweep.py --planner   # usc.plan's choice per cell against the measured best
     python benchmarks/playbook_sweep.py --fit       # refit the h100 profile's two fitted constants
+    python benchmarks/playbook_sweep.py --fit-gradient  # refit its gradient bandwidth by ranks per node
     python benchmarks/playbook_sweep.py --microbatch-cost  # what one more microbatch costs, measured vs predicted
 
 Hugging Face measured thousands of nanotron configurations of Llama-style models on 1-64 nodes of 8
@@ -104,6 +105,59 @@ def fit(data: list[dict], base: str = "h100") -> dict:
     fine = (np.arange(max(0.0, o - 0.0004), o + 0.00041, 0.0001), np.arange(max(1.0, t - 1.0), t + 1.01, 0.25))
     best = min(itertools.product(*fine), key=error)
     return dict(zip(FITTED, (round(float(best[0]), 4), round(float(best[1]), 2))))
+
+
+GRADIENT_FIT_MODELS = ("1B", "3B")  # the cells the gradient table is fitted on; 8B's are held out
+
+
+def gradient_rows(data: list[dict]) -> list[dict]:
+    """The rows whose dp groups can span nodes and whose tp stays in a node: 2-32 nodes, tp <= 8 (the
+    64-node rows are flagged and left out, as the planner flags plans beyond 32 nodes)."""
+    return [r for r in data if 1 < r["nodes"] <= 32 and r["tp"] <= 8]
+
+
+def fit_gradient(data: list[dict], base: str = "h100") -> tuple[float, float]:
+    """(b1, a) of the h100 profile's gradient_busbw_by_ranks_per_node, written as b1 * g**a at g = 1, 2,
+    4, 8 ranks per node: the pair minimising the squared log error of MFU over ``data`` (a coarse grid,
+    then a fine one around its best)."""
+    import itertools
+
+    hw = hardware_profile(base)
+
+    def error(values) -> float:
+        b1, a = values
+        trial = replace(hw, gradient_busbw_by_ranks_per_node=gradient_table(b1, a))
+        return sum(math.log(p["predicted_mfu"] / p["mfu_percent"] * 100) ** 2 for p in predict(data, trial))
+
+    coarse = ([b * 1e9 for b in range(8, 65, 4)], [a / 10 for a in range(0, 11)])
+    b1, a = min(itertools.product(*coarse), key=error)
+    fine = ([b1 + d * 1e9 for d in range(-3, 4) if b1 + d * 1e9 > 0], [max(0.0, a + d / 100) for d in range(-8, 9, 2)])
+    return min(itertools.product(*fine), key=error)
+
+
+def gradient_table(b1: float, a: float, per_node: int = 8) -> tuple:
+    """The (ranks per node, busbw) pairs of b1 * g**a at g = 1, 2, 4, ... ``per_node``."""
+    return tuple((g, b1 * g ** a) for g in (1 << i for i in range(per_node.bit_length())) if g <= per_node)
+
+
+def gradient_fit_report(base: str = "h100") -> list[str]:
+    """Fit the gradient table on GRADIENT_FIT_MODELS' rows; each side's MFU points with and without it."""
+    data = gradient_rows(rows())
+    fit_on = [r for r in data if r["model"] in GRADIENT_FIT_MODELS]
+    held = [r for r in data if r["model"] not in GRADIENT_FIT_MODELS]
+    b1, a = fit_gradient(fit_on, base)
+    hw = hardware_profile(base)
+    table = gradient_table(b1, a)
+    lines = [f"fitted on {len(fit_on)} rows ({', '.join(GRADIENT_FIT_MODELS)}, 2-32 nodes, tp <= 8): "
+             f"b1 = {b1 / 1e9:.0f} GB/s, a = {a:.2f}: gradient_busbw_by_ranks_per_node = "
+             f"[{', '.join(f'[{g}, {bw / 1e9:.2f}e9]' for g, bw in table)}]"]
+    for name, sel in (("fitted on", fit_on), ("held out", held)):
+        for label, profile in (("without the table", replace(hw, gradient_busbw_by_ranks_per_node=())),
+                               ("with it", replace(hw, gradient_busbw_by_ranks_per_node=table))):
+            points = [abs(p["predicted_mfu"] * 100 - p["mfu_percent"]) for p in predict(sel, profile)]
+            lines.append(f"{name} ({len(sel)} rows), {label}: within 5 MFU points {sum(d <= 5 for d in points)}"
+                         f" of {len(sel)}, rms {math.sqrt(sum(d * d for d in points) / len(points)):.2f} points")
+    return lines
 
 
 def summary(predicted: list[dict], group: str) -> str:
@@ -248,6 +302,8 @@ def main() -> None:
                         help="usc.plan's choice in the sweep's space per cell against the cell's measured best")
     parser.add_argument("--fit", action="store_true", help="fit unit_overhead and pointwise_traffic on the "
                         "one-node rows (the multi-node rows stay held out)")
+    parser.add_argument("--fit-gradient", action="store_true", help="fit the h100 profile's gradient bandwidth "
+                        "by ranks per node on the 1B and 3B rows of 2-32 nodes (the 8B rows held out)")
     parser.add_argument("--microbatch-cost", action="store_true",
                         help="what one more microbatch adds per layer, measured vs predicted (one-node rows)")
     args = parser.parse_args()
@@ -265,6 +321,8 @@ def main() -> None:
         print("| mode | tp | batch | tokens/s/GPU published | predicted | predicted at the sweep's FLOPs |")
         print("|---|---|---|---|---|---|")
         return print("\n".join(tp_scaling(args.hardware)))
+    if args.fit_gradient:
+        return print("\n".join(gradient_fit_report(args.hardware)))
     if args.fit:
         one_node = [r for r in rows() if r["nodes"] == 1]
         fitted = ", ".join(f"{k} = {v}" for k, v in fit(one_node, args.hardware).items())

@@ -435,6 +435,32 @@ def _measured_links(hw: HardwareProfile, ranks: int, per_node: int) -> tuple:
                  if hw.busbw_across(kind, fills) is not None)
 
 
+def _gradient_link(hw: HardwareProfile, plan: PlanPoint) -> Link:
+    """The dp link of a step's gradient reduction and ZeRO-1/2's gather: ``_link``'s, at most what the
+    profile measured such reductions sustain inside training steps for a group with this many ranks per
+    node (``gradient_busbw_by_ranks_per_node``). On the h100 profile that figure grows about as the
+    square root of the ranks per node, not in proportion to the NICs they own, so a dp group of one rank
+    per node (tp=8) moves half the bytes of a tp=4 group at more than half its bandwidth: the Ultra-Scale
+    Playbook's sweep measured tp=8 meshes 3-15% faster across 16-32 nodes, which the NIC reading
+    alone ranked the other way (docs/cost_model.md, "The playbook's sweep")."""
+    link = _link(hw, plan, "dp")
+    if not hw.gradient_busbw_by_ranks_per_node or not crosses_node(plan, "dp"):
+        return link
+    per_node = ranks_per_node(plan, "dp")
+    key = ("gradient", plan.dp, per_node)
+    cached = hw.link_cache.get(key)
+    if cached is None:
+        figure = hw.gradient_busbw(per_node)
+        fills = max(2, round(plan.dp / hw.gpus_per_node))
+        all_reduce = hw.busbw_across("all-reduce", fills)
+        # the kinds the by-nodes tables measured keep their ratio to all-reduce (a reduce-scatter moves
+        # half an all-reduce's bytes and measured about half its busbw at 256 MB: the same time)
+        measured = tuple((kind, min(bw, figure * (hw.busbw_across(kind, fills) / all_reduce if all_reduce else 1.0)))
+                         for kind, bw in link.measured)
+        cached = hw.link_cache[key] = (min(link.bandwidth, figure), measured)
+    return link._replace(bandwidth=cached[0], measured=cached[1])
+
+
 def ranks_per_node(plan: PlanPoint, axis: str) -> int:
     """How many ranks of one group of ``axis`` share a node (row-major mesh, as crosses_node)."""
     return _group_layout(plan.dp, plan.tp, plan.pp, plan.cp, plan.ep, plan.order, plan.gpus_per_node, axis)[1]
@@ -490,7 +516,7 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
         if axis == "dp" and plan.zero == 3:  # in the graph, on the compute-dtype copies' gradients
             payload = params / _weight_wire(plan)
         sends = plan.mb if axis == "dp" and plan.zero == 2 else 1
-        link = _link(hw, plan, axis)
+        link = _gradient_link(hw, plan) if axis == "dp" else _link(hw, plan, axis)
         calls = max(1.0, math.ceil(grad_bytes / (plan.bucket_mb * 2**20)))
         seconds = collective_seconds(kind, payload, n, link.bandwidth, link.latency * calls, link.ring,
                                      link.factors, link.measured)
@@ -504,7 +530,7 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
         seconds = collective_seconds("all-reduce", tp_reduced, plan.tp, *link)
         out.append(CollectiveEstimate("tp", "all-reduce", "backward", plan.tp, tp_reduced, 1, seconds, seconds))
     if plan.dp > 1 and plan.zero in (1, 2):  # updated slices gathered after the step: not overlapped
-        link = _link(hw, plan, "dp")
+        link = _gradient_link(hw, plan)
         shard = params / plan.dp / _weight_wire(plan)  # in the compute dtype (runtime/zero.py)
         seconds = collective_seconds("all-gather", shard, plan.dp, *link)
         out.append(CollectiveEstimate("dp", "all-gather", "optimizer", plan.dp, shard, 1, seconds, seconds))

@@ -97,10 +97,19 @@ class HardwareProfile:
     all_reduce_busbw_by_nodes: tuple = ()
     all_gather_busbw_by_nodes: tuple = ()
     reduce_scatter_busbw_by_nodes: tuple = ()
+    # All-reduce bus bandwidth per rank that a training step's gradient reduction sustains over a dp
+    # group spanning nodes, as (ranks of the group in each node, busbw) pairs: measured inside steps
+    # (bucketed messages beside the backward's kernels), not by nccl-tests on whole nodes. A group's
+    # gradient reduction and ZeRO-1/2's gather run at most at the figure for its ranks per node (log-log
+    # between the pairs; reduce-scatter and all-gather scaled by the by-nodes tables' ratio to
+    # all-reduce). Empty: the by-nodes reading above alone.
+    gradient_busbw_by_ranks_per_node: tuple = ()
 
     def __post_init__(self) -> None:
         for name in BUSBW_FIELDS.values():
             object.__setattr__(self, name, _busbw_table(self.name, name, getattr(self, name)))
+        object.__setattr__(self, GRADIENT_FIELD, _busbw_table(self.name, GRADIENT_FIELD,
+                                                              getattr(self, GRADIENT_FIELD), least=1))
         for f in fields(self):
             _check_field(self.name, f.name, getattr(self, f.name))
         if int(self.gpus_per_node) != self.gpus_per_node:
@@ -145,16 +154,13 @@ class HardwareProfile:
         """Measured bus bandwidth of ``kind`` over a group filling ``nodes`` nodes (log-log between
         the table's node counts, its ends held beyond them); None when the profile has no table for it."""
         name = BUSBW_FIELDS.get(kind)
-        pairs = getattr(self, name) if name else ()
-        if not pairs:
-            return None
-        if nodes <= pairs[0][0]:
-            return pairs[0][1]
-        for (n0, b0), (n1, b1) in zip(pairs, pairs[1:]):
-            if nodes <= n1:
-                t = math.log(nodes / n0) / math.log(n1 / n0)
-                return math.exp(math.log(b0) + t * (math.log(b1) - math.log(b0)))
-        return pairs[-1][1]
+        return _log_log(getattr(self, name) if name else (), nodes)
+
+    def gradient_busbw(self, ranks_per_node: int) -> "float | None":
+        """What a gradient reduction sustains per rank over a dp group spanning nodes with
+        ``ranks_per_node`` of its ranks in each (``gradient_busbw_by_ranks_per_node``, log-log
+        between its pairs, its ends held beyond them); None when the profile has no such table."""
+        return _log_log(self.gradient_busbw_by_ranks_per_node, ranks_per_node)
 
     def matmul_rate(self, rows: float, dtype: str) -> float:
         """FLOP/s of one rank's matmuls with ``rows`` rows (tokens) per call: the peak times the
@@ -191,33 +197,56 @@ BUSBW_FIELDS = {"all-reduce": "all_reduce_busbw_by_nodes", "all-gather": "all_ga
                 "reduce-scatter": "reduce_scatter_busbw_by_nodes"}
 
 
-def _busbw_table(profile: str, name: str, value) -> tuple:
-    """``value`` as ((nodes, busbw), ...) with node counts from 2 up, ascending; raise naming the field."""
+# The profile field of the gradient reduction's bus bandwidth by ranks per node (``gradient_busbw``).
+GRADIENT_FIELD = "gradient_busbw_by_ranks_per_node"
+
+
+def _log_log(pairs: tuple, x: float) -> "float | None":
+    """The value at ``x`` of ascending (x, value) ``pairs``, log-log between them, the ends held
+    beyond them; None for no pairs."""
+    if not pairs:
+        return None
+    if x <= pairs[0][0]:
+        return pairs[0][1]
+    for (n0, b0), (n1, b1) in zip(pairs, pairs[1:]):
+        if x <= n1:
+            t = math.log(x / n0) / math.log(n1 / n0)
+            return math.exp(math.log(b0) + t * (math.log(b1) - math.log(b0)))
+    return pairs[-1][1]
+
+
+def _busbw_table(profile: str, name: str, value, least: int = 2) -> tuple:
+    """``value`` as ((count, busbw), ...) with counts from ``least`` up, ascending; raise naming the
+    field. The count is nodes (the by-nodes tables, from 2: one node is NVLink's) or ranks per node
+    (the gradient table, from 1)."""
+    what, unit = ("node count", "nodes") if least == 2 else ("ranks per node", "ranks per node")
+    example = "[[2, 361.7e9], [4, 160.1e9], ...]" if least == 2 else "[[1, 24e9], [2, 33.9e9], ...]"
     def bad(why: str) -> HardwareProfileError:
         return HardwareProfileError(
-            f"hardware profile {profile!r}: {name!r} {why}; write it as [[2, 361.7e9], [4, 160.1e9], ...]: "
-            f"(nodes, bus bandwidth in bytes/s) pairs, node counts from 2 up")
+            f"hardware profile {profile!r}: {name!r} {why}; write it as {example}: "
+            f"({what}, bus bandwidth in bytes/s) pairs, {what}s from {least} up")
     if not isinstance(value, (list, tuple)):
         raise bad(f"must be a list of pairs, got {value!r}")
     pairs = []
     for pair in value:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise bad(f"holds {pair!r}, not a (nodes, busbw) pair")
-        nodes, busbw = pair
-        if isinstance(nodes, bool) or not isinstance(nodes, (int, float)) or nodes != int(nodes) or nodes < 2:
-            raise bad(f"has node count {nodes!r}: a whole number of at least 2 (one node is NVLink's)")
+            raise bad(f"holds {pair!r}, not a ({unit}, busbw) pair")
+        count, busbw = pair
+        if isinstance(count, bool) or not isinstance(count, (int, float)) or count != int(count) or count < least:
+            why = " (one node is NVLink's)" if least == 2 else ""
+            raise bad(f"has {what} {count!r}: a whole number of at least {least}{why}")
         if isinstance(busbw, bool) or not isinstance(busbw, (int, float)) or not busbw > 0:
-            raise bad(f"has bandwidth {busbw!r} at {nodes} nodes: a positive number of bytes/s")
-        pairs.append((int(nodes), float(busbw)))
+            raise bad(f"has bandwidth {busbw!r} at {count} {unit}: a positive number of bytes/s")
+        pairs.append((int(count), float(busbw)))
     if [n for n, _ in pairs] != sorted({n for n, _ in pairs}):
-        raise bad("must list each node count once, ascending")
+        raise bad(f"must list each {what} once, ascending")
     return tuple(pairs)
 
 
 # Fields that may be zero (an overhead nobody measured is no overhead), and the string-valued ones.
 MAY_BE_ZERO = ("unit_overhead", "comm_overlap", "host_cores", "attention_efficiency", "matmul_half_work")
 TEXT_FIELDS = {"latency_steps": ("tree", "ring"), "host_launch": ("async", "sync")}
-BUSBW_NAMES = frozenset(BUSBW_FIELDS.values())
+BUSBW_NAMES = frozenset((*BUSBW_FIELDS.values(), GRADIENT_FIELD))
 
 
 def _check_field(profile: str, name: str, value) -> None:

@@ -1,6 +1,7 @@
 """Hardware profiles: built-ins, files (TOML/JSON, with and without a base) and their errors."""
 
 import json
+import math
 
 import pytest
 
@@ -254,3 +255,56 @@ def test_the_python_3_10_profile_reader_reads_busbw_tables():
 
     assert _flat_toml_line("all_gather_busbw_by_nodes = [[2, 184.6e9], [4, 119.0e9]]  # GB/s") == (
         "all_gather_busbw_by_nodes", [[2, 184.6e9], [4, 119.0e9]])
+
+
+def test_gradient_reductions_run_at_the_gradient_table_and_nothing_else_does(tmp_path):
+    """gradient_busbw_by_ranks_per_node caps the dp link of a step's gradient reduction and ZeRO-1/2's
+    gather once the group spans nodes (reduce-scatter and all-gather at the by-nodes tables' ratio to
+    all-reduce); a group inside a node, ZeRO-3's gathers and the tp/cp links keep the other readings."""
+    from dataclasses import replace
+
+    from usc.compiler.cost_model import PlanPoint, _gradient_link, _link
+
+    table = ((1, 24e9), (2, 33.94e9), (4, 48e9), (8, 67.88e9))
+    assert H100.gradient_busbw_by_ranks_per_node == table
+    # log-log between the pairs: 3 ranks per node is log2(1.5) of the way from 2 to 4
+    assert H100.gradient_busbw(2) == pytest.approx(33.94e9) and H100.gradient_busbw(3) == pytest.approx(
+        33.94e9 * (48 / 33.94) ** math.log2(1.5))
+    one_per_node = PlanPoint(256, 4096, dp=32, tp=8, gpus_per_node=8)
+    link = dict(_gradient_link(H100, one_per_node).measured)
+    assert link["all-reduce"] == pytest.approx(24e9)
+    # the by-nodes tables at the 4 nodes 32 ranks fill: reduce-scatter 115.8 of all-reduce's 160.1
+    assert link["reduce-scatter"] == pytest.approx(24e9 * 115.8 / 160.1)
+    assert dict(_link(H100, one_per_node, "dp").measured)["all-reduce"] == pytest.approx(50e9)  # the NIC
+    inside = PlanPoint(8, 4096, dp=8, gpus_per_node=8)
+    assert _gradient_link(H100, inside) == _link(H100, inside, "dp")
+    assert replace(H100, gradient_busbw_by_ranks_per_node=()).gradient_busbw(1) is None
+    # a profile with the table but no by-nodes tables caps the NIC formula's bandwidth
+    plain = replace(H100, all_reduce_busbw_by_nodes=(), all_gather_busbw_by_nodes=(), reduce_scatter_busbw_by_nodes=())
+    assert _gradient_link(plain, one_per_node).bandwidth == pytest.approx(24e9)
+    path = tmp_path / "fabric.toml"
+    for text, message in [("[[0, 3e9]]", "ranks per node 0: a whole number of at least 1"),
+                          ("[[2, 1e9], [1, 2e9]]", "each ranks per node once, ascending"),
+                          ("[[1, -1]]", "bandwidth -1 at 1 ranks per node")]:
+        path.write_text(f'base = "h100"\ngradient_busbw_by_ranks_per_node = {text}\n')
+        with pytest.raises(HardwareProfileError, match=f"'gradient_busbw_by_ranks_per_node' .*{message}"):
+            hardware_profile(str(path))
+
+
+def test_the_gradient_table_moves_only_the_dp_gradient_terms():
+    """The same plan's estimate with and without the table differs only in the dp gradient
+    reduction and ZeRO-1's gather; ZeRO-3's per-layer gathers keep the by-nodes reading."""
+    from dataclasses import replace
+
+    from usc.compiler.cost_model import PlanPoint, gradient_collectives
+    from usc.compiler.cost_types import UnitCost
+
+    unit = UnitCost(name="layer", params_rep=0, params_tp=1e9, blocks=1)
+    without = replace(H100, gradient_busbw_by_ranks_per_node=())
+    for zero, changed in ((1, {("reduce-scatter", "backward"), ("all-gather", "optimizer")}),
+                          (3, {("reduce-scatter", "backward")})):
+        plan = PlanPoint(256, 4096, dp=32, tp=8, zero=zero, gpus_per_node=8)
+        a = {(c.kind, c.direction): c.seconds for c in gradient_collectives(plan, [unit], H100, 0.0)}
+        b = {(c.kind, c.direction): c.seconds for c in gradient_collectives(plan, [unit], without, 0.0)}
+        assert a.keys() == b.keys()
+        assert {k for k in a if a[k] != pytest.approx(b[k])} == changed, (zero, a, b)
