@@ -32,6 +32,11 @@ RECOMPUTE_ORDER = ("none", "selective", "full")  # lightest first: the search tr
 # Plans whose predicted steps are within this fraction of the fastest are a tie, well inside the cost
 # model's error (docs/cost_model.md): the simplest of them is chosen (``simplicity``).
 TIE = 0.005
+# A plan whose estimate rests on more unchecked terms (UNCHECKED_TERMS) than one within this fraction of
+# its predicted step does not lead: so small a margin is inside what the model misses on the terms
+# measurements did check (docs/cost_model.md: within 5 MFU points, a tenth of a step), and a term
+# nothing checked would decide the ranking.
+UNCHECKED_MARGIN = 0.05
 
 
 def simplicity(p: PlanPoint) -> tuple:
@@ -123,7 +128,7 @@ class PlanSearch:
     measured_nodes: int = 0  # the most nodes the profile's bandwidth tables cover (unchecked_terms)
 
     def why_lost(self, other: Candidate) -> str:
-        return why_slower(other, self.best)
+        return why_slower(other, self.best, self.measured_nodes)
 
     @property
     def unchecked_terms(self) -> list[str]:
@@ -220,8 +225,8 @@ def search(profile: ModelProfile, target: PlanTarget, hw: HardwareProfile, *,
             continue
         fits += search_state.shape(sizes)
     fits.sort(key=lambda c: c.step)
-    if fits:  # within a tie the simplest plan leads (the cost model cannot tell them apart)
-        chosen = min((c for c in fits if c.step <= fits[0].step * (1 + TIE)), key=lambda c: simplicity(c.plan))
+    if fits:
+        chosen = _lead(fits, hw.measured_nodes)
         fits.remove(chosen)
         fits.insert(0, chosen)
     result.best = fits[0] if fits else None
@@ -230,6 +235,18 @@ def search(profile: ModelProfile, target: PlanTarget, hw: HardwareProfile, *,
     result.best_checked = next((c for c in fits if not unchecked_terms(c.plan, hw.measured_nodes)), None)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _lead(fits: list[Candidate], measured_nodes: int) -> Candidate:
+    """The plan to choose among ``fits`` (fastest first): of the plans within UNCHECKED_MARGIN of the
+    fastest, the fastest resting on the fewest unchecked terms; then, within a tie of it, the simplest
+    resting on no more (the cost model cannot tell them apart)."""
+    terms = {id(c): len(unchecked_terms(c.plan, measured_nodes)) for c in fits
+             if c.step <= fits[0].step * (1 + UNCHECKED_MARGIN)}
+    least = min(terms.values())
+    lead = next(c for c in fits if terms.get(id(c)) == least)
+    return min((c for c in fits if c.step <= lead.step * (1 + TIE) and terms.get(id(c), least + 1) <= least),
+               key=lambda c: simplicity(c.plan))
 
 
 class _Search:
@@ -370,12 +387,18 @@ def _distinct(candidates: list[Candidate], keep: int) -> list[Candidate]:
     return out
 
 
-def why_slower(loser: Candidate, best: Candidate) -> str:
-    """One line: how much slower and which time term grew most (and by what)."""
+def why_slower(loser: Candidate, best: Candidate, measured_nodes: int = 0) -> str:
+    """One line: how much slower and which time term grew most (and by what); for a plan predicted
+    faster than the choice, why it did not lead."""
     from .report_cost import _ms
 
     slower = loser.step / best.step - 1
-    if slower < 0:  # a tie the simpler choice won
+    if slower < 0:
+        extra = [t for t in unchecked_terms(loser.plan, measured_nodes)
+                 if t not in unchecked_terms(best.plan, measured_nodes)]
+        if extra:  # faster by less than the model's error, on terms nothing measured
+            return (f"{slower:+.1%} step time, within {UNCHECKED_MARGIN:.0%} of the choice but resting on "
+                    f"{'; '.join(extra)}, which no measurement has checked and the choice does not rest on")
         return f"{slower:+.1%} step time: within {TIE:.1%} of the choice, which is the simpler plan"
     deltas = {k: loser.estimate.time[k] - best.estimate.time[k] for k in TIME_TERMS}
     term = max(deltas, key=deltas.get)
@@ -397,4 +420,4 @@ def _exposed_by_axis(est: Estimate) -> dict[str, float]:
 
 
 __all__ = ["PlanTarget", "PlanSearch", "Candidate", "search", "why_slower", "MEMORY_HEADROOM", "family",
-           "unchecked_terms", "FAMILIES"]
+           "unchecked_terms", "FAMILIES", "UNCHECKED_MARGIN"]
