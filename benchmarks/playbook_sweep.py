@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import math
 import statistics
 import sys
@@ -157,6 +158,20 @@ def gradient_fit_report(base: str = "h100") -> list[str]:
             points = [abs(p["predicted_mfu"] * 100 - p["mfu_percent"]) for p in predict(sel, profile)]
             lines.append(f"{name} ({len(sel)} rows), {label}: within 5 MFU points {sum(d <= 5 for d in points)}"
                          f" of {len(sel)}, rms {math.sqrt(sum(d * d for d in points) / len(points)):.2f} points")
+    # the same fit on each other pair of models, the third held out: how stable the two constants are
+    models = sorted({r["model"] for r in data})
+    for pair in itertools.combinations(models, 2):
+        if set(pair) == set(GRADIENT_FIT_MODELS):
+            continue
+        b1, a = fit_gradient([r for r in data if r["model"] in pair], base)
+        rest = [r for r in data if r["model"] not in pair]
+        counts = []
+        for table in (gradient_table(b1, a), ()):
+            points = [abs(p["predicted_mfu"] * 100 - p["mfu_percent"])
+                      for p in predict(rest, replace(hw, gradient_busbw_by_ranks_per_node=table))]
+            counts.append(sum(d <= 5 for d in points))
+        lines.append(f"fitted on {' and '.join(pair)} instead: b1 = {b1 / 1e9:.0f} GB/s, a = {a:.2f}; the "
+                     f"{len(rest)} rows held out within 5 MFU points: {counts[0]} (by-nodes reading alone: {counts[1]})")
     return lines
 
 
