@@ -121,8 +121,6 @@ def fit_gradient(data: list[dict], base: str = "h100") -> tuple[float, float]:
     """(b1, a) of the h100 profile's gradient_busbw_by_ranks_per_node, written as b1 * g**a at g = 1, 2,
     4, 8 ranks per node: the pair minimising the squared log error of MFU over ``data`` (a coarse grid,
     then a fine one around its best)."""
-    import itertools
-
     hw = hardware_profile(base)
 
     def error(values) -> float:

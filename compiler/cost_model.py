@@ -437,8 +437,9 @@ def _measured_links(hw: HardwareProfile, ranks: int, per_node: int) -> tuple:
 
 def _gradient_link(hw: HardwareProfile, plan: PlanPoint) -> Link:
     """The dp link of a step's gradient reduction and ZeRO-1/2's gather: ``_link``'s, at most what the
-    profile measured such reductions sustain inside training steps for a group with this many ranks per
-    node (``gradient_busbw_by_ranks_per_node``). On the h100 profile that figure grows about as the
+    profile holds such reductions sustain inside training steps for a group with this many ranks per
+    node (``gradient_busbw_by_ranks_per_node``; reduce-scatter and all-gather at the by-nodes tables'
+    ratio to all-reduce where the profile has them). On the h100 profile that figure grows about as the
     square root of the ranks per node, not in proportion to the NICs they own, so a dp group of one rank
     per node (tp=8) moves half the bytes of a tp=4 group at more than half its bandwidth: the Ultra-Scale
     Playbook's sweep measured tp=8 meshes 3-15% faster across 16-32 nodes, which the NIC reading

@@ -241,11 +241,11 @@ def _lead(fits: list[Candidate], measured_nodes: int) -> Candidate:
     """The plan to choose among ``fits`` (fastest first): of the plans within UNCHECKED_MARGIN of the
     fastest, the fastest resting on the fewest unchecked terms; then, within a tie of it, the simplest
     resting on no more (the cost model cannot tell them apart)."""
-    terms = {id(c): len(unchecked_terms(c.plan, measured_nodes)) for c in fits
-             if c.step <= fits[0].step * (1 + UNCHECKED_MARGIN)}
-    least = min(terms.values())
-    lead = next(c for c in fits if terms.get(id(c)) == least)
-    return min((c for c in fits if c.step <= lead.step * (1 + TIE) and terms.get(id(c), least + 1) <= least),
+    near = [c for c in fits if c.step <= fits[0].step * (1 + UNCHECKED_MARGIN) * (1 + TIE)]
+    terms = {id(c): len(unchecked_terms(c.plan, measured_nodes)) for c in near}
+    least = min(terms[id(c)] for c in near if c.step <= fits[0].step * (1 + UNCHECKED_MARGIN))
+    lead = next(c for c in near if terms[id(c)] == least)
+    return min((c for c in near if c.step <= lead.step * (1 + TIE) and terms[id(c)] <= least),
                key=lambda c: simplicity(c.plan))
 
 
