@@ -6,6 +6,7 @@
     python benchmarks/playbook_sweep.py --planner   # usc.plan's choice per cell against the measured best
     python benchmarks/playbook_sweep.py --fit       # refit the h100 profile's two fitted constants
     python benchmarks/playbook_sweep.py --fit-gradient  # refit its gradient bandwidth by ranks per node
+    python benchmarks/playbook_sweep.py --implied   # the gradient bandwidth each row implies
     python benchmarks/playbook_sweep.py --microbatch-cost  # what one more microbatch costs, measured vs predicted
 
 Hugging Face measured thousands of nanotron configurations of Llama-style models on 1-64 nodes of 8
@@ -173,6 +174,51 @@ def gradient_fit_report(base: str = "h100") -> list[str]:
     return lines
 
 
+def implied_bandwidth(base: str = "h100") -> list[str]:
+    """Per pure-dp/dp+tp row on 2-32 nodes (pp=1, tp <= 8: only the dp groups cross nodes): the bus
+    bandwidth of the gradient reduction that makes the model's step the measured one, every other term
+    as modelled -- found by bisection on a flat gradient table, the other links' caps lifted -- then the
+    range by ranks of the dp group per node. What the gradient table is read from."""
+    from usc.compiler.cost_model import ranks_per_node
+
+    hw = hardware_profile(base)
+    lifted = replace(hw, inter_node_bandwidth=1e15, **{
+        name: tuple((n, b * 1e4) for n, b in getattr(hw, name)) for name in
+        ("all_reduce_busbw_by_nodes", "all_gather_busbw_by_nodes", "reduce_scatter_busbw_by_nodes")})
+    lines, by_g = [], {}
+    for r in gradient_rows(rows()):
+        if r["pp"] != 1 or r["dp"] < 2:
+            continue
+        measured = r["gbs"] * SEQ / (r["nodes"] * 8) / r["tok_s_gpu"]
+
+        def step(bw: float) -> float:
+            trial = replace(lifted, gradient_busbw_by_ranks_per_node=((1, bw),))
+            return estimate_shape(r["model"], plan_text(r), r["gbs"], SEQ, trial).time["step"]
+
+        lo, hi = 1e9, 1e13
+        if measured <= step(hi):
+            value = math.inf  # even an unbounded link is too slow: the rest of the model is over
+        elif measured >= step(lo):
+            value = lo
+        else:
+            for _ in range(40):
+                mid = math.sqrt(lo * hi)
+                lo, hi = (mid, hi) if step(mid) > measured else (lo, mid)
+            value = hi
+        est = estimate_shape(r["model"], plan_text(r), r["gbs"], SEQ, hw)
+        g = ranks_per_node(est.plan, "dp")
+        by_g.setdefault((g, r["zero"]), []).append(value)
+        lines.append(f"| {r['model']} | {r['nodes']} | `{plan_text(r)}` | {g} | {value / 1e9:.1f} |")
+    lines.append("")
+    for (g, zero), values in sorted(by_g.items()):
+        finite = [v for v in values if math.isfinite(v)]
+        lines.append(f"{g} rank(s) per node, ZeRO-{zero}: {len(values)} rows, implied "
+                     f"{min(finite) / 1e9:.0f}-{max(finite) / 1e9:.0f} GB/s (median "
+                     f"{statistics.median(finite) / 1e9:.0f}); the table holds {hw.gradient_busbw(g) / 1e9:.0f}"
+                     if finite else f"{g} rank(s) per node, ZeRO-{zero}: {len(values)} rows, none finite")
+    return lines
+
+
 def summary(predicted: list[dict], group: str) -> str:
     """How the held-out rows (2+ nodes) of ``group`` fare; "fitted" is the one-node rows."""
     if group == "fitted":
@@ -317,6 +363,8 @@ def main() -> None:
                         "one-node rows (the multi-node rows stay held out)")
     parser.add_argument("--fit-gradient", action="store_true", help="fit the h100 profile's gradient bandwidth "
                         "by ranks per node on the 1B and 3B rows of 2-32 nodes (the 8B rows held out)")
+    parser.add_argument("--implied", action="store_true", help="the gradient bandwidth each pp=1 row on 2-32 "
+                        "nodes implies, by ranks of the dp group per node (what --fit-gradient's law is read from)")
     parser.add_argument("--microbatch-cost", action="store_true",
                         help="what one more microbatch adds per layer, measured vs predicted (one-node rows)")
     args = parser.parse_args()
@@ -334,6 +382,10 @@ def main() -> None:
         print("| mode | tp | batch | tokens/s/GPU published | predicted | predicted at the sweep's FLOPs |")
         print("|---|---|---|---|---|---|")
         return print("\n".join(tp_scaling(args.hardware)))
+    if args.implied:
+        print("| model | nodes | plan | dp ranks per node | implied gradient busbw (GB/s) |")
+        print("|---|---|---|---|---|")
+        return print("\n".join(implied_bandwidth(args.hardware)))
     if args.fit_gradient:
         return print("\n".join(gradient_fit_report(args.hardware)))
     if args.fit:
