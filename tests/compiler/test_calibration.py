@@ -141,8 +141,6 @@ def test_the_h100_gradient_table_is_the_fits_minimum(sweep):
     """The h100 profile's gradient_busbw_by_ranks_per_node is 24 GB/s * g**0.5 at g = 1, 2, 4, 8
     (playbook_sweep.py --fit-gradient): the profile holds that table, and moving either constant
     raises the fit's error on its rows."""
-    import math
-
     from usc.compiler.hardware import H100
 
     table = sweep.gradient_table(24e9, 0.5)

@@ -260,7 +260,7 @@ def test_the_python_3_10_profile_reader_reads_busbw_tables():
 def test_gradient_reductions_run_at_the_gradient_table_and_nothing_else_does(tmp_path):
     """gradient_busbw_by_ranks_per_node caps the dp link of a step's gradient reduction and ZeRO-1/2's
     gather once the group spans nodes (reduce-scatter and all-gather at the by-nodes tables' ratio to
-    all-reduce); a group inside a node, ZeRO-3's gathers and the tp/cp links keep the other readings."""
+    all-reduce); a group inside a node keeps the NVLink formula (ZeRO-3's gathers: the next test)."""
     from dataclasses import replace
 
     from usc.compiler.cost_model import PlanPoint, _gradient_link, _link
