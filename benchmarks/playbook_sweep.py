@@ -1,4 +1,4 @@
-"""The cost model against the Ultra-Scale Playbook's benchmark sweep (measured, not fitted on).
+"""The cost model against the Ultra-Scale Playbook's benchmark sweep (what each constant is fitted on, what is held out).
 
     python benchmarks/playbook_sweep.py             # every row: published vs predicted, by group
     python benchmarks/playbook_sweep.py --markdown  # the tables docs/cost_model.md shows
@@ -16,8 +16,10 @@ Playbook", 2025, the interactive figure of its "Finding the best training config
 fastest configurations, every pure-dp and pure-tp one, and the pipelined ones among the fifteen
 fastest on 2+ nodes. The h100 profile's two fitted constants (the host's launch time, element-wise
 traffic) are fitted on the one-node rows (``--fit``); its matrix products' rate is measured
-(benchmarks/gpu_step.py); every row on 2-64 nodes is held out. Its bus bandwidth by node count comes from the same
-cluster's collective measurements (the playbook's bandwidth figure).
+(benchmarks/gpu_step.py); its gradient bandwidth by ranks per node is fitted on the 1B and 3B rows on
+2-32 nodes (``--fit-gradient``, read off the rows with ``--implied``); the 8B rows and every 64-node
+row are held out. Its bus bandwidth by node count comes from the same cluster's collective
+measurements (the playbook's bandwidth figure).
 
 Each row is read as the plan usc would run: nanotron's pp/dp/tp mesh, ZeRO-1 or none, GradAcc
 microbatches of MBS sequences, tensor parallel with sequence parallelism (nanotron's reduce-scatter
@@ -360,7 +362,7 @@ def main() -> None:
     parser.add_argument("--planner", action="store_true",
                         help="usc.plan's choice in the sweep's space per cell against the cell's measured best")
     parser.add_argument("--fit", action="store_true", help="fit unit_overhead and pointwise_traffic on the "
-                        "one-node rows (the multi-node rows stay held out)")
+                        "one-node rows (the multi-node rows are not used)")
     parser.add_argument("--fit-gradient", action="store_true", help="fit the h100 profile's gradient bandwidth "
                         "by ranks per node on the 1B and 3B rows of 2-32 nodes (the 8B rows held out)")
     parser.add_argument("--implied", action="store_true", help="the gradient bandwidth each pp=1 row on 2-32 "

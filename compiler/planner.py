@@ -64,7 +64,7 @@ FAMILIES = (
 # Terms of the step time that no measurement has checked (docs/cost_model.md, "What is measured
 # where"): a plan that relies on one is flagged, with the best plan that relies on none beside it.
 # Checked: one-node tp/sp/pp and the host's per-microbatch launch time (the playbook's sweep,
-# fitted), dp, tp, pp and their mixes across 2-32 nodes (the same sweep, held out: docs/cost_model.md),
+# fitted), dp, tp, pp and their mixes across 2-32 nodes (the same sweep: docs/cost_model.md),
 # FSDP over 8-16 nodes (torchtitan, MaxText). At 64 nodes the sweep measured 1.6-2.2x below the
 # prediction (each cell's fastest; up to 10.5x for the rest), so collective bandwidth is checked to
 # 32 nodes where the profile measured it by node count, and to 16 where it did not.
