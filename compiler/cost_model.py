@@ -241,6 +241,10 @@ def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], 
     # ZeRO-1 accumulates whole gradients over the microbatches (a pipeline's stage always has
     # several); with one, each bucket's whole gradient is dropped once it is sent, as ZeRO-2's are
     grads = sharded if plan.zero >= 2 or (plan.zero == 1 and plan.mb == 1 and plan.pp == 1) else params
+    if plan.zero == 2 and plan.pp > 1 and plan.dp > 1:  # a tied weight's gradient is final only at the
+        # step's end (summed over pp first): its bucket holds it whole until then, in place of its slice
+        tied = {name: rep + split / plan.tp for u in units for name, rep, split in u.tied}
+        grads += sum(tied.values()) * (1 - 1 / plan.dp)
     optimizer = 2 * (sharded if plan.zero >= 1 else params)
     held = sharded if plan.zero >= 3 else params
     gathered = 0.0
@@ -518,13 +522,19 @@ def gradient_collectives(plan: PlanPoint, units: list[UnitCost], hw: HardwarePro
             payload = params / _weight_wire(plan)
         sends = plan.mb if axis == "dp" and plan.zero == 2 else 1
         link = _gradient_link(hw, plan) if axis == "dp" else _link(hw, plan, axis)
-        calls = max(1.0, math.ceil(grad_bytes / (plan.bucket_mb * 2**20)))
+        # ZeRO-2 under pp: a tied weight's gradient is final only at the step's end (summed over pp
+        # first); its own bucket goes once, after the backward, not in every microbatch's
+        late = sum({name: rep + split / plan.tp for u in units for name, rep, split in u.tied}.values()) / (
+            2 if plan.reduce_dtype == "bf16" else 1) if sends > 1 and plan.pp > 1 else 0.0
+        payload -= late
+        calls = max(1.0, math.ceil((grad_bytes - late) / (plan.bucket_mb * 2**20)))
         seconds = collective_seconds(kind, payload, n, link.bandwidth, link.latency * calls, link.ring,
                                      link.factors, link.measured)
         last_bucket = collective_seconds(kind, min(payload, plan.bucket_mb * 2**20), n, *link)
         exposed = max(seconds - hw.comm_overlap * backward_seconds, last_bucket)
-        out.append(CollectiveEstimate(axis, kind, "backward", n, payload * sends, calls * sends, seconds * sends,
-                                      exposed * sends))
+        tail = collective_seconds(kind, late, n, *link) if late else 0.0
+        out.append(CollectiveEstimate(axis, kind, "backward", n, payload * sends + late, calls * sends + (late > 0),
+                                      seconds * sends + tail, exposed * sends + tail))
     tp_reduced = sum(u.params_tp_reduced for u in units) / sliced
     if plan.sp and plan.tp > 1 and tp_reduced:  # norm weights see a sequence shard under sp: sum over tp
         link = _link(hw, plan, "tp")

@@ -21,6 +21,7 @@ from .report_cost import cost_dict
 from .program import Program
 from .report_stages import StageRecord, shared_weights, stage_table, state_of_pp_rank
 from .recompute_report import RecomputeRecord, recompute_records, recompute_summary, region_bodies
+from usc.runtime.pipeline import deferred_inputs
 from usc.runtime.sizes import shape_bytes
 
 KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send/recv")
@@ -316,22 +317,28 @@ def _joint(axes: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: bool = True, pp_rank: int = 0
-                  ) -> list[tuple[tuple[str, ...], list[str], int]]:
-    """(axes, parameter names, bytes) per gradient bucket of a pp rank, packed as the runtime packs them:
-    in reverse order of the parameters, one open bucket per set of axes, closed once it holds
-    bucket_bytes. ZeRO-3 parameters get their dp sum inside the graph, so dp is not theirs here."""
+                  ) -> list[tuple[tuple[str, ...], list[str], int, bool]]:
+    """(axes, parameter names, bytes, deferred) per gradient bucket of a pp rank, packed as the runtime
+    packs them: in reverse order of the parameters, one open bucket per set of axes and deferred or not
+    (a pipeline's weights whose gradient is final only at the step's end, ``deferred_inputs``),
+    closed once it holds bucket_bytes. ZeRO-3 parameters get their dp sum inside the graph, so dp is
+    not theirs here."""
+    deferred = deferred_inputs(program.gm, program.mesh.size("pp"), pp_rank) \
+        if program.gm.meta.get("usc_stage_costs") else set()
     done, open_buckets = [], {}
     for spec in reversed(state_of_pp_rank(program, pp_rank)):
         in_graph = graph_reduces_zero3 and spec.zero3
         axes = _joint(tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1 and not (in_graph and a == "dp")))
         if not axes:
             continue
+        key = (axes, spec.placeholder in deferred)
         shape = spec.layout.local_shape(spec.global_shape, program.mesh)
-        names, nbytes = open_buckets.get(axes, ([], 0))
-        open_buckets[axes] = (names + [spec.name], nbytes + shape_bytes(shape, spec.dtype))
-        if open_buckets[axes][1] >= bucket_bytes:
-            done.append((axes, *open_buckets.pop(axes)))
-    return done + [(axes, names, nbytes) for axes, (names, nbytes) in open_buckets.items()]
+        names, nbytes = open_buckets.get(key, ([], 0))
+        open_buckets[key] = (names + [spec.name], nbytes + shape_bytes(shape, spec.dtype))
+        if open_buckets[key][1] >= bucket_bytes:
+            done.append((*key, *open_buckets.pop(key)))
+    return [(axes, names, nbytes, late) for axes, late, names, nbytes in
+            done + [(*key, names, nbytes) for key, (names, nbytes) in open_buckets.items()]]
 
 
 def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0, *, pp_rank: int = 0,
@@ -342,15 +349,17 @@ def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0, *
     the dtype the forward takes the weights in."""
     records = []
     wire = _weights_run_in(program) if zero_stage in (1, 2) else None
-    for axes, names, nbytes in _pack_buckets(program, bucket_bytes, pp_rank=pp_rank):
+    for axes, names, nbytes, late in _pack_buckets(program, bucket_bytes, pp_rank=pp_rank):
         label = names[0] if len(names) == 1 else f"{names[-1]} .. {names[0]} ({len(names)} params)"
         payload = nbytes
         for axis in axes:  # reduced one axis after the other; after the dp reduce-scatter only a slice is left
             kind = "reduce-scatter" if zero_stage in (1, 2) and axis == "dp" else "all-reduce"
-            calls = microbatches if kind == "reduce-scatter" and zero_stage == 2 else 1
+            calls = microbatches if kind == "reduce-scatter" and zero_stage == 2 and not late else 1
             if kind == "reduce-scatter":
                 payload = -(-nbytes // (4 * program.mesh.size(axis))) * 4 * program.mesh.size(axis)
-            reason = ("data-parallel gradient sum, launched during backward as the bucket fills"
+            reason = ("data-parallel gradient sum, launched when the step's backward is done (the gradient "
+                      "is final only then)" if late else
+                      "data-parallel gradient sum, launched during backward as the bucket fills"
                       + (" (every microbatch's)" if calls > 1 else ""))
             records.append(CollectiveRecord(kind, axis, program.mesh.size(axis), "backward", (payload // 4,),
                                             "float32", payload, calls, label, "gradient bucket", reason, "reducer"))
@@ -395,16 +404,21 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
     params = sum(shape_bytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
                  for s in state_of_pp_rank(program) if s.kind == "param" and s.trainable)
     dp = program.mesh.size("dp")
-    buckets = [(axes, nbytes) for axes, _, nbytes in _pack_buckets(program, bucket_bytes, graph_reduces_zero3=False)]
-    sharded = sum(nbytes for axes, nbytes in buckets if "dp" in axes) if dp > 1 else 0
-    padded_slice = sum(-(-nbytes // (4 * dp)) * 4 for axes, nbytes in buckets if "dp" in axes) if dp > 1 else 0
+    buckets = [(axes, nbytes, late) for axes, _, nbytes, late in
+               _pack_buckets(program, bucket_bytes, graph_reduces_zero3=False)]
+    sharded = sum(nbytes for axes, nbytes, _ in buckets if "dp" in axes) if dp > 1 else 0
+    padded_slice = sum(-(-nbytes // (4 * dp)) * 4 for axes, nbytes, _ in buckets if "dp" in axes) if dp > 1 else 0
+    # a deferred bucket (a pipeline's tied weight) holds its whole gradient until the step's end, in
+    # place of its slice
+    late = sum(nbytes - -(-nbytes // (4 * dp)) * 4 for axes, nbytes, late in buckets if late and "dp" in axes) \
+        if dp > 1 else 0
     whole, part = params - sharded, padded_slice
     accumulates = microbatches > 1 or program.mesh.size("pp") > 1
     return {
         0: {"params": params, "grads": params, "optimizer": optimizer_states * params},
         1: {"params": params, "grads": params if accumulates else whole + part,
             "optimizer": optimizer_states * (whole + part)},
-        2: {"params": params, "grads": whole + part, "optimizer": optimizer_states * (whole + part)},
+        2: {"params": params, "grads": whole + part + late, "optimizer": optimizer_states * (whole + part)},
         3: {"params": whole + part, "grads": whole + part, "optimizer": optimizer_states * (whole + part)},
     }
 

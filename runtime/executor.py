@@ -21,7 +21,7 @@ from torch.distributed.tensor import Shard
 from .layout import gather_full, local_chunk, zigzag_permute
 from .moe import rank_stats
 from .optimizer_contract import check_optimizer
-from .pipeline import PipelineMixin, held_inputs
+from .pipeline import PipelineMixin, deferred_inputs, held_inputs
 from .random import set_random_keys
 from .reducer import GradReducer
 from .timeline import Timeline
@@ -93,6 +93,8 @@ def _move_factories(graph: fx.Graph, device: torch.device) -> bool:
 class RankExecutor(ShardedCheckpoint):
     """One rank: local shards of the state, the bound program, the optimizer and the grad reducer."""
 
+    _deferred: frozenset = frozenset()  # inputs whose dp sum waits for the step's end (pipelines set it)
+
     def __init__(self, program, mesh, full_state: Mapping[str, torch.Tensor], *,
                  optimizer: OptimizerFactory | None = None, bucket_bytes: int = 25 * 2**20,
                  zero: int = 0, microbatches: int = 1, compute_dtype: torch.dtype | None = None,
@@ -124,7 +126,8 @@ class RankExecutor(ShardedCheckpoint):
         self.reducer = GradReducer(entries, mesh, bucket_bytes=bucket_bytes,
                                    scatter_axis="dp" if sharded else None,
                                    scatter_each=sharded and zero >= 2, wire_dtype=reduce_dtype,
-                                   group_of=self._group_of(factory))
+                                   group_of=self._group_of(factory),
+                                   deferred={s.name for s in program.state if s.placeholder in self._deferred})
         named = NamedParameters(self.params, [(self._param_names[id(p)],) for p in self.params])
         self.optimizer = ZeroOptimizer(self.reducer, "dp", factory, named, build_optimizer, compute_dtype) \
             if sharded else build_optimizer(factory, named)
@@ -643,5 +646,6 @@ class PipelineExecutor(PipelineMixin, RankExecutor):
 
     def __init__(self, program, mesh, full_state, *, schedule, **options) -> None:
         self._held = held_inputs(program.gm, schedule.pp, mesh.coord_of("pp"))
+        self._deferred = deferred_inputs(program.gm, schedule.pp, mesh.coord_of("pp"))
         RankExecutor.__init__(self, program, mesh, full_state, **options)
         self._setup_pipeline(schedule)

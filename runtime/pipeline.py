@@ -80,6 +80,20 @@ def held_inputs(top: fx.GraphModule, pp: int, rank: int) -> set[str]:
     return held
 
 
+def deferred_inputs(top: fx.GraphModule, pp: int, rank: int) -> set[str]:
+    """Names of the program inputs whose gradient is final only at the step's end on pp rank ``rank``:
+    taken by stages on two ranks (their sum over pp comes first: a tied embedding and head) or by
+    two of this rank's stages (interleaved). Their dp reduction is launched by the reducer's finish,
+    not from a hook, in buckets of their own so the other weights' buckets still go from backward."""
+    stages = [n for n in top.graph.nodes if n.op == "call_module"]
+    users: dict[str, list[int]] = {}
+    for k, node in enumerate(stages):
+        for arg in node.args:
+            if isinstance(arg, fx.Node) and arg.op == "placeholder":
+                users.setdefault(arg.name, []).append(k % pp)
+    return {name for name, ranks in users.items() if len(set(ranks)) > 1 or ranks.count(rank) > 1}
+
+
 def _outputs(stage: fx.GraphModule) -> list[fx.Node]:
     out = next(n for n in stage.graph.nodes if n.op == "output").args[0]
     return list(out) if isinstance(out, (tuple, list)) else [out]
@@ -212,19 +226,13 @@ class PipelineMixin:
         self._early: dict[Message, torch.Tensor] = {}  # taken before they were needed
         # The gradient reduction over dp overlaps the pipeline: a stage's last backward action runs
         # with the reducer's hooks on, so each bucket is launched as soon as its gradients are final,
-        # while later layers (and the other stages) still compute. Not from hooks: weights that
-        # another rank's stage also uses (their pp sum comes first) or that two of this rank's stages
-        # use (their gradient is final only after both).
+        # while later layers (and the other stages) still compute. The weights whose gradient is final
+        # only at the step's end (``deferred_inputs``) sit in buckets of their own, which the
+        # reducer's finish launches (the executor built it so).
         self._final_backward = {}
         for index, action in enumerate(self.actions):
             if action.op.value in ("B", "W"):
                 self._final_backward[action.stage] = index
-        uses = {}
-        for stage in self.modules:
-            for param in self.stage_params[stage]:
-                uses[id(param)] = uses.get(id(param), 0) + 1
-        self.reducer.defer([self.state[name] for name in self.shared if name in self.state]
-                           + [p for params in self.stage_params.values() for p in params if uses[id(p)] > 1])
 
     def _holds(self, spec) -> bool:
         return spec.placeholder in self._held

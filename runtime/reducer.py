@@ -28,7 +28,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -60,7 +60,7 @@ class _Bucket:
     span: SpanToken | None = None
     shard: str | None = None  # ZeRO: this axis is reduce-scattered; the bucket keeps one slice
     shard_grad: torch.Tensor | None = None  # after finish(): this rank's slice of the summed gradient
-    deferred: bool = False  # launched by finish() only (see GradReducer.defer)
+    deferred: bool = False  # launched by finish() only: its gradients are final only then (``deferred``)
     # ZeRO-2 (scatter_each): the shard axis is reduce-scattered in every microbatch's backward, even
     # under no_sync; the slices sent this step (output, Work, span) and their sum so far
     eager: bool = False
@@ -107,10 +107,11 @@ def joint(axes: tuple[str, ...], comms) -> tuple[str, ...]:
 
 def _build_buckets(
     params: Sequence[tuple[str, nn.Parameter, Sequence[str]]], mesh: Mesh, bucket_bytes: int,
-    group_of: Callable[[str], int] | None = None,
+    group_of: Callable[[str], int] | None = None, deferred: Collection[str] = (),
 ) -> list[_Bucket]:
-    """Pack in reverse list order; one open bucket per (axes, dtype, device, optimizer group),
-    closed when full (a ZeRO slice of a bucket is one optimizer parameter: one group).
+    """Pack in reverse list order; one open bucket per (axes, dtype, device, optimizer group,
+    deferred or not), closed when full (a ZeRO slice of a bucket is one optimizer parameter: one
+    group; a deferred parameter's bucket is launched by finish only, so it holds no other).
 
     Axes of size 1 are dropped; parameters left with no axis (or no grad) need no reduction.
     """
@@ -122,9 +123,10 @@ def _build_buckets(
         if id(param) in seen or not param.requires_grad or not reduce_axes:
             continue
         seen.add(id(param))
-        key = (reduce_axes, param.dtype, param.device, group_of(name) if group_of is not None else 0)
+        key = (reduce_axes, param.dtype, param.device, group_of(name) if group_of is not None else 0,
+               name in deferred)
         if key not in open_by_key:
-            open_by_key[key] = _Bucket(len(buckets), reduce_axes)
+            open_by_key[key] = _Bucket(len(buckets), reduce_axes, deferred=name in deferred)
             buckets.append(open_by_key[key])
         bucket = open_by_key[key]
         bucket.params.append((name, param))
@@ -150,6 +152,7 @@ class GradReducer:
         scatter_each: bool = False,
         wire_dtype: torch.dtype | None = None,
         group_of: Callable[[str], int] | None = None,
+        deferred: Collection[str] = (),
     ):
         """scatter_axis (ZeRO): buckets reduced over this axis are reduce-scattered over it first
         (padded to a multiple of its size); each rank keeps only its slice in `bucket.shard_grad`
@@ -160,11 +163,14 @@ class GradReducer:
         whose gradients are all there is sent from the hook; one that is not (a parameter this
         microbatch left without a gradient, two of this rank's stages sharing the bucket) keeps
         accumulating and is sent with what it has at its next full arrival or by finish(): every
-        gradient is in exactly one send, so the sum is the same."""
+        gradient is in exactly one send, so the sum is the same.
+        deferred: names of parameters whose gradient is final only when the step ends (a pipeline's
+        weights summed over pp first); they are packed in buckets of their own, launched by finish().
+        """
         self.mesh = mesh
         self.timeline = timeline
         self.wire_dtype = wire_dtype  # reduce_dtype=bf16: sums travel in bf16, halving the bytes
-        self.buckets = _build_buckets(params, mesh, bucket_bytes, group_of)
+        self.buckets = _build_buckets(params, mesh, bucket_bytes, group_of, deferred)
         if scatter_axis is not None and mesh.size(scatter_axis) > 1:
             for bucket in self.buckets:
                 if scatter_axis in bucket.axes:
@@ -199,14 +205,6 @@ class GradReducer:
             yield
         finally:
             self._sync = True
-
-    def defer(self, params: Sequence[nn.Parameter]) -> None:
-        """The buckets holding these parameters are launched by ``finish`` only, never from a hook
-        (their gradients are not final when autograd accumulates them)."""
-        for param in params:
-            bucket = self._bucket_of.get(id(param))
-            if bucket is not None:
-                bucket.deferred = True
 
     def finish(self) -> int:
         """Launch what backward did not, wait for all, write sums into param.grad, reset.

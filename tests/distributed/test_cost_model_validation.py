@@ -42,7 +42,7 @@ PLANS = ["dp=2", "tp=2", "tp=2 sp=on", "cp=2", "cp=2 cp_mode=zigzag", "dp=2 zero
          "pp=2 mb=4 dtype=bf16", "pp=2 mb=4 schedule=gpipe dtype=bf16",
          # bf16 activations over tp/sp and cp: the ring's dK/dV travel in float32
          "tp=2 sp=on dtype=bf16", "cp=2 dtype=bf16"]
-GPT2_PLANS = ["dp=2", "pp=2 mb=2", "dp=2 pp=2 mb=2", "dp=2 zero=3"]
+GPT2_PLANS = ["dp=2", "pp=2 mb=2", "dp=2 pp=2 mb=2", "dp=2 zero=3", "dp=2 pp=2 mb=4 zero=2"]
 CASES = [("llama", plan) for plan in PLANS] + [("gpt2", plan) for plan in GPT2_PLANS]
 # The cost model sums every stage's collectives over that stage's ranks: exact on every plan.
 MODEL_NOT_EXACT: dict[tuple[str, str], set[str]] = {}
