@@ -222,7 +222,9 @@ class GradReducer:
         for bucket in self.buckets:  # in index order, the same on every rank
             if bucket.eager:
                 self._settle(bucket)
-                bucket.flat, bucket.partial, bucket.stage = bucket.partial, None, 1
+                # the other axes' sums travel in the wire dtype too (_write_back converts back)
+                summed = bucket.partial if self.wire_dtype is None else bucket.partial.to(self.wire_dtype)
+                bucket.flat, bucket.partial, bucket.stage = summed, None, 1
                 if bucket.stage < len(bucket.axes):
                     self._launch_next_axis(bucket)
                     self._launch_order.append(bucket)

@@ -216,3 +216,25 @@ def test_bf16_gradient_reduction_option():
     sim.step(*batch)
     params = sum(p.numel() for p in TinyLlama().parameters())
     assert comm.stats.bytes["all-reduce"] < params * 2 + 64  # bf16 buckets: 2 bytes per element
+
+
+def test_zero2_sums_the_other_axes_in_the_reduce_dtype_as_zero1_does():
+    """reduce_dtype=bf16: after ZeRO's dp reduce-scatter the cp sum of the slice travels in bf16
+    under ZeRO-2 as under ZeRO-1 (ZeRO-2 sums its microbatches' slices in float32 and sent that
+    sum over cp in float32: twice the bytes), and the two give the same gradients to bf16 rounding."""
+    cfg = LlamaConfig(layers=2)
+    batch = token_batch(cfg.vocab, 8, 32)
+    cp_bytes, moved = {}, {}
+    for zero in (1, 2):
+        torch.manual_seed(0)
+        model = TinyLlama(cfg)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        sim = usc.simulate(model, f"dp=2 cp=2 mb=2 zero={zero} reduce_dtype=bf16", example_inputs=batch,
+                           optimizer=lambda params: torch.optim.SGD(params, lr=1.0))
+        sim.step(*batch)
+        cp_bytes[zero] = sim.ranks[0].mesh.comm("cp").stats.bytes["all-reduce"]
+        after = sim.full_state_dict()
+        moved[zero] = torch.cat([(before[k] - after[k]).reshape(-1) for k in sorted(before) if k in after])
+    assert cp_bytes[2] == cp_bytes[1]
+    assert moved[1].abs().max() > 0  # an SGD step at lr 1: what moved is the gradient
+    assert torch.allclose(moved[2], moved[1], rtol=2 ** -6, atol=2 ** -8 * moved[1].abs().max().item())
