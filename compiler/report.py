@@ -22,6 +22,7 @@ from .program import Program
 from .report_stages import StageRecord, shared_weights, stage_table, state_of_pp_rank
 from .recompute_report import RecomputeRecord, recompute_records, recompute_summary, region_bodies
 from usc.runtime.pipeline import deferred_inputs
+from usc.runtime.zero import gathered_in
 from usc.runtime.sizes import shape_bytes
 
 KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send/recv")
@@ -342,14 +343,20 @@ def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: b
 
 
 def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0, *, pp_rank: int = 0,
-                     microbatches: int = 1) -> list[CollectiveRecord]:
+                     microbatches: int = 1, compute_dtype: torch.dtype | None = None) -> list[CollectiveRecord]:
     """Gradient reductions per bucket (all-reduce; reduce-scatter over dp at zero=1/2: once per step
     at zero=1, once per microbatch at zero=2, the other axes once on the summed slice), and with
     zero=1/2 the all-gather of the updated slices after the optimizer step (of pp rank ``pp_rank``), in
-    the dtype the forward takes the weights in."""
+    the dtype the runtime gathers them in (``runtime.zero.gathered_in``: the plan's compute dtype
+    where it is narrower than the weights)."""
     records = []
-    wire = _weights_run_in(program) if zero_stage in (1, 2) else None
-    for axes, names, nbytes, late in _pack_buckets(program, bucket_bytes, pp_rank=pp_rank):
+    buckets = _pack_buckets(program, bucket_bytes, pp_rank=pp_rank)
+    if zero_stage in (1, 2):
+        dtypes = {s.name: s.dtype for s in program.state}
+        weights = [dtypes[n] for axes, names, _, _ in buckets if "dp" in axes for n in names]
+        narrow = gathered_in(weights, compute_dtype)
+        wire = narrow or (weights[0] if weights else torch.float32)
+    for axes, names, nbytes, late in buckets:
         label = names[0] if len(names) == 1 else f"{names[-1]} .. {names[0]} ({len(names)} params)"
         payload = nbytes
         for axis in axes:  # reduced one axis after the other; after the dp reduce-scatter only a slice is left
@@ -367,26 +374,13 @@ def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0, *
                 payload //= program.mesh.size(axis)
         if zero_stage in (1, 2) and "dp" in axes:  # each rank hands its (padded) slice to the gather
             n = program.mesh.size("dp")
-            numel = -(-nbytes // (4 * n))
+            numel = -(-nbytes // (dtypes[names[0]].itemsize * n))  # the bucket's elements, padded
             records.append(CollectiveRecord("all-gather", "dp", n, "optimizer", (numel,),
                                             str(wire).replace("torch.", ""), numel * wire.itemsize, 1, label,
                                             "ZeRO step", "each rank updated its slice; the slices are gathered"
-                                            + (" in the compute dtype" if wire != torch.float32 else ""),
+                                            + (" in the compute dtype" if narrow is not None else ""),
                                             "optimizer"))
     return records
-
-
-def _weights_run_in(program: Program) -> torch.dtype:
-    """The dtype the forward takes the trainable weights in (bfloat16 under dtype=bf16): ZeRO-1/2
-    gather the updated slices in it (runtime/zero.py)."""
-    params = {s.placeholder for s in program.state if s.kind == "param" and s.trainable}
-    for module in program.gm.modules():
-        graph = getattr(module, "graph", None)
-        for node in graph.nodes if isinstance(graph, fx.Graph) else ():
-            if node.op == "placeholder" and node.name in params and isinstance(node.meta.get("val"), torch.Tensor):
-                dtype = runs_in(node)
-                return dtype if dtype.is_floating_point and dtype.itemsize < 4 else torch.float32
-    return torch.float32
 
 
 def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_states: int = 2,
@@ -467,8 +461,8 @@ def shared_gradient_records(program: Program) -> list[CollectiveRecord]:
     return records
 
 
-def step_traffic(program: Program, *, bucket_bytes: int, zero_stage: int, microbatches: int
-                 ) -> dict[tuple[str, str], int]:
+def step_traffic(program: Program, *, bucket_bytes: int, zero_stage: int, microbatches: int,
+                 compute_dtype: torch.dtype | None = None) -> dict[tuple[str, str], int]:
     """Payload bytes per (axis, kind) of one step summed over every rank, as their Comms count them.
     Without pp every rank issues the report's list; with pp a stage's collectives run on its world/pp
     ranks, a transfer is counted at both ends and each pp rank sums the gradients of its own stages;
@@ -479,7 +473,8 @@ def step_traffic(program: Program, *, bucket_bytes: int, zero_stage: int, microb
                for r in _graph_collectives(part, mesh)]
     counted += [(r, 2 * per_stage * microbatches) for r in pipeline_transfers(program.gm, mesh)]
     counted += [(r, per_stage) for rank in range(mesh.size("pp"))
-                for r in gradient_buckets(program, bucket_bytes, zero_stage, pp_rank=rank, microbatches=microbatches)]
+                for r in gradient_buckets(program, bucket_bytes, zero_stage, pp_rank=rank, microbatches=microbatches,
+                                          compute_dtype=compute_dtype)]
     every_rank = pipeline_loss_records(program) + loss_value_records(program) + shared_gradient_records(
         program)
     counted += [(r, mesh.world_size) for r in every_rank]
@@ -491,9 +486,10 @@ def step_traffic(program: Program, *, bucket_bytes: int, zero_stage: int, microb
 
 def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, compile_seconds: float,
                  warnings: list[str] | None = None, zero_stage: int = 0, microbatches: int = 1,
-                 recompute_mode: str = "none") -> Report:
+                 recompute_mode: str = "none", compute_dtype: torch.dtype | None = None) -> Report:
+    """``compute_dtype``: the plan's (bf16 under dtype=bf16), the dtype ZeRO-1/2's gather moves."""
     collectives = graph_collectives(program.gm, program.mesh, microbatches) + gradient_buckets(
-        program, bucket_bytes, zero_stage, microbatches=microbatches)
+        program, bucket_bytes, zero_stage, microbatches=microbatches, compute_dtype=compute_dtype)
     collectives += pipeline_loss_records(program) + loss_value_records(program)
     collectives += shared_gradient_records(program)
     memory = memory_by_zero_stage(program, bucket_bytes, microbatches=microbatches)
@@ -508,7 +504,7 @@ def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, 
                   fusion=fusion_summary(program.gm, program_parts(program.gm), program.mesh, microbatches),
                   kernels=kernel_sources(program.gm, program_parts(program.gm)),
                   traffic=step_traffic(program, bucket_bytes=bucket_bytes, zero_stage=zero_stage,
-                                       microbatches=microbatches),
+                                       microbatches=microbatches, compute_dtype=compute_dtype),
                   op_rules=op_rules(program.gm),
                   clipping=clipping_records(program))
 

@@ -35,6 +35,15 @@ from .reducer import GradReducer, pad_to_multiple
 from .training import NamedParameters
 
 
+
+def gathered_in(weights, compute_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype ZeRO-1/2 gather the updated slices in: the compute dtype where it is narrower than
+    every weight dtype (bf16 under float32 or float64 weights: the forward casts them to it anyway),
+    else None -- the weights' own. The report lists the gather by the same rule."""
+    narrower = compute_dtype is not None and all(
+        w.is_floating_point and w.itemsize > compute_dtype.itemsize for w in weights)
+    return compute_dtype if narrower else None
+
 class ZeroOptimizer:
     """Wraps the user's optimizer so it only holds state for this rank's slices."""
 
@@ -60,10 +69,7 @@ class ZeroOptimizer:
             [named.get(id(p), ()) for p in rest]
         # build: the executor's (a rank with nothing to train still gets an optimizer)
         self.inner = (build or (lambda f, p: f(p)))(factory, NamedParameters(self.masters + rest, names))
-        # gathered in the compute dtype only where it is narrower than the weights (bf16 under float32)
-        narrower = gather_dtype is not None and all(
-            f.dtype.is_floating_point and f.dtype.itemsize > gather_dtype.itemsize for f in self.flats)
-        self.gather_dtype = gather_dtype if narrower else None
+        self.gather_dtype = gathered_in([f.dtype for f in self.flats], gather_dtype)
         self.rounded = False  # other ranks' slices hold gather_dtype values (exact() restores them)
         self._sliced = {id(p) for bucket in self.buckets for _, p in bucket.params}
 

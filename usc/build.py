@@ -140,7 +140,8 @@ class _Compiled:
         self._report = build_report(self._program, model=type(self._user_model).__name__, plan=str(self.plan),
                                     bucket_bytes=self.bucket_bytes, compile_seconds=time.perf_counter() - start,
                                     zero_stage=int(self.plan.get("zero")), microbatches=int(self.plan.get("mb")),
-                                    recompute_mode=self.plan.get("recompute"))
+                                    recompute_mode=self.plan.get("recompute"),
+                                    compute_dtype=self._executor_options()["compute_dtype"])
         program, options = self._program, self._executor_options()
         options.pop("microbatches")
         options.pop("reduce_dtype")

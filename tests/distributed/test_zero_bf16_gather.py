@@ -55,6 +55,22 @@ def test_the_gather_moves_bf16_and_the_report_says_so():
     assert sum(c.bytes_per_step for c in listed) == moved
 
 
+@pytest.mark.parametrize("plan, listed_dtype", [("dp=2 zero=1 dtype=bf16", "bfloat16"), ("dp=2 zero=1", "float64")])
+def test_the_report_lists_the_gather_the_runtime_runs_for_float64_weights(plan, listed_dtype):
+    """A float64 model: under dtype=bf16 the forward casts its weights to bf16 too, so the runtime
+    gathers bf16 slices, and the report lists that gather (it said float32 when it read the dtype off
+    the traced graph); without dtype= it gathers float64 and the report says so. Bytes equal the Comm's
+    count either way."""
+    torch.manual_seed(0)
+    batch = token_batch(128, 4, 16)
+    sim = usc.simulate(TinyLlama().double(), plan, example_inputs=batch, optimizer=SGD)
+    sim.step(*batch)
+    moved = sim.ranks[0].mesh.comm("dp").stats.bytes["all-gather"]
+    listed = [c for c in sim.report.collectives if c.kind == "all-gather" and c.axis == "dp"]
+    assert listed and all(c.dtype == listed_dtype for c in listed)
+    assert sum(c.bytes_per_step for c in listed) == moved
+
+
 def test_a_checkpoint_after_bf16_gathers_holds_the_float32_weights(tmp_path):
     """Saved under dp=2 ZeRO-1 after bf16 gathers, loaded on one device: the float32 masters of
     every slice, as a float32 gather would have left them."""
