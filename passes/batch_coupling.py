@@ -100,10 +100,10 @@ def _with_draws(probe: fx.GraphModule, ctx) -> fx.GraphModule:
 
 
 def _virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.GraphModule:
-    mesh = virtual_mesh(gm, user_inputs)
     try:
         return virtual_propagation(gm, ctx, user_inputs, params)
     except CompileError as err:  # a rule refused the op, or no rule places it
+        mesh = virtual_mesh(gm, user_inputs)  # the split the refusal names
         hint = getattr(err, "hint", "") or ""
         # the refusal names the virtual axis (dp=N): say so, or a dp=1 plan reads "under dp=2"
         raise ctx.plan.error_at("mb", f"mb={ctx.plan.get('mb')} runs the batch in microbatches, and usc cannot show "

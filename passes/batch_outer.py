@@ -36,7 +36,7 @@ from usc.compiler.errors import CompileError
 from usc.compiler.ir import META
 
 from .graph_edit import fake_value, shape_of
-from .sharding_rules import _resolve_shape, view_groups
+from .sharding_rules import view_groups
 from .virtual_batch import virtual_propagation
 
 aten = torch.ops.aten
@@ -53,7 +53,6 @@ class Region:
 
     merge: fx.Node
     group: list[int]            # the merge's source dims forming the merged dim (sizes > 1)
-    dim: int                    # the merged dim in the merge's output
     splits: list[tuple[fx.Node, list[int]]]  # each split-back and the dims it splits the rows into
 
 
@@ -122,7 +121,7 @@ def _regions(merge: fx.Node) -> list[Region]:
 
 def _region(merge: fx.Node, group: list[int], dim: int) -> Region | None:
     splits, stop = _walk(merge, group, dim)
-    return Region(merge, group, dim, splits) if stop is None and splits else None
+    return Region(merge, group, splits) if stop is None and splits else None
 
 
 def region_stop(merge: fx.Node, group: list[int], dim: int) -> fx.Node | None:
@@ -219,7 +218,7 @@ def _rewrite(gm: fx.GraphModule, region: Region, batch: int) -> None:
     with gm.graph.inserting_before(merge):
         permuted = _node(gm, aten.permute.default, (source, perm), like=merge)
     merge.target = aten.reshape.default  # the permuted source is not contiguous
-    merge.args = (permuted, list(_resolve_shape(merge.args[1], merge.meta["val"].numel())))
+    merge.args = (permuted, list(shape_of(merge)))
     for split, dims in region.splits:
         out = list(shape_of(split))
         new = list(out)

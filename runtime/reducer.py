@@ -347,7 +347,7 @@ class GradReducer:
         gradient_as_bucket_view): backward then accumulates straight into the bucket, so neither
         the copy into the bucket before the all-reduce nor the copy back after it happens.
         Call after the optimizer dropped the gradients (buckets whose sums travel in another
-        dtype, or that ZeRO-2 reduce-scatters, keep their own gradients)."""
+        dtype, or that ZeRO reduce-scatters, keep their own gradients)."""
         for bucket in self.buckets:
             if bucket.buffer is None or bucket.shard is not None or bucket.buffer.dtype != bucket.params[0][1].dtype:
                 continue

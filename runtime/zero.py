@@ -71,7 +71,7 @@ class ZeroOptimizer:
         self.inner = (build or (lambda f, p: f(p)))(factory, NamedParameters(self.masters + rest, names))
         self.gather_dtype = gathered_in([f.dtype for f in self.flats], gather_dtype)
         self.rounded = False  # other ranks' slices hold gather_dtype values (exact() restores them)
-        self._sliced = {id(p) for bucket in self.buckets for _, p in bucket.params}
+        self._sliced = sharded
 
     def _partition(self, bucket) -> tuple[torch.Tensor, nn.Parameter]:
         """One flat buffer per bucket; parameters become views into it; the master is my slice."""

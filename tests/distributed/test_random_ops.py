@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import usc
+from usc.passes.random_ops import DRAW_DTYPE
 from usc.runtime.random import draw_values, global_index, op_key
 from usc.testing import assert_equivalent
 from usc.testing.equivalence import usc_reference_run
@@ -284,7 +285,7 @@ def test_dropout_masks_are_drawn_in_the_compute_dtype(plan):
     batch = (torch.randn(6, 7, 4, generator=g), torch.randn(6, 7, generator=g))
     bf16, fp32, sim = _bf16_and_float32_losses(_EncoderWithDropout, plan, batch)
     draws = [n for n in sim.program.gm.graph.nodes if n.target is torch.ops.usc.draw.default]
-    assert len(draws) == 8 and all(n.args[5] == torch.bfloat16 for n in draws)
+    assert len(draws) == 8 and all(n.args[DRAW_DTYPE] == torch.bfloat16 for n in draws)
     assert _within_bf16_rounding(bf16, fp32), (bf16, fp32)
 
 
