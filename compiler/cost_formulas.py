@@ -57,9 +57,9 @@ def formulas(profile: ModelProfile, *, sp: bool = False) -> dict[str, sympy.Expr
     return {
         "params": sympy.Piecewise((sharded, sympy.Ge(zero, 3)), (params, True)),
         # ZeRO-1 holds whole gradients only while microbatches accumulate (a pipeline's stage always)
-        "grads": sympy.Piecewise((sharded, sympy.Ge(zero, 2)),
-                                 (sharded, sympy.And(sympy.Eq(zero, 1), sympy.Eq(mb, 1), sympy.Eq(pp, 1))),
-                                 (params, True), evaluate=False),
+        "grads": sympy.Piecewise((sharded, sympy.Or(sympy.Ge(zero, 2),
+                                                    sympy.And(sympy.Eq(zero, 1), sympy.Eq(mb, 1), sympy.Eq(pp, 1)))),
+                                 (params, True)),
         "optimizer": 2 * sympy.Piecewise((sharded, sympy.Ge(zero, 1)), (params, True)),
         "activations": per_mb / pp * in_flight,
         "flops": 3 * (f_mm * B * S + f_attn * B * S**2) / (dp * tp * pp * cp),

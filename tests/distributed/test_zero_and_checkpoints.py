@@ -55,15 +55,16 @@ def test_zero_reduce_scatter_is_exact_in_float64(model, plan, batch, seq):
 @pytest.mark.parametrize("zero, sends", [(1, 1), (2, 3)])
 def test_zero_reduce_scatters_gradients_once_per_step_or_per_microbatch(zero, sends):
     """ZeRO-1 and -2 reduce-scatter the gradients over dp (no all-reduce of them): ZeRO-1 once per
-    step, ZeRO-2 in each of the three microbatches' backward; the report lists the same calls, and
+    step, ZeRO-2 in each of the three microbatches' backward, per bucket; the report lists the same calls, and
     every rank ends holding only its slice of each bucket's gradient."""
     batch = token_batch(128, 12, 16)
-    sim = usc.simulate(TinyLlama(), f"dp=2 mb=3 zero={zero}", example_inputs=batch)
+    sim = usc.simulate(TinyLlama(), f"dp=2 mb=3 zero={zero} bucket_mb=0.01", example_inputs=batch)
     rank = sim.ranks[0]
     comm = rank.mesh.comm("dp")
     calls = dict(comm.stats.calls)
     sim.step(*batch)
     buckets = len(rank.reducer.buckets)
+    assert buckets > 3  # small buckets: the count is per bucket, not one bucket's
     assert comm.stats.calls["reduce-scatter"] - calls.get("reduce-scatter", 0) == sends * buckets
     # the token count per microbatch and the returned loss: the only all-reduces over dp
     assert comm.stats.calls["all-reduce"] - calls.get("all-reduce", 0) == 3 + 1
