@@ -318,12 +318,13 @@ def _joint(axes: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: bool = True, pp_rank: int = 0
-                  ) -> list[tuple[tuple[str, ...], list[str], int, bool]]:
-    """(axes, parameter names, bytes, deferred) per gradient bucket of a pp rank, packed as the runtime
-    packs them: in reverse order of the parameters, one open bucket per set of axes and deferred or not
-    (a pipeline's weights whose gradient is final only at the step's end, ``deferred_inputs``),
-    closed once it holds bucket_bytes. ZeRO-3 parameters get their dp sum inside the graph, so dp is
-    not theirs here."""
+                  ) -> list[tuple[tuple[str, ...], list[str], int, bool, torch.dtype]]:
+    """(axes, parameter names, bytes, deferred, dtype) per gradient bucket of a pp rank, packed as the
+    runtime packs them (runtime/reducer.py): in reverse order of the parameters, one open bucket per
+    set of axes, dtype and deferred or not (a pipeline's weights whose gradient is final only at the
+    step's end, ``deferred_inputs``), closed once it holds bucket_bytes. ZeRO-3 parameters get their
+    dp sum inside the graph, so dp is not theirs here. (An optimizer factory that groups parameters
+    by name splits buckets further at run time; the report is the default optimizer's.)"""
     deferred = deferred_inputs(program.gm, program.mesh.size("pp"), pp_rank) \
         if program.gm.meta.get("usc_stage_costs") else set()
     done, open_buckets = [], {}
@@ -332,55 +333,70 @@ def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: b
         axes = _joint(tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1 and not (in_graph and a == "dp")))
         if not axes:
             continue
-        key = (axes, spec.placeholder in deferred)
+        key = (axes, spec.placeholder in deferred, spec.dtype)
         shape = spec.layout.local_shape(spec.global_shape, program.mesh)
         names, nbytes = open_buckets.get(key, ([], 0))
         open_buckets[key] = (names + [spec.name], nbytes + shape_bytes(shape, spec.dtype))
         if open_buckets[key][1] >= bucket_bytes:
             done.append((*key, *open_buckets.pop(key)))
-    return [(axes, names, nbytes, late) for axes, late, names, nbytes in
+    return [(axes, names, nbytes, late, dtype) for axes, late, dtype, names, nbytes in
             done + [(*key, names, nbytes) for key, (names, nbytes) in open_buckets.items()]]
 
 
+def _padded(nbytes: int, dtype: torch.dtype, n: int) -> int:
+    """Elements of a bucket of ``nbytes`` in ``dtype``, padded to a multiple of ``n`` (a reduce-scatter's
+    input: runtime.reducer pads so every rank's slice is the same size)."""
+    return -(-(nbytes // dtype.itemsize) // n) * n
+
+
 def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0, *, pp_rank: int = 0,
-                     microbatches: int = 1, compute_dtype: torch.dtype | None = None) -> list[CollectiveRecord]:
+                     microbatches: int = 1, compute_dtype: torch.dtype | None = None,
+                     reduce_dtype: torch.dtype | None = None) -> list[CollectiveRecord]:
     """Gradient reductions per bucket (all-reduce; reduce-scatter over dp at zero=1/2: once per step
-    at zero=1, once per microbatch at zero=2, the other axes once on the summed slice), and with
-    zero=1/2 the all-gather of the updated slices after the optimizer step (of pp rank ``pp_rank``), in
-    the dtype the runtime gathers them in (``runtime.zero.gathered_in``: the plan's compute dtype
-    where it is narrower than the weights)."""
+    at zero=1, once per microbatch at zero=2, the other axes once on the summed slice), in the dtype
+    they travel in (``reduce_dtype``, reduce_dtype=bf16's, else the weights'), and with zero=1/2 the
+    all-gather of the updated slices after the optimizer step (of pp rank ``pp_rank``), in the dtype
+    the runtime gathers them in (``runtime.zero.gathered_in``: the plan's compute dtype where it is
+    narrower than the weights)."""
     records = []
     buckets = _pack_buckets(program, bucket_bytes, pp_rank=pp_rank)
     if zero_stage in (1, 2):
-        dtypes = {s.name: s.dtype for s in program.state}
-        weights = [dtypes[n] for axes, names, _, _ in buckets if "dp" in axes for n in names]
+        weights = [dtype for axes, _, _, _, dtype in buckets if "dp" in axes]
         narrow = gathered_in(weights, compute_dtype)
-        wire = narrow or (weights[0] if weights else torch.float32)
-    for axes, names, nbytes, late in buckets:
+    for axes, names, nbytes, late, dtype in buckets:
         label = names[0] if len(names) == 1 else f"{names[-1]} .. {names[0]} ({len(names)} params)"
-        payload = nbytes
+        wire = reduce_dtype or dtype
+        numel = nbytes // dtype.itemsize
+        if zero_stage in (1, 2) and "dp" in axes:  # the reducer reduce-scatters over dp first
+            axes = ("dp",) + tuple(a for a in axes if a != "dp")
         for axis in axes:  # reduced one axis after the other; after the dp reduce-scatter only a slice is left
+            n = program.mesh.size(axis)
             kind = "reduce-scatter" if zero_stage in (1, 2) and axis == "dp" else "all-reduce"
             calls = microbatches if kind == "reduce-scatter" and zero_stage == 2 and not late else 1
             if kind == "reduce-scatter":
-                payload = -(-nbytes // (4 * program.mesh.size(axis))) * 4 * program.mesh.size(axis)
+                numel = _padded(numel * dtype.itemsize, dtype, n)
             reason = ("data-parallel gradient sum, launched when the step's backward is done (the gradient "
                       "is final only then)" if late else
                       "data-parallel gradient sum, launched during backward as the bucket fills"
                       + (" (every microbatch's)" if calls > 1 else ""))
-            records.append(CollectiveRecord(kind, axis, program.mesh.size(axis), "backward", (payload // 4,),
-                                            "float32", payload, calls, label, "gradient bucket", reason, "reducer"))
+            records.append(CollectiveRecord(kind, axis, n, "backward", (numel,), _dtype_name(wire),
+                                            numel * wire.itemsize, calls, label, "gradient bucket", reason,
+                                            "reducer"))
             if kind == "reduce-scatter":
-                payload //= program.mesh.size(axis)
+                numel //= n
         if zero_stage in (1, 2) and "dp" in axes:  # each rank hands its (padded) slice to the gather
             n = program.mesh.size("dp")
-            numel = -(-nbytes // (dtypes[names[0]].itemsize * n))  # the bucket's elements, padded
-            records.append(CollectiveRecord("all-gather", "dp", n, "optimizer", (numel,),
-                                            str(wire).replace("torch.", ""), numel * wire.itemsize, 1, label,
+            numel, gather = _padded(nbytes, dtype, n) // n, narrow or dtype
+            records.append(CollectiveRecord("all-gather", "dp", n, "optimizer", (numel,), _dtype_name(gather),
+                                            numel * gather.itemsize, 1, label,
                                             "ZeRO step", "each rank updated its slice; the slices are gathered"
                                             + (" in the compute dtype" if narrow is not None else ""),
                                             "optimizer"))
     return records
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_states: int = 2,
@@ -398,14 +414,13 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
     params = sum(shape_bytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
                  for s in state_of_pp_rank(program) if s.kind == "param" and s.trainable)
     dp = program.mesh.size("dp")
-    buckets = [(axes, nbytes, late) for axes, _, nbytes, late in
-               _pack_buckets(program, bucket_bytes, graph_reduces_zero3=False)]
-    sharded = sum(nbytes for axes, nbytes, _ in buckets if "dp" in axes) if dp > 1 else 0
-    padded_slice = sum(-(-nbytes // (4 * dp)) * 4 for axes, nbytes, _ in buckets if "dp" in axes) if dp > 1 else 0
+    buckets = [(axes, nbytes, late, _padded(nbytes, dtype, dp) // dp * dtype.itemsize) for axes, _, nbytes, late, dtype
+               in _pack_buckets(program, bucket_bytes, graph_reduces_zero3=False)]
+    sharded = sum(nbytes for axes, nbytes, _, _ in buckets if "dp" in axes) if dp > 1 else 0
+    padded_slice = sum(piece for axes, _, _, piece in buckets if "dp" in axes) if dp > 1 else 0
     # a deferred bucket (a pipeline's tied weight) holds its whole gradient until the step's end, in
     # place of its slice
-    late = sum(nbytes - -(-nbytes // (4 * dp)) * 4 for axes, nbytes, late in buckets if late and "dp" in axes) \
-        if dp > 1 else 0
+    late = sum(nbytes - piece for axes, nbytes, late, piece in buckets if late and "dp" in axes) if dp > 1 else 0
     whole, part = params - sharded, padded_slice
     accumulates = microbatches > 1 or program.mesh.size("pp") > 1
     return {
@@ -462,7 +477,8 @@ def shared_gradient_records(program: Program) -> list[CollectiveRecord]:
 
 
 def step_traffic(program: Program, *, bucket_bytes: int, zero_stage: int, microbatches: int,
-                 compute_dtype: torch.dtype | None = None) -> dict[tuple[str, str], int]:
+                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None
+                 ) -> dict[tuple[str, str], int]:
     """Payload bytes per (axis, kind) of one step summed over every rank, as their Comms count them.
     Without pp every rank issues the report's list; with pp a stage's collectives run on its world/pp
     ranks, a transfer is counted at both ends and each pp rank sums the gradients of its own stages;
@@ -474,7 +490,7 @@ def step_traffic(program: Program, *, bucket_bytes: int, zero_stage: int, microb
     counted += [(r, 2 * per_stage * microbatches) for r in pipeline_transfers(program.gm, mesh)]
     counted += [(r, per_stage) for rank in range(mesh.size("pp"))
                 for r in gradient_buckets(program, bucket_bytes, zero_stage, pp_rank=rank, microbatches=microbatches,
-                                          compute_dtype=compute_dtype)]
+                                          compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)]
     every_rank = pipeline_loss_records(program) + loss_value_records(program) + shared_gradient_records(
         program)
     counted += [(r, mesh.world_size) for r in every_rank]
@@ -486,10 +502,13 @@ def step_traffic(program: Program, *, bucket_bytes: int, zero_stage: int, microb
 
 def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, compile_seconds: float,
                  warnings: list[str] | None = None, zero_stage: int = 0, microbatches: int = 1,
-                 recompute_mode: str = "none", compute_dtype: torch.dtype | None = None) -> Report:
-    """``compute_dtype``: the plan's (bf16 under dtype=bf16), the dtype ZeRO-1/2's gather moves."""
+                 recompute_mode: str = "none", compute_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> Report:
+    """``compute_dtype``: the plan's (bf16 under dtype=bf16), the dtype ZeRO-1/2's gather moves;
+    ``reduce_dtype``: the plan's (bf16 under reduce_dtype=bf16), the dtype gradient sums travel in."""
     collectives = graph_collectives(program.gm, program.mesh, microbatches) + gradient_buckets(
-        program, bucket_bytes, zero_stage, microbatches=microbatches, compute_dtype=compute_dtype)
+        program, bucket_bytes, zero_stage, microbatches=microbatches, compute_dtype=compute_dtype,
+        reduce_dtype=reduce_dtype)
     collectives += pipeline_loss_records(program) + loss_value_records(program)
     collectives += shared_gradient_records(program)
     memory = memory_by_zero_stage(program, bucket_bytes, microbatches=microbatches)
@@ -504,7 +523,8 @@ def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, 
                   fusion=fusion_summary(program.gm, program_parts(program.gm), program.mesh, microbatches),
                   kernels=kernel_sources(program.gm, program_parts(program.gm)),
                   traffic=step_traffic(program, bucket_bytes=bucket_bytes, zero_stage=zero_stage,
-                                       microbatches=microbatches, compute_dtype=compute_dtype),
+                                       microbatches=microbatches, compute_dtype=compute_dtype,
+                                       reduce_dtype=reduce_dtype),
                   op_rules=op_rules(program.gm),
                   clipping=clipping_records(program))
 

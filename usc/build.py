@@ -141,7 +141,8 @@ class _Compiled:
                                     bucket_bytes=self.bucket_bytes, compile_seconds=time.perf_counter() - start,
                                     zero_stage=int(self.plan.get("zero")), microbatches=int(self.plan.get("mb")),
                                     recompute_mode=self.plan.get("recompute"),
-                                    compute_dtype=self._executor_options()["compute_dtype"])
+                                    compute_dtype=self._executor_options()["compute_dtype"],
+                                    reduce_dtype=self._executor_options()["reduce_dtype"])
         program, options = self._program, self._executor_options()
         options.pop("microbatches")
         options.pop("reduce_dtype")
