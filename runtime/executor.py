@@ -355,10 +355,10 @@ class RankExecutor(ShardedCheckpoint):
         """One optimizer step on the global batch; returns the global mean loss.
 
         With microbatches the loss is the global token mean, not a mean of microbatch means:
-        microbatch m contributes sum_m / N where N is the total count, so each backward is scaled
-        by count_m / N once N is known (after the last forward); the gradient reduction runs
-        once, during the last microbatch's backward. ZeRO-2 reduce-scatters in every microbatch's
-        backward: there each backward carries count_m and the sums are scaled by 1 / N once reduced.
+        microbatch m's backward carries its token sum (its mean times count_m), and the reduced
+        gradients are scaled by 1 / N once the step's total count N is known, as a pipeline's
+        are -- on ZeRO's slices only a slice's worth. The gradient reduction runs once, during the
+        last microbatch's backward (ZeRO-2 reduce-scatters in every microbatch's).
         ``peak_state_bytes``: the most parameter, gradient and optimizer bytes held at once."""
         micro = self.check_batch(batch)
         for module in self.gm.modules():
@@ -367,7 +367,6 @@ class RankExecutor(ShardedCheckpoint):
         # token counts stay on the device (no host sync per microbatch): the step's one sync is
         # the global loss below
         count, weighted, several = 0.0, [], len(micro) > 1
-        scale_after = several and self.reducer.scatters_each
         held = None
         with self._state_cast_once():
             for m, piece in enumerate(micro):
@@ -378,18 +377,13 @@ class RankExecutor(ShardedCheckpoint):
                 count = count + n
                 if last and several:
                     held = self.memory_bytes()  # what the earlier microbatches accumulated
-                    if not scale_after:
-                        self._scale_grads(1.0 / count)
                 weighted.append(loss.detach() * n)
                 with self._span("backward"), (contextlib.nullcontext() if last else self.reducer.no_sync()):
-                    if not several:
-                        loss.backward()
-                    else:
-                        (loss * (n / count if last and not scale_after else n)).backward()
-                if scale_after and not last:
-                    self.reducer.settle()
+                    (loss * n if several else loss).backward()
+                if several and not last and self.reducer.scatters_each:
+                    self.reducer.settle()  # ZeRO-2: this microbatch's slices summed before the next
         self.reducer.finish()
-        if scale_after:
+        if several:
             self._scale_reduced(1.0 / count)
         self.peak_state_bytes = self._most(held, self.memory_bytes())
         value = self._global(sum(weighted) / count)
