@@ -27,12 +27,20 @@ PLANS = ["dp=2 zero=1 dtype=bf16 replica_check=1", "dp=3 mb=2 zero=2 dtype=bf16 
 
 
 @pytest.mark.parametrize("plan", PLANS)
-def test_a_bf16_gather_trains_exactly_what_a_float32_gather_trains(plan):
+@pytest.mark.parametrize("reference_kind", ["float32 gather", "no ZeRO"])
+def test_a_bf16_gather_trains_exactly_what_a_float32_gather_trains(plan, reference_kind):
     """Bit for bit: the same losses and the same float32 weights after three steps (and the replica
-    guard, on every step, finds the dp copies agreeing)."""
+    guard, on every step, finds the dp copies agreeing) as the same plan gathering float32 slices,
+    and as the plan without ZeRO -- no gather at all, whole weights on every rank, the runtime path
+    that shares no code with the slices'."""
     batch = token_batch(128, 6, 15)
     sim, losses = _train(plan, batch)
-    reference, reference_losses = _train(plan, batch, float32_gather=True)
+    if reference_kind == "float32 gather":
+        reference, reference_losses = _train(plan, batch, float32_gather=True)
+    else:
+        without = " ".join(p for p in plan.split() if not p.startswith("zero="))
+        reference, reference_losses = _train(without, batch)
+        assert not isinstance(reference.ranks[0].optimizer, ZeroOptimizer)
     assert isinstance(sim.ranks[0].optimizer, ZeroOptimizer) and sim.ranks[0].optimizer.gather_dtype == torch.bfloat16
     assert losses == reference_losses
     full, expected = sim.full_state_dict(), reference.full_state_dict()
