@@ -225,11 +225,8 @@ class GradReducer:
                 # the other axes' sums travel in the wire dtype too (_write_back converts back)
                 summed = bucket.partial if self.wire_dtype is None else bucket.partial.to(self.wire_dtype)
                 bucket.flat, bucket.partial, bucket.stage = summed, None, 1
-                if bucket.stage < len(bucket.axes):
-                    self._launch_next_axis(bucket)
+                if self._advance(bucket):
                     self._launch_order.append(bucket)
-                else:
-                    self._write_back(bucket)
         self._complete_all()
         overlapped = self.launched_during_backward
         self._reset()
@@ -374,12 +371,18 @@ class GradReducer:
             still_running = []
             for bucket in pending:
                 bucket.work.wait()
-                if bucket.stage < len(bucket.axes):
-                    self._launch_next_axis(bucket)
+                if self._advance(bucket):
                     still_running.append(bucket)
-                else:
-                    self._write_back(bucket)
             pending = still_running
+
+    def _advance(self, bucket: _Bucket) -> bool:
+        """A bucket whose last send is done: reduce it over its next axis (True), or, with every
+        axis summed, write the sum back (False)."""
+        if bucket.stage < len(bucket.axes):
+            self._launch_next_axis(bucket)
+            return True
+        self._write_back(bucket)
+        return False
 
     def _write_back(self, bucket: _Bucket) -> None:
         if self.wire_dtype is not None:
