@@ -317,14 +317,15 @@ def _joint(axes: tuple[str, ...]) -> tuple[str, ...]:
     return axes
 
 
-def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: bool = True, pp_rank: int = 0
+def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: bool = True, pp_rank: int = 0,
+                  group_of: Callable[[str], int] | None = None
                   ) -> list[tuple[tuple[str, ...], list[str], int, bool, torch.dtype]]:
     """(axes, parameter names, bytes, deferred, dtype) per gradient bucket of a pp rank, packed as the
     runtime packs them (runtime/reducer.py): in reverse order of the parameters, one open bucket per
     set of axes, dtype and deferred or not (a pipeline's weights whose gradient is final only at the
-    step's end, ``deferred_inputs``), closed once it holds bucket_bytes. ZeRO-3 parameters get their
-    dp sum inside the graph, so dp is not theirs here. (An optimizer factory that groups parameters
-    by name splits buckets further at run time; the report is the default optimizer's.)"""
+    step's end, ``deferred_inputs``) and optimizer group (``group_of``: an optimizer factory that
+    groups parameters by name, ``runtime.training.bucket_groups``), closed once it holds bucket_bytes.
+    ZeRO-3 parameters get their dp sum inside the graph, so dp is not theirs here."""
     deferred = deferred_inputs(program.gm, program.mesh.size("pp"), pp_rank) \
         if program.gm.meta.get("usc_stage_costs") else set()
     done, open_buckets = [], {}
@@ -333,13 +334,13 @@ def _pack_buckets(program: Program, bucket_bytes: int, *, graph_reduces_zero3: b
         axes = _joint(tuple(a for a in spec.grad_axes if program.mesh.size(a) > 1 and not (in_graph and a == "dp")))
         if not axes:
             continue
-        key = (axes, spec.placeholder in deferred, spec.dtype)
+        key = (axes, spec.placeholder in deferred, spec.dtype, group_of(spec.name) if group_of else 0)
         shape = spec.layout.local_shape(spec.global_shape, program.mesh)
         names, nbytes = open_buckets.get(key, ([], 0))
         open_buckets[key] = (names + [spec.name], nbytes + shape_bytes(shape, spec.dtype))
         if open_buckets[key][1] >= bucket_bytes:
             done.append((*key, *open_buckets.pop(key)))
-    return [(axes, names, nbytes, late, dtype) for axes, late, dtype, names, nbytes in
+    return [(axes, names, nbytes, late, dtype) for axes, late, dtype, _, names, nbytes in
             done + [(*key, names, nbytes) for key, (names, nbytes) in open_buckets.items()]]
 
 
@@ -351,7 +352,8 @@ def _padded(nbytes: int, dtype: torch.dtype, n: int) -> int:
 
 def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0, *, pp_rank: int = 0,
                      microbatches: int = 1, compute_dtype: torch.dtype | None = None,
-                     reduce_dtype: torch.dtype | None = None) -> list[CollectiveRecord]:
+                     reduce_dtype: torch.dtype | None = None,
+                     group_of: Callable[[str], int] | None = None) -> list[CollectiveRecord]:
     """Gradient reductions per bucket (all-reduce; reduce-scatter over dp at zero=1/2: once per step
     at zero=1, once per microbatch at zero=2, the other axes once on the summed slice), in the dtype
     they travel in (``reduce_dtype``, reduce_dtype=bf16's, else the weights'), and with zero=1/2 the
@@ -359,7 +361,7 @@ def gradient_buckets(program: Program, bucket_bytes: int, zero_stage: int = 0, *
     the runtime gathers them in (``runtime.zero.gathered_in``: the plan's compute dtype where it is
     narrower than the weights)."""
     records = []
-    buckets = _pack_buckets(program, bucket_bytes, pp_rank=pp_rank)
+    buckets = _pack_buckets(program, bucket_bytes, pp_rank=pp_rank, group_of=group_of)
     if zero_stage in (1, 2):
         weights = [dtype for axes, _, _, _, dtype in buckets if "dp" in axes]
         narrow = gathered_in(weights, compute_dtype)
@@ -400,7 +402,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_states: int = 2,
-                         microbatches: int = 1) -> dict[int, dict]:
+                         microbatches: int = 1, group_of: Callable[[str], int] | None = None) -> dict[int, dict]:
     """Predicted bytes per rank in parameters, gradients and optimizer state for ZeRO stages 0-3.
 
     Rajbhandari et al. 2020: stage 1 shards the optimizer state over dp, stage 2 also the
@@ -415,7 +417,7 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
                  for s in state_of_pp_rank(program) if s.kind == "param" and s.trainable)
     dp = program.mesh.size("dp")
     buckets = [(axes, nbytes, late, _padded(nbytes, dtype, dp) // dp * dtype.itemsize) for axes, _, nbytes, late, dtype
-               in _pack_buckets(program, bucket_bytes, graph_reduces_zero3=False)]
+               in _pack_buckets(program, bucket_bytes, graph_reduces_zero3=False, group_of=group_of)]
     sharded = sum(nbytes for axes, nbytes, _, _ in buckets if "dp" in axes) if dp > 1 else 0
     padded_slice = sum(piece for axes, _, _, piece in buckets if "dp" in axes) if dp > 1 else 0
     # a deferred bucket (a pipeline's tied weight) holds its whole gradient until the step's end, in
@@ -477,8 +479,8 @@ def shared_gradient_records(program: Program) -> list[CollectiveRecord]:
 
 
 def step_traffic(program: Program, *, bucket_bytes: int, zero_stage: int, microbatches: int,
-                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None
-                 ) -> dict[tuple[str, str], int]:
+                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 group_of: Callable[[str], int] | None = None) -> dict[tuple[str, str], int]:
     """Payload bytes per (axis, kind) of one step summed over every rank, as their Comms count them.
     Without pp every rank issues the report's list; with pp a stage's collectives run on its world/pp
     ranks, a transfer is counted at both ends and each pp rank sums the gradients of its own stages;
@@ -490,7 +492,8 @@ def step_traffic(program: Program, *, bucket_bytes: int, zero_stage: int, microb
     counted += [(r, 2 * per_stage * microbatches) for r in pipeline_transfers(program.gm, mesh)]
     counted += [(r, per_stage) for rank in range(mesh.size("pp"))
                 for r in gradient_buckets(program, bucket_bytes, zero_stage, pp_rank=rank, microbatches=microbatches,
-                                          compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)]
+                                          compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
+                                          group_of=group_of)]
     every_rank = pipeline_loss_records(program) + loss_value_records(program) + shared_gradient_records(
         program)
     counted += [(r, mesh.world_size) for r in every_rank]
@@ -503,15 +506,17 @@ def step_traffic(program: Program, *, bucket_bytes: int, zero_stage: int, microb
 def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, compile_seconds: float,
                  warnings: list[str] | None = None, zero_stage: int = 0, microbatches: int = 1,
                  recompute_mode: str = "none", compute_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None) -> Report:
+                 reduce_dtype: torch.dtype | None = None, group_of: Callable[[str], int] | None = None) -> Report:
     """``compute_dtype``: the plan's (bf16 under dtype=bf16), the dtype ZeRO-1/2's gather moves;
-    ``reduce_dtype``: the plan's (bf16 under reduce_dtype=bf16), the dtype gradient sums travel in."""
+    ``reduce_dtype``: the plan's (bf16 under reduce_dtype=bf16), the dtype gradient sums travel in;
+    ``group_of``: the optimizer's groups by name, each in buckets of its own
+    (``runtime.training.bucket_groups``; None: the default optimizer, one group)."""
     collectives = graph_collectives(program.gm, program.mesh, microbatches) + gradient_buckets(
         program, bucket_bytes, zero_stage, microbatches=microbatches, compute_dtype=compute_dtype,
-        reduce_dtype=reduce_dtype)
+        reduce_dtype=reduce_dtype, group_of=group_of)
     collectives += pipeline_loss_records(program) + loss_value_records(program)
     collectives += shared_gradient_records(program)
-    memory = memory_by_zero_stage(program, bucket_bytes, microbatches=microbatches)
+    memory = memory_by_zero_stage(program, bucket_bytes, microbatches=microbatches, group_of=group_of)
     params = memory[zero_stage]["params"]
     warnings = list(warnings or []) + list(program.warnings) + [
         f"{c.module}: {c.reason}" for c in program.tp_choices if c.style == "replicate"]
@@ -524,7 +529,7 @@ def build_report(program: Program, *, model: str, plan: str, bucket_bytes: int, 
                   kernels=kernel_sources(program.gm, program_parts(program.gm)),
                   traffic=step_traffic(program, bucket_bytes=bucket_bytes, zero_stage=zero_stage,
                                        microbatches=microbatches, compute_dtype=compute_dtype,
-                                       reduce_dtype=reduce_dtype),
+                                       reduce_dtype=reduce_dtype, group_of=group_of),
                   op_rules=op_rules(program.gm),
                   clipping=clipping_records(program))
 

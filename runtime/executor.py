@@ -34,7 +34,7 @@ from .replica_guard import ReplicaGuard
 from .state_write import StateWrite, apply_writes
 from .zero import ZeroOptimizer
 from .zero3 import ZeroFetch, ZeroGather, Zero3Registry, shard_of, unshard
-from .training import data_local, GradPiece, GroupedOptimizer, NamedParameters, clip_, counted_once, global_norm, slice_pieces
+from .training import bucket_groups, data_local, GradPiece, NamedParameters, clip_, counted_once, global_norm, slice_pieces
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -144,10 +144,7 @@ class RankExecutor(ShardedCheckpoint):
 
     def _group_of(self, factory) -> Callable[[str], int] | None:
         """A grouping factory's group of each state entry, by the name named_parameters() gives it."""
-        if not isinstance(factory, GroupedOptimizer):
-            return None
-        canonical = {s.name: s.aliases[0] if s.aliases else s.name for s in self.program.state}
-        return lambda name: factory.group_of(canonical[name])
+        return bucket_groups(factory, self.program.state)
 
     def _split_params(self, sharded: bool, zero: int) -> dict[str, str]:
         """Trainable parameters this rank's optimizer sees only a slice of, and the plan axes why."""

@@ -62,6 +62,16 @@ class GroupedOptimizer:
         raise NotImplementedError
 
 
+def bucket_groups(factory, state_specs) -> Callable[[str], int] | None:
+    """The optimizer group of each state entry (by ``spec.name``) when ``factory`` groups by name,
+    else None: the gradient reducer keeps each group in its own buckets, and the compile report packs
+    them the same way. A tied weight is grouped by the name named_parameters() gives it."""
+    if not isinstance(factory, GroupedOptimizer):
+        return None
+    canonical = {s.name: s.aliases[0] if s.aliases else s.name for s in state_specs}
+    return lambda name: factory.group_of(canonical[name])
+
+
 @dataclass(frozen=True)
 class GradPiece:
     """A gradient tensor this rank holds; ``counted``: its square enters this rank's sum."""

@@ -514,7 +514,7 @@ def simulate(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None
                      lr_scheduler=lr_scheduler, hardware=hardware, init=init, init_seed=init_seed)
 
 
-def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, hardware=None) -> Report:
+def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, hardware=None, optimizer=None) -> Report:
     """Compile without running anything and return the report (what ``usc-lint`` prints), with the
     lint findings in ``report.findings`` (codes USC1xx errors, USC2xx warnings, USC3xx notes).
 
@@ -522,13 +522,17 @@ def lint(model: nn.Module, plan: str | Plan, *, example_inputs, loss_fn=None, ha
     that does not compile raises its PlanError / CompileError. ``hardware`` ("h100", "a100", a profile
     file or a HardwareProfile) adds the cost model's time breakdown (``report.cost``): compute, exposed
     communication and bubble per step, tokens/s, MFU; memory is checked against it (default h100).
+    ``optimizer``: the factory ``compile`` will get; one that groups parameters by name
+    (``usc.training.param_groups``) keeps each group in gradient buckets of its own, listed so.
     """
     from .linting import first_error, lint_plan
 
-    result = lint_plan(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, hardware=hardware or "h100")
+    result = lint_plan(model, plan, example_inputs=example_inputs, loss_fn=loss_fn, hardware=hardware or "h100",
+                       optimizer=optimizer)
     if result.report is None:
         if not result.exceptions:  # refused by a lint check before compiling: the compiler's own words
-            _Compiled(model, result.plan, example_inputs=example_inputs, loss_fn=loss_fn, traced=result.traced)
+            _Compiled(model, result.plan, example_inputs=example_inputs, loss_fn=loss_fn, traced=result.traced,
+                      optimizer=optimizer)
         raise first_error(result)
     result.compiled._attach_cost(result.compiled.flat_batch((example_inputs,)), hardware)
     return result.report

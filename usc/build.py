@@ -21,6 +21,7 @@ from usc.passes.pipeline_schedule import build_schedule, refuse_unimplemented
 from usc.passes.pipeline_schedule_check import check_schedule
 from usc.runtime.executor import PipelineExecutor, RankExecutor, estimate_activation_bytes
 from usc.runtime.materialize import InitFn, MetaState, has_meta_tensors
+from usc.runtime.training import bucket_groups
 from usc.planning import estimate_plan, moe_blocks
 
 from .model_call import BatchLayout, trainable, with_checkpointed_layers
@@ -142,7 +143,8 @@ class _Compiled:
                                     zero_stage=int(self.plan.get("zero")), microbatches=int(self.plan.get("mb")),
                                     recompute_mode=self.plan.get("recompute"),
                                     compute_dtype=self._executor_options()["compute_dtype"],
-                                    reduce_dtype=self._executor_options()["reduce_dtype"])
+                                    reduce_dtype=self._executor_options()["reduce_dtype"],
+                                    group_of=bucket_groups(self._optimizer, self._program.state))
         program, options = self._program, self._executor_options()
         options.pop("microbatches")
         options.pop("reduce_dtype")

@@ -108,12 +108,13 @@ def _compiled_input(plan: Plan, compiled: _Compiled, facts, hardware) -> tuple[L
 
 
 def lint_plan(model, plan, *, example_inputs, loss_fn=None, hardware: str | HardwareProfile | None = "h100",
-              traced=None, stamp: bool = True) -> LintResult:
+              traced=None, stamp: bool = True, optimizer=None) -> LintResult:
     """Lint ``plan`` for ``model``: every finding (codes USC1xx/2xx/3xx), the report and pictures.
 
     ``traced`` reuses a trace of the same model and microbatch shape (``usc-lint --diff`` traces once).
     ``stamp``: trace a repeated layer once and stamp it per layer (``compiler/stamp.py``; the same
-    graph as the full trace, verified on each model, faster for deep models).
+    graph as the full trace, verified on each model, faster for deep models). ``optimizer``: the
+    factory compile will get (one that groups parameters by name packs gradient buckets per group).
     """
     text = plan if isinstance(plan, str) else str(plan)
     profile = hardware_profile(hardware) if hardware is not None else None
@@ -128,7 +129,7 @@ def lint_plan(model, plan, *, example_inputs, loss_fn=None, hardware: str | Hard
                           exceptions=[err])
     if profile is not None:
         profile = with_plan_memory(profile, plan)
-    compiled = _Compiled(model, plan, loss_fn=loss_fn)
+    compiled = _Compiled(model, plan, loss_fn=loss_fn, optimizer=optimizer)
     batch = compiled.flat_batch((example_inputs,))
     try:
         traced = traced if traced is not None else compiled.trace(batch, stamp=stamp)

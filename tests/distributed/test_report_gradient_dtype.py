@@ -37,3 +37,27 @@ def test_gradient_reductions_are_listed_in_the_dtype_they_travel_in(plan, weight
     gradients = [c for c in sim.report.collectives if c.source == "gradient bucket"]
     assert gradients and {c.dtype for c in gradients} == {listed}
     assert dict(sim.report.traffic) == dict(_counted(sim))
+
+
+GROUPED = ["dp=2", "dp=3 zero=1", "dp=2 mb=2 zero=2 reduce_dtype=bf16"]
+
+
+@pytest.mark.parametrize("plan", GROUPED)
+def test_an_optimizer_that_groups_by_name_gets_the_buckets_it_runs(plan):
+    """usc.training.param_groups keeps decayed and non-decayed weights in buckets of their own; the
+    report packs them the same way (small buckets, so several of each): the same calls, labels and
+    bytes as the reducer's buckets, and the report's bytes equal to the Comms' counts."""
+    torch.manual_seed(0)
+    batch = token_batch(128, 6 if "dp=3" in plan else 4, 15)
+    grouped = usc.training.param_groups(lambda groups: torch.optim.SGD(groups, lr=0.1), weight_decay=0.1)
+    sim = usc.simulate(TinyLlama(), plan + " bucket_mb=0.02", example_inputs=batch, optimizer=grouped)
+    sim.step(*batch)
+    listed = [c for c in sim.report.collectives if c.source == "gradient bucket" and c.axis == "dp"]
+    buckets = [b for b in sim.ranks[0].reducer.buckets if "dp" in b.axes]
+    assert len(listed) == len(buckets) > 2
+    names = [{n for n, _ in b.params} for b in buckets]
+    assert all(len({grouped.group_of(n) for n in group}) == 1 for group in names)  # no bucket mixes groups
+    assert sorted(c.module for c in listed) == sorted(
+        b.params[0][0] if len(b.params) == 1 else f"{b.params[-1][0]} .. {b.params[0][0]} ({len(b.params)} params)"
+        for b in buckets)
+    assert dict(sim.report.traffic) == dict(_counted(sim))
