@@ -81,6 +81,8 @@ def _to_device(value, device: torch.device):
 def _failing_module(exc: BaseException, model: nn.Module) -> tuple[str, str]:
     """(module path, 'file:line') of the innermost model module whose forward raised."""
     paths = {id(m): name for name, m in model.named_modules()}
+    for wrapped in getattr(model, "_wrapped", ()):  # usc's loss wrapper: the user's model is its root
+        paths.setdefault(id(wrapped), "")
     found = ("", "")
     chain, seen = [], set()
     while exc is not None and id(exc) not in seen:
@@ -91,7 +93,7 @@ def _failing_module(exc: BaseException, model: nn.Module) -> tuple[str, str]:
     for frame, lineno in frames:
         code = frame.f_code
         owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
-        in_torch = frame.f_code.co_filename.startswith(TORCH_DIR)
+        in_torch = frame.f_code.co_filename.startswith((TORCH_DIR,) + USC_DIRS)  # torch's or usc's own frames
         if isinstance(owner, nn.Module) and id(owner) in paths and not in_torch:
             found = (paths[id(owner)] or "<root>", f"{os.path.basename(frame.f_code.co_filename)}:{lineno}")
     return found
@@ -188,11 +190,35 @@ def _attribute_wrapper_frames(gm: fx.GraphModule, source: str) -> None:
             node.meta["usc_source"] = source
 
 
+def _mask_kept(mask, is_causal=None, size=None) -> bool:
+    """torch.nn's ``_detect_is_causal_mask`` while tracing: a hint the caller gave is kept; a mask given
+    without one is kept as the mask (False). torch compares the mask's values with a causal mask to
+    decide, which export cannot (the values are not known while tracing) -- every causal LM built on
+    ``nn.TransformerEncoder`` with its mask made in forward failed to trace there. Keeping the mask
+    computes the same attention, and usc's attention-mask pass turns a mask it proves causal into
+    ``is_causal=True`` anyway (passes/attention_masks.py)."""
+    return bool(is_causal) if is_causal is not None else False
+
+
+@contextlib.contextmanager
+def _traceable_torch_modules():
+    """torch.nn helpers whose value checks export cannot trace, replaced by traceable equivalents for
+    the trace (``_mask_kept``)."""
+    from torch.nn.modules import transformer
+
+    saved = transformer._detect_is_causal_mask
+    transformer._detect_is_causal_mask = _mask_kept
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = saved
+
+
 def _export(model: nn.Module, example_inputs: tuple):
     """The functional program, casts held as written (compiler/casts.py); taken again without held
     casts where the model writes in place through one."""
     for hold in (True, False):
-        with held_casts() if hold else contextlib.nullcontext():
+        with held_casts() if hold else contextlib.nullcontext(), _traceable_torch_modules():
             exported = inline_regions(torch.export.export(model, example_inputs, strict=False))
         if not hold or not writes_through_held_casts(exported.graph_module):
             break

@@ -41,6 +41,7 @@ from usc.compiler.errors import CompileError
 from usc.compiler.ir import META, Layout
 from usc.compiler.trace import module_path, user_source
 from usc.runtime.collectives import AllGather, AllReduce, AllToAll, LocalShard, ReduceScatter
+from usc.runtime.ring_attention import RingAttention
 from usc.runtime.op_classes import RESHAPES
 
 from .batch_outer import MERGES, batch_outer_pass, merged_groups, region_stop
@@ -50,7 +51,9 @@ from .row_index import row_index_pass
 from .virtual_batch import VIRTUAL, batch_size, virtual_mesh, virtual_propagation
 
 aten = torch.ops.aten
-COUPLING_COLLECTIVES = (AllGather, AllReduce, AllToAll, ReduceScatter)
+# RingAttention: attention over the batch's dim 0 (a sequence-first model's dim 0 is its sequence),
+# which propagation runs as a ring over the split
+COUPLING_COLLECTIVES = (AllGather, AllReduce, AllToAll, ReduceScatter, RingAttention)
 OPTIONS = ("options: mb=1 (no microbatching); batch_coupling=per_microbatch (each microbatch computes the loss "
            "on its own samples and the step averages the microbatch losses, as Megatron does for auxiliary "
            "losses); or compute the term per sample")
@@ -171,6 +174,11 @@ def _describe_coupling(node: fx.Node, module) -> str:
         return (f"{op} in {where} is not linear in a sum or mean over the batch (a batch statistic, or a "
                 f"product of batch means such as a load-balancing loss): its value on a microbatch is not its "
                 "share of the value on the batch")
+    if isinstance(module, RingAttention):
+        return (f"attention in {where} attends across the inputs' dim 0, which usc splits as the batch: the "
+                "model uses dim 0 as its sequence (a sequence-first model, [S, B, ...]), so microbatches would "
+                "each attend within their own slice of it; feed the model batch-first ([B, S, ...], transposed "
+                "inside forward if it computes sequence-first)")
     return (f"{op} in {where} mixes samples across the batch dim (it needs the whole batch: "
             f"{ann.reason if ann else 'gathered'})")
 

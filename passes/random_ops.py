@@ -239,6 +239,8 @@ def is_random(node: fx.Node) -> bool:
     target = node.target
     if target in RANDOM_ONLY_WITH_DROPOUT:  # attention draws only when its dropout_p is non-zero
         return _dropout_p(node) != 0.0
+    if target in RNN_OPS:  # between layers, in training, when its dropout is non-zero
+        return _rnn_draws(node)
     if target in RANDOM_RULES:
         return True
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags \
@@ -247,6 +249,21 @@ def is_random(node: fx.Node) -> bool:
 
 # Attention ops tagged as seeded because of their optional dropout: random only with dropout_p > 0.
 RANDOM_ONLY_WITH_DROPOUT = {aten.scaled_dot_product_attention.default}
+
+
+# Recurrent ops tagged as seeded because of their dropout between layers.
+RNN_OPS = {op for name in ("lstm", "gru", "rnn_tanh", "rnn_relu") for op in
+           (getattr(aten, name).input, getattr(aten, name).data)}
+
+
+def _rnn_draws(node: fx.Node) -> bool:
+    """An RNN op draws (its dropout masks between layers) only in training, with more than one layer
+    and a non-zero dropout; a value not known while tracing counts as a draw."""
+    args = dict(zip((a.name for a in node.target._schema.arguments), node.args))
+    args.update(node.kwargs)
+    layers, dropout, train = args.get("num_layers"), args.get("dropout"), args.get("train")
+    known = all(isinstance(v, (bool, int, float)) for v in (layers, dropout, train))
+    return not known or bool(train and layers > 1 and dropout != 0.0)
 
 
 def _dropout_p(node: fx.Node) -> float:

@@ -210,6 +210,23 @@ def test_data_dependent_control_flow_is_a_trace_error_naming_the_module():
     assert "torch.where" in str(err)
 
 
+class OneHotOfArgmax(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(nn.functional.one_hot(x.argmax(-1)).float()).sum()  # num_classes from the data
+
+
+def test_a_trace_error_raised_inside_torch_names_the_users_line_not_usc_s():
+    """The value check is torch's (one_hot's class count); the line to change is the model's."""
+    with pytest.raises(usc.TraceError) as info:
+        usc.lint(OneHotOfArgmax(), "dp=1", example_inputs=(torch.randn(4, 4),))
+    assert "in module '<root>' (test_public_api.py:" in str(info.value)
+    assert "model_call.py" not in str(info.value)
+
+
 def test_trace_error_is_not_preceded_by_a_raw_graph_dump(capfd):
     with pytest.raises(usc.TraceError):
         usc.lint(GatedModel(), "dp=1", example_inputs=(torch.randn(4, 8),))

@@ -1,0 +1,121 @@
+"""Models built on torch's own sequence modules, written as torch's examples write them.
+
+- A causal LM on ``nn.TransformerEncoder`` with its mask made in forward and no ``is_causal``: torch
+  compares the mask's values with a causal mask to pick a fast path (``_detect_is_causal_mask``),
+  which export cannot trace; every such model failed to trace. Traced with the mask kept (usc's
+  attention-mask pass proves it causal), it trains like one device under every plan.
+- A sequence-first model (``[S, B]`` inputs, as torch's word_language_model feeds them): usc splits
+  dim 0 as the batch. Under dp that dim is split and its attention runs as a ring over dp (the same
+  numbers); microbatches would each attend within their own slice -- a different model, which ran
+  with no error. Now refused, naming the attention and saying to feed the model batch-first.
+- An RNN op's dropout: ``aten.lstm`` is tagged as drawing random numbers for its dropout between
+  layers; with ``dropout=0`` (or one layer, or eval) it draws nothing, and usc said it did.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import usc
+from usc.passes.random_ops import is_random
+from usc.testing import assert_equivalent
+
+FLOAT64 = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.05), rtol=1e-10, atol=1e-10, param_atol=1e-10)
+VOCAB, WIDTH, BATCH = 39, 15, 6
+
+
+class CausalLM(nn.Module):
+    """torch's encoder as a decoder-only LM: the mask built in forward, no is_causal hint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        layer = nn.TransformerEncoderLayer(WIDTH, 3, dim_feedforward=22, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens, labels):
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], dtype=self.head.weight.dtype)
+        h = self.encoder(self.embed(tokens), mask=mask)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+class SequenceFirst(nn.Module):
+    """torch's encoder sequence-first, inputs [S, B] (torch's default layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        layer = nn.TransformerEncoderLayer(WIDTH, 3, dim_feedforward=22, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens, labels):
+        logits = self.head(self.encoder(self.embed(tokens)))
+        return nn.functional.cross_entropy(logits.view(-1, VOCAB), labels.reshape(-1))
+
+
+def make(cls):
+    def build():
+        torch.manual_seed(0)
+        return cls().double()
+    return build
+
+
+def batches(seq: int, n: int = 2, *, sequence_first: bool = False):
+    g = torch.Generator().manual_seed(3)
+    shape = (seq, BATCH) if sequence_first else (BATCH, seq)
+    return [(torch.randint(0, VOCAB, shape, generator=g), torch.randint(0, VOCAB, shape, generator=g))
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "mb=2", "dp=3 mb=2", "tp=3", "pp=2 mb=2", "cp=2", "cp=2 cp_mode=zigzag"])
+def test_a_causal_lm_on_torch_encoder_with_its_mask_made_in_forward_trains_like_one_device(plan):
+    seq = 8 if "cp" in plan else 7
+    assert_equivalent(make(CausalLM), plan, batches(seq), **FLOAT64)
+
+
+def test_the_mask_made_in_forward_becomes_is_causal():
+    """Kept through the trace, then proven causal: no mask tensor reaches attention."""
+    sim = usc.simulate(make(CausalLM)(), "tp=3", example_inputs=batches(7, 1)[0])
+    attention = [n for n in sim.program.gm.graph.nodes
+                 if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
+    assert attention and all(n.kwargs.get("is_causal") or (len(n.args) > 5 and n.args[5]) for n in attention)
+
+
+def test_a_sequence_first_model_trains_like_one_device_under_dp():
+    """dp splits dim 0, the sequence here: the attention runs as a ring over dp, the same numbers."""
+    assert_equivalent(make(SequenceFirst), "dp=2", batches(8, sequence_first=True), **FLOAT64)
+
+
+@pytest.mark.parametrize("plan", ["mb=2", "dp=2 mb=2", "pp=2 mb=2"])
+def test_a_sequence_first_model_is_refused_under_microbatches(plan):
+    with pytest.raises(usc.PlanError, match=r"(?s)attention in module 'encoder.layers.0.self_attn'.*dim 0.*"
+                                            r"sequence-first.*batch-first"):
+        usc.simulate(make(SequenceFirst)(), plan, example_inputs=batches(8, 1, sequence_first=True)[0])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's, on nn.LSTM(dropout=, num_layers=1) and its export
+@pytest.mark.parametrize("layers, dropout, train, draws", [(2, 0.0, True, False), (1, 0.3, True, False),
+                                                            (2, 0.3, False, False), (2, 0.3, True, True)])
+def test_an_rnn_draws_only_with_dropout_between_layers_in_training(layers, dropout, train, draws):
+    lstm = nn.LSTM(5, 6, layers, dropout=dropout, batch_first=True).train(train)
+    gm = torch.export.export(lstm, (torch.randn(2, 3, 5),), strict=False).graph_module
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and "lstm" in str(n.target)]
+    assert nodes and [is_random(n) for n in nodes] == [draws]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's export, on nn.LSTM's flat weights
+def test_an_lstm_without_dropout_is_refused_for_what_it_lacks_not_for_drawing():
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.rnn, self.head = nn.Embedding(VOCAB, 8), nn.LSTM(8, 8, 2, batch_first=True), nn.Linear(8, 3)
+
+        def forward(self, tokens, labels):
+            return nn.functional.cross_entropy(self.head(self.rnn(self.embed(tokens))[0]).flatten(0, 1),
+                                               labels.flatten() % 3)
+
+    with pytest.raises(usc.CompileError, match="no sharding rule for aten.lstm.input") as info:
+        usc.simulate(Tagger(), "dp=2", example_inputs=batches(7, 1)[0])
+    assert "random" not in str(info.value)
