@@ -415,6 +415,23 @@ def tp_outside_cp(inp: LintInput) -> Iterator[Finding]:
                                 "and need extra cp gathers", "cp", hint="write cp before tp, e.g. 'cp=2 tp=2 sp=on'")
 
 
+@rule("USC211", "dp-splits-a-sequence", "warning", """
+    usc splits dim 0 of every input as the batch. A sequence-first model ([S, B, ...] inputs,
+    torch's default for nn.Transformer* and nn.LSTM) has its sequence there: dp then runs the
+    attention across it as a ring over the dp ranks -- the same numbers as one device, but context
+    parallelism under dp's name (K/V blocks sent around the ring in every attention layer), and
+    microbatches are refused. Feed the model batch-first (transpose inside forward if it computes
+    sequence-first) for data parallelism as such.""")
+def dp_splits_a_sequence(inp: LintInput) -> Iterator[Finding]:
+    if inp.report is None:
+        return
+    rings = [c.module for c in inp.report.collectives if c.axis == "dp" and c.kind == "send/recv"]
+    for pattern, items in _grouped(dict.fromkeys(rings)).items():
+        yield Finding("USC211", f"dp splits the inputs' dim 0, which '{pattern}'{_times(items)} attends across: "
+                                "the model is sequence-first, and its attention runs as a ring over the dp ranks",
+                      "dp", module=items[0], hint="feed the model batch-first ([B, S, ...])")
+
+
 # ------------------------------------------------------------------------------------------- notes
 @rule("USC301", "small-gradient-buckets", "note", """
     Gradients are summed over dp in buckets launched during backward (bucket_mb, default 25

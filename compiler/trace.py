@@ -93,8 +93,8 @@ def _failing_module(exc: BaseException, model: nn.Module) -> tuple[str, str]:
     for frame, lineno in frames:
         code = frame.f_code
         owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
-        in_torch = frame.f_code.co_filename.startswith((TORCH_DIR,) + USC_DIRS)  # torch's or usc's own frames
-        if isinstance(owner, nn.Module) and id(owner) in paths and not in_torch:
+        library = frame.f_code.co_filename.startswith((TORCH_DIR,) + USC_DIRS)  # torch's or usc's own frames
+        if isinstance(owner, nn.Module) and id(owner) in paths and not library:
             found = (paths[id(owner)] or "<root>", f"{os.path.basename(frame.f_code.co_filename)}:{lineno}")
     return found
 

@@ -45,6 +45,20 @@ class DataDependent(nn.Module):
         return x.mean()
 
 
+class SequenceFirst(nn.Module):
+    """torch's encoder in its default layout: the tokens read as [S, B]."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        layer = nn.TransformerEncoderLayer(hidden, 2, dim_feedforward=24, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens, labels):
+        return F.cross_entropy(self.head(self.encoder(self.embed(tokens))).flatten(0, 1), labels.flatten())
+
+
 def llama(**changes):
     return lambda: TinyLlama(dataclasses.replace(LlamaConfig(), **changes))
 
@@ -59,6 +73,7 @@ MODELS = {
     "moe-3": lambda: TinyMoE(3),
     "moe-4": lambda: TinyMoE(4),
     "data-dependent": DataDependent,
+    "sequence-first": SequenceFirst,
 }
 TINY_DEVICE = dataclasses.replace(H100, name="tiny", hbm_bytes=5 * 10**5)
 _traces: dict = {}
@@ -108,6 +123,7 @@ CASES = [
     ("USC208", ("dp=4",), ("dp=2",)),
     ("USC209", ("tp=2", "gpt2"), ("tp=2",)),
     ("USC210", ("tp=2 cp=2 sp=on",), ("cp=2 tp=2 sp=on",)),
+    ("USC211", ("dp=2", "sequence-first"), ("dp=2",)),
     ("USC301", ("dp=2 bucket_mb=0.01",), ("dp=2",)),
     ("USC302", ("tp=2",), ("dp=2",)),
 ]
@@ -183,4 +199,4 @@ def test_explain_every_code_and_a_near_miss():
         text = explain(code)
         assert text.startswith(f"{code} ({RULES[code].name}) [{RULES[code].severity}]") and len(text) > 150
     with pytest.raises(KeyError, match="did you mean USC201"):
-        explain("USC2011")
+        explain("USC2001")
