@@ -13,7 +13,7 @@ from usc.compiler.hardware import H100
 from usc.compiler.lint_rules import RULES, explain
 from usc.dsl import PlanError, parse_plan
 from usc.linting import lint_plan
-from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, token_batch
+from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, TorchEncoderLM, token_batch
 
 
 class TinyMoE(nn.Module):
@@ -45,20 +45,6 @@ class DataDependent(nn.Module):
         return x.mean()
 
 
-class SequenceFirst(nn.Module):
-    """torch's encoder in its default layout: the tokens read as [S, B]."""
-
-    def __init__(self, vocab: int = 64, hidden: int = 16) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        layer = nn.TransformerEncoderLayer(hidden, 2, dim_feedforward=24, dropout=0.0)
-        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = nn.Linear(hidden, vocab)
-
-    def forward(self, tokens, labels):
-        return F.cross_entropy(self.head(self.encoder(self.embed(tokens))).flatten(0, 1), labels.flatten())
-
-
 def llama(**changes):
     return lambda: TinyLlama(dataclasses.replace(LlamaConfig(), **changes))
 
@@ -73,7 +59,7 @@ MODELS = {
     "moe-3": lambda: TinyMoE(3),
     "moe-4": lambda: TinyMoE(4),
     "data-dependent": DataDependent,
-    "sequence-first": SequenceFirst,
+    "sequence-first": lambda: TorchEncoderLM(batch_first=False),  # tokens read as [S, B]
 }
 TINY_DEVICE = dataclasses.replace(H100, name="tiny", hbm_bytes=5 * 10**5)
 _traces: dict = {}

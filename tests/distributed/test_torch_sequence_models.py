@@ -19,40 +19,20 @@ from torch import nn
 import usc
 from usc.passes.random_ops import is_random
 from usc.testing import assert_equivalent
+from usc.testing.models import TorchEncoderLM
 
 FLOAT64 = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.05), rtol=1e-10, atol=1e-10, param_atol=1e-10)
 VOCAB, WIDTH, BATCH = 39, 15, 6
 
 
-class CausalLM(nn.Module):
+def causal_lm():
     """torch's encoder as a decoder-only LM: the mask built in forward, no is_causal hint."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        layer = nn.TransformerEncoderLayer(WIDTH, 3, dim_feedforward=22, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, tokens, labels):
-        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], dtype=self.head.weight.dtype)
-        h = self.encoder(self.embed(tokens), mask=mask)
-        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+    return TorchEncoderLM(VOCAB, WIDTH, 3, 22, causal=True)
 
 
-class SequenceFirst(nn.Module):
+def seq_first_lm():
     """torch's encoder sequence-first, inputs [S, B] (torch's default layout)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        layer = nn.TransformerEncoderLayer(WIDTH, 3, dim_feedforward=22, dropout=0.0)
-        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, tokens, labels):
-        logits = self.head(self.encoder(self.embed(tokens)))
-        return nn.functional.cross_entropy(logits.view(-1, VOCAB), labels.reshape(-1))
+    return TorchEncoderLM(VOCAB, WIDTH, 3, 22, batch_first=False)
 
 
 def make(cls):
@@ -72,12 +52,12 @@ def batches(seq: int, n: int = 2, *, sequence_first: bool = False):
 @pytest.mark.parametrize("plan", ["dp=2", "mb=2", "dp=3 mb=2", "tp=3", "pp=2 mb=2", "cp=2", "cp=2 cp_mode=zigzag"])
 def test_a_causal_lm_on_torch_encoder_with_its_mask_made_in_forward_trains_like_one_device(plan):
     seq = 8 if "cp" in plan else 7
-    assert_equivalent(make(CausalLM), plan, batches(seq), **FLOAT64)
+    assert_equivalent(make(causal_lm), plan, batches(seq), **FLOAT64)
 
 
 def test_the_mask_made_in_forward_becomes_is_causal():
     """Kept through the trace, then proven causal: no mask tensor reaches attention."""
-    sim = usc.simulate(make(CausalLM)(), "tp=3", example_inputs=batches(7, 1)[0])
+    sim = usc.simulate(make(causal_lm)(), "tp=3", example_inputs=batches(7, 1)[0])
     attention = [n for n in sim.program.gm.graph.nodes
                  if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
     assert attention and all(n.kwargs.get("is_causal") or (len(n.args) > 5 and n.args[5]) for n in attention)
@@ -85,14 +65,14 @@ def test_the_mask_made_in_forward_becomes_is_causal():
 
 def test_a_sequence_first_model_trains_like_one_device_under_dp():
     """dp splits dim 0, the sequence here: the attention runs as a ring over dp, the same numbers."""
-    assert_equivalent(make(SequenceFirst), "dp=2", batches(8, sequence_first=True), **FLOAT64)
+    assert_equivalent(make(seq_first_lm), "dp=2", batches(8, sequence_first=True), **FLOAT64)
 
 
 @pytest.mark.parametrize("plan", ["mb=2", "dp=2 mb=2", "pp=2 mb=2"])
 def test_a_sequence_first_model_is_refused_under_microbatches(plan):
     with pytest.raises(usc.PlanError, match=r"(?s)attention in module 'encoder.layers.0.self_attn'.*dim 0.*"
                                             r"sequence-first.*batch-first"):
-        usc.simulate(make(SequenceFirst)(), plan, example_inputs=batches(8, 1, sequence_first=True)[0])
+        usc.simulate(make(seq_first_lm)(), plan, example_inputs=batches(8, 1, sequence_first=True)[0])
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # torch's, on nn.LSTM(dropout=, num_layers=1) and its export

@@ -373,6 +373,29 @@ class DropoutNet(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
+class TorchEncoderLM(nn.Module):
+    """A language model on torch's own ``nn.TransformerEncoder``, written as torch's examples write it.
+
+    ``batch_first=False`` is torch's default layout: the tokens are read as ``[S, B]``.
+    ``causal=True`` builds the causal mask in forward and gives no ``is_causal`` hint."""
+
+    def __init__(self, vocab: int = 64, width: int = 16, heads: int = 2, ffn: int = 24, layers: int = 2, *,
+                 batch_first: bool = True, causal: bool = False) -> None:
+        super().__init__()
+        self.batch_first, self.causal = batch_first, causal
+        self.embed = nn.Embedding(vocab, width)
+        layer = nn.TransformerEncoderLayer(width, heads, dim_feedforward=ffn, dropout=0.0, batch_first=batch_first)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1 if self.batch_first else 0]
+        mask = nn.Transformer.generate_square_subsequent_mask(seq, dtype=self.head.weight.dtype) \
+            if self.causal else None
+        hidden = self.encoder(self.embed(tokens), mask=mask)
+        return F.cross_entropy(self.head(hidden).flatten(0, 1), labels.flatten())
+
+
 def token_batch(vocab: int, batch: int, seq: int, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A deterministic (tokens, labels) batch of random ids; labels equal tokens (the model shifts)."""
     gen = torch.Generator().manual_seed(seed)
