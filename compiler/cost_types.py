@@ -100,6 +100,9 @@ class ModelProfile:
     experts: int = 0  # experts per MoE layer (0: dense)
     # how the returned loss is summed (axes, dtype), as the runtime does it for the probe's plan
     loss_value: LossValueReduction = LossValueReduction()
+    # an attention (its module) that runs across the inputs' dim 0, which dp and mb split as the batch:
+    # a sequence-first model, whose dp is a ring over its sequence and whose microbatches are refused
+    dim0_attention: str = ""
     _stages: dict = field(default_factory=dict, compare=False, repr=False)  # (pp, cuts) -> merged stages (cache)
 
     @property

@@ -149,7 +149,19 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
     layers = sum(1 for u in units if u.rsplit(".", 1)[-1].isdigit())
     return ModelProfile(traced.model_name, batch, seq, tuple(built), tp_divides=_tp_divides(probe_plain, batch, seq),
                         cp_possible="cp" in probe_plain.mesh.axes, sp_possible=sp_possible, layers=layers, experts=experts,
-                        loss_value=probe_plain.loss_value)
+                        loss_value=probe_plain.loss_value, dim0_attention=_attention_across_dim0(probe_plain))
+
+
+def _attention_across_dim0(program) -> str:
+    """The module of an attention the probe runs as a ring over dp (it attends across the inputs'
+    dim 0, which dp splits as the batch), or ""."""
+    for node in program.gm.graph.nodes:
+        if node.op == "call_module":
+            module = program.gm.get_submodule(node.target)
+            if isinstance(module, RingAttention) and module.axis == "dp":
+                ann = node.meta.get(META)
+                return (ann.module if ann is not None else "") or "<root>"
+    return ""
 
 
 # ------------------------------------------------------------------------------- repeated blocks

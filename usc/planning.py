@@ -101,11 +101,25 @@ def choose(model, spec: "str | Plan", example_inputs: tuple, *, hardware=None, k
             profile, scaled = _profile_at(model, tuple(example_inputs), target.seq, plan)
             if scaled:
                 target = replace(target, assumption="\n  ".join(filter(None, (target.assumption, scaled))))
+        _refuse_dim0_split(plan, profile)
         result = search(profile, target, hw, supported=refusal, keep=keep)
     if result.best is None:
         raise plan.error_at("auto", f"no plan for {target.gpus} GPUs fits this model:\n{result}",
                             hint="add GPUs, lower global_batch or seq, or write options that save memory")
     return replace(_written_back(plan, result.best.plan), search=result)
+
+
+def _refuse_dim0_split(plan: Plan, profile: ModelProfile) -> None:
+    """A model that attends across its inputs' dim 0 (sequence-first) has no batch there for dp and mb
+    to split: its dp would be a ring over the sequence (which no estimate here counts) and its
+    microbatches are refused by compile. Planned only with dp and mb written as 1."""
+    if profile.dim0_attention and not all(plan.is_set(k) and int(plan.size(k) if k == "dp" else plan.get(k)) == 1
+                                          for k in ("dp", "mb")):
+        raise CompileError(
+            f"usc.plan splits dim 0 of the inputs as the batch (dp, mb), and attention in module "
+            f"'{profile.dim0_attention}' attends across it: the model is sequence-first ([S, B, ...])\n"
+            f"  fix: feed the model batch-first ([B, S, ...], transposed inside forward if it computes "
+            f"sequence-first), or write dp=1 mb=1 to plan the other axes")
 
 
 def _profile_at(model, example: tuple, seq: int, plan: Plan) -> tuple[ModelProfile, str]:

@@ -99,3 +99,14 @@ def test_an_lstm_without_dropout_is_refused_for_what_it_lacks_not_for_drawing():
     with pytest.raises(usc.CompileError, match="no sharding rule for aten.lstm.input") as info:
         usc.simulate(Tagger(), "dp=2", example_inputs=batches(7, 1)[0])
     assert "random" not in str(info.value)
+
+
+def test_the_planner_does_not_split_a_sequence_as_the_batch():
+    """usc.plan's estimates read dim 0 as the batch; a sequence-first model's dp would be a ring it does
+    not count, its microbatches are refused: refused unless dp and mb are written as 1."""
+    tokens = batches(8, 1, sequence_first=True)[0]
+    with pytest.raises(usc.CompileError, match=r"(?s)'encoder.layers.0.self_attn' attends across it.*batch-first"):
+        usc.plan(seq_first_lm(), "gpus=4", example_inputs=tokens)
+    chosen = usc.plan(seq_first_lm(), "gpus=1 dp=1 mb=1", example_inputs=tokens)
+    assert chosen.size("dp") == 1 and int(chosen.get("mb")) == 1
+    assert usc.plan(causal_lm(), "gpus=4", example_inputs=batches(8, 1)[0]).world_size == 4
