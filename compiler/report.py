@@ -168,9 +168,12 @@ ISLAND = "usc_float32_island"  # likewise, under every plan: a value a bf16 run 
 
 def runs_in(node: fx.Node) -> torch.dtype:
     """The dtype ``node``'s value has when the program runs: a float32-traced value of a dtype=bf16
-    program is bfloat16 unless the model computes it in float32 on purpose."""
+    program is bfloat16 unless the model computes it in float32 on purpose (a float64 model's values
+    likewise, unless cast or made in float64)."""
     value = node.meta["val"]
-    return value.dtype if value.dtype != torch.float32 else _compute_mark(node, RUNS_IN, torch.float32)
+    if value.dtype not in (torch.float32, torch.float64):
+        return value.dtype
+    return _compute_mark(node, RUNS_IN, value.dtype, value.dtype)
 
 
 def in_float32_island(node: fx.Node) -> bool:
@@ -178,14 +181,14 @@ def in_float32_island(node: fx.Node) -> bool:
     return bool(_compute_mark(node, ISLAND, False))
 
 
-def _compute_mark(node: fx.Node, key: str, default):
-    """``node.meta[key]`` as the compute-dtype pass set it; a float32 node a later pass made (a
-    collective, the loss's decomposition over the vocabulary) takes the mark of the value it
-    computes from, its first float32 input's, walked up."""
+def _compute_mark(node: fx.Node, key: str, default, dtype: torch.dtype = torch.float32):
+    """``node.meta[key]`` as the compute-dtype pass set it; a node a later pass made (a collective,
+    the loss's decomposition over the vocabulary) takes the mark of the value it computes from, its
+    first ``dtype`` input's, walked up."""
     at = node
     while key not in at.meta:
         inputs = [a for a in at.all_input_nodes
-                  if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype == torch.float32]
+                  if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype == dtype]
         if not inputs:
             return default
         at = inputs[0]

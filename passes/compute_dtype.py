@@ -24,6 +24,7 @@ import torch.fx as fx
 
 import usc.compiler.moe  # noqa: F401 - registers usc::moe, whose tokens meet the experts' weights
 from usc.compiler.report import ISLAND, RUNS_IN  # node.meta keys this pass sets (see the docstring)
+from usc.compiler.source_info import module_path, user_source
 
 from .random_ops import DRAW, DRAW_DTYPE
 
@@ -40,6 +41,8 @@ def compute_dtype_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     the float32 islands marked (``ISLAND``: what a bf16 run of the same program keeps in float32, which
     the cost profile's probes, compiled without a dtype, read to count those bytes at full size)."""
     dtype = COMPUTE.get(ctx.plan.get("dtype"))
+    if dtype is not None:
+        _refuse_casts_of_wide_models(gm, ctx)
     upcast: set[fx.Node] = set()  # values computed in float32 on purpose
     by_name = {n.name: n for n in gm.graph.nodes}
     for node in gm.graph.nodes:
@@ -128,11 +131,51 @@ def _mark(gm: fx.GraphModule, upcast: set[fx.Node], dtype: torch.dtype) -> None:
     """Each float32-traced value records the dtype it runs in (``RUNS_IN``): ``dtype``, but float32
     where the model computes in float32 on purpose; the compile report reads it for the bytes a
     collective moves (the executor casts state and inputs to the compute dtype)."""
+    wide: set[fx.Node] = set()  # float64 values computed in float64 on purpose
     for node in gm.graph.nodes:
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
             node.meta[RUNS_IN] = torch.float32 if node in upcast else dtype
             node.meta[ISLAND] = node in upcast
+        elif isinstance(value, torch.Tensor) and value.dtype == torch.float64 and dtype != torch.float32:
+            # a float64 model under a compute dtype: state and inputs enter cast, and what is computed
+            # from them runs in it; an explicit cast to float64 or a float64 factory stays float64
+            if node.op != "placeholder" and (_casts_to(node, torch.float64) or not _floats_of(node)
+                                             or any(a in wide for a in node.all_input_nodes)):
+                wide.add(node)
+            else:
+                node.meta[RUNS_IN] = dtype
+
+
+def _refuse_casts_of_wide_models(gm: fx.GraphModule, ctx) -> None:
+    """dtype=bf16 reads a model's casts as a float32 model's (``h.float()`` up, ``h.to(x.dtype)``
+    back). A float64 model's casts mean other things -- its ``.to(x.dtype)`` is a cast to float64 --
+    and would leave float64 values to meet bf16 weights (a dtype error inside torch at the first
+    step). Such a model is refused here; a float64 model without casts runs in bf16."""
+    wide = [n for n in gm.graph.nodes if n.op == "placeholder"
+            and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype == torch.float64]
+    if not wide:
+        return
+    cast = next((n for n in gm.graph.nodes if n.op == "call_function" and n.target in CASTS
+                 and _cast_dtype(n) in (torch.float32, torch.float64)), None)
+    if cast is not None:
+        where = f"module '{module_path(cast) or '<root>'}'" + (f" ({user_source(cast)})" if user_source(cast) else "")
+        to = str(_cast_dtype(cast)).replace("torch.", "")
+        raise ctx.plan.error_at("dtype", f"dtype=bf16 reads a model's casts as a float32 model's, and this model's "
+                                         f"weights are float64 while it casts to {to} in {where}: some values would "
+                                         f"stay wider than the bf16 weights they meet",
+                                hint="cast the model to float32 (model.float()) for dtype=bf16, or train it in float64 "
+                                     "without dtype=")
+
+
+def _casts_to(node: fx.Node, dtype: torch.dtype) -> bool:
+    return node.op == "call_function" and node.target in CASTS and _cast_dtype(node) == dtype
+
+
+def _floats_of(node: fx.Node) -> list[fx.Node]:
+    """The floating tensor inputs of ``node``, of any width."""
+    return [a for a in node.all_input_nodes
+            if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].is_floating_point()]
 
 
 def _cast_dtype(node: fx.Node):

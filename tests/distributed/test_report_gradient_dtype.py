@@ -61,3 +61,26 @@ def test_an_optimizer_that_groups_by_name_gets_the_buckets_it_runs(plan):
         b.params[0][0] if len(b.params) == 1 else f"{b.params[-1][0]} .. {b.params[0][0]} ({len(b.params)} params)"
         for b in buckets)
     assert dict(sim.report.traffic) == dict(_counted(sim))
+
+
+@pytest.mark.parametrize("plan", ["tp=2 sp=on dtype=bf16", "dp=2 pp=2 mb=2 dtype=bf16", "cp=2 dtype=bf16"])
+def test_a_float64_model_under_bf16_lists_its_activations_in_bf16(plan):
+    """The executor casts every float state and input to bf16, so a float64 model runs in bf16: its
+    tp/cp collectives and pipeline transfers move bf16 (the report listed them at float64's size)."""
+    torch.manual_seed(0)
+    batch = token_batch(128, 4, 16)
+    sim = usc.simulate(TinyLlama().double(), plan, example_inputs=batch, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    sim.step(*batch)
+    assert dict(sim.report.traffic) == dict(_counted(sim))
+
+
+def test_a_float64_model_that_casts_is_refused_under_bf16_naming_the_cast():
+    """transformers' Llama casts (its rotary table to float32, its norm's statistics): read as a
+    float32 model's casts, a float64 model's would meet bf16 weights in float64 (torch's dtype error
+    at the first step, before)."""
+    from usc.testing.hf import hf_llama
+
+    model = hf_llama(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2).double()
+    with pytest.raises(usc.PlanError, match=r"(?s)weights are float64 while it casts to float32 in module .*model\.float\(\)"):
+        usc.simulate(model, "dp=2 dtype=bf16", example_inputs=token_batch(64, 4, 8))
