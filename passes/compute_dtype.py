@@ -36,13 +36,13 @@ COMPUTE = {"bf16": torch.bfloat16}
 MOVES = {aten.to.dtype_layout}
 
 
-def compute_dtype_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+def compute_dtype_pass(gm: fx.GraphModule, ctx, *, params: frozenset[str] = frozenset()) -> fx.GraphModule:
     """Under dtype=bf16, the casts and inputs rewritten as the module docstring says; under any plan,
     the float32 islands marked (``ISLAND``: what a bf16 run of the same program keeps in float32, which
     the cost profile's probes, compiled without a dtype, read to count those bytes at full size)."""
     dtype = COMPUTE.get(ctx.plan.get("dtype"))
     if dtype is not None:
-        _refuse_casts_of_wide_models(gm, ctx)
+        _refuse_casts_of_wide_models(gm, ctx, params)
     upcast: set[fx.Node] = set()  # values computed in float32 on purpose
     by_name = {n.name: n for n in gm.graph.nodes}
     for node in gm.graph.nodes:
@@ -147,14 +147,15 @@ def _mark(gm: fx.GraphModule, upcast: set[fx.Node], dtype: torch.dtype) -> None:
                 node.meta[RUNS_IN] = dtype
 
 
-def _refuse_casts_of_wide_models(gm: fx.GraphModule, ctx) -> None:
+def _refuse_casts_of_wide_models(gm: fx.GraphModule, ctx, params: frozenset[str]) -> None:
     """dtype=bf16 reads a model's casts as a float32 model's (``h.float()`` up, ``h.to(x.dtype)``
-    back). A float64 model's casts mean other things -- its ``.to(x.dtype)`` is a cast to float64 --
-    and would leave float64 values to meet bf16 weights (a dtype error inside torch at the first
-    step). Such a model is refused here; a float64 model without casts runs in bf16."""
-    wide = [n for n in gm.graph.nodes if n.op == "placeholder"
-            and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype == torch.float64]
-    if not wide:
+    back). A model whose weights (``params``: the trainable ones) are float64 means other things by
+    them -- its ``.to(x.dtype)`` is a cast to float64 -- and would leave float64 values to meet bf16
+    weights (a dtype error inside torch at the first step). Such a model is refused here; a float64
+    model without casts runs in bf16, and a float32 model with a float64 buffer is a float32 model."""
+    weights = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in params
+               and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point()]
+    if not weights or any(n.meta["val"].dtype != torch.float64 for n in weights):
         return
     cast = next((n for n in gm.graph.nodes if n.op == "call_function" and n.target in CASTS
                  and _cast_dtype(n) in (torch.float32, torch.float64)), None)

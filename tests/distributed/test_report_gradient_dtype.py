@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
+from torch import nn
 
 import usc
 from usc.testing.models import TinyLlama, token_batch
@@ -84,3 +85,22 @@ def test_a_float64_model_that_casts_is_refused_under_bf16_naming_the_cast():
                      num_attention_heads=4, num_key_value_heads=2).double()
     with pytest.raises(usc.PlanError, match=r"(?s)weights are float64 while it casts to float32 in module .*model\.float\(\)"):
         usc.simulate(model, "dp=2 dtype=bf16", example_inputs=token_batch(64, 4, 8))
+
+
+def test_a_float32_model_with_a_float64_buffer_is_a_float32_model_under_bf16():
+    """Only float64 weights make a float64 model: a float32 model keeping one float64 buffer (a table
+    computed in double precision) and casting as HF models do trains under dtype=bf16."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("scale", torch.full((8,), 0.5, dtype=torch.float64))
+
+        def forward(self, x, y):
+            h = self.lin(x).to(torch.float32) * self.scale.to(torch.float32)
+            return (h.to(x.dtype) - y).pow(2).mean()
+
+    torch.manual_seed(0)
+    batch = (torch.randn(4, 8), torch.randn(4, 8))
+    sim = usc.simulate(Scaled(), "dp=2 dtype=bf16", example_inputs=batch)
+    assert sim.step(*batch) > 0
