@@ -35,6 +35,21 @@ def seq_first_lm():
     return TorchEncoderLM(VOCAB, WIDTH, 3, 22, batch_first=False)
 
 
+class Seq2Seq(nn.Module):
+    """torch's nn.Transformer (encoder-decoder) as its docs use it: the target mask made in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.transformer = nn.Transformer(WIDTH, 3, 2, 2, 22, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, source, target_in, target_out):
+        mask = nn.Transformer.generate_square_subsequent_mask(target_in.shape[1], dtype=self.head.weight.dtype)
+        hidden = self.transformer(self.embed(source), self.embed(target_in), tgt_mask=mask)
+        return nn.functional.cross_entropy(self.head(hidden).flatten(0, 1), target_out.flatten())
+
+
 def make(cls):
     def build():
         torch.manual_seed(0)
@@ -53,6 +68,16 @@ def batches(seq: int, n: int = 2, *, sequence_first: bool = False):
 def test_a_causal_lm_on_torch_encoder_with_its_mask_made_in_forward_trains_like_one_device(plan):
     seq = 8 if "cp" in plan else 7
     assert_equivalent(make(causal_lm), plan, batches(seq), **FLOAT64)
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor:UserWarning")  # torch's, on nn.Transformer's encoder
+@pytest.mark.parametrize("plan", ["dp=2", "mb=2", "dp=3 mb=2", "tp=3", "pp=2 mb=2"])
+def test_torch_transformer_encoder_decoder_trains_like_one_device(plan):
+    """Its decoder checks the target mask's values as the encoder does: it did not trace either."""
+    g = torch.Generator().manual_seed(4)
+    batch = [(torch.randint(0, VOCAB, (BATCH, 9), generator=g), torch.randint(0, VOCAB, (BATCH, 7), generator=g),
+              torch.randint(0, VOCAB, (BATCH, 7), generator=g)) for _ in range(2)]
+    assert_equivalent(make(Seq2Seq), plan, batch, **FLOAT64)
 
 
 def test_the_mask_made_in_forward_becomes_is_causal():
