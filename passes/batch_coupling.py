@@ -125,7 +125,62 @@ def _first_coupling(virtual: fx.GraphModule, user_inputs) -> str | None:
         on_batch = isinstance(module, COUPLING_COLLECTIVES) and module.axis == VIRTUAL
         if on_batch and not _sums_the_loss(node, module, dependent):
             return _describe_coupling(node, module)
+        if isinstance(module, LocalShard) and module.axis == VIRTUAL \
+                and _rows_of_their_own(node.args[0], module.dim, frozenset(user_inputs)):
+            return _describe_rows(node)
     return None
+
+
+_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+_SLICES = {aten.slice.Tensor, aten.narrow.default}  # keep every dim (a part of one)
+# element-wise (with broadcasting): an output row is made from the inputs' rows of the same index
+_ELEMENTWISE = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor,
+                aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.where.self, aten.neg.default,
+                aten.sin.default, aten.cos.default, aten.exp.default, aten.pow.Tensor_Scalar, aten.clone.default,
+                aten.detach.default, aten.alias.default, aten._to_copy.default, aten.to.dtype}
+
+
+def _rows_of_their_own(value, dim: int, user_inputs: frozenset[str], depth: int = 0) -> bool:
+    """Whether ``value``'s rows along ``dim`` -- the dim the batch's split slices it along
+    (LocalShard) -- come from a table or positions of their own: a parameter, buffer or constant, or
+    an arange, reached through slices, unsqueezes, element-wise ops and embedding lookups. A
+    microbatch's program, traced at its own size, takes such a table's first rows, not its own.
+    Rows broadcast from a dim of one (expand), draws (each microbatch draws its own rows) and
+    anything not followed here count as rows alike, as before."""
+    if not isinstance(value, fx.Node) or depth > 64:
+        return False
+    shape = shape_of(value)
+    if shape is None or dim >= len(shape) or shape[dim] == 1 or value.target is DRAW:
+        return False
+    if value.op in ("placeholder", "get_attr"):  # state (an input's rows are its samples, split alike)
+        return value.name not in user_inputs
+    if value.target in _ARANGES:
+        return True
+    if value.target in _SLICES:
+        return _rows_of_their_own(value.args[0], dim, user_inputs, depth + 1)
+    if value.target is aten.unsqueeze.default:
+        at = value.args[1] % len(shape)
+        return at != dim and _rows_of_their_own(value.args[0], dim - (at < dim), user_inputs, depth + 1)
+    if value.target is aten.embedding.default:  # rows of the lookup: the indices' dims, then the width
+        indices = value.args[1]
+        return dim < len(shape) - 1 and _rows_of_their_own(indices, dim, user_inputs, depth + 1)
+    if value.target is aten.expand.default or value.target in _ELEMENTWISE:
+        for arg in value.all_input_nodes:
+            arg_shape = shape_of(arg)
+            if arg_shape is None:
+                continue
+            aligned = dim - (len(shape) - len(arg_shape))
+            if aligned >= 0 and arg_shape[aligned] != 1 and _rows_of_their_own(arg, aligned, user_inputs, depth + 1):
+                return True
+    return False
+
+
+def _describe_rows(node: fx.Node) -> str:
+    consumer = next(iter(node.users), None)
+    op = _op_name(consumer) if consumer is not None else "the output"
+    return (f"{op} in {_where(node)} meets rows of a table or of positions along the inputs' dim 0, which usc "
+            "splits as the batch: each microbatch would take the table's first rows, not its own (if dim 0 is "
+            "the model's sequence, [S, B, ...], feed the model batch-first)")
 
 
 def _sums_the_loss(node: fx.Node, module, dependent: set[fx.Node]) -> bool:

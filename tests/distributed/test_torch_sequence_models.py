@@ -50,6 +50,25 @@ class Seq2Seq(nn.Module):
         return nn.functional.cross_entropy(self.head(hidden).flatten(0, 1), target_out.flatten())
 
 
+class SequenceFirstPositions(nn.Module):
+    """A sequence-first model with positions and no attention across them: a table sliced by the
+    inputs' dim 0 (``table``) or learned positions looked up by an arange (``learned``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.register_buffer("table", torch.randn(16, 1, WIDTH))
+        self.positions = nn.Embedding(16, WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 22), nn.GELU(), nn.Linear(22, VOCAB))
+
+    def forward(self, tokens, labels):
+        seq = tokens.shape[0]
+        where = self.table[:seq] if self.kind == "table" else self.positions(torch.arange(seq)).unsqueeze(1)
+        logits = self.mlp(self.embed(tokens) + where)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
 def make(cls):
     def build():
         torch.manual_seed(0)
@@ -135,3 +154,14 @@ def test_the_planner_does_not_split_a_sequence_as_the_batch():
     chosen = usc.plan(seq_first_lm(), "gpus=1 dp=1 mb=1", example_inputs=tokens)
     assert chosen.size("dp") == 1 and int(chosen.get("mb")) == 1
     assert usc.plan(causal_lm(), "gpus=4", example_inputs=batches(8, 1)[0]).world_size == 4
+
+
+@pytest.mark.parametrize("kind", ["table", "learned"])
+def test_positions_along_a_sequence_split_as_the_batch_are_refused_under_microbatches(kind):
+    """Each microbatch's program takes the first positions of the table, not its own: refused (it ran,
+    a different model), naming the add; under dp the table is sliced per rank, the same numbers."""
+    build = lambda: SequenceFirstPositions(kind).double()  # noqa: E731
+    data = batches(8, 2, sequence_first=True)
+    with pytest.raises(usc.PlanError, match=r"(?s)mb=2 runs the batch in microbatches.*rows of a table or of positions"):
+        usc.simulate(build(), "mb=2", example_inputs=data[0])
+    assert_equivalent(build, "dp=2", data, **FLOAT64)
