@@ -81,8 +81,9 @@ def _to_device(value, device: torch.device):
 def _failing_module(exc: BaseException, model: nn.Module) -> tuple[str, str]:
     """(module path, 'file:line') of the innermost model module whose forward raised."""
     paths = {id(m): name for name, m in model.named_modules()}
-    for wrapped in getattr(model, "_wrapped", ()):  # usc's loss wrapper: the user's model is its root
-        paths.setdefault(id(wrapped), "")
+    user = getattr(model, "user_model", None)  # usc's loss wrapper: the user's model is its root
+    if user is not None:
+        paths.setdefault(id(user), "")
     found = ("", "")
     chain, seen = [], set()
     while exc is not None and id(exc) not in seen:

@@ -47,7 +47,8 @@ from usc.runtime.op_classes import RESHAPES
 from .batch_outer import MERGES, batch_outer_pass, merged_groups, region_stop
 from .graph_edit import shape_of, val
 from .random_ops import DRAW, random_ops_pass
-from .row_index import row_index_pass
+from .row_index import ARANGES, row_index_pass
+from .sharding_rules import is_elementwise
 from .virtual_batch import VIRTUAL, batch_size, virtual_mesh, virtual_propagation
 
 aten = torch.ops.aten
@@ -131,13 +132,9 @@ def _first_coupling(virtual: fx.GraphModule, user_inputs) -> str | None:
     return None
 
 
-_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 _SLICES = {aten.slice.Tensor, aten.narrow.default}  # keep every dim (a part of one)
-# element-wise (with broadcasting): an output row is made from the inputs' rows of the same index
-_ELEMENTWISE = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor,
-                aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.where.self, aten.neg.default,
-                aten.sin.default, aten.cos.default, aten.exp.default, aten.pow.Tensor_Scalar, aten.clone.default,
-                aten.detach.default, aten.alias.default, aten._to_copy.default, aten.to.dtype}
+# element-wise in form, but every element one value: rows alike, whatever they are made like
+_FILLED_LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default}
 
 
 def _rows_of_their_own(value, dim: int, user_inputs: frozenset[str], depth: int = 0) -> bool:
@@ -154,7 +151,7 @@ def _rows_of_their_own(value, dim: int, user_inputs: frozenset[str], depth: int 
         return False
     if value.op in ("placeholder", "get_attr"):  # state (an input's rows are its samples, split alike)
         return value.name not in user_inputs
-    if value.target in _ARANGES:
+    if value.target in ARANGES:
         return True
     if value.target in _SLICES:
         return _rows_of_their_own(value.args[0], dim, user_inputs, depth + 1)
@@ -164,7 +161,7 @@ def _rows_of_their_own(value, dim: int, user_inputs: frozenset[str], depth: int 
     if value.target is aten.embedding.default:  # rows of the lookup: the indices' dims, then the width
         indices = value.args[1]
         return dim < len(shape) - 1 and _rows_of_their_own(indices, dim, user_inputs, depth + 1)
-    if value.target is aten.expand.default or value.target in _ELEMENTWISE:
+    if value.target is aten.expand.default or (is_elementwise(value.target) and value.target not in _FILLED_LIKE):
         for arg in value.all_input_nodes:
             arg_shape = shape_of(arg)
             if arg_shape is None:

@@ -31,7 +31,7 @@ from usc.runtime.op_classes import RESHAPES
 from .graph_edit import val
 
 aten = torch.ops.aten
-_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 _RESHAPES = RESHAPES | {aten.unsqueeze.default}  # what an arange index passes through to broadcast
 
 
@@ -61,7 +61,7 @@ def _is_row_arange(node, rows: int) -> bool:
     """``node`` holds 0, 1, ..., rows - 1 (an arange seen through reshapes)."""
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _RESHAPES:
         node = node.args[0]
-    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _ARANGES):
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in ARANGES):
         return False
     numbers = list(node.args)
     if node.target is aten.arange.default:

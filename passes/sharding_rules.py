@@ -138,7 +138,14 @@ def pointwise(linear: str = "none") -> Rule:
         cleaned = tuple(reduced if isinstance(p, Partial) else p for p in view.placements)
         return _broadcast_choice(view, cleaned)
 
+    rule.elementwise = True
     return rule
+
+
+def is_elementwise(op) -> bool:
+    """An op whose hand rule is ``pointwise``: each output element made from the inputs' elements at
+    the same (broadcast) index."""
+    return getattr(SHARDING_RULES.get(op), "elementwise", False)
 
 
 def _float_output(view: OpView) -> bool:

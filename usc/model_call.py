@@ -167,6 +167,11 @@ class Trainable(nn.Module):
         self._extra = _training_kwargs(model)
         self.training = model.training  # the wrapper reports the model's own train()/eval() state
 
+    @property
+    def user_model(self) -> nn.Module:
+        """The model the user passed, whose forward this wrapper calls (kept out of its submodules)."""
+        return self._wrapped[0]
+
     def flatten(self, batch) -> tuple:
         """The flat tuple of ``batch`` (the first batch seen fixes the layout)."""
         if self.layout is None:
@@ -174,7 +179,7 @@ class Trainable(nn.Module):
         return self.layout.flatten(batch)
 
     def forward(self, *flat):
-        model, layout = self._wrapped[0], self.layout or BatchLayout("tuple")
+        model, layout = self.user_model, self.layout or BatchLayout("tuple")
         with _root_state_of(self, model):
             if self._loss_fn is None:
                 return loss_of(layout.call(model, flat, self._extra), type(model).__name__)

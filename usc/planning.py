@@ -113,8 +113,8 @@ def _refuse_dim0_split(plan: Plan, profile: ModelProfile) -> None:
     """A model that attends across its inputs' dim 0 (sequence-first) has no batch there for dp and mb
     to split: its dp would be a ring over the sequence (which no estimate here counts) and its
     microbatches are refused by compile. Planned only with dp and mb written as 1."""
-    if profile.dim0_attention and not all(plan.is_set(k) and int(plan.size(k) if k == "dp" else plan.get(k)) == 1
-                                          for k in ("dp", "mb")):
+    written_out = plan.is_set("dp") and plan.size("dp") == 1 and plan.is_set("mb") and int(plan.get("mb")) == 1
+    if profile.dim0_attention and not written_out:
         raise CompileError(
             f"usc.plan splits dim 0 of the inputs as the batch (dp, mb), and attention in module "
             f"'{profile.dim0_attention}' attends across it: the model is sequence-first ([S, B, ...])\n"

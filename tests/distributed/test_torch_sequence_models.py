@@ -64,7 +64,10 @@ class SequenceFirstPositions(nn.Module):
 
     def forward(self, tokens, labels):
         seq = tokens.shape[0]
-        where = self.table[:seq] if self.kind == "table" else self.positions(torch.arange(seq)).unsqueeze(1)
+        if self.kind == "filled":  # made like the table, one value throughout: rows alike
+            where = torch.full_like(self.table[:seq], 0.5)
+        else:
+            where = self.table[:seq] if self.kind == "table" else self.positions(torch.arange(seq)).unsqueeze(1)
         logits = self.mlp(self.embed(tokens) + where)
         return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
@@ -165,3 +168,9 @@ def test_positions_along_a_sequence_split_as_the_batch_are_refused_under_microba
     with pytest.raises(usc.PlanError, match=r"(?s)mb=2 runs the batch in microbatches.*rows of a table or of positions"):
         usc.simulate(build(), "mb=2", example_inputs=data[0])
     assert_equivalent(build, "dp=2", data, **FLOAT64)
+
+
+def test_a_value_made_like_a_table_but_filled_alike_trains_under_microbatches():
+    """full_like of the table's slice: every row the same, so microbatches compute the one-device model."""
+    assert_equivalent(lambda: SequenceFirstPositions("filled").double(), "mb=2",
+                      batches(8, 2, sequence_first=True), **FLOAT64)
