@@ -78,18 +78,40 @@ def compile_error(inp: LintInput) -> Iterator[Finding]:
 
 
 @rule("USC102", "vocab-not-divisible", "error", """
-    Vocabulary-parallel embeddings and cross-entropy give every tp rank an equal slice of the
-    vocabulary rows, so tp must divide the vocabulary size. Pad the vocabulary to a multiple of
-    tp (Megatron pads to a multiple of 128 x tp) or choose a tp that divides it.""")
+    A plan rule splits an embedding on its vocabulary (`vocab`), giving every tp rank an equal
+    slice of the rows, and tp does not divide the vocabulary size. Pad the vocabulary to a
+    multiple of tp (Megatron pads to a multiple of 128 x tp), choose a tp that divides it, or drop
+    the rule: without one, usc keeps such an embedding whole on every tp rank (USC209).""")
 def vocab_not_divisible(inp: LintInput) -> Iterator[Finding]:
     tp = inp.plan.size("tp")
     if inp.facts is None or tp == 1:
         return
     for module, rows in inp.facts.vocab:
-        if rows % tp:
-            yield Finding("USC102", f"tp={tp} does not divide the vocabulary of '{module}' ({rows} rows)", "tp",
-                          hint=f"pad the vocabulary to {math.ceil(rows / tp) * tp} or use a tp that divides "
-                               f"{rows}", module=module)
+        rule = _vocab_rule(inp.plan, module)
+        if rows % tp and rule is not None:
+            yield Finding("USC102", f"tp={tp} does not divide the vocabulary of '{module}' ({rows} rows), which "
+                                    f"the rule '{rule}' splits", rule.glob,
+                          hint=f"pad the vocabulary to {math.ceil(rows / tp) * tp}, use a tp that divides "
+                               f"{rows}, or drop the rule (the embedding then stays whole on every tp rank)",
+                          module=module)
+
+
+def _vocab_rule(plan, module: str):
+    """The last plan rule that gives ``module`` a tensor-parallel action, when that action is ``vocab``."""
+    found = None
+    for item in plan.rules:
+        if item.matches(module):
+            for action in item.actions:
+                if action.name in ("colwise", "rowwise", "vocab", "replicate"):
+                    found = item if action.name == "vocab" else None
+    return found
+
+
+def _vocab_hint(module: str, rows: int, tp: int) -> str:
+    """How to split an embedding whose vocabulary tp does not divide."""
+    padded = math.ceil(rows / (64 * tp)) * 64 * tp
+    return (f"pad the vocabulary to a multiple of {tp} to split it (to {padded}, a multiple of 64 x tp; "
+            f"transformers: model.resize_token_embeddings({rows}, pad_to_multiple_of={64 * tp}))")
 
 
 @rule("USC103", "heads-not-divisible-by-cp", "error", """
@@ -397,9 +419,12 @@ def kept_replicated(inp: LintInput) -> Iterator[Finding]:
     heads_bad = {a.module for a in (inp.facts.attention if inp.facts else ()) if a.heads % tp or a.kv_heads % tp}
     kept = [c for c in inp.report.tp_choices if c.style == "replicate" and not c.explicit
             and c.module.rpartition(".")[0] not in heads_bad]
+    vocab = dict(inp.facts.vocab) if inp.facts else {}
     for pattern, items in _grouped(c.module for c in kept).items():
         choice = next(c for c in kept if c.module == items[0])
-        yield Finding("USC209", f"'{pattern}'{_times(items)} {choice.reason}", "tp", module=items[0])
+        rows = vocab.get(items[0])
+        hint = _vocab_hint(items[0], rows, tp) if rows and rows % tp else ""
+        yield Finding("USC209", f"'{pattern}'{_times(items)} {choice.reason}", "tp", hint=hint, module=items[0])
 
 
 @rule("USC210", "tp-outside-cp", "warning", """

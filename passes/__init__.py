@@ -7,6 +7,7 @@ Each pass is ``name_pass(gm, ctx, **options) -> gm`` in its own module, with ``R
 from __future__ import annotations
 
 import torch.fx as fx
+from torch.distributed.tensor import Shard
 
 from usc.compiler.errors import ShardingError, UnsupportedOpError
 from usc.compiler.functional import input_write_warnings
@@ -87,6 +88,7 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
         tp = tp_layouts(traced, plan, mesh, replicated, replicated_cols)
         layouts = merge_layouts(mesh, batch_layouts(traced, plan, mesh), tp.layouts,
                                 expert_layouts(traced, plan, mesh))
+        _check_tp_splits_something(plan, mesh, tp, layouts, traced)  # a fallback below only keeps more whole
         ctx = CompileContext(mesh, plan)
         constants = frozenset(s.placeholder for s in traced.state if not s.trainable)
         passes = build_pipeline(input_layouts=layouts, grad_inputs=params, params=params, constants=constants,
@@ -105,15 +107,29 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
                 replicated_cols.update({name: reason for name in at_fault})
             else:
                 replicated[index] = reason
-    if tp.groups and len(replicated) == len(tp.groups) and not any(c.style == "vocab" for c in tp.choices):
-        first = next(iter(replicated.values()))
-        raise plan.error_at("tp", f"tp={mesh.size('tp')} cannot split any layer of this model ({first})",
-                            hint="choose a tp size that divides the heads and hidden sizes")
     program = build_program(gm, mesh, traced.state, traced.user_inputs, tp.choices, ctx.timings)
     program.warnings.extend(plan_warnings(mesh, plan))
     program.warnings.extend(f"pp split: {note}" for note in gm.meta.get("usc_split_notes", ()))
     program.warnings.extend(input_write_warnings(traced.gm))
     return program
+
+
+def _check_tp_splits_something(plan, mesh: MeshSpec, tp, layouts, traced: Traced) -> None:
+    """A tp axis that could split layers but splits no weight runs the whole model on every tp rank:
+    refused, with the first reason a layer was kept whole (a size tp does not divide, an op with no
+    rule). Weights the plan's own rules keep whole are what was asked for."""
+    if mesh.size("tp") == 1 or any(c.explicit for c in tp.choices):
+        return
+    index = mesh.axes.index("tp")
+    weights = {s.placeholder for s in traced.state}
+    if any(isinstance(layout.placements[index], Shard) for name, layout in layouts.items() if name in weights):
+        return
+    first = next((c for c in tp.choices if c.style == "replicate"), None)
+    if first is None:  # no layer tp knows how to split (no Megatron pair, head or embedding found)
+        return
+    raise plan.error_at("tp", f"tp={mesh.size('tp')} cannot split any layer of this model: '{first.module}' "
+                              f"{first.reason}",
+                        hint="choose a tp size that divides the heads, the hidden sizes and the vocabulary")
 
 
 def plan_warnings(mesh: MeshSpec, plan) -> list[str]:

@@ -136,7 +136,11 @@ def tp_layouts(traced: Traced, plan, mesh: MeshSpec, replicated: dict[int, str],
     user_inputs = set(traced.user_inputs)
     for node in _weighted_nodes(gm, params):
         if node.target == aten.embedding.default and node not in auto and is_token_embedding(node, user_inputs):
-            auto[node] = ("vocab", "token embedding: each rank holds a vocabulary slice")
+            # a vocabulary tp does not divide (GPT-2's 50257): kept whole, as a head is; usc-lint says
+            # what that costs and how to pad
+            indivisible = _indivisible(node, "vocab", tp)
+            auto[node] = ("replicate", indivisible) if indivisible else (
+                "vocab", "token embedding: each rank holds a vocabulary slice")
     _assign(result, plan, mesh, _weighted_nodes(gm, params), auto, tp)
     return result
 

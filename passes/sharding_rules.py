@@ -301,6 +301,11 @@ def _resolve_shape(shape, numel: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _sp_sequence(view: OpView, p: Placement) -> bool:
+    """``p`` is sp's sequence shard: dim 1 of a [batch, seq, features] value (``_sequence_shard``)."""
+    return view.sequence_parallel and len(view.shapes[0]) == 3 and p.dim == 1
+
+
 @register(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints)
 def view_rule(view: OpView) -> Decision:
     p = view.placements[0]
@@ -314,9 +319,11 @@ def view_rule(view: OpView) -> Decision:
         outer_src = next(d for d in gi if src[d] != 1)
         outer_dst = next((d for d in gj if dst[d] != 1), None)
         if p.dim != outer_src or outer_dst is None:
-            if view.axis != "tp":
-                # dp/cp: gather and reshape whole (correct; the cross-entropy expansion looks
-                # through this gather for the common [B, S, V] -> [B*S, V] flatten before a loss).
+            if view.axis != "tp" or _sp_sequence(view, p):
+                # dp/cp, and sp's sequence shard (a head tp keeps whole sees it): gather and reshape
+                # whole (correct; the cross-entropy expansion looks through this gather for the common
+                # [B, S, V] -> [B*S, V] flatten before a loss). A tp feature split raises: its pair
+                # falls back to replicated.
                 return Decision((R,), R)
             raise ShardingError(
                 f"reshape {list(src)} -> {list(dst)} moves sharded dim {p.dim} (size {src[p.dim]}) inside "

@@ -56,20 +56,20 @@ def test_json_report_parses_and_matches_usc_lint(capsys, expected_report):
 
 
 def test_bad_plan_exits_1_with_a_caret(capsys):
-    code, out, err = run_main(capsys, FACTORY, "--plan", "dp=2 tp=3")
+    code, out, err = run_main(capsys, FACTORY, "--plan", "dp=2 cp=3")
     assert code == 1
-    assert "plan:1:6: USC102 [error] tp=3 does not divide the vocabulary" in out
+    assert "plan:1:6: USC105 [error] the sequence of 32 tokens does not split into 3 pieces" in out
     lines = out.splitlines()
-    shown = next(i for i, line in enumerate(lines) if line.strip() == "dp=2 tp=3")
-    assert lines[shown + 1] == " " * (lines[shown].index("tp=3")) + "^^^^"
+    shown = next(i for i, line in enumerate(lines) if line.strip() == "dp=2 cp=3")
+    assert lines[shown + 1] == " " * (lines[shown].index("cp=3")) + "^^^^"
 
 
 def test_bad_plan_as_json_gives_position(capsys):
-    code, out, _ = run_main(capsys, FACTORY, "--plan", "dp=2 tp=3", "--json")
+    code, out, _ = run_main(capsys, FACTORY, "--plan", "dp=2 cp=3", "--json")
     assert code == 1
     data = json.loads(out)
     assert (data["error"], data["line"], data["column"]) == ("PlanError", 1, 6)
-    assert data["findings"][0]["code"] == "USC102" and data["counts"]["error"] == 1
+    assert data["findings"][0]["code"] == "USC105" and data["counts"]["error"] == 1
 
 
 def test_compiler_error_keeps_its_caret_on_stderr(capsys):

@@ -94,7 +94,7 @@ def finding(result, code):
 CASES = [
     ("USC100", ("zero=1",), ("dp=2 zero=1",)),
     ("USC101", ("dp=2", "data-dependent"), ("dp=2",)),
-    ("USC102", ("tp=4", "llama-vocab-130"), ("tp=4",)),
+    ("USC102", ("tp=4\nembed_tokens: vocab", "llama-vocab-130"), ("tp=4", "llama-vocab-130")),
     ("USC103", ("cp=4 cp_mode=ulysses",), ("cp=2 cp_mode=ulysses",)),
     ("USC104", ("ep=2", "moe-3"), ("ep=2", "moe-4")),
     ("USC105", ("cp=3",), ("cp=4 cp_mode=zigzag",)),

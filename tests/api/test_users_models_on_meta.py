@@ -195,20 +195,38 @@ def test_expert_weights_per_rank_are_what_the_runtime_holds():
             assert sum(_params(u, point) for u in profile.units) == held, (name, text)
 
 
-def test_tp_is_planned_for_a_model_whose_sp_cannot_compile():
-    """A list of experts routed through a reshape that sp's sequence split cannot follow: usc compiles
-    ``tp=2`` but not ``tp=2 sp=on``. The planner's probe dropped tp altogether when its sp probe
-    failed, and refused every tp plan for the model; it now plans tp without sp."""
-    from usc.testing.models import MoEConfig, TinyMixtral, token_batch
+class InterleavedHalves(torch.nn.Module):
+    """A pair tp splits, then the hidden size cut in two halves laid one after the other along the
+    sequence ([B, S, H] -> [B, 2S, H/2]): sp's sequence shard would end up inside the merged dim."""
 
-    cfg = MoEConfig()
-    torch.manual_seed(0)
-    batch = token_batch(cfg.vocab, 8, 16)
-    with pytest.raises(usc.PlanError):
-        usc.lint(TinyMixtral(cfg), "tp=2 sp=on", example_inputs=batch)
-    chosen = usc.plan(TinyMixtral(cfg), "gpus=4 tp=2", example_inputs=batch)
+    def __init__(self, vocab: int = 64, hidden: int = 32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.up, self.down = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+        self.out = torch.nn.Linear(hidden // 2, vocab)
+
+    def forward(self, ids, labels):
+        h = self.embed(ids)
+        h = h + self.down(torch.relu(self.up(h)))
+        b, s, d = h.shape
+        h = h.view(b, s, 2, d // 2).transpose(1, 2).reshape(b, 2 * s, d // 2)
+        logits = self.out(h)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 labels.repeat(1, 2).reshape(-1))
+
+
+def test_tp_is_planned_for_a_model_whose_sp_cannot_compile():
+    """usc compiles ``tp=2`` for this model but not ``tp=2 sp=on``. The planner's probe dropped tp
+    altogether when its sp probe failed, and refused every tp plan for the model; it plans tp without
+    sp."""
+    from usc.testing.models import token_batch
+
+    batch = token_batch(64, 8, 16)
+    with pytest.raises(usc.PlanError, match="moves sharded dim 2"):
+        usc.lint(InterleavedHalves(), "tp=2 sp=on", example_inputs=batch)
+    chosen = usc.plan(InterleavedHalves(), "gpus=4 tp=2", example_inputs=batch)
     assert chosen.size("tp") == 2 and not chosen.get("sp")
-    assert usc.lint(TinyMixtral(cfg), chosen, example_inputs=batch).mesh.world_size == 4
+    assert usc.lint(InterleavedHalves(), chosen, example_inputs=batch).mesh.world_size == 4
 
 
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "gemma2", "opt"])

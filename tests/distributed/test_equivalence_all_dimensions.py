@@ -49,10 +49,9 @@ def plan_and_model(draw, *, max_ranks: int):
     batch = dp * ep * (plan.get("mb") or 1) * draw(st.sampled_from([1, 2]))
     vocab = 8 * tp * draw(st.sampled_from([1, 2]))
     if ep > 1 or draw(st.integers(0, 3)) == 0:  # mixture of experts: 8 experts, top-2
-        # Mixtral's block returns flattened router logits, which sp=on refuses, and its auxiliary
-        # loss is a product of batch means, which microbatches average (as Megatron does, so not
-        # the one-batch value; documented): DeepSeek's block then
-        single = not plan.get("sp") and int(plan.get("mb") or 1) == 1
+        # Mixtral's auxiliary loss is a product of batch means, which microbatches average (as
+        # Megatron does, so not the one-batch value; documented): DeepSeek's block then
+        single = int(plan.get("mb") or 1) == 1
         family = draw(st.sampled_from(["mixtral", "deepseek"])) if single else "deepseek"
         kv_heads = draw(st.sampled_from([d for d in range(1, heads + 1)
                                          if heads % d == 0 and d % (head_unit if ulysses else 1) == 0]))
