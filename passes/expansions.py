@@ -263,13 +263,13 @@ def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
     b = _Builder(ctx, node)
     if shift:
         labels = _shifted_labels(b, labels, ignore_index)
-    if weight is not None or node.kwargs.get("weight") is not None or (smoothing or node.kwargs.get("label_smoothing")):
-        raise CompileError(f"cross_entropy in '{module_path(node)}': class weights and label smoothing are not "
-                           "supported on sharded logits yet; compute the loss without them")
+    weight = node.kwargs.get("weight", weight)
+    smoothing = float(node.kwargs.get("label_smoothing", smoothing) or 0.0)
     if len(shape_of(logits)) != len(shape_of(labels)) + 1:
         raise CompileError(f"cross_entropy in '{module_path(node)}': logits {list(shape_of(logits))} and labels "
                            f"{list(shape_of(labels))} are not [N, C, ...] and [N, ...]")
     logits = _classes_last(b, logits, peeled=logits is not node.args[0])
+    classes = shape_of(logits)[-1]
     # the offset is a constant for the gradient: take the max of detached logits, so the all-reduce
     # that resolves it across ranks has no backward
     top = b.call(aten.amax.default, b.call(aten.detach.default, logits), [-1], True)
@@ -279,13 +279,31 @@ def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
     safe = b.call(aten.mul.Tensor, labels, counted)
     target = b.call(aten.gather.default, shifted, -1, b.call(aten.unsqueeze.default, safe, -1))
     per_token = b.call(aten.sub.Tensor, log_total, b.call(aten.squeeze.dim, target, -1))
-    per_token = b.call(aten.mul.Tensor, per_token, counted)
+    # each counted token weighs its class's weight (1 without weights); PyTorch's mean divides by
+    # the weights of the counted tokens' classes
+    weighs = counted
+    if weight is not None:
+        picked = b.call(aten.embedding.default, b.call(aten.unsqueeze.default, weight, -1), safe)
+        weighs = b.call(aten.mul.Tensor, b.call(aten.squeeze.dim, picked, -1), counted)
+    per_token = b.call(aten.mul.Tensor, per_token, weighs)
+    if smoothing:
+        # label smoothing adds eps / C x the (class-weighted) sum over classes of -log p:
+        # sum_c w_c (log_total - shifted_c) = log_total x sum_c w_c - sum_c w_c shifted_c
+        if weight is None:
+            spread = b.call(aten.sub.Tensor, b.call(aten.mul.Tensor, log_total, float(classes)),
+                            b.call(aten.sum.dim_IntList, shifted, [-1]))
+        else:
+            spread = b.call(aten.sub.Tensor, b.call(aten.mul.Tensor, log_total, b.call(aten.sum.default, weight)),
+                            b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, shifted, weight), [-1]))
+        spread = b.call(aten.mul.Tensor, spread, counted)
+        per_token = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, per_token, 1.0 - smoothing),
+                           b.call(aten.mul.Tensor, spread, smoothing / classes))
     if reduction == 0:
         return b.finish(per_token)
     total = b.call(aten.sum.default, per_token)
     if reduction == 2:
         return b.finish(total)
-    mean = b.call(aten.div.Tensor, total, b.call(aten.sum.default, counted))
+    mean = b.call(aten.div.Tensor, total, b.call(aten.sum.default, weighs))
     mean.meta["usc_token_mean"] = True  # expose_loss_count_pass returns its denominator too
     return b.finish(mean)
 
