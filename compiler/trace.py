@@ -240,6 +240,9 @@ def trace(model: nn.Module, example_inputs: tuple, *, wrapper_source: str = "",
     """
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    check_call = getattr(model, "check_call", None)  # usc's wrapper: a batch forward cannot take is named so
+    if check_call is not None:
+        check_call(example_inputs)
     example_inputs = distinct_inputs(_to_device(example_inputs, _model_device(model)))
     if not trace_memo.enabled():
         return _trace(model, example_inputs, wrapper_source, moe_blocks)[0]

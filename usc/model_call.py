@@ -178,6 +178,35 @@ class Trainable(nn.Module):
             self.layout = BatchLayout.of(batch)
         return self.layout.flatten(batch)
 
+    def check_call(self, flat: tuple) -> None:
+        """A BatchError, before tracing, when the model's forward cannot take the batch ``flat`` (a
+        missing or unexpected argument): the model's signature and what the batch holds."""
+        model, layout = self.user_model, self.layout or BatchLayout("tuple")
+        try:
+            signature = inspect.signature(model.forward)
+        except (TypeError, ValueError):
+            return
+        called, what = layout, "the batch"
+        if self._loss_fn is not None:
+            inputs, _ = _split_target(layout, flat)
+            called, flat = inputs.layout, inputs.flat
+            what = "the batch less its target (loss_fn= takes the last element, or 'labels')"
+        if called.kind == "mapping":
+            args, kwargs = (), {**self._extra, **dict(zip(called.keys, flat))}
+            given = "keys " + ", ".join(repr(k) for k in called.keys)
+        else:
+            args, kwargs = tuple(flat), dict(self._extra)
+            given = f"{len(flat)} positional value{'s' * (len(flat) != 1)}"
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as err:
+            name = type(model).__name__
+            shown = ", ".join(str(p.replace(annotation=p.empty, default=p.empty) if p.default is p.empty
+                                  else p.replace(annotation=p.empty)) for p in signature.parameters.values())
+            raise BatchError(f"{name}.forward({shown}) cannot take {what} ({given}): {err}; pass example_inputs "
+                             f"(and each step's batch) as {name}'s forward takes them: a tuple for its "
+                             "positional arguments, a dict for keyword arguments") from None
+
     def forward(self, *flat):
         model, layout = self.user_model, self.layout or BatchLayout("tuple")
         with _root_state_of(self, model):

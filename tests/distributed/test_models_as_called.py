@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import usc
-from nanogpt import GPT
+from nanogpt import GPT, GPTConfig
 from usc.model_call import BatchError
 from usc.testing import assert_equivalent
 
@@ -73,6 +73,19 @@ def test_a_padding_mask_after_an_all_ones_one_is_refused_by_name():
     padded["attention_mask"][0, -2:] = 0
     with pytest.raises(BatchError, match="attention_mask"):
         sim.step(padded)
+
+
+def test_a_batch_forward_cannot_take_is_a_batch_error_with_the_signature():
+    """Not a trace error telling the user to rewrite their forward: the batch is what is wrong."""
+    ids = collated(0)["input_ids"]
+    with pytest.raises(BatchError, match=r"GPT\.forward\(idx, targets=None\) cannot take the batch "
+                                         r"\(3 positional values\): too many positional arguments"):
+        usc.simulate(GPT(GPTConfig()), "dp=2", example_inputs=(ids, ids, ids))
+    with pytest.raises(BatchError, match=r"cannot take the batch \(keys 'tokens'\): missing a required "
+                                         r"argument: 'idx'"):
+        usc.lint(GPT(GPTConfig()), "dp=2", example_inputs={"tokens": ids})
+    with pytest.raises(BatchError, match="cannot take the batch less its target"):
+        usc.lint(GPT(GPTConfig()), "dp=2", example_inputs=(ids,), loss_fn=lambda logits, target: logits.sum())
 
 
 def padded(seed: int) -> dict:
