@@ -107,7 +107,7 @@ def _vocab_rule(plan, module: str):
     return found
 
 
-def _vocab_hint(module: str, rows: int, tp: int) -> str:
+def _vocab_hint(rows: int, tp: int) -> str:
     """How to split an embedding whose vocabulary tp does not divide."""
     padded = math.ceil(rows / (64 * tp)) * 64 * tp
     return (f"pad the vocabulary to a multiple of {tp} to split it (to {padded}, a multiple of 64 x tp; "
@@ -423,7 +423,7 @@ def kept_replicated(inp: LintInput) -> Iterator[Finding]:
     for pattern, items in _grouped(c.module for c in kept).items():
         choice = next(c for c in kept if c.module == items[0])
         rows = vocab.get(items[0])
-        hint = _vocab_hint(items[0], rows, tp) if rows and rows % tp else ""
+        hint = _vocab_hint(rows, tp) if rows and rows % tp else ""
         yield Finding("USC209", f"'{pattern}'{_times(items)} {choice.reason}", "tp", hint=hint, module=items[0])
 
 

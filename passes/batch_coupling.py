@@ -75,6 +75,8 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
         return gm
     analysed = gm if probe is None else batch_outer_pass(_with_draws(probe, ctx), ctx, user_inputs=user_inputs,
                                                         params=params)
+    for graph in {id(g): g for g in (gm, analysed)}.values():
+        _mark_token_ratios(graph, user_inputs, params)
     virtual = _virtual_propagation(analysed, ctx, user_inputs, params)
     _set_draw_batch_dims(gm, virtual, microbatches)
     if per_microbatch:
@@ -86,6 +88,9 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
         raise ctx.plan.error_at("mb", f"mb={microbatches} runs the batch in microbatches, but {coupling}",
                                 hint=OPTIONS)
     layouts = {n.name: n.meta[META].layout for n in virtual.graph.nodes if META in n.meta}
+    # a node an expansion replaced (a per-token cross-entropy the user reduces) has its result's layout
+    layouts.update({n.meta["usc_replaces"]: n.meta[META].layout for n in virtual.graph.nodes
+                    if META in n.meta and n.meta.get("usc_replaces") not in (None, *layouts)})
     terms = loss_terms(gm, _batch_dependent(gm, user_inputs))
     kinds = [(term, _kind(term, layouts)) for term in terms]
     _refuse_unclear(ctx, microbatches, kinds, batch_size(gm, user_inputs))
@@ -93,6 +98,40 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
     gm.meta["usc_loss_combine"] = "token_mean" if any(k == "token_mean" for _, k in kinds) else "mean"
     gm.recompile()
     return gm
+
+
+def _mark_token_ratios(gm: fx.GraphModule, user_inputs, params) -> None:
+    """A loss term written as a ratio of two batch sums whose denominator reads no weight --
+    ``(losses * mask).sum() / mask.sum()``, a masked token mean -- is a token mean: marked as
+    cross-entropy's expanded mean is, so microbatches weigh by their denominators (loss_count) and
+    the denominator's sum over a split is a count, not a coupling."""
+    dependent = _batch_dependent(gm, user_inputs)
+    for term in loss_terms(gm, dependent):
+        node = term.root
+        # the denominator depends on the batch (a constant one makes the term a sum) and reads no weight
+        if node.target is aten.div.Tensor and all(map(_whole_sum, node.args[:2])) and node.args[1] in dependent \
+                and not _reads(node.args[1], params):
+            node.meta["usc_token_mean"] = True
+
+
+def _whole_sum(node) -> bool:
+    """A sum of every element (to a scalar)."""
+    return isinstance(node, fx.Node) and node.target in (aten.sum.default, aten.sum.dim_IntList) \
+        and shape_of(node) == ()
+
+
+def _reads(node: fx.Node, names) -> bool:
+    """Whether ``node`` is computed from any of the placeholders ``names``."""
+    todo, seen = [node], set()
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "placeholder" and current.name in names:
+            return True
+        todo.extend(current.all_input_nodes)
+    return False
 
 
 # ------------------------------------------------------------------ the proof over a virtual dp axis
@@ -383,6 +422,11 @@ REDUCTIONS = {
     aten.sum.default: lambda n: "sum", aten.sum.dim_IntList: lambda n: "sum",
     aten.mean.default: lambda n: "mean", aten.mean.dim: lambda n: "mean",
     aten.cross_entropy_loss.default: lambda n: {1: "token_mean", 2: "sum"}.get(_reduction(n, 3)),
+    aten.nll_loss_nd.default: lambda n: {1: "token_mean", 2: "sum"}.get(_reduction(n, 3)),
+    aten.nll_loss.default: lambda n: {1: "token_mean", 2: "sum"}.get(_reduction(n, 3)),
+    aten.nll_loss2d.default: lambda n: {1: "token_mean", 2: "sum"}.get(_reduction(n, 3)),
+    aten.soft_margin_loss.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 2)),
+    aten.kl_div.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 2)),
     aten.mse_loss.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 2)),
     aten.l1_loss.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 2)),
     aten.smooth_l1_loss.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 2)),
@@ -392,13 +436,16 @@ REDUCTIONS = {
 }
 
 
-TOKEN_LOSSES = {aten.cross_entropy_loss.default}
+TOKEN_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default,
+                aten.nll_loss2d.default}
 
 
 def _kind(term: Term, layouts: dict[str, Layout]) -> str:
     """How a term combines over microbatches: 'constant', 'sum', 'mean', 'token_mean' or 'other'."""
     if not term.batch_dependent:
         return "constant"
+    if term.root.meta.get("usc_token_mean"):  # a ratio of batch sums (_mark_token_ratios)
+        return "token_mean"
     reduce = REDUCTIONS.get(term.root.target)
     reduction = reduce(term.root) if reduce is not None else None
     source = _laid_out_source(term.root, layouts)

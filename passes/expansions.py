@@ -27,6 +27,7 @@ from usc.runtime.vocab import ShardedGather, VocabParallelEmbedding
 
 from .attention_masks import sdpa_args
 from .graph_edit import GraphEditor, shape_of
+from .sharding_rules import ELEMENTWISE_LOSSES, loss_reduction
 
 aten = torch.ops.aten
 
@@ -87,6 +88,7 @@ class _Builder:
         self.created.append(new)
 
     def finish(self, result: fx.Node) -> list[fx.Node]:
+        result.meta.setdefault("usc_replaces", self.node.name)  # what a reader of the original graph knew it as
         self.node.replace_all_uses_with(result)
         self.ctx.gm.graph.erase_node(self.node)
         return self.created
@@ -279,12 +281,7 @@ def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
     safe = b.call(aten.mul.Tensor, labels, counted)
     target = b.call(aten.gather.default, shifted, -1, b.call(aten.unsqueeze.default, safe, -1))
     per_token = b.call(aten.sub.Tensor, log_total, b.call(aten.squeeze.dim, target, -1))
-    # each counted token weighs its class's weight (1 without weights); PyTorch's mean divides by
-    # the weights of the counted tokens' classes
-    weighs = counted
-    if weight is not None:
-        picked = b.call(aten.embedding.default, b.call(aten.unsqueeze.default, weight, -1), safe)
-        weighs = b.call(aten.mul.Tensor, b.call(aten.squeeze.dim, picked, -1), counted)
+    weighs = _class_weights(b, weight, safe, counted)
     per_token = b.call(aten.mul.Tensor, per_token, weighs)
     if smoothing:
         # label smoothing adds eps / C x the (class-weighted) sum over classes of -log p:
@@ -298,14 +295,75 @@ def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
         spread = b.call(aten.mul.Tensor, spread, counted)
         per_token = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, per_token, 1.0 - smoothing),
                            b.call(aten.mul.Tensor, spread, smoothing / classes))
+    return b.finish(_reduced_tokens(b, per_token, weighs, reduction))
+
+
+def _class_weights(b, weight, safe: fx.Node, counted: fx.Node) -> fx.Node:
+    """What each token weighs: its class's weight (1 without weights), 0 where ignored. PyTorch's
+    mean divides by the weights of the counted tokens' classes."""
+    if weight is None:
+        return counted
+    picked = b.call(aten.embedding.default, b.call(aten.unsqueeze.default, weight, -1), safe)
+    return b.call(aten.mul.Tensor, b.call(aten.squeeze.dim, picked, -1), counted)
+
+
+def _reduced_tokens(b, per_token: fx.Node, weighs: fx.Node, reduction: int) -> fx.Node:
+    """Per-token losses (already weighted) reduced as ``reduction`` asks: none, sum, or the token
+    mean, a sum over the global weight of the counted tokens."""
     if reduction == 0:
-        return b.finish(per_token)
+        return per_token
     total = b.call(aten.sum.default, per_token)
     if reduction == 2:
-        return b.finish(total)
+        return total
     mean = b.call(aten.div.Tensor, total, b.call(aten.sum.default, weighs))
     mean.meta["usc_token_mean"] = True  # expose_loss_count_pass returns its denominator too
-    return b.finish(mean)
+    return mean
+
+
+@register(aten.nll_loss_nd.default, aten.nll_loss.default, aten.nll_loss2d.default)
+def sharded_nll_loss(ctx: ExpansionContext, node: fx.Node):
+    """``nll_loss(log_probs, labels)`` (after a ``log_softmax`` of the user's): the target's
+    log-probability picked from its owner under a vocabulary split, and the token mean as for
+    cross-entropy (a sum over the global weight of the counted tokens)."""
+    log_probs, labels = node.args[0], node.args[1]
+    weight, reduction, ignore_index = (list(node.args[2:]) + [None, 1, -100][len(node.args) - 2:])[:3]
+    weight = node.kwargs.get("weight", weight)
+    reduction = node.kwargs.get("reduction", reduction)
+    ignore_index = node.kwargs.get("ignore_index", ignore_index)
+    if reduction != 0:
+        log_probs, labels = _peel_flatten(ctx, log_probs, labels)
+    whole = all(isinstance(p, Replicate) for n in (log_probs, labels) for p in _layout(_underlying(ctx, n)).placements)
+    if whole and not (ctx.microbatches > 1 and reduction == 1):
+        return None
+    if len(shape_of(log_probs)) != len(shape_of(labels)) + 1:
+        raise CompileError(f"nll_loss in '{module_path(node)}': log-probabilities {list(shape_of(log_probs))} and "
+                           f"labels {list(shape_of(labels))} are not [N, C, ...] and [N, ...]")
+    b = _Builder(ctx, node)
+    log_probs = _classes_last(b, log_probs, peeled=log_probs is not node.args[0])
+    counted = b.call(aten.ne.Scalar, labels, ignore_index)
+    safe = b.call(aten.mul.Tensor, labels, counted)
+    picked = b.call(aten.gather.default, log_probs, -1, b.call(aten.unsqueeze.default, safe, -1))
+    weighs = _class_weights(b, weight, safe, counted)
+    per_token = b.call(aten.mul.Tensor, b.call(aten.neg.default, b.call(aten.squeeze.dim, picked, -1)), weighs)
+    return b.finish(_reduced_tokens(b, per_token, weighs, reduction))
+
+
+@register(*ELEMENTWISE_LOSSES)
+def sharded_elementwise_loss(ctx: ExpansionContext, node: fx.Node):
+    """mse / l1 / smooth-l1 / huber / soft-margin / binary cross-entropy with a reduction, on
+    sharded inputs: the same op per element (``reduction='none'``, element-wise under any split)
+    then the sum, or the mean over the global element count -- no input is gathered."""
+    index = ELEMENTWISE_LOSSES[node.target]
+    reduction = loss_reduction(node, index)
+    inputs = [n for n in node.all_input_nodes]
+    if reduction == 0 or all(isinstance(p, Replicate) for n in inputs for p in _layout(n).placements):
+        return None
+    b = _Builder(ctx, node)
+    args = list(node.args) + [None] * (index + 1 - len(node.args))
+    args[index] = 0
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "reduction"}
+    per_element = b.call(node.target, *args, **kwargs)
+    return b.finish(b.call(aten.sum.default if reduction == 2 else aten.mean.default, per_element))
 
 
 def _classes_last(b, logits: fx.Node, peeled: bool) -> fx.Node:

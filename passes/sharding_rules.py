@@ -142,6 +142,33 @@ def pointwise(linear: str = "none") -> Rule:
     return rule
 
 
+_POINTWISE = pointwise()
+
+
+# Losses that reduce a per-element loss of same-shaped inputs: op -> index of its reduction argument.
+ELEMENTWISE_LOSSES = {
+    aten.mse_loss.default: 2, aten.l1_loss.default: 2, aten.smooth_l1_loss.default: 2, aten.huber_loss.default: 2,
+    aten.soft_margin_loss.default: 2, aten.kl_div.default: 2, aten.binary_cross_entropy.default: 3,
+    aten.binary_cross_entropy_with_logits.default: 4,
+}
+
+
+def loss_reduction(node: fx.Node, index: int) -> int:
+    """0 (none), 1 (mean) or 2 (sum): the reduction argument of a loss op."""
+    args = node.args
+    return int(node.kwargs.get("reduction", args[index] if len(args) > index else 1))
+
+
+@register(*ELEMENTWISE_LOSSES)
+def elementwise_loss_rule(view: OpView) -> Decision:
+    """Per element (``reduction='none'``) such a loss is element-wise (partial inputs reduced first:
+    it is not linear); reduced, it needs its inputs whole (sharded, the expansion rewrites it as the
+    per-element loss and a sum or mean first)."""
+    if loss_reduction(view.node, ELEMENTWISE_LOSSES[view.node.target]) == 0:
+        return _POINTWISE(view)
+    return Decision(tuple(R for _ in view.placements), R)
+
+
 def is_elementwise(op) -> bool:
     """An op whose hand rule is ``pointwise``: each output element made from the inputs' elements at
     the same (broadcast) index."""

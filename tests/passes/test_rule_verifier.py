@@ -87,6 +87,19 @@ def test_verifier_fails_a_partial_kept_through_relu():
     assert any("forward" in f and "P(sum)" in f for f in results[0].failures)
 
 
+def test_verifier_offers_the_output_dtype_so_a_pointwise_rule_keeping_a_partial_is_checked():
+    """A pointwise rule keeps a partial sum only for a floating output; the verifier gave rules no
+    output dtype, so that branch never ran under it. A loss rule that keeps partials (as add does)
+    is caught; the table's own passes."""
+    from usc.passes.sharding_rules import pointwise
+
+    keeps = pointwise("add")
+    results = verify(_source_with(aten.mse_loss.default, keeps), [aten.mse_loss.default], sizes=(2,))
+    assert any("(P(sum), P(sum)) -> P(sum): forward" in f for f in results[0].failures)
+    table_rules = verify(hand_rules, [aten.mse_loss.default, aten.mul.Tensor], sizes=(2,), samples_per_info=1)
+    assert [f for r in table_rules for f in r.failures] == [] and all(r.passed for r in table_rules)
+
+
 def test_verifier_fails_a_partial_kept_through_an_int_cast():
     """The rule the table had: a cast keeps partial sums whatever the dtype."""
     def wrong(view):

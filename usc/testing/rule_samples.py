@@ -105,3 +105,35 @@ EXTRA[aten.scaled_dot_product_attention.default] = [
     (lambda q, k, v: aten.scaled_dot_product_attention.default(q, k, v, is_causal=True),
      (_x(2, 6, 10, 4), _x(2, 6, 10, 4, seed=1), _x(2, 6, 10, 4, seed=2)))]
 EXTRA[aten.fill.Tensor] = [(lambda x, v: aten.fill.Tensor(x, v), (_x(*A), _x(1).squeeze(0)))]
+
+
+def _probabilities(*shape, seed=0):
+    return torch.rand(*shape, dtype=F64, generator=torch.Generator().manual_seed(seed)) * 0.9 + 0.05
+
+
+def _loss_samples(reduction: int) -> dict:
+    """op -> (function of the tensors, tensors) for one reduction (closures: the tracer takes every
+    parameter of the function as an input)."""
+    two = (_x(*A), _x(*A, seed=1))
+
+    def binary(op):
+        return lambda a, b: op(a, b, reduction)
+
+    out = {op: (binary(op), two) for op in (aten.mse_loss.default, aten.l1_loss.default,
+                                            aten.soft_margin_loss.default)}
+    out[aten.smooth_l1_loss.default] = (lambda a, b: aten.smooth_l1_loss.default(a, b, reduction, 0.5), two)
+    out[aten.huber_loss.default] = (lambda a, b: aten.huber_loss.default(a, b, reduction, 0.7), two)
+    out[aten.kl_div.default] = (lambda a, b: aten.kl_div.default(a, b, reduction, True), two)
+    out[aten.binary_cross_entropy.default] = (
+        lambda p, y, w: aten.binary_cross_entropy.default(p, y, w, reduction),
+        (_probabilities(*A), _probabilities(*A, seed=1), _x(7, seed=2).abs()))
+    out[aten.binary_cross_entropy_with_logits.default] = (  # weight [S, 1], pos_weight [H]
+        lambda x, y, w, pw: aten.binary_cross_entropy_with_logits.default(x, y, w, pw, reduction),
+        (_x(*A), _probabilities(*A, seed=1), _x(10, 1, seed=2).abs(), _x(7, seed=3).abs()))
+    return out
+
+
+# the loss ops: per element (reduction none: 0) and reduced (mean: 1, sum: 2), on [batch, seq, hidden]
+for _reduction in (0, 1, 2):
+    for _op, _sample in _loss_samples(_reduction).items():
+        EXTRA.setdefault(_op, []).append(_sample)

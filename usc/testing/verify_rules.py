@@ -50,6 +50,9 @@ OPINFO_NAMES: dict[str, tuple[str, ...]] = {
     "view": ("view", "view_as", "flatten", "unflatten"),
     "reshape": ("reshape", "reshape_as", "flatten"),
     "cross_entropy_loss": ("nn.functional.cross_entropy",),
+    **{loss: (f"nn.functional.{loss}",) for loss in (
+        "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "soft_margin_loss", "kl_div", "binary_cross_entropy",
+        "binary_cross_entropy_with_logits")},
     "linear": ("nn.functional.linear",),
     "embedding": ("nn.functional.embedding",),
     "scaled_dot_product_attention": ("nn.functional.scaled_dot_product_attention",),
@@ -271,7 +274,8 @@ def _view(call: Call, placements, size: int, axis: str, order: str) -> OpView:
     flat, _ = tree_flatten(call.output)
     first = next((o for o in flat if isinstance(o, torch.Tensor)), None)
     return OpView(call.node, tuple(placements), tuple(tuple(x.shape) for x in call.inputs),
-                  tuple(first.shape) if first is not None else None, axis, size, order=order)
+                  tuple(first.shape) if first is not None else None, axis, size, order=order,
+                  out_dtype=first.dtype if first is not None else None)
 
 
 def decisions(source: RuleSource, call: Call, size: int, axis: str, order: str, result: OpResult) -> set:

@@ -1,0 +1,104 @@
+"""Losses as users write them, other than a plain cross-entropy: nll after log_softmax, regression
+and multi-label losses, KL divergence, a per-token cross-entropy the user averages, a masked mean
+written as a ratio of sums. Each equals one device under every axis that splits the batch or the
+sequence (float64, SGD, 1e-10), microbatches included: a loss op with a reduction runs as its
+per-element form and a sum or a mean over the global count (the inputs are not gathered), and a
+ratio of two batch sums whose denominator reads no weight weighs microbatches by their
+denominators, as a token mean does. What cannot combine over microbatches is refused by name."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import usc
+from usc.testing import assert_equivalent
+
+VOCAB, HIDDEN, FFN = 98, 24, 40
+IGNORED = 7
+
+
+class Tagger(nn.Module):
+    def __init__(self, loss: str) -> None:
+        super().__init__()
+        self.loss = loss
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.up, self.down = nn.Linear(HIDDEN, FFN), nn.Linear(FFN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, VOCAB))
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        z = self.head(h + self.down(torch.relu(self.up(h))))
+        flat, y = z.reshape(-1, VOCAB), labels.reshape(-1)
+        per_token = F.cross_entropy(flat, y, reduction="none")
+        counted = (y != IGNORED).to(z.dtype)
+        return {
+            "nll": lambda: F.nll_loss(F.log_softmax(z, -1).reshape(-1, VOCAB), y),
+            "nll_ignore_index": lambda: F.nll_loss(F.log_softmax(z, -1).reshape(-1, VOCAB), y, ignore_index=IGNORED),
+            "mse": lambda: F.mse_loss(z.mean(-1), labels.to(z.dtype) / VOCAB),
+            "smooth_l1_sum": lambda: F.smooth_l1_loss(z[..., 0], labels.to(z.dtype) / VOCAB, reduction="sum", beta=0.5),
+            "bce_with_logits": lambda: F.binary_cross_entropy_with_logits(
+                z, F.one_hot(labels, VOCAB).to(z.dtype), pos_weight=self.scale),
+            "kl_sum": lambda: F.kl_div(F.log_softmax(z, -1), F.softmax(0.5 * z.detach(), -1), reduction="sum"),
+            "per_token_mean": lambda: per_token.mean(),
+            "masked_mean": lambda: (per_token * counted).sum() / counted.sum(),
+            # a denominator that does not depend on the batch: a sum scaled by a constant
+            "over_a_constant": lambda: (per_token * counted).sum() / self.scale.sum(),
+        }[self.loss]()
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(0, VOCAB, (6, 10), generator=g), torch.randint(0, VOCAB, (6, 10), generator=g)
+    labels[1, :4] = IGNORED  # microbatches count different numbers of tokens
+    return ids, labels
+
+
+LOSSES = ["nll", "nll_ignore_index", "mse", "smooth_l1_sum", "bce_with_logits", "kl_sum", "per_token_mean",
+          "masked_mean", "over_a_constant"]
+PLANS = ["dp=2", "dp=3 mb=2", "tp=2", "dp=2 tp=2 sp=on", "cp=2", "pp=2 mb=3"]
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("loss", LOSSES)
+def test_losses_equal_one_device(loss, plan):
+    result = assert_equivalent(lambda: Tagger(loss).double(), plan, [batch()] * 2, optimizer=sgd,
+                               rtol=1e-10, atol=1e-10, param_atol=1e-10)
+    assert result.max_param_diff <= 1e-10
+
+
+def test_a_reduced_loss_does_not_gather_its_inputs_over_dp():
+    report = usc.lint(Tagger("bce_with_logits"), "dp=2", example_inputs=batch())
+    assert not [c for c in report.collectives if c.axis == "dp" and c.kind == "all-gather"]
+
+
+class Clamped(Tagger):
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        z = self.head(h + self.down(torch.relu(self.up(h))))
+        y = labels.reshape(-1)
+        counted = (y != IGNORED).to(z.dtype)
+        per_token = F.cross_entropy(z.reshape(-1, VOCAB), y, reduction="none")
+        return (per_token * counted).sum() / counted.sum().clamp(min=1)
+
+
+def test_what_microbatches_cannot_combine_is_refused_by_name():
+    """A clamped denominator is not a sum over the batch; KL's batchmean divides by a constant that
+    is the microbatch's batch size, which usc cannot tell from a fixed one."""
+    with pytest.raises(usc.PlanError, match="clamp.default .* is not linear in a sum or mean over the batch"):
+        usc.lint(Clamped("masked_mean"), "dp=3 mb=2", example_inputs=batch())
+
+    class BatchMean(Tagger):
+        def forward(self, ids, labels):
+            z = self.head(self.emb(ids))
+            return F.kl_div(F.log_softmax(z, -1), F.softmax(0.5 * z.detach(), -1), reduction="batchmean")
+
+    with pytest.raises(usc.PlanError, match="kl_div.default .* is scaled by a constant that is a multiple of"):
+        usc.lint(BatchMean("kl_sum"), "dp=3 mb=2", example_inputs=batch())
+    assert_equivalent(lambda: BatchMean("kl_sum").double(), "dp=2", [batch()] * 2, optimizer=sgd,
+                      rtol=1e-10, atol=1e-10, param_atol=1e-10)
