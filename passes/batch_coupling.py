@@ -45,7 +45,7 @@ from usc.runtime.ring_attention import RingAttention
 from usc.runtime.op_classes import RESHAPES
 
 from .batch_outer import MERGES, batch_outer_pass, merged_groups, region_stop
-from .graph_edit import shape_of, val
+from .graph_edit import fake_value, shape_of, val
 from .random_ops import DRAW, random_ops_pass
 from .row_index import ARANGES, row_index_pass
 from .sharding_rules import is_elementwise
@@ -112,6 +112,26 @@ def _mark_token_ratios(gm: fx.GraphModule, user_inputs, params) -> None:
         if node.target is aten.div.Tensor and all(map(_whole_sum, node.args[:2])) and node.args[1] in dependent \
                 and not _reads(node.args[1], params):
             node.meta["usc_token_mean"] = True
+            _guard_count(gm, node)
+
+
+def _guard_count(gm: fx.GraphModule, div: fx.Node) -> None:
+    """``num / den`` -> ``num / (den + (den == 0))``, as the cross-entropy expansion divides: a
+    microbatch whose mask is all zeros adds 0, not NaN, to the step (weighted by its count, 0); a
+    batch with nothing counted still divides by 0 in the step. Names follow the division's, so the
+    graph and its two-sample probe name them alike."""
+    den = div.args[1]
+    if den.meta.get("usc_count_guard"):
+        return
+    with gm.graph.inserting_before(div):
+        zero = gm.graph.create_node("call_function", aten.eq.Scalar, (den, 0), name=f"{div.name}_count_is_zero")
+        guarded = gm.graph.create_node("call_function", aten.add.Tensor, (den, zero), name=f"{div.name}_count")
+    for new in (zero, guarded):
+        new.meta.update({k: v for k, v in div.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
+        new.meta["val"] = fake_value(new.target, new.args, {})
+    guarded.meta["usc_count_guard"] = True
+    div.args = (div.args[0], guarded)
+    gm.recompile()
 
 
 def _whole_sum(node) -> bool:
@@ -347,9 +367,12 @@ class Term:
 
 
 def _batch_dependent(gm: fx.GraphModule, user_inputs) -> set[fx.Node]:
+    """What depends on the batch's samples: the inputs with a batch dim and what is computed from them
+    (a 0-d input, such as a token count the batch carries, is every microbatch's whole)."""
     found: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        if (node.op == "placeholder" and node.name in user_inputs) or any(a in found for a in node.all_input_nodes):
+        if (node.op == "placeholder" and node.name in user_inputs and shape_of(node) != ()) \
+                or any(a in found for a in node.all_input_nodes):
             found.add(node)
     return found
 

@@ -315,7 +315,13 @@ def _reduced_tokens(b, per_token: fx.Node, weighs: fx.Node, reduction: int) -> f
     total = b.call(aten.sum.default, per_token)
     if reduction == 2:
         return total
-    mean = b.call(aten.div.Tensor, total, b.call(aten.sum.default, weighs))
+    count = b.call(aten.sum.default, weighs)
+    # a microbatch (or rank) whose every token is ignored divides 0 by 1, not by 0: the runtime weighs
+    # it by its count, 0, and a NaN would survive that weight (a batch with no counted token at all
+    # still gives NaN: the step divides by the global count)
+    guarded = b.call(aten.add.Tensor, count, b.call(aten.eq.Scalar, count, 0))
+    guarded.meta["usc_count_guard"] = True
+    mean = b.call(aten.div.Tensor, total, guarded)
     mean.meta["usc_token_mean"] = True  # expose_loss_count_pass returns its denominator too
     return mean
 

@@ -32,7 +32,10 @@ def expose_loss_count_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     mean = _token_mean(gm, loss)
     if mean is None:
         return gm
-    output.args = ((loss, mean.args[1]),)
+    count = mean.args[1]
+    if isinstance(count, fx.Node) and count.meta.get("usc_count_guard"):  # count + (count == 0): the count itself
+        count = count.args[0]
+    output.args = ((loss, count),)
     gm.recompile()
     return gm
 

@@ -233,7 +233,8 @@ class RankExecutor(ShardedCheckpoint):
                             f"({', '.join(i.placeholder for i in self.program.inputs)}); got {len(batch)}")
         if self.microbatches == 1:
             return [batch]
-        pieces = [v.chunk(self.microbatches, 0) if isinstance(v, torch.Tensor) else [v] * self.microbatches
+        # a 0-d tensor (a count the batch carries, transformers' num_items_in_batch) is every microbatch's
+        pieces = [v.chunk(self.microbatches, 0) if isinstance(v, torch.Tensor) and v.dim() else [v] * self.microbatches
                   for v in batch]
         return [tuple(p[m] for p in pieces) for m in range(self.microbatches)]
 

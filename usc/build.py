@@ -183,7 +183,7 @@ class _Compiled:
             size = None if first is None else first.shape[0]
             raise self.plan.error_at("mb", f"mb={mb} microbatches do not divide the global batch of {size}",
                                      hint=f"use a batch that is a multiple of {mb}")
-        return tuple(v.chunk(mb, 0)[0] if isinstance(v, torch.Tensor) else v for v in batch)
+        return tuple(v.chunk(mb, 0)[0] if isinstance(v, torch.Tensor) and v.dim() else v for v in batch)
 
     def _make_executor(self, mesh, state, optimizer):
         """A plain rank, or a pipeline stage rank following the plan's schedule."""

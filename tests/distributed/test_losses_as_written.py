@@ -77,6 +77,27 @@ def test_a_reduced_loss_does_not_gather_its_inputs_over_dp():
     assert not [c for c in report.collectives if c.axis == "dp" and c.kind == "all-gather"]
 
 
+class TokenMean(Tagger):
+    """The plain token mean (cross-entropy ignoring IGNORED), for the all-ignored microbatch below."""
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        z = self.head(h + self.down(torch.relu(self.up(h))))
+        return F.cross_entropy(z.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORED)
+
+
+@pytest.mark.parametrize("plan", ["mb=2", "dp=3 mb=2", "pp=2 mb=3", "dp=2"])
+@pytest.mark.parametrize("model", [TokenMean, lambda loss: Tagger("masked_mean")], ids=["cross_entropy", "masked_mean"])
+def test_a_microbatch_with_every_token_ignored_adds_nothing(model, plan):
+    """Rows 0-2 all ignored: the first microbatch (and some ranks) count no token. Its mean was 0/0,
+    NaN, which weighting by its count (0) did not remove: the step was refused as non-finite."""
+    ids, labels = batch()
+    labels[:3] = IGNORED
+    result = assert_equivalent(lambda: model("masked_mean").double(), plan, [(ids, labels)] * 2, optimizer=sgd,
+                               rtol=1e-10, atol=1e-10, param_atol=1e-10)
+    assert result.max_param_diff <= 1e-10
+
+
 class Clamped(Tagger):
     def forward(self, ids, labels):
         h = self.emb(ids)

@@ -75,6 +75,22 @@ def test_a_padding_mask_after_an_all_ones_one_is_refused_by_name():
         sim.step(padded)
 
 
+@pytest.mark.parametrize("plan", ["dp=2", "mb=2", "dp=2 mb=2", "pp=2 mb=2"])
+def test_a_token_count_in_the_batch_is_every_microbatchs(plan):
+    """transformers' training loop passes ``num_items_in_batch`` (a 0-d count of the step's labelled
+    tokens): the model then sums its token losses and divides by it. A 0-d input has no samples to
+    split: every microbatch and rank gets it whole (microbatching crashed: 'chunk expects at least a
+    1-dimensional tensor')."""
+    def with_count(seed):
+        batch = collated(seed)
+        batch["labels"][0, :3] = -100
+        batch["num_items_in_batch"] = (batch["labels"][:, 1:] != -100).sum()
+        return batch
+
+    result = assert_equivalent(FAMILIES["llama"], plan, [with_count(s) for s in range(2)], optimizer=sgd)
+    assert result.max_param_diff <= 1e-6
+
+
 def test_a_batch_forward_cannot_take_is_a_batch_error_with_the_signature():
     """Not a trace error telling the user to rewrite their forward: the batch is what is wrong."""
     ids = collated(0)["input_ids"]
