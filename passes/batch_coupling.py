@@ -48,6 +48,7 @@ from .batch_outer import MERGES, batch_outer_pass, merged_groups, region_stop
 from .graph_edit import fake_value, shape_of, val
 from .random_ops import DRAW, random_ops_pass
 from .row_index import ARANGES, row_index_pass
+from .expansions import is_soft_target
 from .sharding_rules import is_elementwise
 from .virtual_batch import VIRTUAL, batch_size, virtual_mesh, virtual_propagation
 
@@ -444,7 +445,8 @@ def _reduction(node: fx.Node, index: int, default: int = 1) -> int:
 REDUCTIONS = {
     aten.sum.default: lambda n: "sum", aten.sum.dim_IntList: lambda n: "sum",
     aten.mean.default: lambda n: "mean", aten.mean.dim: lambda n: "mean",
-    aten.cross_entropy_loss.default: lambda n: {1: "token_mean", 2: "sum"}.get(_reduction(n, 3)),
+    aten.cross_entropy_loss.default: lambda n: {1: "mean" if is_soft_target(n) else "token_mean",
+                                                 2: "sum"}.get(_reduction(n, 3)),
     aten.nll_loss_nd.default: lambda n: {1: "token_mean", 2: "sum"}.get(_reduction(n, 3)),
     aten.nll_loss.default: lambda n: {1: "token_mean", 2: "sum"}.get(_reduction(n, 3)),
     aten.nll_loss2d.default: lambda n: {1: "token_mean", 2: "sum"}.get(_reduction(n, 3)),

@@ -255,6 +255,8 @@ def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
     reduction = node.kwargs.get("reduction", reduction)
     ignore_index = node.kwargs.get("ignore_index", ignore_index)
     shift = False
+    if is_soft_target(node):
+        return _soft_target_cross_entropy(ctx, node, weight, reduction)
     if reduction != 0:  # per-token losses keep the caller's shape: nothing to look through
         logits, labels = _peel_flatten(ctx, logits, labels)
         logits, labels, shift = _peel_shift(ctx, logits, labels)
@@ -296,6 +298,42 @@ def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
         per_token = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, per_token, 1.0 - smoothing),
                            b.call(aten.mul.Tensor, spread, smoothing / classes))
     return b.finish(_reduced_tokens(b, per_token, weighs, reduction))
+
+
+def is_soft_target(node: fx.Node) -> bool:
+    """A cross-entropy whose target holds class probabilities (the logits' shape, floating), not
+    class indices: distillation, mixup, labels smoothed by hand."""
+    target = node.args[1]
+    value = target.meta.get("val") if isinstance(target, fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _soft_target_cross_entropy(ctx: ExpansionContext, node: fx.Node, weight, reduction: int):
+    """Cross-entropy against class probabilities, as PyTorch defines it: per sample
+    -sum_c w_c t_c log p_c with t smoothed to t (1 - eps) + eps / C; the mean divides by the number of
+    samples (weights do not enter it). Every piece shards: the class sums over a vocabulary split
+    by all-reduce, the samples over dp/cp by the global count of the mean."""
+    logits, target = node.args[0], node.args[1]
+    whole = all(isinstance(p, Replicate) for n in (logits, target) for p in _layout(n).placements)
+    if whole:
+        return None
+    weight = node.kwargs.get("weight", weight)
+    smoothing = float(node.kwargs.get("label_smoothing", node.args[5] if len(node.args) > 5 else 0.0) or 0.0)
+    b = _Builder(ctx, node)
+    logits, target = _classes_last(b, logits, peeled=False), _classes_last(b, target, peeled=False)
+    classes = shape_of(logits)[-1]
+    top = b.call(aten.amax.default, b.call(aten.detach.default, logits), [-1], True)
+    shifted = b.call(aten.sub.Tensor, logits, top)
+    log_total = b.call(aten.log.default, b.call(aten.sum.dim_IntList, b.call(aten.exp.default, shifted), [-1], True))
+    log_probs = b.call(aten.sub.Tensor, shifted, log_total)
+    if smoothing:
+        target = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, target, 1.0 - smoothing), smoothing / classes)
+    if weight is not None:
+        target = b.call(aten.mul.Tensor, target, weight)
+    per_sample = b.call(aten.neg.default, b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, log_probs, target), [-1]))
+    if reduction == 0:
+        return b.finish(per_sample)
+    return b.finish(b.call(aten.sum.default if reduction == 2 else aten.mean.default, per_sample))
 
 
 def _class_weights(b, weight, safe: fx.Node, counted: fx.Node) -> fx.Node:

@@ -78,3 +78,40 @@ def test_classes_in_dim_1_with_weights_and_smoothing(plan):
     result = assert_equivalent(lambda: TokenClassifier(options, classes_dim1=True).double(), plan, [batch()] * 2,
                                optimizer=sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
     assert result.max_param_diff <= 1e-10
+
+
+class SoftTargets(TokenClassifier):
+    """Cross-entropy against class probabilities (distillation, mixup): the target is a softmax of
+    the labels' one-hot rows mixed with a fixed distribution."""
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        logits = self.head(h + self.down(torch.relu(self.up(h))))
+        mixed = 0.7 * F.one_hot(labels.clamp(min=0), VOCAB).to(logits.dtype) + 0.3 * torch.softmax(self.class_weight_or_ones(), 0)
+        if self.classes_dim1:
+            return F.cross_entropy(logits.transpose(1, 2), mixed.transpose(1, 2), weight=self.class_weight,
+                                   **self.options)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), mixed.reshape(-1, VOCAB), weight=self.class_weight,
+                               **self.options)
+
+    def class_weight_or_ones(self):
+        return self.class_weight if self.class_weight is not None else torch.linspace(0, 1, VOCAB, dtype=self.head.weight.dtype)
+
+
+SOFT = {"soft": {}, "soft+weight+smoothing": dict(weight=True, label_smoothing=0.1), "soft+sum": dict(reduction="sum")}
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("name", sorted(SOFT))
+def test_probability_targets_equal_one_device(name, plan):
+    """PyTorch's mean over probability targets divides by the number of samples, weights or not."""
+    result = assert_equivalent(lambda: SoftTargets(SOFT[name]).double(), plan, [batch()] * 2, optimizer=sgd,
+                               rtol=1e-10, atol=1e-10, param_atol=1e-10)
+    assert result.max_param_diff <= 1e-10
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "cp=2", "tp=2"])
+def test_probability_targets_with_classes_in_dim_1(plan):
+    result = assert_equivalent(lambda: SoftTargets(dict(weight=True), classes_dim1=True).double(), plan, [batch()] * 2,
+                               optimizer=sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
+    assert result.max_param_diff <= 1e-10
