@@ -71,3 +71,41 @@ def test_a_tp_that_splits_no_layer_is_refused_naming_one():
     """hidden 24, ffn 40, 4 heads, vocab 1001: tp=9 divides none of them."""
     with pytest.raises(PlanError, match="tp=9 cannot split any layer of this model: '.*' kept replicated"):
         usc.lint(llama(), "tp=9", example_inputs=collated(0))
+
+
+@pytest.mark.parametrize("text", ["tp=2", "dp=2 tp=2 sp=on"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_planner_counts_the_whole_vocabulary_as_the_runtime_holds_and_computes_it(name, text):
+    """usc.plan prices tp for such a model (its tp probe compiled nothing before, so no tp plan was
+    considered): the weights a rank holds and the products it runs, as the cost model counts them,
+    against the compiled program's placements and FlopCounterMode on rank 0's forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from usc.compiler.cost_model import _params, merged_stages, stage_flops_by_kind
+    from usc.compiler.trace import trace
+    from usc.model_call import trainable
+    from usc.passes import parallelize
+    from usc.passes.cost_profile import profile_model
+    from usc.planning import point_of
+    from usc.runtime.executor import fake_rank_zero
+    from usc.runtime.sizes import shape_bytes
+
+    torch.manual_seed(0)
+    model = trainable(FAMILIES[name][0](), None)
+    batch = tuple(model.flatten(collated(0)))
+    traced, profile = trace(model, batch), profile_model(model, batch)
+    assert profile.tp_divides and profile.tp_divides % 2 == 0
+    plan = usc.parse_plan(text)
+    point = point_of(plan, global_batch=4, seq=6)
+    program = parallelize(traced, plan)
+    held = sum(shape_bytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
+               for s in program.state if s.kind == "param" and s.trainable)
+    (stage,) = merged_stages(profile, 1, None)  # one stage: a tied weight counted once
+    assert _params(stage, point) == held
+    with fake_rank_zero(program) as (rank, inputs):
+        with FlopCounterMode(display=False) as counter:
+            rank._loss(rank._split(inputs)[0])
+    products = sum(n for op, n in counter.get_flop_counts()["Global"].items()
+                   if op in (torch.ops.aten.mm, torch.ops.aten.addmm))
+    predicted, _ = stage_flops_by_kind(profile, point, [stage])
+    assert predicted == products
