@@ -13,6 +13,7 @@ from collections import defaultdict
 from typing import Iterable, Iterator
 
 from usc.dsl import PlanError
+from usc.dsl.options import TP_ACTIONS
 
 from .ir import META
 from .lint_rules import Finding, LintInput, rule
@@ -102,7 +103,7 @@ def _vocab_rule(plan, module: str):
     for item in plan.rules:
         if item.matches(module):
             for action in item.actions:
-                if action.name in ("colwise", "rowwise", "vocab", "replicate"):
+                if action.name in TP_ACTIONS:
                     found = item if action.name == "vocab" else None
     return found
 

@@ -303,6 +303,8 @@ ACTIONS = MappingProxyType(
     }
 )
 """Every rule action; only ``stage`` takes an argument, ``stage(N)`` with N >= 0."""
+TP_ACTIONS = ("colwise", "rowwise", "vocab", "replicate")
+"""The actions that say how tp splits a module's weight (the last matching rule with one wins)."""
 
 
 def setting_names() -> tuple[str, ...]:

@@ -49,7 +49,7 @@ from .graph_edit import fake_value, shape_of, val
 from .random_ops import DRAW, random_ops_pass
 from .row_index import ARANGES, row_index_pass
 from .expansions import is_soft_target
-from .sharding_rules import is_elementwise
+from .sharding_rules import ELEMENTWISE_LOSSES, is_elementwise, loss_reduction
 from .virtual_batch import VIRTUAL, batch_size, virtual_mesh, virtual_propagation
 
 aten = torch.ops.aten
@@ -436,28 +436,24 @@ def loss_terms(gm: fx.GraphModule, dependent: set[fx.Node]) -> list[Term]:
     return terms
 
 
-def _reduction(node: fx.Node, index: int, default: int = 1) -> int:
-    args = node.args
-    return int(node.kwargs.get("reduction", args[index] if len(args) > index else default))
+def _mean_or_sum(index: int):
+    return lambda n: {1: "mean", 2: "sum"}.get(loss_reduction(n, index))
+
+
+def _token_mean_or_sum(n: fx.Node) -> str | None:
+    return {1: "token_mean", 2: "sum"}.get(loss_reduction(n, 3))
 
 
 # What a term reduces, by op: "sum" / "mean" / "token_mean" (a count of tokens that depends on the labels).
 REDUCTIONS = {
     aten.sum.default: lambda n: "sum", aten.sum.dim_IntList: lambda n: "sum",
     aten.mean.default: lambda n: "mean", aten.mean.dim: lambda n: "mean",
-    aten.cross_entropy_loss.default: lambda n: {1: "mean" if is_soft_target(n) else "token_mean",
-                                                 2: "sum"}.get(_reduction(n, 3)),
-    aten.nll_loss_nd.default: lambda n: {1: "token_mean", 2: "sum"}.get(_reduction(n, 3)),
-    aten.nll_loss.default: lambda n: {1: "token_mean", 2: "sum"}.get(_reduction(n, 3)),
-    aten.nll_loss2d.default: lambda n: {1: "token_mean", 2: "sum"}.get(_reduction(n, 3)),
-    aten.soft_margin_loss.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 2)),
-    aten.kl_div.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 2)),
-    aten.mse_loss.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 2)),
-    aten.l1_loss.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 2)),
-    aten.smooth_l1_loss.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 2)),
-    aten.huber_loss.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 2)),
-    aten.binary_cross_entropy.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 3)),
-    aten.binary_cross_entropy_with_logits.default: lambda n: {1: "mean", 2: "sum"}.get(_reduction(n, 4)),
+    # probability targets: a mean over the samples, not over counted tokens
+    aten.cross_entropy_loss.default: lambda n: "mean" if is_soft_target(n) and loss_reduction(n, 3) == 1
+    else _token_mean_or_sum(n),
+    aten.nll_loss_nd.default: _token_mean_or_sum, aten.nll_loss.default: _token_mean_or_sum,
+    aten.nll_loss2d.default: _token_mean_or_sum,
+    **{op: _mean_or_sum(index) for op, index in ELEMENTWISE_LOSSES.items()},
 }
 
 

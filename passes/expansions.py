@@ -254,9 +254,11 @@ def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
     weight, reduction, ignore_index, smoothing = (list(node.args[2:]) + [None, 1, -100, 0.0][len(node.args) - 2:])[:4]
     reduction = node.kwargs.get("reduction", reduction)
     ignore_index = node.kwargs.get("ignore_index", ignore_index)
+    weight = node.kwargs.get("weight", weight)
+    smoothing = float(node.kwargs.get("label_smoothing", smoothing) or 0.0)
     shift = False
     if is_soft_target(node):
-        return _soft_target_cross_entropy(ctx, node, weight, reduction)
+        return _soft_target_cross_entropy(ctx, node, weight, reduction, smoothing)
     if reduction != 0:  # per-token losses keep the caller's shape: nothing to look through
         logits, labels = _peel_flatten(ctx, logits, labels)
         logits, labels, shift = _peel_shift(ctx, logits, labels)
@@ -267,8 +269,6 @@ def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
     b = _Builder(ctx, node)
     if shift:
         labels = _shifted_labels(b, labels, ignore_index)
-    weight = node.kwargs.get("weight", weight)
-    smoothing = float(node.kwargs.get("label_smoothing", smoothing) or 0.0)
     if len(shape_of(logits)) != len(shape_of(labels)) + 1:
         raise CompileError(f"cross_entropy in '{module_path(node)}': logits {list(shape_of(logits))} and labels "
                            f"{list(shape_of(labels))} are not [N, C, ...] and [N, ...]")
@@ -308,7 +308,7 @@ def is_soft_target(node: fx.Node) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
-def _soft_target_cross_entropy(ctx: ExpansionContext, node: fx.Node, weight, reduction: int):
+def _soft_target_cross_entropy(ctx: ExpansionContext, node: fx.Node, weight, reduction: int, smoothing: float):
     """Cross-entropy against class probabilities, as PyTorch defines it: per sample
     -sum_c w_c t_c log p_c with t smoothed to t (1 - eps) + eps / C; the mean divides by the number of
     samples (weights do not enter it). Every piece shards: the class sums over a vocabulary split
@@ -317,8 +317,6 @@ def _soft_target_cross_entropy(ctx: ExpansionContext, node: fx.Node, weight, red
     whole = all(isinstance(p, Replicate) for n in (logits, target) for p in _layout(n).placements)
     if whole:
         return None
-    weight = node.kwargs.get("weight", weight)
-    smoothing = float(node.kwargs.get("label_smoothing", node.args[5] if len(node.args) > 5 else 0.0) or 0.0)
     b = _Builder(ctx, node)
     logits, target = _classes_last(b, logits, peeled=False), _classes_last(b, target, peeled=False)
     classes = shape_of(logits)[-1]
@@ -399,8 +397,7 @@ def sharded_elementwise_loss(ctx: ExpansionContext, node: fx.Node):
     then the sum, or the mean over the global element count -- no input is gathered."""
     index = ELEMENTWISE_LOSSES[node.target]
     reduction = loss_reduction(node, index)
-    inputs = [n for n in node.all_input_nodes]
-    if reduction == 0 or all(isinstance(p, Replicate) for n in inputs for p in _layout(n).placements):
+    if reduction == 0 or all(isinstance(p, Replicate) for n in node.all_input_nodes for p in _layout(n).placements):
         return None
     b = _Builder(ctx, node)
     args = list(node.args) + [None] * (index + 1 - len(node.args))

@@ -14,13 +14,13 @@ from torch.distributed.tensor import Replicate, Shard
 
 from usc.compiler.ir import Layout, MeshSpec
 from usc.compiler.trace import Traced, module_path
+from usc.dsl.options import TP_ACTIONS
 
 from .tensor_parallel import (PairGroup, TPChoice, conv1d_as_linear, find_pairs, is_token_embedding, style_layouts,
                               weight_param)
 
 aten = torch.ops.aten
 R = Replicate()
-TP_ACTIONS = ("colwise", "rowwise", "vocab", "replicate")
 DATA_AXES = ("dp", "ep")  # the batch is split over both: dp=4 ep=2 is a mesh dp=2 x ep=2
 
 
