@@ -240,6 +240,26 @@ def _shifted_labels(b, labels: fx.Node, ignore_index: int) -> fx.Node:
     return b.call(aten.cat.default, [labels, pad], 1)
 
 
+@register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+def squeeze_what_is_one(ctx: ExpansionContext, node: fx.Node):
+    """``squeeze()`` drops every dim of size 1 -- globally. On a rank holding a one-row slice of a
+    split dim it would drop that dim too (``logits.squeeze()`` of a [B, 1] regression head, a
+    microbatch of one row per rank). Written as ``squeeze(dims)`` naming the dims of global size 1,
+    the local op drops exactly those, and the split dim keeps its shard."""
+    x = node.args[0]
+    shape = shape_of(x)
+    split = [p.dim for p in _layout(x).placements if isinstance(p, Shard)]
+    if not split or shape is None:
+        return None
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = list(range(len(shape))) if dims is None else [dims] if isinstance(dims, int) else list(dims)
+    ones = sorted({d % len(shape) for d in dims if shape[d % len(shape)] == 1}) if shape else []
+    if node.target is aten.squeeze.dims and list(dims) == ones:
+        return None  # already names only the dims that go
+    b = _Builder(ctx, node)
+    return b.finish(b.call(aten.squeeze.dims, x, ones))
+
+
 @register(aten.cross_entropy_loss.default)
 def sharded_cross_entropy(ctx: ExpansionContext, node: fx.Node):
     """Cross-entropy written so every piece shards (Megatron-LM's vocab-parallel cross-entropy, Shoeybi et al. 2019):

@@ -32,8 +32,13 @@ class LayoutChoice:
 
 
 def batch_layouts(traced: Traced, plan, mesh: MeshSpec) -> dict[str, Layout]:
+    """Every input's dim 0 split over dp (and ep), dim 1 over cp where it is the sequence: the dim 1
+    of the first input with two dims (the token ids). An input whose dim 1 is something else (a
+    classifier's multi-label targets [B, labels]) is whole on cp."""
     n = len(mesh.axes)
     out = {}
+    values = [traced.placeholder(name).meta.get("val") for name in traced.user_inputs]
+    sequence = next((v.shape[1] for v in values if isinstance(v, torch.Tensor) and v.dim() > 1), None)
     for name in traced.user_inputs:
         placements = [R] * n
         value = traced.placeholder(name).meta.get("val")
@@ -47,7 +52,7 @@ def batch_layouts(traced: Traced, plan, mesh: MeshSpec) -> dict[str, Layout]:
                 if mesh.size(axis) > 1:
                     placements[mesh.axes.index(axis)] = Shard(0)
         cp = mesh.size("cp")
-        if cp > 1 and isinstance(value, torch.Tensor) and value.dim() > 1:
+        if cp > 1 and isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[1] == sequence:
             pieces = 2 * cp if "cp" in mesh.zigzag else cp
             if value.shape[1] % pieces:
                 raise plan.error_at("cp", f"cp={cp} needs the sequence of input '{name}' (dim 1 of "

@@ -10,6 +10,9 @@ same values come from ``x[:, idx]`` (the batch dim sliced whole, the other indic
 the batch dim moved to where the ``arange`` broadcast it. This rewrite makes that explicit, so the
 op is batch-local under every plan.
 
+A per-row pick, ``x[arange(B), idx]`` with ``idx`` of shape [B] (a sequence classifier's last real
+token, a label's logit), is ``x.gather(1, idx % S)`` under the same reading: row b reads row b.
+
 Only an exact identity is rewritten: the first index is ``arange(B)`` (start 0, step 1, B = the
 indexed tensor's dim 0) reshaped by ``unsqueeze`` / ``view`` / ``reshape`` to all-ones dims but one,
 the other indices are tensors, and their broadcast shape is 1 at that dim.
@@ -49,7 +52,8 @@ def batch_row_index(gm: fx.GraphModule) -> int:
     """Rewrite every row-picking ``index.Tensor`` in place (see the module docstring); the count."""
     rewritten = 0
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is aten.index.Tensor and _rewrite(gm, node):
+        if node.op == "call_function" and node.target is aten.index.Tensor and (
+                _rewrite(gm, node) or _rewrite_per_row(gm, node)):
             rewritten += 1
     if rewritten:
         gm.graph.lint()
@@ -111,6 +115,45 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> bool:
             gm.graph.erase_node(new)
         return False
     node.replace_all_uses_with(moved)
+    gm.graph.erase_node(node)
+    _erase_unused(gm, first)
+    return True
+
+
+def _rewrite_per_row(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """``x[arange(B), idx]`` with ``idx`` of shape [B]: row b's element ``idx[b]`` along dim 1 -- the
+    pooled logits of a sequence classifier (``logits[arange(B), last_token]``), or a label's logit.
+    Rewritten as ``x.gather(1, idx % S)`` (the remainder keeps a negative index's meaning), row-local
+    under every split of the batch."""
+    x, indices = node.args[0], list(node.args[1])
+    if len(indices) != 2 or not all(isinstance(i, fx.Node) and val(i) is not None for i in indices):
+        return False
+    xv, first, idx = val(x), indices[0], indices[1]
+    if xv is None or xv.dim() < 2:
+        return False
+    rows, length, rest = xv.shape[0], xv.shape[1], tuple(xv.shape[2:])
+    if rows < 2 or tuple(val(first).shape) != (rows,) or tuple(val(idx).shape) != (rows,) \
+            or not _is_row_arange(first, rows) or val(idx).dtype.is_floating_point:
+        return False
+    steps = [(aten.remainder.Scalar, (idx, length), "wrapped"),
+             (aten.view.default, (None, [rows, 1, *[1] * len(rest)]), "column"),
+             (aten.expand.default, (None, [rows, 1, *rest]), "spread"),
+             (aten.gather.default, (x, 1, None), "picked"),
+             (aten.squeeze.dim, (None, 1), "rows")]
+    made, value, last = [], None, None
+    with gm.graph.inserting_before(node):
+        for target, args, stem in steps:
+            args = tuple(last if a is None else a for a in args)
+            new = gm.graph.create_node("call_function", target, args, name=f"{node.name}_{stem}")
+            new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            new.meta["val"] = value = target(*(val(a) if isinstance(a, fx.Node) else a for a in args))
+            made.append(new)
+            last = new
+    if tuple(value.shape) != tuple(val(node).shape):  # not the identity this function claims
+        for new in reversed(made):
+            gm.graph.erase_node(new)
+        return False
+    node.replace_all_uses_with(last)
     gm.graph.erase_node(node)
     _erase_unused(gm, first)
     return True
