@@ -254,8 +254,8 @@ def squeeze_what_is_one(ctx: ExpansionContext, node: fx.Node):
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     dims = list(range(len(shape))) if dims is None else [dims] if isinstance(dims, int) else list(dims)
     ones = sorted({d % len(shape) for d in dims if shape[d % len(shape)] == 1}) if shape else []
-    if node.target is aten.squeeze.dims and list(dims) == ones:
-        return None  # already names only the dims that go
+    if sorted(d % len(shape) for d in dims) == ones:
+        return None  # names only dims of size 1, none of them split: the local op drops the same ones
     b = _Builder(ctx, node)
     return b.finish(b.call(aten.squeeze.dims, x, ones))
 
