@@ -13,7 +13,6 @@ from collections import defaultdict
 from typing import Iterable, Iterator
 
 from usc.dsl import PlanError
-from usc.dsl.options import TP_ACTIONS
 
 from .ir import META
 from .lint_rules import Finding, LintInput, rule
@@ -88,24 +87,14 @@ def vocab_not_divisible(inp: LintInput) -> Iterator[Finding]:
     if inp.facts is None or tp == 1:
         return
     for module, rows in inp.facts.vocab:
-        rule = _vocab_rule(inp.plan, module)
+        written = inp.plan.tp_rule(module)
+        rule = written[0] if written is not None and written[1] == "vocab" else None
         if rows % tp and rule is not None:
             yield Finding("USC102", f"tp={tp} does not divide the vocabulary of '{module}' ({rows} rows), which "
                                     f"the rule '{rule}' splits", rule.glob,
                           hint=f"pad the vocabulary to {math.ceil(rows / tp) * tp}, use a tp that divides "
                                f"{rows}, or drop the rule (the embedding then stays whole on every tp rank)",
                           module=module)
-
-
-def _vocab_rule(plan, module: str):
-    """The last plan rule that gives ``module`` a tensor-parallel action, when that action is ``vocab``."""
-    found = None
-    for item in plan.rules:
-        if item.matches(module):
-            for action in item.actions:
-                if action.name in TP_ACTIONS:
-                    found = item if action.name == "vocab" else None
-    return found
 
 
 def _vocab_hint(rows: int, tp: int) -> str:

@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .errors import PlanError, Problem, did_you_mean
-from .options import ACTIONS, AXES, AXIS_SIZE, OPTIONS
+from .options import ACTIONS, AXES, AXIS_SIZE, OPTIONS, TP_ACTIONS
 
 # Characters a rule glob may use: module path parts plus fnmatch's * ? [..] [!..] and ranges.
 _GLOB = re.compile(r"[A-Za-z0-9_.*?\[\]!\-]+", re.ASCII)
@@ -249,6 +249,17 @@ class Plan:
         if name not in OPTIONS and name not in AXES:
             raise KeyError(_unknown("axis or option", name, AXES + tuple(OPTIONS)))
         return name in dict(self.axes) or name in dict(self.options)
+
+    def tp_rule(self, module_path: str) -> tuple[Rule, str] | None:
+        """(rule, action) of the last rule matching ``module_path`` with a tensor-parallel action
+        (:data:`TP_ACTIONS`), or None: how the plan's rules say tp splits that module's weight."""
+        found = None
+        for rule in self.rules:
+            if rule.matches(module_path):
+                for action in rule.actions:
+                    if action.name in TP_ACTIONS:
+                        found = (rule, action.name)
+        return found
 
     def with_options(self, **values: Any) -> Plan:
         """A copy with options set (plan text like ``"on"`` or Python values); None removes one.

@@ -45,7 +45,7 @@ from usc.runtime.ring_attention import RingAttention
 from usc.runtime.op_classes import RESHAPES
 
 from .batch_outer import MERGES, batch_outer_pass, merged_groups, region_stop
-from .graph_edit import fake_value, shape_of, val
+from .graph_edit import fake_value, reads_placeholders, shape_of, val
 from .random_ops import DRAW, random_ops_pass
 from .row_index import ARANGES, row_index_pass
 from .expansions import is_soft_target
@@ -111,7 +111,7 @@ def _mark_token_ratios(gm: fx.GraphModule, user_inputs, params) -> None:
         node = term.root
         # the denominator depends on the batch (a constant one makes the term a sum) and reads no weight
         if node.target is aten.div.Tensor and all(map(_whole_sum, node.args[:2])) and node.args[1] in dependent \
-                and not _reads(node.args[1], params):
+                and not reads_placeholders(node.args[1], params):
             node.meta["usc_token_mean"] = True
             _guard_count(gm, node)
 
@@ -139,20 +139,6 @@ def _whole_sum(node) -> bool:
     """A sum of every element (to a scalar)."""
     return isinstance(node, fx.Node) and node.target in (aten.sum.default, aten.sum.dim_IntList) \
         and shape_of(node) == ()
-
-
-def _reads(node: fx.Node, names) -> bool:
-    """Whether ``node`` is computed from any of the placeholders ``names``."""
-    todo, seen = [node], set()
-    while todo:
-        current = todo.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current.op == "placeholder" and current.name in names:
-            return True
-        todo.extend(current.all_input_nodes)
-    return False
 
 
 # ------------------------------------------------------------------ the proof over a virtual dp axis

@@ -37,6 +37,20 @@ def is_float(node: fx.Node) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype.is_floating_point
 
 
+def reads_placeholders(node: fx.Node, names) -> bool:
+    """Whether ``node`` is computed from any of the placeholders named ``names``."""
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "placeholder" and current.name in names:
+            return True
+        stack.extend(current.all_input_nodes)
+    return False
+
+
 def fake_value(target, args, kwargs, module=None):
     """Run ``target`` on the fake values of its node arguments to learn the output's global shape."""
     vals = map_aggregate((args, kwargs), lambda a: val(a) if isinstance(a, fx.Node) else a)

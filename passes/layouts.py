@@ -14,7 +14,6 @@ from torch.distributed.tensor import Replicate, Shard
 
 from usc.compiler.ir import Layout, MeshSpec
 from usc.compiler.trace import Traced, module_path
-from usc.dsl.options import TP_ACTIONS
 
 from .tensor_parallel import (PairGroup, TPChoice, conv1d_as_linear, find_pairs, is_token_embedding, style_layouts,
                               weight_param)
@@ -61,17 +60,6 @@ def batch_layouts(traced: Traced, plan, mesh: MeshSpec) -> dict[str, Layout]:
             placements[mesh.axes.index("cp")] = Shard(1)
         out[name] = Layout(tuple(placements))
     return out
-
-
-def explicit_style(plan, path: str):
-    """The last plan rule matching ``path`` with a tensor-parallel action, or None."""
-    found = None
-    for rule in plan.rules:
-        if rule.matches(path):
-            for action in rule.actions:
-                if action.name in TP_ACTIONS:
-                    found = (rule, action.name)
-    return found
 
 
 def _weighted_nodes(gm: fx.GraphModule, params: set[str]) -> list[fx.Node]:
@@ -164,7 +152,7 @@ def _assign(result: LayoutChoice, plan, mesh: MeshSpec, nodes, auto, tp: int) ->
     n, tp_index = len(mesh.axes), mesh.axes.index("tp")
     for node in nodes:
         path = module_path(node)
-        explicit = explicit_style(plan, path)
+        explicit = plan.tp_rule(path)
         if explicit is not None:
             rule, style = explicit
             reason, is_explicit = f"plan rule '{rule}'", True

@@ -110,13 +110,19 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> bool:
     for new in (picked, shaped, moved):
         new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         new.meta["val"] = value = (value if new is picked else new.target(value, *new.args[1:]))
-    if tuple(moved.meta["val"].shape) != tuple(val(node).shape):  # not the identity this module claims
-        for new in (moved, shaped, picked):
+    return _replace(gm, node, [picked, shaped, moved], first)
+
+
+def _replace(gm: fx.GraphModule, node: fx.Node, made: list[fx.Node], arange: fx.Node) -> bool:
+    """``node`` replaced by the last of ``made`` when it has the node's shape (else ``made`` is taken
+    out again: not the identity this module claims), and the arange chain dropped once unread."""
+    if tuple(val(made[-1]).shape) != tuple(val(node).shape):
+        for new in reversed(made):
             gm.graph.erase_node(new)
         return False
-    node.replace_all_uses_with(moved)
+    node.replace_all_uses_with(made[-1])
     gm.graph.erase_node(node)
-    _erase_unused(gm, first)
+    _erase_unused(gm, arange)
     return True
 
 
@@ -140,23 +146,15 @@ def _rewrite_per_row(gm: fx.GraphModule, node: fx.Node) -> bool:
              (aten.expand.default, (None, [rows, 1, *rest]), "spread"),
              (aten.gather.default, (x, 1, None), "picked"),
              (aten.squeeze.dim, (None, 1), "rows")]
-    made, value, last = [], None, None
+    made: list[fx.Node] = []
     with gm.graph.inserting_before(node):
         for target, args, stem in steps:
-            args = tuple(last if a is None else a for a in args)
+            args = tuple(made[-1] if a is None else a for a in args)
             new = gm.graph.create_node("call_function", target, args, name=f"{node.name}_{stem}")
             new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-            new.meta["val"] = value = target(*(val(a) if isinstance(a, fx.Node) else a for a in args))
+            new.meta["val"] = target(*(val(a) if isinstance(a, fx.Node) else a for a in args))
             made.append(new)
-            last = new
-    if tuple(value.shape) != tuple(val(node).shape):  # not the identity this function claims
-        for new in reversed(made):
-            gm.graph.erase_node(new)
-        return False
-    node.replace_all_uses_with(last)
-    gm.graph.erase_node(node)
-    _erase_unused(gm, first)
-    return True
+    return _replace(gm, node, made, first)
 
 
 def _erase_unused(gm: fx.GraphModule, node) -> None:

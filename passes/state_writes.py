@@ -16,6 +16,8 @@ import torch.fx as fx
 from usc.compiler.functional import STATE_WRITE, is_state_write
 from usc.compiler.trace import user_source
 
+from .graph_edit import reads_placeholders
+
 
 def state_writes_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...] = ()) -> fx.GraphModule:
     """Refuse a batch-dependent buffer write under mb>1 (see the module docstring)."""
@@ -23,7 +25,7 @@ def state_writes_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...] =
     if mb == 1:
         return gm
     for node in gm.graph.nodes:
-        if is_state_write(node) and _reads_batch(node.args[1], set(user_inputs)):
+        if is_state_write(node) and reads_placeholders(node.args[1], set(user_inputs)):
             src = user_source(node)
             raise ctx.plan.error_at(
                 "mb", f"mb={mb} runs the batch in microbatches, but the forward writes buffer "
@@ -31,19 +33,6 @@ def state_writes_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...] =
                       "batch: each microbatch would compute its own value, and none is the one of the whole batch",
                 hint="use mb=1, or update the buffer outside forward (after the step)")
     return gm
-
-
-def _reads_batch(value: fx.Node, user_inputs: set[str]) -> bool:
-    seen, stack = set(), [value]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op == "placeholder" and node.name in user_inputs:
-            return True
-        stack.extend(node.all_input_nodes)
-    return False
 
 
 __all__ = ["state_writes_pass"]
