@@ -1,7 +1,8 @@
 """Localize: make the graph a per-rank program by rewriting the global shapes it carries.
 
 Requires: every node has a layout.
-Establishes: shape arguments (view/reshape/expand/new_*) are this rank's local shapes, and every
+Establishes: shape arguments (view/reshape/expand/new_*) are this rank's local shapes (a view of a
+    transpose or permute is a reshape: its input's memory order is the rank's kernel's), and every
     sharded dim divides evenly by the mesh axes sharding it (else a ShardingError names the module).
     ``meta["val"]`` keeps the global value; ``Layout.local_shape`` gives the local one.
 """
@@ -32,6 +33,13 @@ def localize_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if META not in node.meta or node.meta[META].layout is None:
             continue
         _check_divisible(node, ctx.mesh)
+        if node.target is aten.view.default and _reordered(node.args[0]):
+            # a view of a transpose or permute: the trace's strides let it view (export drops a
+            # `.contiguous()` it saw as a no-op), but a rank's kernel may lay its input out otherwise
+            # (a math attention's [B, H, S, D] where the trace's kernel gave [B, S, H, D] in memory):
+            # reshape views where it can and copies where it must -- the same values either way
+            node.target = aten.reshape.default
+            changed = True
         index = SHAPE_ARG.get(node.target)
         if index is not None:
             local = list(node.meta[META].layout.local_shape(shape_of(node), ctx.mesh))
@@ -43,6 +51,14 @@ def localize_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if changed:
         gm.recompile()
     return gm
+
+
+def _reordered(node) -> bool:
+    """``node`` is a transpose or permute (through views of it)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in (aten.view.default,
+                                                                                           aten.reshape.default):
+        node = node.args[0]
+    return isinstance(node, fx.Node) and node.target in (aten.transpose.int, aten.permute.default)
 
 
 def _check_divisible(node: fx.Node, mesh) -> None:

@@ -232,6 +232,18 @@ register(
 )(pointwise("none"))
 
 
+@register(aten.new_zeros.default, aten.new_ones.default, aten.new_full.default)
+def new_filled_rule(view: OpView) -> Decision:
+    """``x.new_zeros(shape)``: made from ``x``'s dtype and device only, its values never read -- so
+    ``x`` stays as it is (no gather). Of ``x``'s own shape (transformers' ``shift_tokens_right``) it
+    takes ``x``'s shard, each rank making its piece (localize writes the local shape); of another
+    shape it is whole."""
+    p = view.placements[0]
+    if is_shard(p) and tuple(view.out_shape or ()) == tuple(view.shapes[0]):
+        return Decision((p,), p)
+    return Decision((p,), R)
+
+
 # ---------------------------------------------------------------- reductions
 
 def _reduced_dims(view: OpView, dims_index: int = 1) -> tuple[list[int], bool]:
