@@ -34,7 +34,17 @@ class InputSpec:
     placeholder: str
     layout: Layout
     global_shape: tuple[int, ...]
-    dtype: torch.dtype = torch.int64
+    dtype: torch.dtype | None = torch.int64  # None: not a tensor (a Python value the trace baked in)
+    constant: object = None  # that value (``return_loss=True`` in a batch dict, an int count)
+
+
+def _input_spec(node: fx.Node) -> InputSpec:
+    """A tensor input's layout, shape and dtype; a Python value (bool, int, None) the trace specialised
+    on is kept as that value (the program computes with it, whatever a later batch holds)."""
+    value = node.meta["val"]
+    if isinstance(value, torch.Tensor):
+        return InputSpec(node.name, node.meta[META].layout, tuple(value.shape), value.dtype)
+    return InputSpec(node.name, node.meta[META].layout, (), None, constant=value)
 
 
 @dataclass
@@ -74,8 +84,7 @@ def build_program(gm: fx.GraphModule, mesh: MeshSpec, state: list[StateInput], u
         specs.append(StateSpec(s.placeholder, s.name, s.kind, s.aliases or (s.name,), ann.layout,
                                tuple(value.shape), value.dtype, ann.partial_grad_axes, s.trainable,
                                bool(ann.extra.get("zero3"))))
-    inputs = [InputSpec(n, nodes[n].meta[META].layout, tuple(nodes[n].meta["val"].shape), nodes[n].meta["val"].dtype)
-              for n in user_inputs]
+    inputs = [_input_spec(nodes[n]) for n in user_inputs]
     out = next(n for n in gm.graph.nodes if n.op == "output")
     values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)  # (loss[, count])
     loss = inner_node(gm, values[0])

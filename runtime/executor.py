@@ -622,7 +622,9 @@ def fake_rank_zero(program, **options):
         for spec in program.state:
             tensor = torch.zeros(spec.global_shape, dtype=spec.dtype, device=device)
             state[spec.name] = torch.nn.Parameter(tensor) if spec.kind == "param" and spec.trainable else tensor
-        batch = tuple(torch.zeros(spec.global_shape, dtype=spec.dtype, device=device) for spec in program.inputs)
+        batch = tuple(spec.constant if spec.dtype is None else torch.zeros(spec.global_shape, dtype=spec.dtype,
+                                                                             device=device)
+                      for spec in program.inputs)
         yield RankExecutor(program, mesh, state, microbatches=1, **options), batch
 
 

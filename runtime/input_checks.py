@@ -171,8 +171,18 @@ def index_uses(program) -> list[IndexUse]:
 
 # ---------------------------------------------------------------------------------------------- checks
 def check_dtypes(specs: Sequence, batch: tuple, names: Sequence[str], rank: int) -> None:
-    """A tensor of another kind than the program was traced with (float ids, integer pixels)."""
+    """A tensor of another kind than the program was traced with (float ids, integer pixels); a
+    Python value in the batch other than the one the trace baked in (the program would compute with
+    the traced one, whatever this batch says)."""
     for spec, value, name in zip(specs, batch, names):
+        if spec.dtype is None:
+            if isinstance(value, torch.Tensor) or type(value) is not type(spec.constant) or value != spec.constant:
+                raise BadInput(
+                    f"input {name} is {value!r} but the program was compiled with {spec.constant!r}: a Python value "
+                    "in the batch is part of the compiled program (the trace computes with it); pass the same value "
+                    "on every step, or a tensor (torch.tensor(...)) for one that changes", input=name, value=value,
+                    rank=rank)
+            continue
         if isinstance(value, torch.Tensor) and _kind(value.dtype) != _kind(spec.dtype):
             raise InputDtypeError(
                 f"input {name} has dtype {value.dtype} but the program was compiled for {spec.dtype}; "

@@ -91,6 +91,48 @@ def test_a_token_count_in_the_batch_is_every_microbatchs(plan):
     assert result.max_param_diff <= 1e-6
 
 
+def clip():
+    text = transformers.CLIPTextConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+                                       num_attention_heads=4, max_position_embeddings=16, projection_dim=16)
+    vision = transformers.CLIPVisionConfig(hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+                                           num_attention_heads=4, image_size=12, patch_size=4, projection_dim=16)
+    return transformers.CLIPModel(transformers.CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                                          projection_dim=16))
+
+
+def image_text(seed: int, return_loss=True) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (6, 8), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "return_loss": return_loss,
+            "pixel_values": torch.randn(6, 3, 12, 12, generator=g, dtype=torch.float64)}
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "dp=3", "tp=2", "pp=2"])
+def test_a_python_value_in_the_batch_dict_is_compiled_in(plan):
+    """CLIP's contrastive loss with ``return_loss=True`` in the batch dict (a bool among the tensors):
+    compile crashed building the program ("'bool' object has no attribute 'shape'"). The loss couples
+    the batch (every image against every text): dp gathers the embeddings, microbatches refuse it."""
+    result = assert_equivalent(lambda: clip().double(), plan, [image_text(s) for s in range(2)], optimizer=sgd,
+                               rtol=1e-10, atol=1e-10, param_atol=1e-10)
+    assert result.max_param_diff <= 1e-10
+
+
+def test_a_python_value_that_changes_between_steps_is_refused():
+    """The trace computes with the value it saw: a later batch holding another would train with the
+    first one. Refused, naming the input; a count that changes belongs in a tensor."""
+    sim = usc.simulate(clip().double(), "dp=2", example_inputs=image_text(0))
+    with pytest.raises(usc.BadInput, match="input 'return_loss' is False but the program was compiled with True"):
+        sim.step(image_text(1, return_loss=False))
+
+    def with_count(seed, count):
+        return {**collated(seed), "num_items_in_batch": count}
+
+    sim = usc.simulate(FAMILIES["llama"](), "dp=2", example_inputs=with_count(0, 20))
+    sim.step(with_count(0, 20))
+    with pytest.raises(usc.BadInput, match="input 'num_items_in_batch' is 17 .* or a tensor"):
+        sim.step(with_count(1, 17))
+
+
 def test_a_batch_forward_cannot_take_is_a_batch_error_with_the_signature():
     """Not a trace error telling the user to rewrite their forward: the batch is what is wrong."""
     ids = collated(0)["input_ids"]
