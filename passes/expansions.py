@@ -334,11 +334,16 @@ def _soft_target_cross_entropy(ctx: ExpansionContext, node: fx.Node, weight, red
     samples (weights do not enter it). Every piece shards: the class sums over a vocabulary split
     by all-reduce, the samples over dp/cp by the global count of the mean."""
     logits, target = node.args[0], node.args[1]
-    whole = all(isinstance(p, Replicate) for n in (logits, target) for p in _layout(n).placements)
+    peeled = False
+    if reduction != 0:  # loss(x.view(-1, C), t.view(-1, C)) is the loss on x and t [..., C]: no gather of a split
+        x, t = _flattened(ctx, logits), _flattened(ctx, target)
+        if x is not None and t is not None and shape_of(x) == shape_of(t):
+            logits, target, peeled = x, t, True
+    whole = all(isinstance(p, Replicate) for n in (logits, target) for p in _layout(_underlying(ctx, n)).placements)
     if whole:
         return None
     b = _Builder(ctx, node)
-    logits, target = _classes_last(b, logits, peeled=False), _classes_last(b, target, peeled=False)
+    logits, target = _classes_last(b, logits, peeled=peeled), _classes_last(b, target, peeled=peeled)
     classes = shape_of(logits)[-1]
     top = b.call(aten.amax.default, b.call(aten.detach.default, logits), [-1], True)
     shifted = b.call(aten.sub.Tensor, logits, top)
@@ -352,6 +357,18 @@ def _soft_target_cross_entropy(ctx: ExpansionContext, node: fx.Node, weight, red
     if reduction == 0:
         return b.finish(per_sample)
     return b.finish(b.call(aten.sum.default if reduction == 2 else aten.mean.default, per_sample))
+
+
+def _flattened(ctx: ExpansionContext, node: fx.Node) -> fx.Node | None:
+    """The [..., C] value a [N, C] node flattens (through the gathers propagation put in front of the
+    flatten), or None."""
+    if not isinstance(node, fx.Node) or node.target not in RESHAPES:
+        return None
+    source = _underlying(ctx, node.args[0])
+    shape, flat = shape_of(source), shape_of(node)
+    if shape is None or flat is None or len(shape) < 3 or len(flat) != 2 or shape[-1] != flat[-1]:
+        return None
+    return source
 
 
 def _class_weights(b, weight, safe: fx.Node, counted: fx.Node) -> fx.Node:

@@ -115,3 +115,12 @@ def test_probability_targets_with_classes_in_dim_1(plan):
     result = assert_equivalent(lambda: SoftTargets(dict(weight=True), classes_dim1=True).double(), plan, [batch()] * 2,
                                optimizer=sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
     assert result.max_param_diff <= 1e-10
+
+
+def test_probability_targets_flattened_keep_their_sequence_split():
+    """``ce(x.view(-1, C), t.view(-1, C))`` is the loss on [B, S, C]: under cp nothing is gathered
+    (the flatten gathered the logits and the targets over cp)."""
+    import usc
+
+    report = usc.lint(SoftTargets({}), "cp=2", example_inputs=batch())
+    assert [c for c in report.collectives if c.kind == "all-gather"] == []
