@@ -183,7 +183,10 @@ def check_dtypes(specs: Sequence, batch: tuple, names: Sequence[str], rank: int)
                     "on every step, or a tensor (torch.tensor(...)) for one that changes", input=name, value=value,
                     rank=rank)
             continue
-        if isinstance(value, torch.Tensor) and _kind(value.dtype) != _kind(spec.dtype):
+        if not isinstance(value, torch.Tensor):
+            raise BadInput(f"input {name} is {value!r} but the program was compiled for a {spec.dtype} tensor of "
+                           f"shape {list(spec.global_shape)}; pass a tensor", input=name, value=value, rank=rank)
+        if _kind(value.dtype) != _kind(spec.dtype):
             raise InputDtypeError(
                 f"input {name} has dtype {value.dtype} but the program was compiled for {spec.dtype}; "
                 f"pass {_kind(spec.dtype)} tensors (ids and labels index the model: .long())",

@@ -131,6 +131,12 @@ def test_a_python_value_that_changes_between_steps_is_refused():
     sim.step(with_count(0, 20))
     with pytest.raises(usc.BadInput, match="input 'num_items_in_batch' is 17 .* or a tensor"):
         sim.step(with_count(1, 17))
+    with pytest.raises(usc.BadInput, match="input 'num_items_in_batch' is tensor.20. but the program was compiled "
+                                           "with 20"):
+        sim.step(with_count(1, torch.tensor(20)))
+    with pytest.raises(usc.BadInput, match="input 'labels' is None but the program was compiled for a "
+                                           "torch.int64 tensor of shape .4, 6.; pass a tensor"):
+        sim.step({**with_count(1, 20), "labels": None})
 
 
 def test_a_batch_forward_cannot_take_is_a_batch_error_with_the_signature():
