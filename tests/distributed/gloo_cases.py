@@ -195,3 +195,33 @@ def train_from_state(rank: int, world_size: int, family: str, cfg, state: bytes,
     buffer = io.BytesIO()
     torch.save({k: v.detach().clone() for k, v in step.full_state_dict().items()}, buffer)
     return losses, buffer.getvalue() if rank == 0 else None
+
+
+# ----------------------------------------------------------------- losses and models as users write them
+def written_case(case: str):
+    """(model factory, batches) of a loss or model users write (tests/distributed/test_cross_entropy_options.py,
+    test_losses_as_written.py, test_seq2seq_models.py), float64."""
+    if case == "cross_entropy_weight_smoothing":
+        from test_cross_entropy_options import TokenClassifier, batch
+        return (lambda: TokenClassifier(dict(weight=True, label_smoothing=0.1)).double()), [batch()] * 2
+    if case == "masked_mean_all_ignored_microbatch":
+        from test_losses_as_written import IGNORED, Tagger, batch
+        ids, labels = batch()
+        labels[:3] = IGNORED
+        return (lambda: Tagger("masked_mean").double()), [(ids, labels)] * 2
+    if case == "bart":
+        from test_seq2seq_models import bart, batch
+        return (lambda: bart().double()), [batch(s) for s in range(2)]
+    raise KeyError(case)
+
+
+def train_written(rank: int, world_size: int, case: str, plan: str):
+    """(losses, full state as bytes on rank 0) after SGD steps of ``case`` under ``plan``, from seed 0."""
+    factory, batches = written_case(case)
+    torch.manual_seed(0)
+    step = usc.compile(factory(), plan, example_inputs=batches[0],
+                       optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    losses = [step.step(b) if isinstance(b, dict) else step.step(*b) for b in batches]
+    buffer = io.BytesIO()
+    torch.save({k: v.detach().clone() for k, v in step.full_state_dict().items()}, buffer)
+    return losses, buffer.getvalue() if rank == 0 else None
