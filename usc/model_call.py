@@ -82,10 +82,15 @@ class BatchLayout:
                                  "example batch that pads")
         return tuple(batch[k] for k in self.keys)
 
-    def call(self, model: nn.Module, flat: tuple, extra: dict):
+    def arguments(self, flat: tuple, extra: dict) -> tuple[tuple, dict]:
+        """(positional, keyword) arguments of the model's call on ``flat``."""
         if self.kind == "mapping":  # the batch's own keys win over the training defaults
-            return model(**{**extra, **dict(zip(self.keys, flat))})
-        return model(*flat, **extra)
+            return (), {**extra, **dict(zip(self.keys, flat))}
+        return tuple(flat), dict(extra)
+
+    def call(self, model: nn.Module, flat: tuple, extra: dict):
+        args, kwargs = self.arguments(flat, extra)
+        return model(*args, **kwargs)
 
 
 def _all_ones(value) -> bool:
@@ -191,12 +196,9 @@ class Trainable(nn.Module):
             inputs, _ = _split_target(layout, flat)
             called, flat = inputs.layout, inputs.flat
             what = "the batch less its target (loss_fn= takes the last element, or 'labels')"
-        if called.kind == "mapping":
-            args, kwargs = (), {**self._extra, **dict(zip(called.keys, flat))}
-            given = "keys " + ", ".join(repr(k) for k in called.keys)
-        else:
-            args, kwargs = tuple(flat), dict(self._extra)
-            given = f"{len(flat)} positional value{'s' * (len(flat) != 1)}"
+        args, kwargs = called.arguments(flat, self._extra)
+        given = ("keys " + ", ".join(repr(k) for k in called.keys) if called.kind == "mapping"
+                 else f"{len(flat)} positional value{'s' * (len(flat) != 1)}")
         try:
             signature.bind(*args, **kwargs)
         except TypeError as err:
