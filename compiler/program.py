@@ -60,7 +60,9 @@ class Program:
     timings: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
     loss_dtype: torch.dtype = torch.float32
-    loss_counted: bool = False  # the graph returns (loss, token count)
+    loss_counted: bool = False  # the graph returns (loss, token count[, its numerator where the count is 0])
+    # a token mean's floor or offset on its count (("clamp_min", m) or ("add", eps)), applied to the step's count
+    count_transform: tuple[str, float] | None = None
 
     @property
     def loss_partial_axes(self) -> tuple[str, ...]:
@@ -86,10 +88,11 @@ def build_program(gm: fx.GraphModule, mesh: MeshSpec, state: list[StateInput], u
                                bool(ann.extra.get("zero3"))))
     inputs = [_input_spec(nodes[n]) for n in user_inputs]
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)  # (loss[, count])
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)  # (loss[, count[, empty]])
     loss = inner_node(gm, values[0])
     return Program(gm, mesh, specs, inputs, loss.meta[META].layout, tp_choices, timings,
-                   loss_dtype=loss.meta["val"].dtype, loss_counted=len(values) > 1)
+                   loss_dtype=loss.meta["val"].dtype, loss_counted=len(values) > 1,
+                   count_transform=gm.meta.get("usc_count_transform"))
 
 
 def inner_node(gm: fx.GraphModule, node: fx.Node) -> fx.Node:

@@ -105,15 +105,44 @@ def _mark_token_ratios(gm: fx.GraphModule, user_inputs, params) -> None:
     """A loss term written as a ratio of two batch sums whose denominator reads no weight --
     ``(losses * mask).sum() / mask.sum()``, a masked token mean -- is a token mean: marked as
     cross-entropy's expanded mean is, so microbatches weigh by their denominators (loss_count) and
-    the denominator's sum over a split is a count, not a coupling."""
+    the denominator's sum over a split is a count, not a coupling. A denominator kept off zero by
+    a positive floor or offset (``mask.sum().clamp(min=1)``, ``mask.sum() + 1e-6``) is one too: the
+    runtime applies the same floor or offset to the step's count (``usc_count_transform``)."""
     dependent = _batch_dependent(gm, user_inputs)
     for term in loss_terms(gm, dependent):
         node = term.root
+        if node.target is not aten.div.Tensor or not _whole_sum(node.args[0]):
+            continue
+        count, transform = count_transform(node.args[1])
         # the denominator depends on the batch (a constant one makes the term a sum) and reads no weight
-        if node.target is aten.div.Tensor and all(map(_whole_sum, node.args[:2])) and node.args[1] in dependent \
-                and not reads_placeholders(node.args[1], params):
-            node.meta["usc_token_mean"] = True
-            _guard_count(gm, node)
+        if _whole_sum(count) and count in dependent and not reads_placeholders(count, params):
+            node.meta["usc_token_mean"] = node.meta["usc_token_ratio"] = True
+            if transform is None:
+                _guard_count(gm, node)
+            else:
+                node.meta["usc_count_transform"] = transform
+
+
+def count_transform(den) -> tuple[fx.Node | None, tuple[str, float] | None]:
+    """(count, transform) of a token mean's denominator: ``count.clamp(min=m)`` with m > 0 is
+    (count, ("clamp_min", m)), ``count + eps`` with eps > 0 is (count, ("add", eps)), anything
+    else (den, None) -- a floor or offset that keeps the denominator off zero, applied alike to a
+    microbatch's count and to the step's."""
+    if not isinstance(den, fx.Node) or den.op != "call_function" or not den.args:
+        return den, None
+    args = list(den.args) + [den.kwargs.get(k) for k in ("min", "max")][len(den.args) - 1:]
+    if den.target is aten.clamp_min.default or (den.target is aten.clamp.default and (len(args) < 3 or args[2] is None)):
+        floor = args[1] if len(args) > 1 else None
+        if _positive(floor):
+            return den.args[0], ("clamp_min", float(floor))
+    if den.target in (aten.add.Tensor, aten.add.Scalar) and len(den.args) == 2 and _positive(den.args[1]) \
+            and den.kwargs.get("alpha", 1) == 1:
+        return den.args[0], ("add", float(den.args[1]))
+    return den, None
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _guard_count(gm: fx.GraphModule, div: fx.Node) -> None:
@@ -513,6 +542,12 @@ def _refuse_unclear(ctx, microbatches: int, kinds, batch: int) -> None:
         terms = ", ".join(_name(t.root) for t in token + mixed)
         error = (f"the loss adds a token mean (weighted by each microbatch's count of counted tokens) to other "
                  f"batch terms weighted differently ({terms})")
+    elif token and token[0].root.meta.get("usc_count_transform") and len(kinds) > 1:
+        terms = ", ".join(_name(t.root) for t, k in kinds if t is not token[0])
+        error = (f"the loss adds terms that do not depend on the batch ({terms}) to a token mean whose denominator "
+                 f"has a floor or offset ({_name(token[0].root.args[1])}): the step's share of those terms would "
+                 "follow the floored count, not 1 (divide by the count alone: usc keeps a microbatch that counts nothing off "
+                 "zero itself)")
     elif ambiguous is not None:
         error = (f"the loss term {_name(ambiguous.root)} is scaled by a constant that is a multiple of the "
                  f"microbatch's batch size {batch}: usc cannot tell a fixed constant from one taken from the batch "

@@ -6,7 +6,12 @@ Requires: the graph returns one scalar loss; a mean cross-entropy was expanded i
     (``gm.meta["usc_loss_combine"]``): "token_mean" when its one token mean is added to terms that do
     not depend on the batch (weighting by counts keeps those whole, as the weights add up to 1).
 Establishes: such a graph returns ``(loss, count)``; the runtime weights microbatch m by count_m / N
-    (runtime/pipeline.py), so the step is the global token mean. Any other graph, and any graph whose loss is defined
+    (runtime/pipeline.py), so the step is the global token mean. A mean whose count the model keeps
+    off zero itself (``count.clamp(min=m)``, ``count + eps``) records that floor or offset
+    (``gm.meta["usc_count_transform"]``), and the runtime applies it to each microbatch's count and to
+    N. A ratio of sums the user wrote (its count guarded by batch_coupling) returns a third value,
+    its numerator where its count is 0 (else 0), which the runtime adds: a microbatch counting
+    nothing keeps a numerator that is not 0. Any other graph, and any graph whose loss is defined
     per microbatch (batch_coupling=per_microbatch: equal weights), is returned unchanged.
 """
 
@@ -14,17 +19,21 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate
 
+from usc.compiler.errors import CompileError
 from usc.compiler.ir import META
 from usc.runtime.collectives import AllReduce
 
 from .graph_edit import GraphEditor
 
+aten = torch.ops.aten
+
 
 def expose_loss_count_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    """Return the mean loss's denominator as a second output (see the module docstring)."""
+    """Return the mean loss's count as a second output (see the module docstring)."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     values = output.args[0]
     loss = values[0] if isinstance(values, (tuple, list)) else values
@@ -32,12 +41,45 @@ def expose_loss_count_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     mean = _token_mean(gm, loss)
     if mean is None:
         return gm
-    count = mean.args[1]
-    if isinstance(count, fx.Node) and count.meta.get("usc_count_guard"):  # count + (count == 0): the count itself
-        count = count.args[0]
-    output.args = ((loss, count),)
+    num, den = mean.args
+    count, values = den, ()
+    if isinstance(den, fx.Node) and den.meta.get("usc_count_guard"):  # count + (count == 0): the count itself
+        count = den.args[0]
+        if mean.meta.get("usc_token_ratio"):  # the user's numerator need not be 0 where the count is
+            values = (_numerator_if_empty(gm, ctx, output, loss, num, count),)
+    elif mean.meta.get("usc_count_transform"):  # count.clamp(min=m) or count + eps: never 0
+        count = den.args[0]
+        gm.meta["usc_count_transform"] = mean.meta["usc_count_transform"]
+    output.args = ((loss, count, *values),)
     gm.recompile()
     return gm
+
+
+def _numerator_if_empty(gm: fx.GraphModule, ctx, output: fx.Node, loss: fx.Node, num, count) -> fx.Node:
+    """``num`` where the count is 0, else 0, in the loss's layout: a microbatch that counts nothing
+    divides its numerator by a guarded 1, and the runtime's weight (its count, 0) would drop it --
+    a ratio the user wrote need not have a numerator of 0 there (a sum the mask does not cover)."""
+    editor, ann = GraphEditor(gm), loss.meta[META]
+    empty = editor.call_function(output, aten.eq.Scalar, (count, 0), ann=count.meta[META])
+    return editor.call_function(output, aten.mul.Tensor, (empty, _in_layout(editor, ctx, output, num, ann)), ann=ann)
+
+
+def _in_layout(editor: GraphEditor, ctx, output: fx.Node, value: fx.Node, ann) -> fx.Node:
+    """``value`` summed over the axes it is partial on and the loss is not (the loss added a term
+    after reducing the token mean, so the numerator is still a partial sum there)."""
+    have = value.meta[META]
+    for i, (mine, theirs) in enumerate(zip(have.layout.placements, ann.layout.placements)):
+        if mine == theirs:
+            continue
+        if not (isinstance(mine, Partial) and mine.reduce_op == "sum" and isinstance(theirs, Replicate)):
+            raise CompileError(f"the token mean's numerator is {mine} on mesh axis {ctx.mesh.axes[i]!r} where the "
+                               f"loss is {theirs}: usc cannot weigh microbatches by their token counts here "
+                               "(plan options: batch_coupling=per_microbatch, or mb=1)")
+        have = dataclasses.replace(have, layout=have.layout.with_axis(i, Replicate()),
+                                   reason="a token mean's numerator, for a microbatch that counts nothing")
+        value = editor.call_module(output, AllReduce(ctx.mesh.axes[i]), (value,), ann=have, stem="all_reduce",
+                                   same_value_as=value)
+    return value
 
 
 def _reduce_non_sum_partials(gm: fx.GraphModule, ctx, output: fx.Node, loss):

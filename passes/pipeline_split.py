@@ -395,4 +395,6 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx, *, constants: frozenset[str] = 
     for cost, memory in zip(split.meta["usc_stage_costs"], gm.meta.pop("usc_stage_memory", ())):
         cost.update(memory)
     split.meta["usc_split_notes"] = notes
+    if "usc_count_transform" in gm.meta:  # the step's count takes the loss's floor (passes/loss_count.py)
+        split.meta["usc_count_transform"] = gm.meta["usc_count_transform"]
     return split

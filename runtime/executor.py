@@ -28,6 +28,7 @@ from .timeline import Timeline
 from .checkpoint_state import ShardedCheckpoint
 from .errors import NonFiniteLoss
 from .vocab import saw_index_no_rank_holds
+from .loss_value import loss_parts, microbatch_share, step_count
 from .input_checks import BadInput, check_dtypes, check_ranges, index_uses, shard_view
 from .recompute import observe_kept
 from .replica_guard import ReplicaGuard
@@ -293,14 +294,11 @@ class RankExecutor(ShardedCheckpoint):
         if self.zero3 is not None:
             self.zero3.reset()
 
-    def _loss(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor | float]:
-        """(loss, count): count is the global number of tokens the loss averaged over when the
-        program exposes it (a mean cross-entropy), else 1."""
+    def _loss(self, batch: tuple) -> tuple[torch.Tensor, torch.Tensor | float, torch.Tensor | None]:
+        """(loss, count, empty): count is the global number of tokens the loss averaged over when the
+        program exposes it (a token mean), else 1 (runtime/loss_value.py)."""
         with self._saved_tensor_hooks():
-            out = self.gm(*self._arguments(batch))
-        if not isinstance(out, (tuple, list)):
-            return out, 1.0
-        return (out[0], out[1].detach().to(torch.float64)) if len(out) > 1 else (out[0], 1.0)
+            return loss_parts(self.gm(*self._arguments(batch)))
 
     _measure = None  # set by activation_bytes: sees every tensor autograd saves
 
@@ -371,16 +369,18 @@ class RankExecutor(ShardedCheckpoint):
                 last = m == len(micro) - 1
                 self._key_random(self.gm, m)
                 with self._span("forward"):
-                    loss, n = self._loss(piece)
+                    loss, n, empty = self._loss(piece)
                 count = count + n
                 if last and several:
                     held = self.memory_bytes()  # what the earlier microbatches accumulated
-                weighted.append(loss.detach() * n)
+                share = microbatch_share(loss, n, empty, self.program.count_transform)
+                weighted.append(share.detach())
                 with self._span("backward"), (contextlib.nullcontext() if last else self.reducer.no_sync()):
-                    (loss * n if several else loss).backward()
+                    (share if several else loss).backward()
                 if several and not last and self.reducer.scatters_each:
                     self.reducer.settle()  # ZeRO-2: this microbatch's slices summed before the next
         self.reducer.finish()
+        count = step_count(count, self.program.count_transform)
         if several:
             self._scale_reduced(1.0 / count)
         self.peak_state_bytes = self._most(held, self.memory_bytes())
@@ -506,7 +506,7 @@ class RankExecutor(ShardedCheckpoint):
 
         self._measure = measure
         try:
-            loss, _ = self._loss(self._split(batch)[0])
+            loss, *_ = self._loss(self._split(batch)[0])
         finally:
             self._measure = None
         total = sum(nbytes for nbytes, _ in seen.values())
@@ -521,8 +521,9 @@ class RankExecutor(ShardedCheckpoint):
                 self._key_random(self.gm, m)
                 pieces.append(self._loss(piece))
         self.pending_writes.clear()  # evaluation updates nothing
-        count = sum(n for _, n in pieces)
-        return self._global(sum(loss * n for loss, n in pieces) / count)
+        transform = self.program.count_transform
+        count = step_count(sum(n for _, n, _ in pieces), transform)
+        return self._global(sum(microbatch_share(*piece, transform) for piece in pieces) / count)
 
     # ------------------------------------------------------------------ full tensors (full_state_dict)
     def _named_params(self) -> dict[str, tuple]:

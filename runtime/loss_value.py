@@ -65,4 +65,33 @@ class LossValueReduction:
         return self.pipeline_payloads() + self.axis_payloads() + self.verdict_payloads()
 
 
-__all__ = ["LossValueReduction", "PIPELINE_DTYPE"]
+def loss_parts(out) -> tuple[torch.Tensor, torch.Tensor | float, torch.Tensor | None]:
+    """(loss, count, empty) of a program's output: a token mean's program returns (loss, token
+    count[, its numerator where the count is 0, else 0]) (passes/loss_count.py); any other returns
+    its loss, counted once."""
+    if not isinstance(out, (tuple, list)):
+        return out, 1.0, None
+    if len(out) < 2:
+        return out[0], 1.0, None
+    return out[0], out[1].detach().to(torch.float64), out[2] if len(out) > 2 else None
+
+
+def microbatch_share(loss: torch.Tensor, count, empty: torch.Tensor | None, transform) -> torch.Tensor:
+    """A microbatch's part of the step's loss sum: its loss times what it divided by (its count, with
+    the model's floor or offset), in float64 when counted; plus, where it counted nothing, its
+    numerator -- its guarded mean divided that by 1, and times a count of 0 it would be dropped
+    (a sum the mask does not cover)."""
+    share = loss * step_count(count, transform)
+    return share if empty is None else share + empty.to(share.dtype)
+
+
+def step_count(count, transform: tuple[str, float] | None):
+    """The denominator of a count: a floor or offset the model keeps its denominator off zero with
+    (``count.clamp(min=1)``, ``count + eps``) applies to each microbatch's count and to the step's."""
+    if transform is None or not isinstance(count, torch.Tensor):
+        return count
+    kind, constant = transform
+    return count.clamp(min=constant) if kind == "clamp_min" else count + constant
+
+
+__all__ = ["LossValueReduction", "PIPELINE_DTYPE", "loss_parts", "microbatch_share", "step_count"]

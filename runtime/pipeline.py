@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from .loss_value import loss_parts, microbatch_share, step_count
 from .training import counted_once
 from .pipeline_backward import WeightWork, input_grads, weight_grads
 
@@ -183,6 +184,7 @@ class InFlight:
     received: dict[tuple[int, int], torch.Tensor]
     outputs: list[torch.Tensor]
     count: torch.Tensor | float = 1.0  # the loss's token count (a device tensor when the program gives it)
+    share: torch.Tensor | None = None  # the last stage's part of the step's loss sum (runtime/loss_value.py)
     weight_work: WeightWork | None = None  # what W still owes after I
 
 
@@ -334,9 +336,11 @@ class PipelineMixin:
             for index in messages_from(self.specs, stage, consumer):
                 out = outputs[index]
                 self._put((stage, consumer, index), FORWARD, mb, out.detach().to(self._wire(out.dtype)))
+        if stage != self._last_stage:
+            return InFlight(received, outputs)
         # the token count stays on the device: the step's one host sync is the global loss
-        count = outputs[1].detach().to(torch.float64) if stage == self._last_stage and len(outputs) > 1 else 1.0
-        return InFlight(received, outputs, count)
+        loss, count, empty = loss_parts(outputs)
+        return InFlight(received, outputs, count, microbatch_share(loss, count, empty, self.program.count_transform))
 
     def _input_values(self, piece: tuple) -> dict[str, torch.Tensor]:
         values = self._state_values()
@@ -348,7 +352,7 @@ class PipelineMixin:
         """What backward starts from: the last stage's token-weighted loss sum, or the stage outputs
         with the gradients their consumers sent back (summed over consumers)."""
         if stage == self._last_stage:
-            return [(flight.outputs[0] * flight.count, None)]
+            return [(flight.share, None)]
         grads: list[torch.Tensor | None] = [None] * len(flight.outputs)
         for consumer in consumers_of(self.specs, stage):
             for index in messages_from(self.specs, stage, consumer):
@@ -403,7 +407,7 @@ class PipelineMixin:
                     flights[key] = self._forward(action.stage, action.mb, micro[action.mb])
                 if action.stage == self._last_stage:
                     flight = flights[key]
-                    total = total + flight.outputs[0].detach().double() * flight.count
+                    total = total + flight.share.detach().double()
                     count += flight.count
             elif train:
                 final = self._final_backward.get(action.stage) == index
@@ -437,6 +441,7 @@ class PipelineMixin:
             total, count = self._run_schedule(batch, train=True)
         self._wait_sends()
         total, count = self._pipeline_global(total, count)
+        count = step_count(count, self.program.count_transform)
         # sums commute with the scaling by 1/count, known only now: the buckets launched during
         # the last backward carry unscaled sums, so every gradient is scaled once reduced
         self._sum_shared_grads()  # before the dp reduction: ZeRO-2 keeps only slices after it
@@ -460,6 +465,7 @@ class PipelineMixin:
         self.pending_writes.clear()  # evaluation updates nothing
         self._wait_sends()
         total, count = self._pipeline_global(total, count)
+        count = step_count(count, self.program.count_transform)
         return self._global(total / count)
 
     def _sum_shared_grads(self) -> None:

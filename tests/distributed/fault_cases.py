@@ -69,8 +69,8 @@ def nan_on_one_rank(rank_executor) -> None:
     original = getattr(rank_executor, name)
 
     def poisoned(*args, **kwargs):
-        loss, n = original(*args, **kwargs)
-        return loss * float("nan"), n
+        loss, *rest = original(*args, **kwargs)
+        return loss * float("nan"), *rest
 
     setattr(rank_executor, name, poisoned)
 

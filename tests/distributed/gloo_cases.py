@@ -209,6 +209,9 @@ def written_case(case: str):
         ids, labels = batch()
         labels[:3] = IGNORED
         return (lambda: Tagger("masked_mean").double()), [(ids, labels)] * 2
+    if case in ("unmasked_plus_regularizer", "clamped"):
+        from test_losses_as_written import Denominators, empty_start
+        return (lambda: Denominators(case).double()), [empty_start()] * 2
     if case == "bart":
         from test_seq2seq_models import bart, batch
         return (lambda: bart().double()), [batch(s) for s in range(2)]

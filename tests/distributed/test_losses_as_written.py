@@ -98,21 +98,79 @@ def test_a_microbatch_with_every_token_ignored_adds_nothing(model, plan):
     assert result.max_param_diff <= 1e-10
 
 
-class Clamped(Tagger):
+class Denominators(Tagger):
+    """A masked mean as users write it: the numerator masked or not, the denominator kept off zero
+    by a floor or an offset, a regularizer added. Rows 0-2 of the batch count nothing, so the first
+    microbatch (and some ranks) divide by a count of 0."""
+
     def forward(self, ids, labels):
         h = self.emb(ids)
         z = self.head(h + self.down(torch.relu(self.up(h))))
         y = labels.reshape(-1)
         counted = (y != IGNORED).to(z.dtype)
         per_token = F.cross_entropy(z.reshape(-1, VOCAB), y, reduction="none")
-        return (per_token * counted).sum() / counted.sum().clamp(min=1)
+        regularizer = 0.01 * self.up.weight.pow(2).sum() + 0.3
+        return {
+            # the numerator is not masked: a microbatch counting nothing still adds its sum
+            "unmasked": lambda: per_token.sum() / counted.sum(),
+            "unmasked_plus_regularizer": lambda: per_token.sum() / counted.sum() + regularizer,
+            "cross_entropy_plus_regularizer": lambda: F.cross_entropy(z.reshape(-1, VOCAB), y, ignore_index=IGNORED)
+            + regularizer,
+            "clamped": lambda: (per_token * counted).sum() / counted.sum().clamp(min=1),
+            "clamped_unmasked": lambda: per_token.sum() / counted.sum().clamp(min=1),
+            "clamp_min": lambda: (per_token * counted).sum() / torch.clamp_min(counted.sum(), 2.5),
+            "offset": lambda: per_token.sum() / (counted.sum() + 1e-3),
+        }[self.loss]()
+
+
+DENOMINATORS = ["unmasked", "unmasked_plus_regularizer", "cross_entropy_plus_regularizer", "clamped",
+                "clamped_unmasked", "clamp_min", "offset"]
+
+
+def empty_start():
+    ids, labels = batch()
+    labels[:3] = IGNORED
+    return ids, labels
+
+
+@pytest.mark.parametrize("plan", ["mb=2", "dp=3 mb=2", "pp=2 mb=3", "dp=2", "tp=2 mb=2"])
+@pytest.mark.parametrize("loss", DENOMINATORS)
+def test_masked_means_as_written_equal_one_device(loss, plan):
+    """Each microbatch's part of the step's loss sum is its numerator (plus the other terms times
+    its count), not its mean times its count: a microbatch counting nothing divides by a guarded 1,
+    and times 0 its numerator was dropped -- the unmasked forms trained on half the loss under mb."""
+    result = assert_equivalent(lambda: Denominators(loss).double(), plan, [empty_start()] * 2, optimizer=sgd,
+                               rtol=1e-10, atol=1e-10, param_atol=1e-10)
+    assert result.max_param_diff <= 1e-10
+
+
+def test_a_floored_count_holds_when_nothing_is_counted():
+    """The whole batch counts nothing: the floor divides by 1 on one device (a finite step), and the
+    step's count takes the same floor."""
+    ids, labels = batch()
+    labels[:] = IGNORED
+    result = assert_equivalent(lambda: Denominators("clamped").double(), "dp=3 mb=2", [(ids, labels)] * 2,
+                               optimizer=sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
+    assert result.max_param_diff <= 1e-10
 
 
 def test_what_microbatches_cannot_combine_is_refused_by_name():
-    """A clamped denominator is not a sum over the batch; KL's batchmean divides by a constant that
-    is the microbatch's batch size, which usc cannot tell from a fixed one."""
-    with pytest.raises(usc.PlanError, match="clamp.default .* is not linear in a sum or mean over the batch"):
-        usc.lint(Clamped("masked_mean"), "dp=3 mb=2", example_inputs=batch())
+    """A floored count with terms that do not depend on the batch (their weight would follow the
+    floored count); KL's batchmean divides by a constant that is the microbatch's batch size, which
+    usc cannot tell from a fixed one."""
+
+    class FlooredPlusRegularizer(Tagger):
+        def forward(self, ids, labels):
+            z = self.head(self.emb(ids))
+            y = labels.reshape(-1)
+            counted = (y != IGNORED).to(z.dtype)
+            per_token = F.cross_entropy(z.reshape(-1, VOCAB), y, reduction="none")
+            return (per_token * counted).sum() / counted.sum().clamp(min=1) + self.head.weight.pow(2).sum()
+
+    with pytest.raises(usc.PlanError, match="adds terms that do not depend on the batch .* floor or offset"):
+        usc.lint(FlooredPlusRegularizer("masked_mean"), "dp=3 mb=2", example_inputs=batch())
+    assert_equivalent(lambda: FlooredPlusRegularizer("masked_mean").double(), "dp=2", [empty_start()] * 2,
+                      optimizer=sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
 
     class BatchMean(Tagger):
         def forward(self, ids, labels):

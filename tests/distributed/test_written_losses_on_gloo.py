@@ -1,8 +1,11 @@
-"""This stop's loss and model paths on real gloo processes, not simulated ranks: cross-entropy with
+"""Loss and model paths users write, on real gloo processes, not simulated ranks: cross-entropy with
 class weights and smoothing under tp (its vocabulary-parallel class sums), a masked mean whose first
 microbatch counts no token under dp and microbatches (the guarded count, weighted by the runtime),
 BART under pp with microbatches (the labels' new_zeros made from their shard, stages across
-processes). Float64, SGD, against the model trained on one device."""
+processes); a ratio of sums whose numerator the mask does not cover, plus a regularizer, under dp
+and microbatches (the numerator of a microbatch counting nothing, summed over dp), and a floored
+count under pp (the floor applied to the step's count on every stage). Float64, SGD, against the
+model trained on one device."""
 
 import io
 
@@ -14,7 +17,7 @@ from gloo_cases import train_written, written_case
 from harness import run_world
 
 CASES = [("cross_entropy_weight_smoothing", "tp=2"), ("masked_mean_all_ignored_microbatch", "dp=3 mb=2"),
-         ("bart", "pp=2 mb=2")]
+         ("bart", "pp=2 mb=2"), ("unmasked_plus_regularizer", "dp=3 mb=2"), ("clamped", "pp=2 mb=3")]
 
 
 def one_device(case: str):
