@@ -44,9 +44,13 @@ def batch_layouts(traced: Traced, plan, mesh: MeshSpec) -> dict[str, Layout]:
         dp = mesh.size("dp") * mesh.size("ep")  # ep ranks are carved from the dp ranks
         if dp > 1 and isinstance(value, torch.Tensor) and value.dim() > 0:
             if value.shape[0] % dp:
-                raise plan.error_at("dp", f"dp={dp} does not divide the batch of input '{name}' "
-                                          f"(shape {list(value.shape)})",
-                                    hint=f"pass a global batch whose first dim is a multiple of {dp}")
+                mb = int(plan.get("mb"))  # the trace holds one microbatch of the batch
+                what = f"the batch of input '{name}' (shape {list(value.shape)})" if mb == 1 else (
+                    f"the microbatch of input '{name}' (shape {list(value.shape)}: the batch of "
+                    f"{value.shape[0] * mb} in mb={mb} microbatches)")
+                raise plan.error_at("dp", f"dp={dp} does not divide {what}",
+                                    hint=f"pass a global batch whose first dim is a multiple of {dp * mb}"
+                                         f"{f' (dp x mb)' if mb > 1 else ''}")
             for axis in DATA_AXES:
                 if mesh.size(axis) > 1:
                     placements[mesh.axes.index(axis)] = Shard(0)

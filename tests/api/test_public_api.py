@@ -263,6 +263,13 @@ def test_dp_that_does_not_divide_the_batch_names_dp_and_the_batch():
     assert "dp=3" in err.message and "[4, 16]" in err.message
 
 
+def test_dp_that_does_not_divide_a_microbatch_says_dp_times_mb():
+    """A batch of 6 is a multiple of dp=2, but its microbatches of 3 are not: the fix is a multiple of 4."""
+    err = plan_error(TinyLlama(SMALL), "dp=2 mb=2", token_batch(128, 6, 16))
+    assert "microbatch of input" in err.message and "the batch of 6 in mb=2 microbatches" in err.message
+    assert "multiple of 4 (dp x mb)" in err.hint
+
+
 @pytest.mark.parametrize("plan, position, name", [
     ("dp=2 pp=2 capacity_factor=1.5", (1, 11), "capacity_factor"),
     ("pp=2 schedule=zb recompute=full", (1, 18), "recompute"),
