@@ -30,8 +30,9 @@ Establishes: with mb > 1, the program's microbatch losses combine into the one-d
 
 from __future__ import annotations
 
+import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -62,10 +63,13 @@ OPTIONS = ("options: mb=1 (no microbatching); batch_coupling=per_microbatch (eac
 
 
 def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...] = (),
-                        params: frozenset[str] = frozenset(), probe: fx.GraphModule | None = None) -> fx.GraphModule:
+                        params: frozenset[str] = frozenset(), probe: fx.GraphModule | None = None,
+                        resized=None) -> fx.GraphModule:
     """Make the microbatch losses combine exactly, or refuse (see the module docstring).
     ``probe``: the model traced on two samples, analysed in place of a graph whose microbatch holds
-    one (its nodes carry the same names)."""
+    one (its nodes carry the same names). ``resized``: () -> (graph, samples), the model traced on
+    another number of samples, asked for only when a loss term is scaled by a constant that may be
+    the batch size."""
     microbatches = int(ctx.plan.get("mb"))
     if microbatches == 1:
         return gm
@@ -94,7 +98,9 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
                     if META in n.meta and n.meta.get("usc_replaces") not in (None, *layouts)})
     terms = loss_terms(gm, _batch_dependent(gm, user_inputs))
     kinds = [(term, _kind(term, layouts)) for term in terms]
-    _refuse_unclear(ctx, microbatches, kinds, batch_size(gm, user_inputs))
+    batch = batch_size(gm, user_inputs)
+    kinds = _read_batch_constants(kinds, batch, resized, user_inputs)
+    _refuse_unclear(ctx, microbatches, kinds, batch)
     _weight_sums(gm, kinds, microbatches)
     gm.meta["usc_loss_combine"] = "token_mean" if any(k == "token_mean" for _, k in kinds) else "mean"
     gm.recompile()
@@ -378,8 +384,13 @@ class Term:
     """One reduction the loss is a linear combination of, with the constants scaling it on the way."""
 
     root: fx.Node
-    constants: tuple[float, ...]
+    constants: tuple[float, ...]  # the numbers it is multiplied by (a division by c as 1 / c)
     batch_dependent: bool
+    read: bool = False  # its scale was read against the model traced on another number of samples
+
+    @property
+    def scale(self) -> float:
+        return math.prod(c for c in self.constants if isinstance(c, (int, float)) and not isinstance(c, bool))
 
 
 def _batch_dependent(gm: fx.GraphModule, user_inputs) -> set[fx.Node]:
@@ -408,11 +419,16 @@ def _sum_parts(node, dependent):
 def _scaled_part(node, dependent):
     """x * c, c * x, x / c: the batch-dependent side, scaled by a batch-independent one."""
     a, b = node.args[0], node.args[1]
-    if node.target in (aten.div.Tensor, aten.div.Scalar):
-        return [(a, (b,))] if _independent(b, dependent) else None
+    if node.target in (aten.div.Tensor, aten.div.Scalar, operator.truediv):
+        return [(a, (_reciprocal(b),))] if _independent(b, dependent) else None
     if _independent(b, dependent):
         return [(a, (b,))]
     return [(b, (a,))] if _independent(a, dependent) else None
+
+
+def _reciprocal(value):
+    """A divisor as the number the term is multiplied by (a tensor divisor stays as it is)."""
+    return 1 / value if isinstance(value, (int, float)) and not isinstance(value, bool) and value else value
 
 
 def _first_part(node, dependent):
@@ -533,8 +549,7 @@ def _refuse_unclear(ctx, microbatches: int, kinds, batch: int) -> None:
     other = next((t for t, k in kinds if k == "other"), None)
     token = [t for t, k in kinds if k == "token_mean"]
     mixed = [t for t, k in kinds if k in ("sum", "mean")]
-    ambiguous = next((t for t, k in kinds if k != "constant" and any(_batch_multiple(c, batch) for c in t.constants)),
-                     None)
+    ambiguous = next((t for t, k in kinds if k != "constant" and _may_follow_batch(t, batch)), None)
     if other is not None:
         error = (f"the loss term {_name(other.root)} is not a sum or mean over the batch (e.g. a max, or a nonlinear "
                  "function of batch reductions): microbatch losses do not combine into it")
@@ -549,17 +564,60 @@ def _refuse_unclear(ctx, microbatches: int, kinds, batch: int) -> None:
                  "follow the floored count, not 1 (divide by the count alone: usc keeps a microbatch that counts nothing off "
                  "zero itself)")
     elif ambiguous is not None:
-        error = (f"the loss term {_name(ambiguous.root)} is scaled by a constant that is a multiple of the "
-                 f"microbatch's batch size {batch}: usc cannot tell a fixed constant from one taken from the batch "
-                 "shape, which differs between a microbatch and the batch (write .mean() instead of .sum() / n)")
+        error = (f"the loss term {_name(ambiguous.root)} is scaled by {ambiguous.scale:g}, which may be taken from the "
+                 f"shape of the microbatch (of {batch} samples), and the model traced on another number of samples did "
+                 "not show whether it is: a batch's size differs between a microbatch and the batch (write .mean() "
+                 "instead of .sum() / n)")
     if error is not None:
         raise ctx.plan.error_at("mb", f"mb={microbatches} runs the batch in microbatches, but {error}", hint=OPTIONS)
 
 
-def _batch_multiple(constant, batch: int) -> bool:
-    if batch <= 1 or not isinstance(constant, (int, float)) or isinstance(constant, bool):
+def _read_batch_constants(kinds, batch: int, resized, user_inputs):
+    """Terms whose scale may be taken from the microbatch's shape (``.sum() / x.size(0)``, ``* (1 /
+    labels.numel())``, kl_div's batchmean), read against the model traced on another number of
+    samples: a scale that stays is a fixed one, and the term keeps its kind; a sum whose scale
+    follows 1 / (the number of samples) is a mean over the batch. Anything else stays unread
+    (refused by name)."""
+    flagged = [i for i, (t, k) in enumerate(kinds) if k != "constant" and _may_follow_batch(t, batch)]
+    if resized is None or not flagged:
+        return kinds
+    try:
+        other = resized()
+    except Exception:  # noqa: BLE001 - a model refusing another batch size leaves the terms unread
+        other = None
+    if other is None:
+        return kinds
+    graph, samples = other
+    theirs = {t.root.name: t for t in loss_terms(graph, _batch_dependent(graph, user_inputs))}
+    out = list(kinds)
+    for i in flagged:
+        term, kind = kinds[i]
+        other_term = theirs.get(term.root.name)
+        if other_term is None:
+            continue
+        mine, their = term.scale, other_term.scale
+        if math.isclose(mine, their, rel_tol=1e-12):
+            out[i] = (replace(term, read=True), kind)
+        elif kind == "sum" and math.isclose(mine * batch, their * samples, rel_tol=1e-12):
+            out[i] = (replace(term, read=True), "mean")
+    return out
+
+
+def _may_follow_batch(term: Term, batch: int) -> bool:
+    """Whether the term's scale may come from the microbatch's size: it, or its reciprocal, is a
+    whole multiple of the size (a microbatch of one sample: any scale, as export drops a division
+    by 1)."""
+    if term.read:
         return False
-    return float(constant).is_integer() and int(constant) % batch == 0 and constant != 0
+    if batch <= 1:
+        return True
+    scale = term.scale
+    return _whole_multiple(scale, batch) or (scale != 0 and _whole_multiple(1 / scale, batch))
+
+
+def _whole_multiple(value: float, batch: int) -> bool:
+    whole = round(value)
+    return whole > 0 and abs(value - whole) <= 1e-9 * abs(value) and whole % batch == 0
 
 
 def _weight_sums(gm: fx.GraphModule, kinds, microbatches: int) -> None:

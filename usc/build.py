@@ -35,6 +35,18 @@ def _samples(batch: tuple) -> int | None:
     return next((v.shape[0] for v in batch if isinstance(v, torch.Tensor) and v.dim() > 0), None)
 
 
+class _Once:
+    """``fn()`` on the first call, the same value after."""
+
+    def __init__(self, fn) -> None:
+        self._fn, self._done, self._value = fn, False, None
+
+    def __call__(self):
+        if not self._done:
+            self._value, self._done = self._fn(), True
+        return self._value
+
+
 def _source_of(fn) -> str:
     """'file:line' where a loss function is defined (torch's own functions give '')."""
     try:
@@ -117,9 +129,15 @@ class _Compiled:
             traced = trace_stamped(self.model, microbatch, wrapper_source=self._loss_source)
         else:
             traced = trace(self.model, microbatch, wrapper_source=self._loss_source, moe_blocks=moe_blocks)
-        if int(self.plan.get("mb")) > 1 and _samples(microbatch) == 1:
-            pair = tuple(v[:2] if isinstance(v, torch.Tensor) and v.dim() else v for v in batch)
-            traced.batch_probe = trace(self.model, pair, wrapper_source=self._loss_source, moe_blocks=moe_blocks)
+        samples = _samples(microbatch)
+        if int(self.plan.get("mb")) > 1 and samples is not None:
+            # the model on one sample more, traced only if the microbatch analysis asks (a loss scaled
+            # by a constant that may be the batch size): two samples when a microbatch holds one
+            more = tuple(v[:samples + 1] if isinstance(v, torch.Tensor) and v.dim() else v for v in batch)
+            probe = _Once(lambda: trace(self.model, more, wrapper_source=self._loss_source, moe_blocks=moe_blocks))
+            if samples == 1:
+                traced.batch_probe = probe()
+            traced.resized_probe = lambda: (probe().gm, samples + 1)
         return traced
 
     def _attach_cost(self, batch: tuple, hardware) -> None:

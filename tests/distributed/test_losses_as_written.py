@@ -154,10 +154,44 @@ def test_a_floored_count_holds_when_nothing_is_counted():
     assert result.max_param_diff <= 1e-10
 
 
+class Scaled(Tagger):
+    """A sum scaled by a number, which the trace holds as a constant: taken from the batch's shape
+    (a mean over the batch, written by hand) or fixed. A microbatch's trace holds its own size."""
+
+    def forward(self, ids, labels):
+        z = self.head(self.emb(ids))
+        per_token = F.cross_entropy(z.reshape(-1, VOCAB), labels.reshape(-1), reduction="none")
+        return {
+            "over_batch_size": lambda: per_token.sum() / ids.size(0),
+            "times_reciprocal": lambda: per_token.sum() * (1.0 / ids.size(0)),
+            "over_numel": lambda: per_token.sum() / labels.numel(),
+            "kl_batchmean": lambda: F.kl_div(F.log_softmax(z, -1), F.softmax(0.5 * z.detach(), -1),
+                                             reduction="batchmean"),
+            "over_fixed_3": lambda: per_token.sum() / 3,
+            "over_fixed_6": lambda: per_token.sum() / 6,
+            "times_fixed_half": lambda: 0.5 * per_token.sum(),
+        }[self.loss]()
+
+
+SCALES = ["over_batch_size", "times_reciprocal", "over_numel", "kl_batchmean", "over_fixed_3", "over_fixed_6",
+          "times_fixed_half"]
+
+
+@pytest.mark.parametrize("plan", ["mb=6", "mb=2", "dp=3 mb=2", "pp=2 mb=3"])
+@pytest.mark.parametrize("loss", SCALES)
+def test_a_scale_from_the_batch_shape_is_read_against_another_batch_size(loss, plan):
+    """The trace of a microbatch holds its own size where the model reads the batch's: usc traces the
+    model on one sample more and compares. ``* (1 / x.size(0))`` under any mb, and every batch-shaped
+    divisor under microbatches of one sample (``mb=6``: a division by 1), trained on M times the
+    loss; a divisor that is a multiple of the microbatch's size was refused, fixed or not."""
+    result = assert_equivalent(lambda: Scaled(loss).double(), plan, [batch()] * 2, optimizer=sgd,
+                               rtol=1e-10, atol=1e-10, param_atol=1e-10)
+    assert result.max_param_diff <= 1e-10
+
+
 def test_what_microbatches_cannot_combine_is_refused_by_name():
     """A floored count with terms that do not depend on the batch (their weight would follow the
-    floored count); KL's batchmean divides by a constant that is the microbatch's batch size, which
-    usc cannot tell from a fixed one."""
+    floored count); a mean divided by the batch's size (not linear in the microbatches' means)."""
 
     class FlooredPlusRegularizer(Tagger):
         def forward(self, ids, labels):
@@ -172,12 +206,13 @@ def test_what_microbatches_cannot_combine_is_refused_by_name():
     assert_equivalent(lambda: FlooredPlusRegularizer("masked_mean").double(), "dp=2", [empty_start()] * 2,
                       optimizer=sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
 
-    class BatchMean(Tagger):
+    class MeanOverBatchSize(Tagger):
         def forward(self, ids, labels):
             z = self.head(self.emb(ids))
-            return F.kl_div(F.log_softmax(z, -1), F.softmax(0.5 * z.detach(), -1), reduction="batchmean")
+            return F.cross_entropy(z.reshape(-1, VOCAB), labels.reshape(-1)) / ids.size(0)
 
-    with pytest.raises(usc.PlanError, match="kl_div.default .* is scaled by a constant that is a multiple of"):
-        usc.lint(BatchMean("kl_sum"), "dp=3 mb=2", example_inputs=batch())
-    assert_equivalent(lambda: BatchMean("kl_sum").double(), "dp=2", [batch()] * 2, optimizer=sgd,
+    with pytest.raises(usc.PlanError, match="cross_entropy_loss.default .* is scaled by 0.333333, which may be taken "
+                                            "from the shape of the microbatch"):
+        usc.lint(MeanOverBatchSize("kl_sum"), "dp=3 mb=2", example_inputs=batch())
+    assert_equivalent(lambda: MeanOverBatchSize("kl_sum").double(), "dp=2", [batch()] * 2, optimizer=sgd,
                       rtol=1e-10, atol=1e-10, param_atol=1e-10)
