@@ -88,7 +88,7 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
         gm.meta["usc_loss_combine"] = "per_microbatch"
         gm.recompile()
         return gm
-    coupling = _first_coupling(virtual, user_inputs)
+    coupling = _first_coupling(virtual, user_inputs) or _fixed_batch_slice(gm, resized, user_inputs)
     if coupling is not None:
         raise ctx.plan.error_at("mb", f"mb={microbatches} runs the batch in microbatches, but {coupling}",
                                 hint=OPTIONS)
@@ -96,8 +96,8 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
     # a node an expansion replaced (a per-token cross-entropy the user reduces) has its result's layout
     layouts.update({n.meta["usc_replaces"]: n.meta[META].layout for n in virtual.graph.nodes
                     if META in n.meta and n.meta.get("usc_replaces") not in (None, *layouts)})
-    terms = loss_terms(gm, _batch_dependent(gm, user_inputs))
-    kinds = [(term, _kind(term, layouts)) for term in terms]
+    terms = loss_terms(gm, _batch_dependent(gm, user_inputs), batch_size(gm, user_inputs))
+    kinds = [_with_path_scales(term, _kind(term, layouts), layouts) for term in terms]
     batch = batch_size(gm, user_inputs)
     kinds = _read_batch_constants(kinds, batch, resized, user_inputs)
     _refuse_unclear(ctx, microbatches, kinds, batch)
@@ -211,6 +211,55 @@ def _first_coupling(virtual: fx.GraphModule, user_inputs) -> str | None:
                 and _rows_of_their_own(node.args[0], module.dim, frozenset(user_inputs)):
             return _describe_rows(node)
     return None
+
+
+_WHOLE = 2**62  # a slice's end past any size: ``x[i:]``
+
+
+def _fixed_batch_slice(gm: fx.GraphModule, resized, user_inputs) -> str | None:
+    """A slice of the batch dim that keeps a whole microbatch by a bound the model fixed (``x[:2]`` on
+    a microbatch of 2, or of 1: a slice past the end keeps everything), which on the batch keeps only
+    some samples: the microbatch's trace shows no coupling. A bound that is the number of samples
+    (``x[:x.size(0)]``) follows it in the model traced on another number; one that does not is named."""
+    dependent, batch = _batch_dependent(gm, user_inputs), batch_size(gm, user_inputs)
+    suspects = [n for n in gm.graph.nodes if n.target is aten.slice.Tensor and n.args[0] in dependent
+                and _dim(n) == 0 and (shape_of(n.args[0]) or (None,))[0] == batch and _keeps_all_by_a_bound(n, batch)]
+    if not suspects:
+        return None
+    try:
+        graph, samples = resized() if resized is not None else (None, 0)
+    except Exception:  # noqa: BLE001 - the model refusing another batch size: the slices stay unread
+        graph = None
+    theirs = {n.name: n for n in graph.graph.nodes} if graph is not None else {}
+    for node in suspects:
+        other = theirs.get(node.name)
+        if other is None or not (_bounds_follow(node, batch) and _bounds_follow(other, samples)):
+            start, end = _bounds(node)
+            bounds = f"{'' if start in (None, 0) else start}:{'' if end is None or end >= _WHOLE else end}"
+            return (f"{_name(node)} slices the batch dim by a bound the model fixes ([{bounds}]): on a microbatch of "
+                    f"{batch} it keeps every sample, on the batch it would keep only some")
+    return None
+
+
+def _bounds(node: fx.Node) -> tuple:
+    args = list(node.args) + [None] * 4
+    return node.kwargs.get("start", args[2]), node.kwargs.get("end", args[3])
+
+
+def _keeps_all_by_a_bound(node: fx.Node, size: int) -> bool:
+    """The slice keeps all of a dim of ``size``, with a bound other than ``x[:]``'s."""
+    start, end = _bounds(node)
+    step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
+    first = 0 if start is None else (start + size if start < 0 else start)
+    last = size if end is None else (end + size if end < 0 else min(end, size))
+    trivial = start in (None, 0) and (end is None or end >= _WHOLE)
+    return not trivial and step == 1 and first <= 0 and last >= size
+
+
+def _bounds_follow(node: fx.Node, size: int) -> bool:
+    """Each bound is trivial (0, past the end) or the number of samples itself (``x[:n]``, ``x[-n:]``)."""
+    start, end = _bounds(node)
+    return start in (None, 0, -size) and (end is None or end >= _WHOLE or end == size)
 
 
 _SLICES = {aten.slice.Tensor, aten.narrow.default}  # keep every dim (a part of one)
@@ -387,6 +436,9 @@ class Term:
     constants: tuple[float, ...]  # the numbers it is multiplied by (a division by c as 1 / c)
     batch_dependent: bool
     read: bool = False  # its scale was read against the model traced on another number of samples
+    path: bool = False  # its constants include those between the batch's reduction and it
+    dependent: frozenset = frozenset()  # the graph's batch-dependent nodes
+    batch: int = 0  # the graph's number of samples
 
     @property
     def scale(self) -> float:
@@ -447,8 +499,10 @@ LINEAR = {
 }
 
 
-def loss_terms(gm: fx.GraphModule, dependent: set[fx.Node]) -> list[Term]:
-    """The reductions the (scalar) loss is a linear combination of."""
+def loss_terms(gm: fx.GraphModule, dependent: set[fx.Node], batch: int = 0) -> list[Term]:
+    """The reductions the (scalar) loss is a linear combination of (``batch``: the graph's number of
+    samples)."""
+    dependent = frozenset(dependent)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     values = output.args[0]
     loss = values[0] if isinstance(values, (tuple, list)) else values
@@ -460,7 +514,7 @@ def loss_terms(gm: fx.GraphModule, dependent: set[fx.Node]) -> list[Term]:
         split = LINEAR.get(node.target)
         parts = split(node, dependent) if split is not None and _scalar(node) else None
         if parts is None:
-            terms.append(Term(node, constants, node in dependent))
+            terms.append(Term(node, constants, node in dependent, dependent=dependent, batch=batch))
             continue
         todo.extend((part, constants + tuple(c for c in scales if not isinstance(c, fx.Node)))
                     for part, scales in parts)
@@ -492,6 +546,16 @@ TOKEN_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.
                 aten.nll_loss2d.default}
 
 
+def _with_path_scales(term: Term, kind: str, layouts: dict[str, Layout]) -> tuple[Term, str]:
+    """(term, kind), the term's scales joined by those between the batch's reduction and the term
+    (``path``: read so in the model traced on another number of samples too)."""
+    source = _laid_out_source(term.root, layouts) if kind in ("sum", "mean") else None
+    if source is None or not isinstance(layouts[source.name].placements[0], Partial):
+        return term, kind
+    scales = _batch_reduction(term.root, term.dependent, term.batch)[1]
+    return replace(term, constants=term.constants + scales, path=True), kind
+
+
 def _kind(term: Term, layouts: dict[str, Layout]) -> str:
     """How a term combines over microbatches: 'constant', 'sum', 'mean', 'token_mean' or 'other'."""
     if not term.batch_dependent:
@@ -511,8 +575,44 @@ def _kind(term: Term, layouts: dict[str, Layout]) -> str:
     if placement is None:
         return "other"
     if isinstance(placement, Partial) and placement.reduce_op == "sum" and reduction != "token_mean":
-        return "sum"  # a reduction of a batch sum is itself a sum over microbatches
+        # a reduction of a value already reduced over the batch: a sum over microbatches, or a mean
+        # where the batch was reduced by one (``per_token.mean(0).mean()``)
+        return _batch_reduction(term.root, term.dependent, term.batch)[0]
     return reduction if isinstance(placement, Shard) else "other"
+
+
+_MEANS = {aten.mean.dim, aten.mean.default}
+_SCALES = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
+_REDUCES = _MEANS | {aten.sum.dim_IntList, aten.sum.default}
+
+
+def _batch_reduction(root: fx.Node, dependent: set[fx.Node], batch: int) -> tuple[str, tuple]:
+    """('mean' or 'sum', scales) of the value a term reduces, when that value was already reduced
+    over the batch: walked back from the term to the op that reduced the batch dim -- a mean makes
+    the value a mean over the batch, a sum (or a walk that ends elsewhere: a product contracting
+    the batch, two reduced values added) a sum -- with the numbers it was multiplied by on the way
+    (``.sum(0) / x.size(0)``: a scale the microbatch's size may give, read like a term's)."""
+    node, scales = root, []
+    while True:
+        if node is not root and node.target in _REDUCES and _reduces_dim0(node, batch):
+            return ("mean" if node.target in _MEANS else "sum"), tuple(scales)
+        inputs = [a for a in node.all_input_nodes if a in dependent]
+        if len(inputs) != 1:
+            return "sum", tuple(scales)
+        if node is not root and node.target in _SCALES and len(node.args) == 2 \
+                and isinstance(node.args[1], (int, float)) and not isinstance(node.args[1], bool):
+            divide = node.target in (aten.div.Tensor, aten.div.Scalar)
+            scales.append(_reciprocal(node.args[1]) if divide else node.args[1])
+        node = inputs[0]
+
+
+def _reduces_dim0(node: fx.Node, batch: int) -> bool:
+    """A sum or mean over dim 0 of a value whose dim 0 is the batch (all dims, or a list with 0)."""
+    shape = shape_of(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    if not shape or shape[0] != batch:
+        return False
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    return dims in (None, []) or 0 in [d % len(shape) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
 
 
 # Ops that keep the batch outermost: a loss expansion may peel them (``loss(x.view(-1, V), ...)`` is
@@ -588,7 +688,7 @@ def _read_batch_constants(kinds, batch: int, resized, user_inputs):
     if other is None:
         return kinds
     graph, samples = other
-    theirs = {t.root.name: t for t in loss_terms(graph, _batch_dependent(graph, user_inputs))}
+    theirs = {t.root.name: t for t in loss_terms(graph, _batch_dependent(graph, user_inputs), samples)}
     out = list(kinds)
     for i in flagged:
         term, kind = kinds[i]
@@ -596,6 +696,8 @@ def _read_batch_constants(kinds, batch: int, resized, user_inputs):
         if other_term is None:
             continue
         mine, their = term.scale, other_term.scale
+        if term.path:  # the scales between the batch's reduction and the term, there too
+            their *= math.prod(_batch_reduction(other_term.root, other_term.dependent, samples)[1])
         if math.isclose(mine, their, rel_tol=1e-12):
             out[i] = (replace(term, read=True), kind)
         elif kind == "sum" and math.isclose(mine * batch, their * samples, rel_tol=1e-12):

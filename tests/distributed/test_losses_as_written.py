@@ -189,6 +189,44 @@ def test_a_scale_from_the_batch_shape_is_read_against_another_batch_size(loss, p
     assert result.max_param_diff <= 1e-10
 
 
+class PerSample(Tagger):
+    """The batch reduced inside the loss, before a reduction over the sequence; slices of the batch."""
+
+    def forward(self, ids, labels):
+        z = self.head(self.emb(ids))
+        per_token = F.cross_entropy(z.reshape(-1, VOCAB), labels.reshape(-1), reduction="none").view(ids.shape)
+        per_sample = per_token.mean(1)
+        return {
+            "mean_over_batch_then_sequence": lambda: per_token.mean(0).mean(),
+            "sum_over_batch_over_its_size": lambda: (per_token.sum(0) / ids.size(0)).sum(),
+            "sum_over_batch_then_sequence": lambda: per_token.sum(0).mean(),
+            "slice_by_size": lambda: per_sample[: ids.size(0)].mean(),
+            "slice_from_minus_size": lambda: per_sample[-ids.size(0):].sum(),
+            "fixed_slice": lambda: per_sample[:2].mean(),
+            "fixed_tail": lambda: per_sample[-2:].mean(),
+        }[self.loss]()
+
+
+@pytest.mark.parametrize("plan", ["mb=6", "mb=2", "dp=3 mb=2", "pp=2 mb=3"])
+@pytest.mark.parametrize("loss", ["mean_over_batch_then_sequence", "sum_over_batch_over_its_size",
+                                  "sum_over_batch_then_sequence", "slice_by_size", "slice_from_minus_size"])
+def test_a_batch_reduced_inside_the_loss_combines_as_one_device(loss, plan):
+    """A mean over the batch dim followed by a mean over the sequence was read as a sum (the value
+    is partial over the batch split either way): M times the loss, silently."""
+    result = assert_equivalent(lambda: PerSample(loss).double(), plan, [batch()] * 2, optimizer=sgd,
+                               rtol=1e-10, atol=1e-10, param_atol=1e-10)
+    assert result.max_param_diff <= 1e-10
+
+
+@pytest.mark.parametrize("plan", ["mb=6", "pp=2 mb=3"])
+@pytest.mark.parametrize("loss", ["fixed_slice", "fixed_tail"])
+def test_a_fixed_slice_of_the_batch_is_refused_where_a_microbatch_hides_it(loss, plan):
+    """``x[:2]`` on a microbatch of 2 (or of 1) keeps it whole: no coupling in its trace, though on the
+    batch it keeps 2 samples of 6. It trained on every sample, silently."""
+    with pytest.raises(usc.PlanError, match=r"slice.Tensor .* slices the batch dim by a bound the model fixes"):
+        usc.lint(PerSample(loss), plan, example_inputs=batch())
+
+
 def test_what_microbatches_cannot_combine_is_refused_by_name():
     """A floored count with terms that do not depend on the batch (their weight would follow the
     floored count); a mean divided by the batch's size (not linear in the microbatches' means)."""
