@@ -67,6 +67,12 @@ class Traced:
         return next(n for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == name)
 
 
+def lifted_constants(traced: Traced) -> dict[str, torch.Tensor]:
+    """The tensor constants the trace lifted to inputs (``torch.tensor(n)`` in forward), by placeholder."""
+    return {s.placeholder: traced.constants[s.name] for s in traced.state
+            if s.kind == "constant" and s.name in traced.constants}
+
+
 def _model_device(model: nn.Module) -> torch.device:
     for tensor in list(model.parameters()) + list(model.buffers()):
         return tensor.device

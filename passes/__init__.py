@@ -14,7 +14,7 @@ from usc.compiler.functional import input_write_warnings
 from usc.compiler.ir import MeshSpec, copy_graph_module
 from usc.compiler.pass_runner import CompileContext, PassSpec, run_pipeline
 from usc.compiler.program import Program, build_program
-from usc.compiler.trace import Traced
+from usc.compiler.trace import Traced, lifted_constants
 
 from . import functional_rules  # noqa: F401 - registers the rules of functionalized writes
 from .fusion import fusion_pass
@@ -38,7 +38,8 @@ from .zero3 import zero3_pass
 
 def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
                    constants: frozenset[str] = frozenset(), user_inputs: tuple[str, ...] = (),
-                   batch_probe: fx.GraphModule | None = None, resized_probe=None) -> list[PassSpec]:
+                   batch_probe: fx.GraphModule | None = None, resized_probe=None,
+                   constant_values=None) -> list[PassSpec]:
     """The ordered pass list. Order matters:
     random_ops and batch_coupling read the traced graph (no layouts yet): random draws first, so the
     microbatch analysis sees them as draws and can give each its batch dim;
@@ -58,7 +59,8 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
         PassSpec("batch_outer", batch_outer_pass, {"user_inputs": tuple(user_inputs), "params": frozenset(params)},
                  annotated=False),
         PassSpec("batch_coupling", batch_coupling_pass, {"user_inputs": tuple(user_inputs), "params": frozenset(params),
-                                                         "probe": batch_probe, "resized": resized_probe},
+                                                         "probe": batch_probe, "resized": resized_probe,
+                                                         "constant_values": constant_values},
                  annotated=False),
         PassSpec("compute_dtype", compute_dtype_pass, {"params": frozenset(params)}, annotated=False),
         PassSpec("propagate", propagate_pass, {"input_layouts": input_layouts, "grad_inputs": grad_inputs}),
@@ -95,7 +97,7 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
         passes = build_pipeline(input_layouts=layouts, grad_inputs=params, params=params, constants=constants,
                                 user_inputs=tuple(traced.user_inputs),
                                 batch_probe=traced.batch_probe.gm if traced.batch_probe is not None else None,
-                                resized_probe=traced.resized_probe)
+                                resized_probe=traced.resized_probe, constant_values=lifted_constants(traced))
         try:
             gm = run_pipeline(copy_graph_module(traced.gm), ctx, passes, verify=verify)
             break

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -64,12 +65,13 @@ OPTIONS = ("options: mb=1 (no microbatching); batch_coupling=per_microbatch (eac
 
 def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...] = (),
                         params: frozenset[str] = frozenset(), probe: fx.GraphModule | None = None,
-                        resized=None) -> fx.GraphModule:
+                        resized=None, constant_values=None) -> fx.GraphModule:
     """Make the microbatch losses combine exactly, or refuse (see the module docstring).
     ``probe``: the model traced on two samples, analysed in place of a graph whose microbatch holds
-    one (its nodes carry the same names). ``resized``: () -> (graph, samples), the model traced on
-    another number of samples, asked for only when a loss term is scaled by a constant that may be
-    the batch size."""
+    one (its nodes carry the same names). ``resized``: () -> (graph, samples, lifted constants), the
+    model traced on another number of samples, asked for only when a loss term is scaled by a
+    number that may be the batch size or a slice of the batch may hide a fixed bound.
+    ``constant_values``: the graph's lifted constants by placeholder (a scale made of them is read)."""
     microbatches = int(ctx.plan.get("mb"))
     if microbatches == 1:
         return gm
@@ -96,7 +98,7 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
     # a node an expansion replaced (a per-token cross-entropy the user reduces) has its result's layout
     layouts.update({n.meta["usc_replaces"]: n.meta[META].layout for n in virtual.graph.nodes
                     if META in n.meta and n.meta.get("usc_replaces") not in (None, *layouts)})
-    terms = loss_terms(gm, _batch_dependent(gm, user_inputs), batch_size(gm, user_inputs))
+    terms = loss_terms(gm, _batch_dependent(gm, user_inputs), batch_size(gm, user_inputs), constant_values)
     kinds = [_with_path_scales(term, _kind(term, layouts), layouts) for term in terms]
     batch = batch_size(gm, user_inputs)
     kinds = _read_batch_constants(kinds, batch, resized, user_inputs)
@@ -227,7 +229,7 @@ def _fixed_batch_slice(gm: fx.GraphModule, resized, user_inputs) -> str | None:
     if not suspects:
         return None
     try:
-        graph, samples = resized() if resized is not None else (None, 0)
+        graph, samples, _ = resized() if resized is not None else (None, 0, None)
     except Exception:  # noqa: BLE001 - the model refusing another batch size: the slices stay unread
         graph = None
     theirs = {n.name: n for n in graph.graph.nodes} if graph is not None else {}
@@ -439,6 +441,7 @@ class Term:
     path: bool = False  # its constants include those between the batch's reduction and it
     dependent: frozenset = frozenset()  # the graph's batch-dependent nodes
     batch: int = 0  # the graph's number of samples
+    values: object = None  # the graph's lifted constants by placeholder
 
     @property
     def scale(self) -> float:
@@ -468,14 +471,63 @@ def _sum_parts(node, dependent):
     return [(a, ()) for a in node.args[:2]]
 
 
+class _Scale(NamedTuple):
+    """A batch-independent tensor a term is multiplied (or divided) by, its value read on demand."""
+
+    node: fx.Node
+    divide: bool
+
+
 def _scaled_part(node, dependent):
     """x * c, c * x, x / c: the batch-dependent side, scaled by a batch-independent one."""
     a, b = node.args[0], node.args[1]
     if node.target in (aten.div.Tensor, aten.div.Scalar, operator.truediv):
-        return [(a, (_reciprocal(b),))] if _independent(b, dependent) else None
+        return [(a, (_as_scale(b, True),))] if _independent(b, dependent) else None
     if _independent(b, dependent):
-        return [(a, (b,))]
-    return [(b, (a,))] if _independent(a, dependent) else None
+        return [(a, (_as_scale(b, False),))]
+    return [(b, (_as_scale(a, False),))] if _independent(a, dependent) else None
+
+
+def _as_scale(value, divide: bool):
+    if isinstance(value, fx.Node):
+        return _Scale(value, divide)
+    return _reciprocal(value) if divide else value
+
+
+def _scale_value(scale, values) -> float | None:
+    """The number a scale is: itself, or the value of a scalar tensor computed from the model's lifted
+    constants and factory ops alone (``torch.tensor(x.size(0))``, ``torch.full((), n)``,
+    ``torch.ones(n).sum()``: the trace holds the number it was made with); None otherwise."""
+    if not isinstance(scale, _Scale):
+        return scale if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None
+    if values is None or shape_of(scale.node) != ():
+        return None
+    needed, todo = set(), [scale.node]
+    while todo:
+        node = todo.pop()
+        if node in needed:
+            continue
+        if node.op == "placeholder" and node.name not in values or node.op not in ("placeholder", "call_function") \
+                or node.target is DRAW:
+            return None
+        needed.add(node)
+        todo.extend(node.all_input_nodes)
+    env: dict[fx.Node, object] = {}
+    try:
+        for node in scale.node.graph.nodes:
+            if node not in needed:
+                continue
+            if node.op == "placeholder":
+                env[node] = values[node.name]
+                continue
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+            env[node] = node.target(*args, **kwargs)
+        number = float(env[scale.node])
+    except Exception:  # noqa: BLE001 - a value that cannot be computed here stays unread
+        return None
+    if scale.divide:
+        return 1 / number if number else None
+    return number
 
 
 def _reciprocal(value):
@@ -499,13 +551,13 @@ LINEAR = {
 }
 
 
-def loss_terms(gm: fx.GraphModule, dependent: set[fx.Node], batch: int = 0) -> list[Term]:
+def loss_terms(gm: fx.GraphModule, dependent: set[fx.Node], batch: int = 0, values=None) -> list[Term]:
     """The reductions the (scalar) loss is a linear combination of (``batch``: the graph's number of
-    samples)."""
+    samples; ``values``: its lifted constants by placeholder, to read a scale made of them)."""
     dependent = frozenset(dependent)
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    values = output.args[0]
-    loss = values[0] if isinstance(values, (tuple, list)) else values
+    returned = output.args[0]
+    loss = returned[0] if isinstance(returned, (tuple, list)) else returned
     terms, todo = [], [(loss, ())]
     while todo:
         node, constants = todo.pop()
@@ -514,9 +566,9 @@ def loss_terms(gm: fx.GraphModule, dependent: set[fx.Node], batch: int = 0) -> l
         split = LINEAR.get(node.target)
         parts = split(node, dependent) if split is not None and _scalar(node) else None
         if parts is None:
-            terms.append(Term(node, constants, node in dependent, dependent=dependent, batch=batch))
+            terms.append(Term(node, constants, node in dependent, dependent=dependent, batch=batch, values=values))
             continue
-        todo.extend((part, constants + tuple(c for c in scales if not isinstance(c, fx.Node)))
+        todo.extend((part, constants + tuple(v for v in (_scale_value(c, values) for c in scales) if v is not None))
                     for part, scales in parts)
     return terms
 
@@ -552,7 +604,7 @@ def _with_path_scales(term: Term, kind: str, layouts: dict[str, Layout]) -> tupl
     source = _laid_out_source(term.root, layouts) if kind in ("sum", "mean") else None
     if source is None or not isinstance(layouts[source.name].placements[0], Partial):
         return term, kind
-    scales = _batch_reduction(term.root, term.dependent, term.batch)[1]
+    scales = _batch_reduction(term)[1]
     return replace(term, constants=term.constants + scales, path=True), kind
 
 
@@ -577,7 +629,7 @@ def _kind(term: Term, layouts: dict[str, Layout]) -> str:
     if isinstance(placement, Partial) and placement.reduce_op == "sum" and reduction != "token_mean":
         # a reduction of a value already reduced over the batch: a sum over microbatches, or a mean
         # where the batch was reduced by one (``per_token.mean(0).mean()``)
-        return _batch_reduction(term.root, term.dependent, term.batch)[0]
+        return _batch_reduction(term)[0]
     return reduction if isinstance(placement, Shard) else "other"
 
 
@@ -586,12 +638,13 @@ _SCALES = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
 _REDUCES = _MEANS | {aten.sum.dim_IntList, aten.sum.default}
 
 
-def _batch_reduction(root: fx.Node, dependent: set[fx.Node], batch: int) -> tuple[str, tuple]:
+def _batch_reduction(term: Term) -> tuple[str, tuple]:
     """('mean' or 'sum', scales) of the value a term reduces, when that value was already reduced
     over the batch: walked back from the term to the op that reduced the batch dim -- a mean makes
     the value a mean over the batch, a sum (or a walk that ends elsewhere: a product contracting
     the batch, two reduced values added) a sum -- with the numbers it was multiplied by on the way
     (``.sum(0) / x.size(0)``: a scale the microbatch's size may give, read like a term's)."""
+    root, dependent, batch = term.root, term.dependent, term.batch
     node, scales = root, []
     while True:
         if node is not root and node.target in _REDUCES and _reduces_dim0(node, batch):
@@ -599,10 +652,12 @@ def _batch_reduction(root: fx.Node, dependent: set[fx.Node], batch: int) -> tupl
         inputs = [a for a in node.all_input_nodes if a in dependent]
         if len(inputs) != 1:
             return "sum", tuple(scales)
-        if node is not root and node.target in _SCALES and len(node.args) == 2 \
-                and isinstance(node.args[1], (int, float)) and not isinstance(node.args[1], bool):
-            divide = node.target in (aten.div.Tensor, aten.div.Scalar)
-            scales.append(_reciprocal(node.args[1]) if divide else node.args[1])
+        if node is not root and node.target in _SCALES and len(node.args) == 2:
+            other = node.args[1] if node.args[0] is inputs[0] else node.args[0]
+            divide = node.target in (aten.div.Tensor, aten.div.Scalar) and other is node.args[1]
+            value = _scale_value(_as_scale(other, divide), term.values)
+            if value is not None:
+                scales.append(value)
         node = inputs[0]
 
 
@@ -672,6 +727,11 @@ def _refuse_unclear(ctx, microbatches: int, kinds, batch: int) -> None:
         raise ctx.plan.error_at("mb", f"mb={microbatches} runs the batch in microbatches, but {error}", hint=OPTIONS)
 
 
+# scales compare within a float32 rounding: a scale made as a tensor (``torch.tensor(1 / n)``) is
+# rounded to the default dtype, and a fixed scale never comes within it of one that follows the size
+_ROUNDING = 1e-6
+
+
 def _read_batch_constants(kinds, batch: int, resized, user_inputs):
     """Terms whose scale may be taken from the microbatch's shape (``.sum() / x.size(0)``, ``* (1 /
     labels.numel())``, kl_div's batchmean), read against the model traced on another number of
@@ -687,8 +747,8 @@ def _read_batch_constants(kinds, batch: int, resized, user_inputs):
         other = None
     if other is None:
         return kinds
-    graph, samples = other
-    theirs = {t.root.name: t for t in loss_terms(graph, _batch_dependent(graph, user_inputs), samples)}
+    graph, samples, values = other
+    theirs = {t.root.name: t for t in loss_terms(graph, _batch_dependent(graph, user_inputs), samples, values)}
     out = list(kinds)
     for i in flagged:
         term, kind = kinds[i]
@@ -697,10 +757,10 @@ def _read_batch_constants(kinds, batch: int, resized, user_inputs):
             continue
         mine, their = term.scale, other_term.scale
         if term.path:  # the scales between the batch's reduction and the term, there too
-            their *= math.prod(_batch_reduction(other_term.root, other_term.dependent, samples)[1])
-        if math.isclose(mine, their, rel_tol=1e-12):
+            their *= math.prod(_batch_reduction(other_term)[1])
+        if math.isclose(mine, their, rel_tol=_ROUNDING):
             out[i] = (replace(term, read=True), kind)
-        elif kind == "sum" and math.isclose(mine * batch, their * samples, rel_tol=1e-12):
+        elif kind == "sum" and math.isclose(mine * batch, their * samples, rel_tol=_ROUNDING):
             out[i] = (replace(term, read=True), "mean")
     return out
 
@@ -719,7 +779,7 @@ def _may_follow_batch(term: Term, batch: int) -> bool:
 
 def _whole_multiple(value: float, batch: int) -> bool:
     whole = round(value)
-    return whole > 0 and abs(value - whole) <= 1e-9 * abs(value) and whole % batch == 0
+    return whole > 0 and abs(value - whole) <= _ROUNDING * abs(value) and whole % batch == 0
 
 
 def _weight_sums(gm: fx.GraphModule, kinds, microbatches: int) -> None:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from usc.compiler.report import Report, build_report
-from usc.compiler.trace import trace
+from usc.compiler.trace import lifted_constants, trace
 from usc.dsl import Plan, check_rules_match, parse_plan
 from usc.passes import parallelize
 from usc.passes.pipeline_schedule import build_schedule, refuse_unimplemented
@@ -137,7 +137,7 @@ class _Compiled:
             probe = _Once(lambda: trace(self.model, more, wrapper_source=self._loss_source, moe_blocks=moe_blocks))
             if samples == 1:
                 traced.batch_probe = probe()
-            traced.resized_probe = lambda: (probe().gm, samples + 1)
+            traced.resized_probe = lambda: (probe().gm, samples + 1, lifted_constants(probe()))
         return traced
 
     def _attach_cost(self, batch: tuple, hardware) -> None:

@@ -170,11 +170,18 @@ class Scaled(Tagger):
             "over_fixed_3": lambda: per_token.sum() / 3,
             "over_fixed_6": lambda: per_token.sum() / 6,
             "times_fixed_half": lambda: 0.5 * per_token.sum(),
+            # the size made a tensor: a lifted constant, or a factory op holding the number
+            "over_tensor_of_size": lambda: per_token.sum() / torch.tensor(ids.size(0), dtype=z.dtype),
+            "over_new_tensor_of_size": lambda: per_token.sum() / z.new_tensor(ids.size(0)),
+            "times_tensor_reciprocal": lambda: per_token.sum() * torch.tensor(1.0 / ids.size(0), dtype=z.dtype),
+            "over_ones_summed": lambda: per_token.sum() / torch.ones(ids.size(0), dtype=z.dtype).sum(),
+            "over_full": lambda: per_token.sum() / torch.full((), ids.size(0), dtype=z.dtype),
         }[self.loss]()
 
 
 SCALES = ["over_batch_size", "times_reciprocal", "over_numel", "kl_batchmean", "over_fixed_3", "over_fixed_6",
-          "times_fixed_half"]
+          "times_fixed_half", "over_tensor_of_size", "over_new_tensor_of_size", "times_tensor_reciprocal",
+          "over_ones_summed", "over_full"]
 
 
 @pytest.mark.parametrize("plan", ["mb=6", "mb=2", "dp=3 mb=2", "pp=2 mb=3"])
