@@ -51,7 +51,7 @@ from .graph_edit import fake_value, reads_placeholders, shape_of, val
 from .random_ops import DRAW, random_ops_pass
 from .row_index import ARANGES, row_index_pass
 from .expansions import is_soft_target
-from .sharding_rules import ELEMENTWISE_LOSSES, is_elementwise, loss_reduction
+from .sharding_rules import REDUCED_LOSSES, is_elementwise, loss_reduction
 from .virtual_batch import VIRTUAL, batch_size, virtual_mesh, virtual_propagation
 
 aten = torch.ops.aten
@@ -590,7 +590,7 @@ REDUCTIONS = {
     else _token_mean_or_sum(n),
     aten.nll_loss_nd.default: _token_mean_or_sum, aten.nll_loss.default: _token_mean_or_sum,
     aten.nll_loss2d.default: _token_mean_or_sum,
-    **{op: _mean_or_sum(index) for op, index in ELEMENTWISE_LOSSES.items()},
+    **{op: _mean_or_sum(index) for op, index in REDUCED_LOSSES.items()},
 }
 
 

@@ -27,7 +27,7 @@ from usc.runtime.vocab import ShardedGather, VocabParallelEmbedding
 
 from .attention_masks import sdpa_args
 from .graph_edit import GraphEditor, shape_of
-from .sharding_rules import ELEMENTWISE_LOSSES, loss_reduction
+from .sharding_rules import REDUCED_LOSSES, loss_reduction
 
 aten = torch.ops.aten
 
@@ -427,19 +427,21 @@ def sharded_nll_loss(ctx: ExpansionContext, node: fx.Node):
     return b.finish(_reduced_tokens(b, per_token, weighs, reduction))
 
 
-@register(*ELEMENTWISE_LOSSES)
+@register(*REDUCED_LOSSES)
 def sharded_elementwise_loss(ctx: ExpansionContext, node: fx.Node):
-    """mse / l1 / smooth-l1 / huber / soft-margin / binary cross-entropy with a reduction, on
-    sharded inputs: the same op per element (``reduction='none'``, element-wise under any split)
-    then the sum, or the mean over the global element count -- no input is gathered."""
-    index = ELEMENTWISE_LOSSES[node.target]
+    """mse / l1 / smooth-l1 / huber / soft-margin / binary cross-entropy / margin and embedding
+    losses with a reduction, on sharded inputs: the same op per element or per row
+    (``reduction='none'``) then the sum, or the mean over the global count -- no input is gathered
+    where the rows or elements may stay split."""
+    index = REDUCED_LOSSES[node.target]
     reduction = loss_reduction(node, index)
     if reduction == 0 or all(isinstance(p, Replicate) for n in node.all_input_nodes for p in _layout(n).placements):
         return None
     b = _Builder(ctx, node)
-    args = list(node.args) + [None] * (index + 1 - len(node.args))
+    schema = node.target._schema.arguments  # arguments left at their defaults, written out up to the reduction
+    args = list(node.args) + [node.kwargs.get(a.name, a.default_value) for a in schema[len(node.args):index + 1]]
     args[index] = 0
-    kwargs = {k: v for k, v in node.kwargs.items() if k != "reduction"}
+    kwargs = {k: v for k, v in node.kwargs.items() if k not in {a.name for a in schema[:index + 1]}}
     per_element = b.call(node.target, *args, **kwargs)
     return b.finish(b.call(aten.sum.default if reduction == 2 else aten.mean.default, per_element))
 

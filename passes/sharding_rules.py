@@ -149,8 +149,15 @@ _POINTWISE = pointwise()
 ELEMENTWISE_LOSSES = {
     aten.mse_loss.default: 2, aten.l1_loss.default: 2, aten.smooth_l1_loss.default: 2, aten.huber_loss.default: 2,
     aten.soft_margin_loss.default: 2, aten.kl_div.default: 2, aten.binary_cross_entropy.default: 3,
-    aten.binary_cross_entropy_with_logits.default: 4,
+    aten.binary_cross_entropy_with_logits.default: 4, aten.margin_ranking_loss.default: 4,
+    aten.hinge_embedding_loss.default: 3, aten.poisson_nll_loss.default: 5,
 }
+# Losses of [N, D] rows (a sample's features reduced to one value each): op -> index of its reduction.
+ROWWISE_LOSSES = {
+    aten.cosine_embedding_loss.default: 4, aten.triplet_margin_loss.default: 7, aten.multi_margin_loss.default: 5,
+    aten.multilabel_margin_loss.default: 2,
+}
+REDUCED_LOSSES = {**ELEMENTWISE_LOSSES, **ROWWISE_LOSSES}
 
 
 def loss_reduction(node: fx.Node, index: int) -> int:
@@ -167,6 +174,21 @@ def elementwise_loss_rule(view: OpView) -> Decision:
     if loss_reduction(view.node, ELEMENTWISE_LOSSES[view.node.target]) == 0:
         return _POINTWISE(view)
     return Decision(tuple(R for _ in view.placements), R)
+
+
+@register(*ROWWISE_LOSSES)
+def rowwise_loss_rule(view: OpView) -> Decision:
+    """Per row (``reduction='none'``) such a loss reduces each row's features to one value: rows may be
+    split -- dim 0 of every input with the rows, the batch -- and the output [N] keeps their split; a
+    split of the features, a partial sum (it is not linear), 1-D inputs (one sample) or any reduction
+    needs the inputs whole (reduced and sharded, the expansion rewrites it per row first)."""
+    ps, rows = view.placements, view.shapes[0][0] if len(view.shapes[0]) == 2 else None
+    batched = [len(shape) >= 1 and rows is not None and shape[0] == rows and len(shape) <= 2 for shape in view.shapes]
+    split = any(p == Shard(0) and b for p, b in zip(ps, batched))
+    rows_only = all((p == Shard(0) and b) or isinstance(p, Replicate) for p, b in zip(ps, batched))
+    if loss_reduction(view.node, ROWWISE_LOSSES[view.node.target]) == 0 and split and rows_only:
+        return Decision(tuple(Shard(0) if b else R for b in batched), Shard(0))
+    return Decision(tuple(R for _ in ps), R)
 
 
 def is_elementwise(op) -> bool:
@@ -229,7 +251,22 @@ register(
     aten.clamp_min.default, aten.clamp_max.default, aten.maximum.default, aten.minimum.default,
     aten.dropout.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
     aten.empty_like.default, aten.log1p.default, aten.expm1.default,
+    # composites no DTensor strategy places (their decompositions return a buffer beside the value,
+    # or branch): element-wise all the same
+    aten.log_sigmoid.default, aten.hardswish.default,
 )(pointwise("none"))
+
+
+@register(aten.glu.default)
+def glu_rule(view: OpView) -> Decision:
+    """``glu(x, dim)``: the first half of ``dim`` times the sigmoid of the second, element-wise
+    otherwise: a shard on another dim keeps; a shard on ``dim`` (its halves on different ranks) or a
+    partial sum (the product is not linear) is made whole."""
+    p = view.placements[0]
+    dim = norm_dim(view.arg(1, -1), len(view.shapes[0]))
+    if is_shard(p) and p.dim != dim:
+        return Decision((p,), p)
+    return Decision((R,), R)
 
 
 @register(aten.new_zeros.default, aten.new_ones.default, aten.new_full.default)

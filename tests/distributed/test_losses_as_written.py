@@ -33,6 +33,8 @@ class Tagger(nn.Module):
         flat, y = z.reshape(-1, VOCAB), labels.reshape(-1)
         per_token = F.cross_entropy(flat, y, reduction="none")
         counted = (y != IGNORED).to(z.dtype)
+        signs = (labels % 2).to(z.dtype) * 2 - 1
+        rows = [z[..., 8 * i:8 * i + 8].reshape(-1, 8) for i in range(3)]
         return {
             "nll": lambda: F.nll_loss(F.log_softmax(z, -1).reshape(-1, VOCAB), y),
             "nll_ignore_index": lambda: F.nll_loss(F.log_softmax(z, -1).reshape(-1, VOCAB), y, ignore_index=IGNORED),
@@ -45,6 +47,17 @@ class Tagger(nn.Module):
             "masked_mean": lambda: (per_token * counted).sum() / counted.sum(),
             # a denominator that does not depend on the batch: a sum scaled by a constant
             "over_a_constant": lambda: (per_token * counted).sum() / self.scale.sum(),
+            # element-wise losses of pairs, and losses of rows (each sample's features to one value)
+            "margin_ranking": lambda: F.margin_ranking_loss(z[..., 0], z[..., 1], signs),
+            "hinge_embedding": lambda: F.hinge_embedding_loss(z[..., 0], signs, margin=0.5),
+            "poisson_nll": lambda: F.poisson_nll_loss(z[..., 0], labels.to(z.dtype) / VOCAB),
+            "cosine_embedding": lambda: F.cosine_embedding_loss(rows[0], rows[1], signs.reshape(-1), margin=0.1),
+            "triplet": lambda: F.triplet_margin_loss(*rows),
+            "multi_margin": lambda: F.multi_margin_loss(z.reshape(-1, VOCAB), y),
+            "multilabel_margin": lambda: F.multilabel_margin_loss(
+                z.reshape(-1, VOCAB), torch.stack([y, (y + 3) % VOCAB, torch.full_like(y, -1)], 1)),
+            # a preference loss of two scores per sample (log_sigmoid had no rule: it gathered the batch)
+            "log_sigmoid_pairs": lambda: -F.logsigmoid(z[..., 0] - z[..., 1]).mean(),
         }[self.loss]()
 
 
@@ -56,7 +69,8 @@ def batch():
 
 
 LOSSES = ["nll", "nll_ignore_index", "mse", "smooth_l1_sum", "bce_with_logits", "kl_sum", "per_token_mean",
-          "masked_mean", "over_a_constant"]
+          "masked_mean", "over_a_constant", "margin_ranking", "hinge_embedding", "poisson_nll", "cosine_embedding",
+          "triplet", "multi_margin", "multilabel_margin", "log_sigmoid_pairs"]
 PLANS = ["dp=2", "dp=3 mb=2", "tp=2", "dp=2 tp=2 sp=on", "cp=2", "pp=2 mb=3"]
 
 
@@ -72,8 +86,10 @@ def test_losses_equal_one_device(loss, plan):
     assert result.max_param_diff <= 1e-10
 
 
-def test_a_reduced_loss_does_not_gather_its_inputs_over_dp():
-    report = usc.lint(Tagger("bce_with_logits"), "dp=2", example_inputs=batch())
+@pytest.mark.parametrize("loss", ["bce_with_logits", "margin_ranking", "cosine_embedding", "triplet", "multi_margin",
+                                  "log_sigmoid_pairs"])
+def test_a_reduced_loss_does_not_gather_its_inputs_over_dp(loss):
+    report = usc.lint(Tagger(loss), "dp=2", example_inputs=batch())
     assert not [c for c in report.collectives if c.axis == "dp" and c.kind == "all-gather"]
 
 

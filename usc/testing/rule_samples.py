@@ -130,7 +130,34 @@ def _loss_samples(reduction: int) -> dict:
     out[aten.binary_cross_entropy_with_logits.default] = (  # weight [S, 1], pos_weight [H]
         lambda x, y, w, pw: aten.binary_cross_entropy_with_logits.default(x, y, w, pw, reduction),
         (_x(*A), _probabilities(*A, seed=1), _x(10, 1, seed=2).abs(), _x(7, seed=3).abs()))
+    out[aten.margin_ranking_loss.default] = (
+        lambda a, b, y: aten.margin_ranking_loss.default(a, b, y, 0.1, reduction), (*two, _signs(*A, seed=2)))
+    out[aten.hinge_embedding_loss.default] = (
+        lambda x, y: aten.hinge_embedding_loss.default(x, y, 1.0, reduction), (_x(*A), _signs(*A, seed=1)))
+    out[aten.poisson_nll_loss.default] = (
+        lambda x, t: aten.poisson_nll_loss.default(x, t, True, False, 1e-8, reduction), (_x(*A), _x(*A, seed=1).abs()))
+    # rows [N, D]: a sample's features reduced to one value
+    rows = (_x(*ROWS), _x(*ROWS, seed=1))
+    out[aten.cosine_embedding_loss.default] = (
+        lambda a, b, y: aten.cosine_embedding_loss.default(a, b, y, 0.1, reduction), (*rows, _signs(ROWS[0], seed=2)))
+    out[aten.triplet_margin_loss.default] = (
+        lambda a, p, n: aten.triplet_margin_loss.default(a, p, n, 1.0, 2.0, 1e-6, False, reduction),
+        (*rows, _x(*ROWS, seed=2)))
+    out[aten.multi_margin_loss.default] = (
+        lambda x, y: aten.multi_margin_loss.default(x, y, 1, 1.0, None, reduction),
+        (_x(*ROWS), torch.randint(0, ROWS[1], (ROWS[0],), generator=torch.Generator().manual_seed(3))))
+    labels = torch.full(ROWS, -1, dtype=torch.int64)  # each row's classes, then -1 ends the list
+    labels[:, :2] = torch.randint(0, ROWS[1], (ROWS[0], 2), generator=torch.Generator().manual_seed(4))
+    out[aten.multilabel_margin_loss.default] = (
+        lambda x, y: aten.multilabel_margin_loss.default(x, y, reduction), (_x(*ROWS), labels))
     return out
+
+
+ROWS = (10, 7)
+
+
+def _signs(*shape, seed=0):
+    return (_x(*shape, seed=seed) > 0).to(F64) * 2 - 1
 
 
 # the loss ops: per element (reduction none: 0) and reduced (mean: 1, sum: 2), on [batch, seq, hidden]
