@@ -54,8 +54,9 @@ class Tagger(nn.Module):
             "cosine_embedding": lambda: F.cosine_embedding_loss(rows[0], rows[1], signs.reshape(-1), margin=0.1),
             "triplet": lambda: F.triplet_margin_loss(*rows),
             "multi_margin": lambda: F.multi_margin_loss(z.reshape(-1, VOCAB), y),
-            "multilabel_margin": lambda: F.multilabel_margin_loss(
-                z.reshape(-1, VOCAB), torch.stack([y, (y + 3) % VOCAB, torch.full_like(y, -1)], 1)),
+            "multilabel_margin": lambda: F.multilabel_margin_loss(  # each row: two classes, then -1s
+                z.reshape(-1, VOCAB), torch.cat([torch.stack([y, (y + 3) % VOCAB], 1),
+                                                 torch.full((y.shape[0], VOCAB - 2), -1, dtype=y.dtype)], 1)),
             # a preference loss of two scores per sample (log_sigmoid had no rule: it gathered the batch)
             "log_sigmoid_pairs": lambda: -F.logsigmoid(z[..., 0] - z[..., 1]).mean(),
         }[self.loss]()
