@@ -101,7 +101,9 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
     terms = loss_terms(gm, _batch_dependent(gm, user_inputs), batch_size(gm, user_inputs), constant_values)
     kinds = [_with_path_scales(term, _kind(term, layouts), layouts) for term in terms]
     batch = batch_size(gm, user_inputs)
-    kinds = _read_batch_constants(kinds, batch, resized, user_inputs)
+    kinds, unread = _read_batch_constants(kinds, batch, resized, user_inputs, gm, constant_values)
+    if unread is not None:
+        raise ctx.plan.error_at("mb", f"mb={microbatches} runs the batch in microbatches, but {unread}", hint=OPTIONS)
     _refuse_unclear(ctx, microbatches, kinds, batch)
     _weight_sums(gm, kinds, microbatches)
     gm.meta["usc_loss_combine"] = "token_mean" if any(k == "token_mean" for _, k in kinds) else "mean"
@@ -438,7 +440,10 @@ class Term:
     constants: tuple[float, ...]  # the numbers it is multiplied by (a division by c as 1 / c)
     batch_dependent: bool
     read: bool = False  # its scale was read against the model traced on another number of samples
-    path: bool = False  # its constants include those between the batch's reduction and it
+    # where its constants were read beyond the ops above it: "partial" (between the batch's reduction
+    # and it), "elements" (the linear ops on the elements it reduces), or ""
+    path: str = ""
+    scaled_by: tuple[str, ...] = ()  # the nodes whose numbers its constants are
     dependent: frozenset = frozenset()  # the graph's batch-dependent nodes
     batch: int = 0  # the graph's number of samples
     values: object = None  # the graph's lifted constants by placeholder
@@ -558,18 +563,20 @@ def loss_terms(gm: fx.GraphModule, dependent: set[fx.Node], batch: int = 0, valu
     output = next(n for n in gm.graph.nodes if n.op == "output")
     returned = output.args[0]
     loss = returned[0] if isinstance(returned, (tuple, list)) else returned
-    terms, todo = [], [(loss, ())]
+    terms, todo = [], [(loss, (), ())]
     while todo:
-        node, constants = todo.pop()
+        node, constants, names = todo.pop()
         if not isinstance(node, fx.Node):
             continue
         split = LINEAR.get(node.target)
         parts = split(node, dependent) if split is not None and _scalar(node) else None
         if parts is None:
-            terms.append(Term(node, constants, node in dependent, dependent=dependent, batch=batch, values=values))
+            terms.append(Term(node, constants, node in dependent, dependent=dependent, batch=batch, values=values,
+                              scaled_by=names))
             continue
-        todo.extend((part, constants + tuple(v for v in (_scale_value(c, values) for c in scales) if v is not None))
-                    for part, scales in parts)
+        for part, scales in parts:
+            numbers = tuple(v for v in (_scale_value(c, values) for c in scales) if v is not None)
+            todo.append((part, constants + numbers, names + (node.name,) * bool(numbers)))
     return terms
 
 
@@ -599,13 +606,63 @@ TOKEN_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.
 
 
 def _with_path_scales(term: Term, kind: str, layouts: dict[str, Layout]) -> tuple[Term, str]:
-    """(term, kind), the term's scales joined by those between the batch's reduction and the term
-    (``path``: read so in the model traced on another number of samples too)."""
+    """(term, kind), the term's constants joined by the numbers that scale what it reduces: between
+    the batch's reduction and the term (a value partial over the batch split), or on the elements a
+    sum or mean reduces (``(per_token / x.size(0)).sum()``)."""
     source = _laid_out_source(term.root, layouts) if kind in ("sum", "mean") else None
-    if source is None or not isinstance(layouts[source.name].placements[0], Partial):
+    if source is None:
         return term, kind
-    scales = _batch_reduction(term)[1]
-    return replace(term, constants=term.constants + scales, path=True), kind
+    if isinstance(layouts[source.name].placements[0], Partial):
+        path = "partial"
+    elif term.root.target in _REDUCES:
+        path = "elements"
+    else:
+        return term, kind
+    scales, names = _path_scales(term, path)
+    return replace(term, constants=term.constants + scales, scaled_by=term.scaled_by + names, path=path), kind
+
+
+def _path_scales(term: Term, path: str) -> tuple[tuple, tuple]:
+    """(numbers, their nodes) on the term's ``path`` (see ``_with_path_scales``)."""
+    if path == "partial":
+        return _batch_reduction(term)[1:]
+    if path == "elements":
+        return _element_scales(term)
+    return (), ()
+
+
+_ALONG = RESHAPES | {aten.neg.default, aten.clone.default, aten._to_copy.default, aten.to.dtype, aten.alias.default,
+                     aten.flatten.using_ints, aten.squeeze.dim, aten.unsqueeze.default, aten.permute.default,
+                     aten.transpose.int, aten.contiguous.default}
+
+
+def _element_scales(term: Term) -> tuple[tuple, tuple]:
+    """The numbers the elements a sum or mean reduces are multiplied by, walked back through views
+    and scalings while they stay a linear function of one batch-dependent value."""
+    node, scales, names = term.root.args[0], [], []
+    while isinstance(node, fx.Node) and node in term.dependent:
+        inputs = [a for a in node.all_input_nodes if a in term.dependent]
+        if len(inputs) != 1 or node.target not in _ALONG | _SCALES:
+            break
+        factor = _factor(node, inputs[0], term.values) if node.target in _SCALES else None
+        if node.target in _SCALES and factor is None:
+            break
+        if factor is not None:
+            scales.append(factor)
+            names.append(node.name)
+        node = inputs[0]
+    return tuple(scales), tuple(names)
+
+
+def _factor(node: fx.Node, through: fx.Node, values) -> float | None:
+    """The number a scaling ``node`` multiplies ``through`` by (a divisor as its reciprocal), or None."""
+    if len(node.args) != 2 or through not in node.args[:2]:
+        return None
+    other = node.args[1] if node.args[0] is through else node.args[0]
+    divide = node.target in (aten.div.Tensor, aten.div.Scalar) and other is node.args[1]
+    if node.target in (aten.div.Tensor, aten.div.Scalar) and other is node.args[0]:
+        return None  # c / x is not a scaling of x
+    return _scale_value(_as_scale(other, divide), values)
 
 
 def _kind(term: Term, layouts: dict[str, Layout]) -> str:
@@ -638,26 +695,25 @@ _SCALES = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
 _REDUCES = _MEANS | {aten.sum.dim_IntList, aten.sum.default}
 
 
-def _batch_reduction(term: Term) -> tuple[str, tuple]:
-    """('mean' or 'sum', scales) of the value a term reduces, when that value was already reduced
+def _batch_reduction(term: Term) -> tuple[str, tuple, tuple]:
+    """('mean' or 'sum', scales, their nodes) of the value a term reduces, when that value was already reduced
     over the batch: walked back from the term to the op that reduced the batch dim -- a mean makes
     the value a mean over the batch, a sum (or a walk that ends elsewhere: a product contracting
     the batch, two reduced values added) a sum -- with the numbers it was multiplied by on the way
     (``.sum(0) / x.size(0)``: a scale the microbatch's size may give, read like a term's)."""
     root, dependent, batch = term.root, term.dependent, term.batch
-    node, scales = root, []
+    node, scales, names = root, [], []
     while True:
         if node is not root and node.target in _REDUCES and _reduces_dim0(node, batch):
-            return ("mean" if node.target in _MEANS else "sum"), tuple(scales)
+            return ("mean" if node.target in _MEANS else "sum"), tuple(scales), tuple(names)
         inputs = [a for a in node.all_input_nodes if a in dependent]
         if len(inputs) != 1:
-            return "sum", tuple(scales)
-        if node is not root and node.target in _SCALES and len(node.args) == 2:
-            other = node.args[1] if node.args[0] is inputs[0] else node.args[0]
-            divide = node.target in (aten.div.Tensor, aten.div.Scalar) and other is node.args[1]
-            value = _scale_value(_as_scale(other, divide), term.values)
-            if value is not None:
-                scales.append(value)
+            return "sum", tuple(scales), tuple(names)
+        if node is not root and node.target in _SCALES:
+            factor = _factor(node, inputs[0], term.values)
+            if factor is not None:
+                scales.append(factor)
+                names.append(node.name)
         node = inputs[0]
 
 
@@ -732,49 +788,72 @@ def _refuse_unclear(ctx, microbatches: int, kinds, batch: int) -> None:
 _ROUNDING = 1e-6
 
 
-def _read_batch_constants(kinds, batch: int, resized, user_inputs):
-    """Terms whose scale may be taken from the microbatch's shape (``.sum() / x.size(0)``, ``* (1 /
-    labels.numel())``, kl_div's batchmean), read against the model traced on another number of
-    samples: a scale that stays is a fixed one, and the term keeps its kind; a sum whose scale
-    follows 1 / (the number of samples) is a mean over the batch. Anything else stays unread
-    (refused by name)."""
+def _read_batch_constants(kinds, batch: int, resized, user_inputs, gm: fx.GraphModule, values):
+    """(kinds, error): terms whose scale may be taken from the microbatch's shape (``.sum() /
+    x.size(0)``, ``* (1 / labels.numel())``, kl_div's batchmean), read against the model traced on
+    another number of samples: a scale that stays is a fixed one, and the term keeps its kind; a sum
+    whose scale follows 1 / (the number of samples) is a mean over the batch; anything else stays
+    unread (refused by name). ``error``: a number scaling a batch-dependent value that follows the
+    number of samples where no term read it (``(per_token / x.size(0)).exp().sum()``), named."""
     flagged = [i for i, (t, k) in enumerate(kinds) if k != "constant" and _may_follow_batch(t, batch)]
-    if resized is None or not flagged:
-        return kinds
+    dependent = _batch_dependent(gm, user_inputs)
+    suspects = [n for n in gm.graph.nodes if n.target in _SCALES and n in dependent
+                and _maybe_of_size(_node_factor(n, dependent, values), batch)]
+    if resized is None or not (flagged or suspects):
+        return kinds, None
     try:
         other = resized()
     except Exception:  # noqa: BLE001 - a model refusing another batch size leaves the terms unread
         other = None
     if other is None:
-        return kinds
-    graph, samples, values = other
-    theirs = {t.root.name: t for t in loss_terms(graph, _batch_dependent(graph, user_inputs), samples, values)}
+        return kinds, None
+    graph, samples, their_values = other
+    theirs = {t.root.name: t for t in loss_terms(graph, _batch_dependent(graph, user_inputs), samples, their_values)}
     out = list(kinds)
     for i in flagged:
         term, kind = kinds[i]
         other_term = theirs.get(term.root.name)
         if other_term is None:
             continue
-        mine, their = term.scale, other_term.scale
-        if term.path:  # the scales between the batch's reduction and the term, there too
-            their *= math.prod(_batch_reduction(other_term)[1])
+        mine = term.scale
+        their = other_term.scale * math.prod(_path_scales(other_term, term.path)[0])
         if math.isclose(mine, their, rel_tol=_ROUNDING):
             out[i] = (replace(term, read=True), kind)
         elif kind == "sum" and math.isclose(mine * batch, their * samples, rel_tol=_ROUNDING):
             out[i] = (replace(term, read=True), "mean")
-    return out
+    read = {name for term, _ in out for name in term.scaled_by}  # a term's own numbers: read, or refused as unread
+    their_nodes, their_dependent = {n.name: n for n in graph.graph.nodes}, _batch_dependent(graph, user_inputs)
+    for node in suspects:
+        twin = their_nodes.get(node.name)
+        if node.name in read or twin is None or twin not in their_dependent:
+            continue
+        mine, their = _node_factor(node, dependent, values), _node_factor(twin, their_dependent, their_values)
+        if their is not None and not math.isclose(mine, their, rel_tol=_ROUNDING):
+            return out, (f"{_name(node)} scales a value of the batch by {mine:g}, a number that follows the "
+                         f"microbatch's size ({their:g} with one sample more), where usc cannot read how the "
+                         "microbatches' losses combine (scale the loss itself, or write the mean with .mean())")
+    return out, None
+
+
+def _node_factor(node: fx.Node, dependent, values) -> float | None:
+    inputs = [a for a in node.all_input_nodes if a in dependent]
+    return _factor(node, inputs[0], values) if len(inputs) == 1 else None
+
+
+def _maybe_of_size(value: float | None, batch: int) -> bool:
+    """A number that may be the microbatch's size or a multiple, or one over it."""
+    if value is None or value == 0:
+        return False
+    return batch <= 1 or _whole_multiple(value, batch) or _whole_multiple(1 / value, batch)
 
 
 def _may_follow_batch(term: Term, batch: int) -> bool:
-    """Whether the term's scale may come from the microbatch's size: it, or its reciprocal, is a
-    whole multiple of the size (a microbatch of one sample: any scale, as export drops a division
-    by 1)."""
+    """Whether the term's scale may come from the microbatch's size: one of its numbers, or its
+    reciprocal, is a whole multiple of the size (a microbatch of one sample: any term, as export
+    drops a division by 1)."""
     if term.read:
         return False
-    if batch <= 1:
-        return True
-    scale = term.scale
-    return _whole_multiple(scale, batch) or (scale != 0 and _whole_multiple(1 / scale, batch))
+    return batch <= 1 or any(_maybe_of_size(c, batch) for c in term.constants)
 
 
 def _whole_multiple(value: float, batch: int) -> bool:

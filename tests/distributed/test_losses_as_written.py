@@ -193,12 +193,23 @@ class Scaled(Tagger):
             "times_tensor_reciprocal": lambda: per_token.sum() * torch.tensor(1.0 / ids.size(0), dtype=z.dtype),
             "over_ones_summed": lambda: per_token.sum() / torch.ones(ids.size(0), dtype=z.dtype).sum(),
             "over_full": lambda: per_token.sum() / torch.full((), ids.size(0), dtype=z.dtype),
+            # the number with another: distillation's batchmean times T^2
+            "kl_batchmean_times_t2": lambda: 4.0 * F.kl_div(F.log_softmax(z / 2, -1), F.softmax(z.detach() / 3, -1),
+                                                            reduction="batchmean"),
+            # on the elements before the sum
+            "elements_over_batch_size": lambda: (per_token / ids.size(0)).sum(),
+            "elements_times_reciprocal": lambda: (per_token.view(ids.shape) * (1.0 / ids.size(0))).sum(),
+            "elements_fixed_then_scaled": lambda: (per_token.view(-1) / 3.0).sum() * 2.0,
+            # refused: a mean divided by the size again, and the size inside a nonlinear function
+            "elements_over_batch_size_mean": lambda: (per_token / ids.size(0)).mean(),
+            "inside_exp": lambda: (per_token / ids.size(0)).exp().sum(),
         }[self.loss]()
 
 
 SCALES = ["over_batch_size", "times_reciprocal", "over_numel", "kl_batchmean", "over_fixed_3", "over_fixed_6",
           "times_fixed_half", "over_tensor_of_size", "over_new_tensor_of_size", "times_tensor_reciprocal",
-          "over_ones_summed", "over_full"]
+          "over_ones_summed", "over_full", "kl_batchmean_times_t2", "elements_over_batch_size",
+          "elements_times_reciprocal", "elements_fixed_then_scaled"]
 
 
 @pytest.mark.parametrize("plan", ["mb=6", "mb=2", "dp=3 mb=2", "pp=2 mb=3"])
@@ -229,6 +240,17 @@ class PerSample(Tagger):
             "fixed_slice": lambda: per_sample[:2].mean(),
             "fixed_tail": lambda: per_sample[-2:].mean(),
         }[self.loss]()
+
+
+@pytest.mark.parametrize("plan", ["mb=6", "dp=3 mb=2", "pp=2 mb=3"])
+@pytest.mark.parametrize("loss, refusal", [
+    ("elements_over_batch_size_mean", "mean.default .* is scaled by .*, which may be taken from the shape"),
+    ("inside_exp", "div.Tensor .* scales a value of the batch by .*, a number that follows the microbatch's size")])
+def test_a_size_usc_cannot_read_is_refused_by_name(loss, refusal, plan):
+    """A mean divided by the size again (not a sum over the microbatches, nor their mean), and the size
+    inside a nonlinear function of the elements: named, where they trained on another loss."""
+    with pytest.raises(usc.PlanError, match=refusal):
+        usc.lint(Scaled(loss), plan, example_inputs=batch())
 
 
 @pytest.mark.parametrize("plan", ["mb=6", "mb=2", "dp=3 mb=2", "pp=2 mb=3"])
