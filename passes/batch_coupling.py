@@ -512,8 +512,9 @@ def _scale_value(scale, values) -> float | None:
         node = todo.pop()
         if node in needed:
             continue
+        value = node.meta.get("val")
         if node.op == "placeholder" and node.name not in values or node.op not in ("placeholder", "call_function") \
-                or node.target is DRAW:
+                or node.target is DRAW or (isinstance(value, torch.Tensor) and value.numel() > _SMALL):
             return None
         needed.add(node)
         todo.extend(node.all_input_nodes)
@@ -533,6 +534,9 @@ def _scale_value(scale, values) -> float | None:
     if scale.divide:
         return 1 / number if number else None
     return number
+
+
+_SMALL = 1 << 16  # the most elements a value computed for a scale may hold (a count of ones, a table)
 
 
 def _reciprocal(value):
