@@ -59,8 +59,8 @@ class Traced:
     # the same model traced on two samples, when a microbatch holds one: the batch-coupling analysis
     # shards the batch dim, which a dim of size 1 cannot show (passes/batch_coupling.py)
     batch_probe: object = field(default=None, compare=False, repr=False)
-    # () -> (graph, samples): the model traced on one sample more than a microbatch holds, on demand
-    # (the microbatch analysis tells a constant the batch size gives from a fixed one by it)
+    # () -> (graph, samples, lifted constants): the model traced on one sample more than a microbatch
+    # holds, on demand (the microbatch analysis tells a number the batch's size gives from a fixed one by it)
     resized_probe: object = field(default=None, compare=False, repr=False)
 
     def placeholder(self, name: str) -> fx.Node:

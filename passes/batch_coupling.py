@@ -845,7 +845,7 @@ def _node_factor(node: fx.Node, dependent, values) -> float | None:
 
 
 def _maybe_of_size(value: float | None, batch: int) -> bool:
-    """A number that may be the microbatch's size or a multiple, or one over it."""
+    """A number that may be the microbatch's size or a multiple, or one over it (any, for a size of 1)."""
     if value is None or value == 0:
         return False
     return batch <= 1 or _whole_multiple(value, batch) or _whole_multiple(1 / value, batch)
@@ -853,8 +853,8 @@ def _maybe_of_size(value: float | None, batch: int) -> bool:
 
 def _may_follow_batch(term: Term, batch: int) -> bool:
     """Whether the term's scale may come from the microbatch's size: one of its numbers, or its
-    reciprocal, is a whole multiple of the size (a microbatch of one sample: any term, as export
-    drops a division by 1)."""
+    reciprocal, is a whole multiple of the size (a microbatch of one sample: any term -- every number
+    is a multiple of 1, and a division by the size is a division by 1)."""
     if term.read:
         return False
     return batch <= 1 or any(_maybe_of_size(c, batch) for c in term.constants)

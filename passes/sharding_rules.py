@@ -157,6 +157,9 @@ ROWWISE_LOSSES = {
     aten.cosine_embedding_loss.default: 4, aten.triplet_margin_loss.default: 7, aten.multi_margin_loss.default: 5,
     aten.multilabel_margin_loss.default: 2,
 }
+# how many of their first tensor inputs hold the rows (multi_margin's class weights do not)
+_ROW_INPUTS = {aten.cosine_embedding_loss.default: 3, aten.triplet_margin_loss.default: 3,
+               aten.multi_margin_loss.default: 2, aten.multilabel_margin_loss.default: 2}
 REDUCED_LOSSES = {**ELEMENTWISE_LOSSES, **ROWWISE_LOSSES}
 
 
@@ -182,8 +185,8 @@ def rowwise_loss_rule(view: OpView) -> Decision:
     split -- dim 0 of every input with the rows, the batch -- and the output [N] keeps their split; a
     split of the features, a partial sum (it is not linear), 1-D inputs (one sample) or any reduction
     needs the inputs whole (reduced and sharded, the expansion rewrites it per row first)."""
-    ps, rows = view.placements, view.shapes[0][0] if len(view.shapes[0]) == 2 else None
-    batched = [len(shape) >= 1 and rows is not None and shape[0] == rows and len(shape) <= 2 for shape in view.shapes]
+    ps, two_d = view.placements, len(view.shapes[0]) == 2
+    batched = [two_d and i < _ROW_INPUTS[view.node.target] for i in range(len(ps))]
     split = any(p == Shard(0) and b for p, b in zip(ps, batched))
     rows_only = all((p == Shard(0) and b) or isinstance(p, Replicate) for p, b in zip(ps, batched))
     if loss_reduction(view.node, ROWWISE_LOSSES[view.node.target]) == 0 and split and rows_only:

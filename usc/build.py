@@ -4,6 +4,7 @@ its loss, traced for one microbatch, parallelized, and the report; what ``usc.co
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import time
@@ -33,18 +34,6 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], "torch.optim.lr_scheduler.L
 
 def _samples(batch: tuple) -> int | None:
     return next((v.shape[0] for v in batch if isinstance(v, torch.Tensor) and v.dim() > 0), None)
-
-
-class _Once:
-    """``fn()`` on the first call, the same value after."""
-
-    def __init__(self, fn) -> None:
-        self._fn, self._done, self._value = fn, False, None
-
-    def __call__(self):
-        if not self._done:
-            self._value, self._done = self._fn(), True
-        return self._value
 
 
 def _source_of(fn) -> str:
@@ -134,7 +123,8 @@ class _Compiled:
             # the model on one sample more, traced only if the microbatch analysis asks (a loss scaled
             # by a constant that may be the batch size): two samples when a microbatch holds one
             more = tuple(v[:samples + 1] if isinstance(v, torch.Tensor) and v.dim() else v for v in batch)
-            probe = _Once(lambda: trace(self.model, more, wrapper_source=self._loss_source, moe_blocks=moe_blocks))
+            probe = functools.cache(lambda: trace(self.model, more, wrapper_source=self._loss_source,
+                                                  moe_blocks=moe_blocks))
             if samples == 1:
                 traced.batch_probe = probe()
             traced.resized_probe = lambda: (probe().gm, samples + 1, lifted_constants(probe()))

@@ -109,7 +109,7 @@ def test_a_max_loss_split_over_ranks_is_reduced_as_a_max(plan):
 
 @pytest.mark.parametrize("plan", ["mb=2", "mb=6"])
 def test_a_sum_divided_by_the_batch_size_is_a_mean_over_the_batch(plan):
-    """The microbatch's trace divides by its own size (3, or 1 under mb=6, which export drops); the
+    """The microbatch's trace divides by its own size (3, or 1 under mb=6, which it was read as a fixed 1 by); the
     model traced on one sample more shows the divisor follows the batch."""
     assert_equivalent(model("sum/batch"), plan, batches(), **FLOAT64)
 

@@ -160,7 +160,15 @@ def _signs(*shape, seed=0):
     return (_x(*shape, seed=seed) > 0).to(F64) * 2 - 1
 
 
+def _weighted_margin_sample(reduction: int):
+    """multi_margin with class weights as many as the rows: a rule that read rows by their size would
+    split the weights too."""
+    return (lambda x, y, w: aten.multi_margin_loss.default(x, y, 1, 1.0, w, reduction),
+            (_x(6, 6), torch.randint(0, 6, (6,), generator=torch.Generator().manual_seed(5)), _x(6, seed=6).abs()))
+
+
 # the loss ops: per element (reduction none: 0) and reduced (mean: 1, sum: 2), on [batch, seq, hidden]
 for _reduction in (0, 1, 2):
     for _op, _sample in _loss_samples(_reduction).items():
         EXTRA.setdefault(_op, []).append(_sample)
+    EXTRA[aten.multi_margin_loss.default].append(_weighted_margin_sample(_reduction))
