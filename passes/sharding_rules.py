@@ -494,6 +494,8 @@ def _dim_arg_rule(dim_index: int, removes_dim: bool = False) -> Rule:
         dim = norm_dim(view.arg(dim_index, 0), ndim)
         if view.out_shape == view.shapes[0] and view.node.target == aten.slice.Tensor:
             return Decision(view.placements, p)  # a slice that keeps everything
+        if is_shard(p, dim) and _strided_locally(view, dim):
+            return Decision(view.placements, p)  # every other row of each piece: the same rows
         if is_shard(p, dim):
             return Decision((R,) + tuple(R for _ in view.placements[1:]), R)
         if removes_dim and is_shard(p) and p.dim > dim:
@@ -501,6 +503,19 @@ def _dim_arg_rule(dim_index: int, removes_dim: bool = False) -> Rule:
         return Decision(view.placements, p)
 
     return rule
+
+
+def _strided_locally(view: OpView, dim: int) -> bool:
+    """``x[start::step]`` along a split dim whose pieces each hold a whole number of strides, with the
+    start inside the first: each rank's slice of its piece is its piece of the global slice (pairs
+    interleaved in the batch, ``logps[0::2]`` / ``logps[1::2]``, stay with their rank)."""
+    if view.node.target != aten.slice.Tensor:
+        return False
+    size = view.shapes[0][dim]
+    start, end, step = view.arg(2, None), view.arg(3, None), view.arg(4, 1)
+    start = 0 if start is None else start
+    return (isinstance(step, int) and step > 1 and size % view.pieces == 0 and (size // view.pieces) % step == 0
+            and isinstance(start, int) and 0 <= start < step and (end is None or end >= size))
 
 
 register(aten.slice.Tensor)(_dim_arg_rule(1))

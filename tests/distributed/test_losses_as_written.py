@@ -273,6 +273,27 @@ def test_a_fixed_slice_of_the_batch_is_refused_where_a_microbatch_hides_it(loss,
         usc.lint(PerSample(loss), plan, example_inputs=batch())
 
 
+class Pairs(Tagger):
+    """A preference loss over pairs interleaved in the batch (rows 0/1, 2/3, 4/5: chosen, rejected)."""
+
+    def forward(self, ids, labels):
+        z = self.head(self.emb(ids))
+        logp = F.log_softmax(z, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1).sum(-1)  # [B]
+        return -F.logsigmoid(logp[0::2] - logp[1::2]).mean()
+
+
+@pytest.mark.parametrize("plan", ["dp=3", "dp=2", "tp=2", "cp=2"])
+def test_pairs_interleaved_in_the_batch_equal_one_device(plan):
+    """Under dp=3 each rank holds whole pairs, and the strided slices stay local (they gathered the
+    batch); under dp=2 a pair straddles two ranks and the batch is gathered, as it must be."""
+    result = assert_equivalent(lambda: Pairs("kl_sum").double(), plan, [batch()] * 2, optimizer=sgd,
+                               rtol=1e-10, atol=1e-10, param_atol=1e-10)
+    assert result.max_param_diff <= 1e-10
+    gathers = [c for c in usc.lint(Pairs("kl_sum"), plan, example_inputs=batch()).collectives
+               if c.axis == "dp" and c.kind == "all-gather"]
+    assert bool(gathers) == (plan == "dp=2")
+
+
 def test_what_microbatches_cannot_combine_is_refused_by_name():
     """A floored count with terms that do not depend on the batch (their weight would follow the
     floored count); a mean divided by the batch's size (not linear in the microbatches' means)."""

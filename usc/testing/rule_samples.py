@@ -98,7 +98,10 @@ EXTRA[aten.linear.default] = [(lambda x, w, b: aten.linear.default(x, w, b), (_x
 EXTRA[aten.layer_norm.default] = [(lambda x, w, b: aten.layer_norm.default(x, [7], w, b), (_x(*A), _x(7), _x(7)))]
 EXTRA[aten.logical_and.default] = [(lambda a, b: aten.logical_and.default(a, b), (_x(*A) > 0, _x(*A) < 0.5))]
 EXTRA[aten.slice.Tensor] = [(lambda x: aten.slice.Tensor(x, 1, 0, None, 2), (_x(*A),)),  # x[:, ::2]
-                            (lambda x: aten.slice.Tensor(x, 1, 1), (_x(*A),))]
+                            (lambda x: aten.slice.Tensor(x, 1, 1), (_x(*A),)),
+                            # every other row from the second, rows a multiple of 2, 3 and 6
+                            (lambda x: aten.slice.Tensor(x, 0, 1, None, 2), (_x(12, 5),)),
+                            (lambda x: aten.slice.Tensor(x, 0, 0, None, 3), (_x(12, 5),))]
 EXTRA[aten.sum.dim_IntList] = [(lambda x: aten.sum.dim_IntList(x, [1]), (_x(*A),))]
 EXTRA[aten.mean.dim] = [(lambda x: aten.mean.dim(x, [1], True), (_x(*A),))]
 EXTRA[aten.scaled_dot_product_attention.default] = [
