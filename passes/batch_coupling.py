@@ -121,7 +121,7 @@ def _mark_token_ratios(gm: fx.GraphModule, user_inputs, params) -> None:
     dependent = _batch_dependent(gm, user_inputs)
     for term in loss_terms(gm, dependent):
         node = term.root
-        if node.target is not aten.div.Tensor or not _whole_sum(node.args[0]):
+        if node.target is not aten.div.Tensor or not _whole_sum(_unscaled(node.args[0])):
             continue
         count, transform = count_transform(node.args[1])
         # the denominator depends on the batch (a constant one makes the term a sum) and reads no weight
@@ -131,6 +131,20 @@ def _mark_token_ratios(gm: fx.GraphModule, user_inputs, params) -> None:
                 _guard_count(gm, node)
             else:
                 node.meta["usc_count_transform"] = transform
+
+
+def _unscaled(node):
+    """A value seen through its scalings by numbers (``1e-2 * zsq.sum()`` is a scaled whole sum)."""
+    while isinstance(node, fx.Node) and node.target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor,
+                                                         aten.div.Scalar) and len(node.args) == 2:
+        numbers = [isinstance(a, (int, float)) and not isinstance(a, bool) for a in node.args]
+        if numbers[1]:
+            node = node.args[0]
+        elif numbers[0] and node.target in (aten.mul.Tensor, aten.mul.Scalar):
+            node = node.args[1]
+        else:
+            break
+    return node
 
 
 def count_transform(den) -> tuple[fx.Node | None, tuple[str, float] | None]:
@@ -768,7 +782,7 @@ def _refuse_unclear(ctx, microbatches: int, kinds, batch: int) -> None:
     if other is not None:
         error = (f"the loss term {_name(other.root)} is not a sum or mean over the batch (e.g. a max, or a nonlinear "
                  "function of batch reductions): microbatch losses do not combine into it")
-    elif len(token) > 1 or (token and mixed):
+    elif (len(token) > 1 and not _one_count(token)) or (token and mixed):
         terms = ", ".join(_name(t.root) for t in token + mixed)
         error = (f"the loss adds a token mean (weighted by each microbatch's count of counted tokens) to other "
                  f"batch terms weighted differently ({terms})")
@@ -790,6 +804,24 @@ def _refuse_unclear(ctx, microbatches: int, kinds, batch: int) -> None:
 # scales compare within a float32 rounding: a scale made as a tensor (``torch.tensor(1 / n)``) is
 # rounded to the default dtype, and a fixed scale never comes within it of one that follows the size
 _ROUNDING = 1e-6
+
+
+def _one_count(token: list) -> bool:
+    """Token means the user wrote as ratios over one count (a masked cross-entropy and a masked
+    z-loss divided by the same ``mask.sum()``): weighted by that count they add up exactly."""
+    if not all(t.root.meta.get("usc_token_ratio") and not t.root.meta.get("usc_count_transform") for t in token):
+        return False
+    return len({_computation(t.root.args[1].args[0]) for t in token}) == 1
+
+
+def _computation(node, depth: int = 12):
+    """A key equal for values computed alike (``mask.sum()`` written twice makes two nodes, one value)."""
+    if not isinstance(node, fx.Node):
+        return node if not isinstance(node, (list, tuple)) else tuple(_computation(a, depth) for a in node)
+    if node.op == "placeholder" or depth == 0:
+        return node.name
+    return (str(node.target), tuple(_computation(a, depth - 1) for a in node.args),
+            tuple(sorted((k, _computation(v, depth - 1)) for k, v in node.kwargs.items())))
 
 
 def _read_batch_constants(kinds, batch: int, resized, user_inputs, gm: fx.GraphModule, values):

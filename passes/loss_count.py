@@ -38,15 +38,16 @@ def expose_loss_count_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     values = output.args[0]
     loss = values[0] if isinstance(values, (tuple, list)) else values
     loss = _reduce_non_sum_partials(gm, ctx, output, loss)
-    mean = _token_mean(gm, loss)
-    if mean is None:
+    means = _token_means(gm, loss)
+    if not means:
         return gm
+    mean = means[0]
     num, den = mean.args
     count, values = den, ()
     if isinstance(den, fx.Node) and den.meta.get("usc_count_guard"):  # count + (count == 0): the count itself
         count = den.args[0]
         if mean.meta.get("usc_token_ratio"):  # the user's numerator need not be 0 where the count is
-            values = (_numerator_if_empty(gm, ctx, output, loss, num, count),)
+            values = (_numerator_if_empty(gm, ctx, output, loss, [m.args[0] for m in means], count),)
     elif mean.meta.get("usc_count_transform"):  # count.clamp(min=m) or count + eps: never 0
         count = den.args[0]
         gm.meta["usc_count_transform"] = mean.meta["usc_count_transform"]
@@ -55,13 +56,17 @@ def expose_loss_count_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
-def _numerator_if_empty(gm: fx.GraphModule, ctx, output: fx.Node, loss: fx.Node, num, count) -> fx.Node:
-    """``num`` where the count is 0, else 0, in the loss's layout: a microbatch that counts nothing
-    divides its numerator by a guarded 1, and the runtime's weight (its count, 0) would drop it --
-    a ratio the user wrote need not have a numerator of 0 there (a sum the mask does not cover)."""
+def _numerator_if_empty(gm: fx.GraphModule, ctx, output: fx.Node, loss: fx.Node, nums: list, count) -> fx.Node:
+    """The numerators' sum where the count is 0, else 0, in the loss's layout: a microbatch that counts
+    nothing divides its numerators by a guarded 1, and the runtime's weight (its count, 0) would drop
+    them -- a ratio the user wrote need not have a numerator of 0 there (a sum the mask does not cover)."""
     editor, ann = GraphEditor(gm), loss.meta[META]
+    total = None
+    for num in nums:
+        num = _in_layout(editor, ctx, output, num, ann)
+        total = num if total is None else editor.call_function(output, aten.add.Tensor, (total, num), ann=ann)
     empty = editor.call_function(output, aten.eq.Scalar, (count, 0), ann=count.meta[META])
-    return editor.call_function(output, aten.mul.Tensor, (empty, _in_layout(editor, ctx, output, num, ann)), ann=ann)
+    return editor.call_function(output, aten.mul.Tensor, (empty, total), ann=ann)
 
 
 def _in_layout(editor: GraphEditor, ctx, output: fx.Node, value: fx.Node, ann) -> fx.Node:
@@ -103,13 +108,16 @@ def _reduce_non_sum_partials(gm: fx.GraphModule, ctx, output: fx.Node, loss):
     return reduced
 
 
-def _token_mean(gm: fx.GraphModule, loss) -> fx.Node | None:
-    """The token mean whose count weights the microbatches: the loss itself, or the one token mean
-    of a loss batch_coupling found to be that mean plus batch-independent terms."""
+def _token_means(gm: fx.GraphModule, loss) -> list[fx.Node]:
+    """The token means whose count weights the microbatches: the loss itself, or the token means of a
+    loss batch_coupling found to be them plus batch-independent terms (several only where the user
+    wrote them as ratios over one count)."""
     combine = gm.meta.get("usc_loss_combine")
     if combine == "per_microbatch" or not isinstance(loss, fx.Node):
-        return None
+        return []
     if loss.meta.get("usc_token_mean"):
-        return loss
+        return [loss]
     means = [n for n in gm.graph.nodes if n.meta.get("usc_token_mean")]
-    return means[0] if combine == "token_mean" and len(means) == 1 else None
+    if combine != "token_mean" or not means:
+        return []
+    return means if len(means) == 1 or all(m.meta.get("usc_token_ratio") for m in means) else []

@@ -137,11 +137,14 @@ class Denominators(Tagger):
             "clamped_unmasked": lambda: per_token.sum() / counted.sum().clamp(min=1),
             "clamp_min": lambda: (per_token * counted).sum() / torch.clamp_min(counted.sum(), 2.5),
             "offset": lambda: per_token.sum() / (counted.sum() + 1e-3),
+            # a z-loss masked and divided by the same count as the cross-entropy (two ratios, one count)
+            "masked_z_loss": lambda: (per_token * counted).sum() / counted.sum()
+            + 1e-2 * (torch.logsumexp(z.reshape(-1, VOCAB), -1).pow(2) * counted).sum() / counted.sum(),
         }[self.loss]()
 
 
 DENOMINATORS = ["unmasked", "unmasked_plus_regularizer", "cross_entropy_plus_regularizer", "clamped",
-                "clamped_unmasked", "clamp_min", "offset"]
+                "clamped_unmasked", "clamp_min", "offset", "masked_z_loss"]
 
 
 def empty_start():
@@ -305,6 +308,17 @@ def test_what_microbatches_cannot_combine_is_refused_by_name():
             counted = (y != IGNORED).to(z.dtype)
             per_token = F.cross_entropy(z.reshape(-1, VOCAB), y, reduction="none")
             return (per_token * counted).sum() / counted.sum().clamp(min=1) + self.head.weight.pow(2).sum()
+
+    class TwoCounts(Tagger):  # a z-loss over every token beside a cross-entropy over the counted ones
+        def forward(self, ids, labels):
+            z = self.head(self.emb(ids)).reshape(-1, VOCAB)
+            y = labels.reshape(-1)
+            counted = (y != IGNORED).to(z.dtype)
+            per_token = F.cross_entropy(z, y, reduction="none")
+            return (per_token * counted).sum() / counted.sum() + torch.logsumexp(z, -1).pow(2).mean()
+
+    with pytest.raises(usc.PlanError, match="adds a token mean .* to other batch terms weighted differently"):
+        usc.lint(TwoCounts("masked_mean"), "dp=3 mb=2", example_inputs=batch())
 
     with pytest.raises(usc.PlanError, match="adds terms that do not depend on the batch .* floor or offset"):
         usc.lint(FlooredPlusRegularizer("masked_mean"), "dp=3 mb=2", example_inputs=batch())
