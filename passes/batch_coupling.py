@@ -244,10 +244,8 @@ def _fixed_batch_slice(gm: fx.GraphModule, resized, user_inputs) -> str | None:
                 and _dim(n) == 0 and (shape_of(n.args[0]) or (None,))[0] == batch and _keeps_all_by_a_bound(n, batch)]
     if not suspects:
         return None
-    try:
-        graph, samples, _ = resized() if resized is not None else (None, 0, None)
-    except Exception:  # noqa: BLE001 - the model refusing another batch size: the slices stay unread
-        graph = None
+    other = _resized(resized)
+    graph, samples = (other[0], other[1]) if other is not None else (None, 0)
     theirs = {n.name: n for n in graph.graph.nodes} if graph is not None else {}
     for node in suspects:
         other = theirs.get(node.name)
@@ -657,19 +655,28 @@ _ALONG = RESHAPES | {aten.neg.default, aten.clone.default, aten._to_copy.default
 def _element_scales(term: Term) -> tuple[tuple, tuple]:
     """The numbers the elements a sum or mean reduces are multiplied by, walked back through views
     and scalings while they stay a linear function of one batch-dependent value."""
-    node, scales, names = term.root.args[0], [], []
+    _, scales, names = _walk_scales(term, term.root.args[0], lambda node: node.target not in _ALONG | _SCALES)
+    return scales, names
+
+
+def _walk_scales(term: Term, start, stop) -> tuple:
+    """(the node the walk stopped at, or None, numbers, their nodes): back from ``start`` through ops
+    of one batch-dependent input, collecting what each scaling multiplies by (a scaling by a tensor
+    is linear too and passed; ``c / x`` is not and ends the walk), until ``stop(node)``."""
+    node, scales, names = start, [], []
     while isinstance(node, fx.Node) and node in term.dependent:
         inputs = [a for a in node.all_input_nodes if a in term.dependent]
-        if len(inputs) != 1 or node.target not in _ALONG | _SCALES:
-            break
-        factor = _factor(node, inputs[0], term.values) if node.target in _SCALES else None
-        if node.target in _SCALES and factor is None:
-            break
-        if factor is not None:
-            scales.append(factor)
-            names.append(node.name)
+        if stop(node) or len(inputs) != 1:
+            return (node if stop(node) else None), tuple(scales), tuple(names)
+        if node.target in _SCALES:
+            if node.target in (aten.div.Tensor, aten.div.Scalar) and node.args[0] is not inputs[0]:
+                return None, tuple(scales), tuple(names)
+            factor = _factor(node, inputs[0], term.values)
+            if factor is not None:
+                scales.append(factor)
+                names.append(node.name)
         node = inputs[0]
-    return tuple(scales), tuple(names)
+    return None, tuple(scales), tuple(names)
 
 
 def _factor(node: fx.Node, through: fx.Node, values) -> float | None:
@@ -719,20 +726,13 @@ def _batch_reduction(term: Term) -> tuple[str, tuple, tuple]:
     the value a mean over the batch, a sum (or a walk that ends elsewhere: a product contracting
     the batch, two reduced values added) a sum -- with the numbers it was multiplied by on the way
     (``.sum(0) / x.size(0)``: a scale the microbatch's size may give, read like a term's)."""
-    root, dependent, batch = term.root, term.dependent, term.batch
-    node, scales, names = root, [], []
-    while True:
-        if node is not root and node.target in _REDUCES and _reduces_dim0(node, batch):
-            return ("mean" if node.target in _MEANS else "sum"), tuple(scales), tuple(names)
-        inputs = [a for a in node.all_input_nodes if a in dependent]
-        if len(inputs) != 1:
-            return "sum", tuple(scales), tuple(names)
-        if node is not root and node.target in _SCALES:
-            factor = _factor(node, inputs[0], term.values)
-            if factor is not None:
-                scales.append(factor)
-                names.append(node.name)
-        node = inputs[0]
+    root = term.root
+    inputs = [a for a in root.all_input_nodes if a in term.dependent]
+    if len(inputs) != 1:
+        return "sum", (), ()
+    reduced, scales, names = _walk_scales(
+        term, inputs[0], lambda node: node.target in _REDUCES and _reduces_dim0(node, term.batch))
+    return ("mean" if reduced is not None and reduced.target in _MEANS else "sum"), scales, names
 
 
 def _reduces_dim0(node: fx.Node, batch: int) -> bool:
@@ -837,10 +837,7 @@ def _read_batch_constants(kinds, batch: int, resized, user_inputs, gm: fx.GraphM
                 and _maybe_of_size(_node_factor(n, dependent, values), batch)]
     if resized is None or not (flagged or suspects):
         return kinds, None
-    try:
-        other = resized()
-    except Exception:  # noqa: BLE001 - a model refusing another batch size leaves the terms unread
-        other = None
+    other = _resized(resized)
     if other is None:
         return kinds, None
     graph, samples, their_values = other
@@ -869,6 +866,17 @@ def _read_batch_constants(kinds, batch: int, resized, user_inputs, gm: fx.GraphM
                          f"microbatch's size ({their:g} with one sample more), where usc cannot read how the "
                          "microbatches' losses combine (scale the loss itself, or write the mean with .mean())")
     return out, None
+
+
+def _resized(resized):
+    """(graph, samples, lifted constants) of the model traced on one sample more, or None where it was
+    not given or the model refuses another batch size (what needed it stays unread)."""
+    if resized is None:
+        return None
+    try:
+        return resized()
+    except Exception:  # noqa: BLE001 - the model's own refusal of that batch, whatever it raises
+        return None
 
 
 def _node_factor(node: fx.Node, dependent, values) -> float | None:

@@ -80,11 +80,18 @@ def _in_layout(editor: GraphEditor, ctx, output: fx.Node, value: fx.Node, ann) -
             raise CompileError(f"the token mean's numerator is {mine} on mesh axis {ctx.mesh.axes[i]!r} where the "
                                f"loss is {theirs}: usc cannot weigh microbatches by their token counts here "
                                "(plan options: batch_coupling=per_microbatch, or mb=1)")
-        have = dataclasses.replace(have, layout=have.layout.with_axis(i, Replicate()),
-                                   reason="a token mean's numerator, for a microbatch that counts nothing")
-        value = editor.call_module(output, AllReduce(ctx.mesh.axes[i]), (value,), ann=have, stem="all_reduce",
-                                   same_value_as=value)
+        value = _all_reduced(editor, ctx, output, value, i, "sum",
+                             "a token mean's numerator, for a microbatch that counts nothing")
     return value
+
+
+def _all_reduced(editor: GraphEditor, ctx, output: fx.Node, value: fx.Node, axis: int, op: str,
+                 reason: str) -> fx.Node:
+    """``value`` all-reduced (``op``) over mesh axis ``axis``, annotated whole there."""
+    ann = value.meta[META]
+    ann = dataclasses.replace(ann, layout=ann.layout.with_axis(axis, Replicate()), reason=reason)
+    return editor.call_module(output, AllReduce(ctx.mesh.axes[axis], op=op), (value,), ann=ann, stem="all_reduce",
+                              same_value_as=value)
 
 
 def _reduce_non_sum_partials(gm: fx.GraphModule, ctx, output: fx.Node, loss):
@@ -97,10 +104,8 @@ def _reduce_non_sum_partials(gm: fx.GraphModule, ctx, output: fx.Node, loss):
     editor, reduced = GraphEditor(gm), loss
     for i, placement in enumerate(ann.layout.placements):
         if isinstance(placement, Partial) and placement.reduce_op != "sum":
-            ann = dataclasses.replace(ann, layout=ann.layout.with_axis(i, Replicate()),
-                                      reason=f"the loss is a partial {placement.reduce_op}")
-            reduced = editor.call_module(output, AllReduce(ctx.mesh.axes[i], op=placement.reduce_op), (reduced,),
-                                         ann=ann, stem="all_reduce", same_value_as=reduced)
+            reduced = _all_reduced(editor, ctx, output, reduced, i, placement.reduce_op,
+                                   f"the loss is a partial {placement.reduce_op}")
     if reduced is not loss:
         values = output.args[0]
         output.args = ((reduced, *values[1:]) if isinstance(values, (tuple, list)) else reduced,)

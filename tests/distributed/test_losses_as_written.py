@@ -238,6 +238,8 @@ class PerSample(Tagger):
             "mean_over_batch_then_sequence": lambda: per_token.mean(0).mean(),
             "sum_over_batch_over_its_size": lambda: (per_token.sum(0) / ids.size(0)).sum(),
             "sum_over_batch_then_sequence": lambda: per_token.sum(0).mean(),
+            # a batch mean weighted per position by a tensor on its way to the term
+            "weighted_mean_over_batch": lambda: (per_token.mean(0) * self.scale[:ids.size(1)]).sum(),
             "slice_by_size": lambda: per_sample[: ids.size(0)].mean(),
             "slice_from_minus_size": lambda: per_sample[-ids.size(0):].sum(),
             "fixed_slice": lambda: per_sample[:2].mean(),
@@ -258,7 +260,8 @@ def test_a_size_usc_cannot_read_is_refused_by_name(loss, refusal, plan):
 
 @pytest.mark.parametrize("plan", ["mb=6", "mb=2", "dp=3 mb=2", "pp=2 mb=3"])
 @pytest.mark.parametrize("loss", ["mean_over_batch_then_sequence", "sum_over_batch_over_its_size",
-                                  "sum_over_batch_then_sequence", "slice_by_size", "slice_from_minus_size"])
+                                  "sum_over_batch_then_sequence", "weighted_mean_over_batch", "slice_by_size",
+                                  "slice_from_minus_size"])
 def test_a_batch_reduced_inside_the_loss_combines_as_one_device(loss, plan):
     """A mean over the batch dim followed by a mean over the sequence was read as a sum (the value
     is partial over the batch split either way): M times the loss, silently."""
