@@ -10,7 +10,7 @@ from torch.distributed.tensor import Partial
 
 from .ir import META, Layout, MeshSpec
 from .trace import StateInput
-from usc.runtime.loss_value import LossValueReduction
+from usc.runtime.loss_value import LossValueReduction, StepCounts
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,8 @@ class Program:
     loss_counted: bool = False  # the graph returns (loss, token count[, its numerator where the count is 0])
     # a token mean's floor or offset on its count (("clamp_min", m) or ("add", eps)), applied to the step's count
     count_transform: tuple[str, float] | None = None
+    # token means divided by the step's count, summed before the first microbatch (passes/loss_count.py)
+    step_counts: StepCounts | None = None
 
     @property
     def loss_partial_axes(self) -> tuple[str, ...]:
@@ -71,8 +73,9 @@ class Program:
     @property
     def loss_value(self) -> LossValueReduction:
         """How the runtime returns the step's loss (what it sends, which the report counts)."""
+        counts = self.step_counts.axes if self.step_counts is not None else ()
         return LossValueReduction(self.loss_partial_axes, self.loss_dtype, self.loss_counted,
-                                  self.mesh.size("pp") > 1).over({a: self.mesh.size(a) for a in self.mesh.axes})
+                                  self.mesh.size("pp") > 1, step_counts=counts).over({a: self.mesh.size(a) for a in self.mesh.axes})
 
 
 def build_program(gm: fx.GraphModule, mesh: MeshSpec, state: list[StateInput], user_inputs: list[str],
@@ -92,7 +95,7 @@ def build_program(gm: fx.GraphModule, mesh: MeshSpec, state: list[StateInput], u
     loss = inner_node(gm, values[0])
     return Program(gm, mesh, specs, inputs, loss.meta[META].layout, tp_choices, timings,
                    loss_dtype=loss.meta["val"].dtype, loss_counted=len(values) > 1,
-                   count_transform=gm.meta.get("usc_count_transform"))
+                   count_transform=gm.meta.get("usc_count_transform"), step_counts=gm.meta.get("usc_step_counts"))
 
 
 def inner_node(gm: fx.GraphModule, node: fx.Node) -> fx.Node:

@@ -200,8 +200,20 @@ def graph_collectives(gm: fx.GraphModule, mesh: MeshSpec, microbatches: int = 1)
     records = []
     for part in program_parts(gm):
         records += _graph_collectives(part, mesh)
-    records += pipeline_transfers(gm, mesh)
+    records += pipeline_transfers(gm, mesh) + step_count_collectives(gm, mesh)
     return [replace(c, calls_per_step=c.calls_per_step * microbatches) for c in records]
+
+
+def step_count_collectives(gm: fx.GraphModule, mesh: MeshSpec) -> list[CollectiveRecord]:
+    """What the program that sums a step's token counts before its first microbatch issues per
+    microbatch, on every rank (runtime/loss_value.py ``StepCounts``): the batch's gathers its count
+    reads (labels flattened across a cp split)."""
+    counts = gm.meta.get("usc_step_counts")
+    if counts is None:
+        return []
+    return [replace(r, module="<step token count>", reason=f"the step's token count, before its first microbatch: "
+                                                          f"{r.reason}")
+            for r in _graph_collectives(counts.program, mesh)]
 
 
 def program_parts(gm: fx.GraphModule) -> list[fx.GraphModule]:
@@ -437,10 +449,10 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
     }
 
 
-def _loss_value_records(program: Program, payloads: list) -> list[CollectiveRecord]:
+def _loss_value_records(program: Program, payloads: list, module: str = "<loss value>") -> list[CollectiveRecord]:
     """The all-reduces that return the step's loss (runtime/loss_value.py: what the runtime sends)."""
     return [CollectiveRecord("all-reduce", axis, program.mesh.size(axis), "forward", shape,
-                             str(dtype).replace("torch.", ""), shape_bytes(shape, dtype), 1, "<loss value>", "step()",
+                             str(dtype).replace("torch.", ""), shape_bytes(shape, dtype), 1, module, "step()",
                              what, "executor")
             for axis, shape, dtype, what in payloads if program.mesh.size(axis) > 1]
 
@@ -450,7 +462,8 @@ def loss_value_records(program: Program) -> list[CollectiveRecord]:
     over the other axes (but pp, whose loss the pipeline already shares) as the finite-loss verdict, so a
     NaN on any rank stops every rank (runtime/loss_value.py)."""
     reduction = program.loss_value
-    return _loss_value_records(program, reduction.axis_payloads() + reduction.verdict_payloads())
+    return _loss_value_records(program, reduction.count_payloads(), "<step token count>") + _loss_value_records(
+        program, reduction.axis_payloads() + reduction.verdict_payloads())
 
 
 def clipping_records(program: Program) -> list[CollectiveRecord]:
@@ -492,6 +505,7 @@ def step_traffic(program: Program, *, bucket_bytes: int, zero_stage: int, microb
     per_stage = mesh.world_size // mesh.size("pp")
     counted = [(r, per_stage * microbatches) for part in program_parts(program.gm)
                for r in _graph_collectives(part, mesh)]
+    counted += [(r, mesh.world_size * microbatches) for r in step_count_collectives(program.gm, mesh)]
     counted += [(r, 2 * per_stage * microbatches) for r in pipeline_transfers(program.gm, mesh)]
     counted += [(r, per_stage) for rank in range(mesh.size("pp"))
                 for r in gradient_buckets(program, bucket_bytes, zero_stage, pp_rank=rank, microbatches=microbatches,

@@ -15,7 +15,9 @@ and reads the result:
   a token mean (cross-entropy: microbatches weighted by their token counts, loss_count exposes
   them), a mean over the batch (weight 1/M), a sum (weight 1: the pass multiplies it by M, so one
   weight 1/M serves every term), a term that does not depend on the batch, or anything else
-  (max, a nonlinear function of batch reductions): refused.
+  (max, a nonlinear function of batch reductions): refused. Token means beside terms weighted
+  otherwise divide by the step's count, summed before the first microbatch ("count_first"), where
+  that count is computed from the batch alone (no weight, no random draw); else refused.
 
 ``batch_coupling=per_microbatch`` (plan option) instead *defines* the step loss as the mean of the
 microbatch losses, each computed on its microbatch alone (Megatron's definition for auxiliary
@@ -23,7 +25,8 @@ losses under pipelining); ``usc.testing`` trains its one-device reference the sa
 
 Requires: the traced graph, random ops already ``usc::draw`` nodes (random_ops).
 Establishes: with mb > 1, the program's microbatch losses combine into the one-device loss with
-    weights 1/M (or token counts, ``gm.meta["usc_loss_combine"] == "token_mean"``), or a PlanError
+    weights 1/M (or token counts, ``gm.meta["usc_loss_combine"] == "token_mean"``; or weights 1/M
+    with each token mean divided by the step's count, "count_first"), or a PlanError
     at ``mb`` was raised; each draw's batch dim is set, so a microbatch draws its rows of the full
     batch's tensor. With mb == 1 the graph is returned unchanged.
 """
@@ -86,6 +89,8 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
         _mark_token_ratios(graph, user_inputs, params)
     virtual = _virtual_propagation(analysed, ctx, user_inputs, params)
     _set_draw_batch_dims(gm, virtual, microbatches)
+    if draws:  # a ratio over a count of draws with a batch dim (known only now) is a token mean too
+        _mark_token_ratios(gm, user_inputs, params)
     if per_microbatch:
         gm.meta["usc_loss_combine"] = "per_microbatch"
         gm.recompile()
@@ -104,9 +109,9 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
     kinds, unread = _read_batch_constants(kinds, batch, resized, user_inputs, gm, constant_values)
     if unread is not None:
         raise ctx.plan.error_at("mb", f"mb={microbatches} runs the batch in microbatches, but {unread}", hint=OPTIONS)
-    _refuse_unclear(ctx, microbatches, kinds, batch)
+    combine = _refuse_unclear(ctx, microbatches, kinds, batch, params)
     _weight_sums(gm, kinds, microbatches)
-    gm.meta["usc_loss_combine"] = "token_mean" if any(k == "token_mean" for _, k in kinds) else "mean"
+    gm.meta["usc_loss_combine"] = combine
     gm.recompile()
     return gm
 
@@ -466,12 +471,13 @@ class Term:
 
 
 def _batch_dependent(gm: fx.GraphModule, user_inputs) -> set[fx.Node]:
-    """What depends on the batch's samples: the inputs with a batch dim and what is computed from them
-    (a 0-d input, such as a token count the batch carries, is every microbatch's whole)."""
+    """What depends on the batch's samples: the inputs with a batch dim, random draws with one (a
+    microbatch draws its rows of the batch's draw), and what is computed from them (a 0-d input, such
+    as a token count the batch carries, is every microbatch's whole)."""
     found: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if (node.op == "placeholder" and node.name in user_inputs and shape_of(node) != ()) \
-                or any(a in found for a in node.all_input_nodes):
+                or (node.target is DRAW and node.args[3] >= 0) or any(a in found for a in node.all_input_nodes):
             found.add(node)
     return found
 
@@ -772,33 +778,64 @@ def _op_name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target)) if node.op == "call_function" else str(target)
 
 
-def _refuse_unclear(ctx, microbatches: int, kinds, batch: int) -> None:
-    """Terms whose combination over microbatches is not one of the exact forms."""
+def _refuse_unclear(ctx, microbatches: int, kinds, batch: int, params=frozenset()) -> str:
+    """How the microbatches' losses combine -- 'mean' (weights 1/M), 'token_mean' (weights by one
+    count) or 'count_first' (token means whose weights differ from the other terms': each divides by
+    the step's count, summed before the first microbatch) -- or a PlanError for terms whose
+    combination is not one of the exact forms."""
     error = None
     other = next((t for t, k in kinds if k == "other"), None)
     token = [t for t, k in kinds if k == "token_mean"]
     mixed = [t for t, k in kinds if k in ("sum", "mean")]
     ambiguous = next((t for t, k in kinds if k != "constant" and _may_follow_batch(t, batch)), None)
+    floored = token and token[0].root.meta.get("usc_count_transform") and len(kinds) > 1
+    mixed_counts = (len(token) > 1 and not _one_count(token)) or (token and mixed)
     if other is not None:
         error = (f"the loss term {_name(other.root)} is not a sum or mean over the batch (e.g. a max, or a nonlinear "
                  "function of batch reductions): microbatch losses do not combine into it")
-    elif (len(token) > 1 and not _one_count(token)) or (token and mixed):
-        terms = ", ".join(_name(t.root) for t in token + mixed)
-        error = (f"the loss adds a token mean (weighted by each microbatch's count of counted tokens) to other "
-                 f"batch terms weighted differently ({terms})")
-    elif token and token[0].root.meta.get("usc_count_transform") and len(kinds) > 1:
-        terms = ", ".join(_name(t.root) for t, k in kinds if t is not token[0])
-        error = (f"the loss adds terms that do not depend on the batch ({terms}) to a token mean whose denominator "
-                 f"has a floor or offset ({_name(token[0].root.args[1])}): the step's share of those terms would "
-                 "follow the floored count, not 1 (divide by the count alone: usc keeps a microbatch that counts nothing off "
-                 "zero itself)")
     elif ambiguous is not None:
         error = (f"the loss term {_name(ambiguous.root)} is scaled by {ambiguous.scale:g}, which may be taken from the "
                  f"shape of the microbatch (of {batch} samples), and the model traced on another number of samples did "
                  "not show whether it is: a batch's size differs between a microbatch and the batch (write .mean() "
                  "instead of .sum() / n)")
+    elif mixed_counts or floored:
+        unknown = next((t for t in token if not _countable_first(t.root, params)), None)
+        if unknown is None:
+            return "count_first"
+        error = (f"the loss adds a token mean ({_name(unknown.root)}) to other batch terms weighted differently, and "
+                 f"its count ({_name(_count_nodes(unknown.root)[0])}) is not computed from the batch alone (it reads a "
+                 "weight or a random draw), so the step's count cannot be summed before its first microbatch")
     if error is not None:
         raise ctx.plan.error_at("mb", f"mb={microbatches} runs the batch in microbatches, but {error}", hint=OPTIONS)
+    return "token_mean" if token else "mean"
+
+
+def _count_nodes(mean: fx.Node) -> list:
+    """What a token mean's count is computed from: a loss op's target (and class weights), expanded
+    later; a ratio's denominator without the guard, floor or offset."""
+    if mean.target in TOKEN_LOSSES:
+        return [a for a in mean.args[1:3] if isinstance(a, fx.Node)]
+    den = mean.args[1]
+    return [den.args[0] if isinstance(den, fx.Node) and den.meta.get("usc_count_guard") else count_transform(den)[0]]
+
+
+def _countable_first(mean: fx.Node, params) -> bool:
+    """Whether a token mean's count is computed from the batch (and buffers) alone -- no weight, no
+    random draw -- so the runtime can sum the step's count before the first microbatch runs."""
+    start = _count_nodes(mean)
+    if not all(isinstance(node, fx.Node) for node in start):
+        return False
+    seen, stack = set(), list(start)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if (node.op == "placeholder" and node.name in params) or node.op not in ("placeholder", "call_function") \
+                or node.target is DRAW:
+            return False
+        stack.extend(node.all_input_nodes)
+    return True
 
 
 # scales compare within a float32 rounding: a scale made as a tensor (``torch.tensor(1 / n)``) is

@@ -11,8 +11,14 @@ Establishes: such a graph returns ``(loss, count)``; the runtime weights microba
     (``gm.meta["usc_count_transform"]``), and the runtime applies it to each microbatch's count and to
     N. A ratio of sums the user wrote (its count guarded by batch_coupling) returns a third value,
     its numerator where its count is 0 (else 0), which the runtime adds: a microbatch counting
-    nothing keeps a numerator that is not 0. Any other graph, and any graph whose loss is defined
-    per microbatch (batch_coupling=per_microbatch: equal weights), is returned unchanged.
+    nothing keeps a numerator that is not 0. A loss whose token means are added to terms weighted
+    otherwise ("count_first": a z-loss over every token, a mean over the samples, a second token mean
+    over another mask, terms that do not depend on the batch beside a floored count) keeps returning
+    its loss alone: each token mean divides by a ``StepDivisor`` the runtime sets before the first
+    microbatch to the step's count / M, summed by the program that counts (``StepCounts``, cut from
+    this graph: the count's local part, the axes its all-reduces sum it over). Any other graph, and
+    any graph whose loss is defined per microbatch (batch_coupling=per_microbatch: equal weights), is
+    returned unchanged.
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ from torch.distributed.tensor import Partial, Replicate
 
 from usc.compiler.errors import CompileError
 from usc.compiler.ir import META
-from usc.runtime.collectives import AllReduce
+from usc.runtime.collectives import AllReduce, CollectiveNode
+from usc.runtime.loss_value import StepCounts, StepDivisor
 
-from .graph_edit import GraphEditor
+from .graph_edit import GraphEditor, val
 
 aten = torch.ops.aten
 
@@ -38,6 +45,10 @@ def expose_loss_count_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     values = output.args[0]
     loss = values[0] if isinstance(values, (tuple, list)) else values
     loss = _reduce_non_sum_partials(gm, ctx, output, loss)
+    if gm.meta.get("usc_loss_combine") == "count_first":
+        _divide_by_step_counts(gm, [n for n in gm.graph.nodes if n.meta.get("usc_token_mean")])
+        gm.recompile()
+        return gm
     means = _token_means(gm, loss)
     if not means:
         return gm
@@ -54,6 +65,94 @@ def expose_loss_count_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     output.args = ((loss, count, *values),)
     gm.recompile()
     return gm
+
+
+def _divide_by_step_counts(gm: fx.GraphModule, means: list[fx.Node]) -> None:
+    """Each token mean ``num / den`` becomes ``num / StepDivisor()``: the runtime sums the step's count
+    before the first microbatch (``StepCounts``, read off the graph's own count: its local part, and the
+    axes its all-reduces sum it over) and sets the divisor to (that count, floored or offset as the
+    model wrote) / M, so with the weights 1/M every other term has, microbatch m adds num_m / N. The
+    per-microbatch count, its guard and its all-reduces are then dead and dropped."""
+    locals_, axes, transforms, dens = [], [], [], []
+    for index, mean in enumerate(means):
+        num, den = mean.args
+        if den.meta.get("usc_count_guard"):  # count + (count == 0): the guard is for microbatches only
+            count, transform = den.args[0], None
+        else:
+            count, transform = den, mean.meta.get("usc_count_transform")
+            if transform is not None:
+                count = den.args[0]
+        local, summed = _local_count(gm, count)
+        locals_.append(local)
+        axes.append(summed)
+        transforms.append(transform)
+        dens.append(den)
+        name = f"usc_step_divisor_{index}"
+        # an integer count (a sum of a boolean mask) divides in the numerator's dtype: N / M is no integer
+        dtype = val(den).dtype if val(den).dtype.is_floating_point else val(num).dtype
+        gm.add_submodule(name, StepDivisor(index, dtype))
+        with gm.graph.inserting_before(mean):
+            divisor = gm.graph.call_module(name, ())
+        divisor.meta.update({"val": val(den).to(dtype), META: den.meta[META]})
+        mean.args = (num, divisor)
+    program, reads = _count_program(gm, locals_)
+    _drop_dead(gm, dens)
+    gm.meta["usc_step_counts"] = StepCounts(program, reads, tuple(axes), tuple(transforms))
+
+
+def _local_count(gm: fx.GraphModule, count: fx.Node) -> tuple[fx.Node, tuple[str, ...]]:
+    """(this rank's part of a whole count, the mesh axes its all-reduces sum it over)."""
+    axes = []
+    while count.op == "call_module" and isinstance(gm.get_submodule(count.target), AllReduce) \
+            and gm.get_submodule(count.target).op == "sum":
+        axes.append(gm.get_submodule(count.target).axis)
+        count = count.args[0]
+    return count, tuple(reversed(axes))
+
+
+def _count_program(gm: fx.GraphModule, locals_: list[fx.Node]) -> tuple[fx.GraphModule, tuple[str, ...]]:
+    """A program of the placeholders the counts read that returns the counts' local parts (with the
+    collectives the batch's layout needs on the way: labels flattened across a cp split are gathered)."""
+    needed, stack = set(), list(locals_)
+    while stack:
+        node = stack.pop()
+        if node in needed:
+            continue
+        collective = node.op == "call_module" and isinstance(gm.get_submodule(node.target), CollectiveNode)
+        if node.op not in ("placeholder", "call_function", "get_attr") and not collective:
+            raise CompileError(f"a token mean's count is computed through {node.format_node()}, not from the batch "
+                               "alone: usc cannot sum the step's count before its first microbatch (plan options: "
+                               "batch_coupling=per_microbatch, or mb=1)")
+        needed.add(node)
+        stack.extend(node.all_input_nodes)
+    graph, env, reads = fx.Graph(), {}, []
+    for node in gm.graph.nodes:
+        if node not in needed:
+            continue
+        if node.op == "placeholder":
+            env[node] = graph.placeholder(node.name)
+            env[node].meta = dict(node.meta)
+            reads.append(node.name)
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[n] for n in locals_))
+    return fx.GraphModule(gm, graph), tuple(reads)
+
+
+def _drop_dead(gm: fx.GraphModule, roots: list[fx.Node]) -> None:
+    """Erase what only the replaced denominators used (their guards, counts and all-reduces)."""
+    ancestors, stack = set(), list(roots)
+    while stack:
+        node = stack.pop()
+        if node not in ancestors:
+            ancestors.add(node)
+            stack.extend(node.all_input_nodes)
+    for node in reversed(list(gm.graph.nodes)):
+        if node in ancestors and node.op != "placeholder" and not node.users:
+            target = node.target if node.op == "call_module" else None
+            gm.graph.erase_node(node)
+            if target is not None and not any(n.op == "call_module" and n.target == target for n in gm.graph.nodes):
+                gm.delete_submodule(target)
 
 
 def _numerator_if_empty(gm: fx.GraphModule, ctx, output: fx.Node, loss: fx.Node, nums: list, count) -> fx.Node:

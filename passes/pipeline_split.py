@@ -395,6 +395,7 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx, *, constants: frozenset[str] = 
     for cost, memory in zip(split.meta["usc_stage_costs"], gm.meta.pop("usc_stage_memory", ())):
         cost.update(memory)
     split.meta["usc_split_notes"] = notes
-    if "usc_count_transform" in gm.meta:  # the step's count takes the loss's floor (passes/loss_count.py)
-        split.meta["usc_count_transform"] = gm.meta["usc_count_transform"]
+    for key in ("usc_count_transform", "usc_step_counts"):  # how the step counts tokens (passes/loss_count.py)
+        if key in gm.meta:
+            split.meta[key] = gm.meta[key]
     return split

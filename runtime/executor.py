@@ -28,7 +28,7 @@ from .timeline import Timeline
 from .checkpoint_state import ShardedCheckpoint
 from .errors import NonFiniteLoss
 from .vocab import saw_index_no_rank_holds
-from .loss_value import loss_parts, microbatch_share, step_count
+from .loss_value import StepDivisor, loss_parts, microbatch_share, step_count
 from .input_checks import BadInput, check_dtypes, check_ranges, index_uses, shard_view
 from .recompute import observe_kept
 from .replica_guard import ReplicaGuard
@@ -102,6 +102,9 @@ class RankExecutor(ShardedCheckpoint):
                  reduce_dtype: torch.dtype | None = None, replica_check: int = 0) -> None:
         self.program, self.mesh = program, mesh
         self.gm = bind_graph(program.gm, mesh)
+        # a loss dividing by the step's count: the program that counts, bound like the step's
+        counts = program.step_counts
+        self._count_program = bind_graph(counts.program, mesh) if counts is not None else None
         self.pending_writes: dict[str, torch.Tensor] = {}  # buffers the forward wrote (StateWrite)
         for module in self.gm.modules():
             if isinstance(module, StateWrite):
@@ -215,10 +218,48 @@ class RankExecutor(ShardedCheckpoint):
         return dict(self._cast)
 
     def _arguments(self, batch: tuple) -> list[torch.Tensor]:
-        values = self._state_values()
-        for spec, value in zip(self.program.inputs, batch):
-            values[spec.placeholder] = self._compute(self._local_input(spec, value))
+        values = self._input_values(batch)
         return [values[name] for name in self._order]
+
+    def _input_values(self, piece: tuple) -> dict[str, torch.Tensor]:
+        """The program's inputs by placeholder: the state, and this rank's part of the batch ``piece``."""
+        values = self._state_values()
+        for spec, value in zip(self.program.inputs, piece):
+            values[spec.placeholder] = self._compute(self._local_input(spec, value))
+        return values
+
+    _step_tokens: torch.Tensor | None = None  # the last step's counts (a loss dividing by the step's count)
+
+    def _set_step_divisors(self, micro: list[tuple]) -> None:
+        """A loss whose token means divide by the step's count (``Program.step_counts``): sum each
+        count's local part over the microbatches, then over its mesh axes (one float64 all-reduce per
+        axis), and set each token mean's divisor to that count / M -- before the first forward, so
+        every microbatch's backward carries its exact share. Runs no model."""
+        counts = self.program.step_counts
+        if counts is None:
+            return
+        with torch.no_grad():
+            totals, positions = None, {spec.placeholder: i for i, spec in enumerate(self.program.inputs)}
+            specs = self.program.inputs
+            for piece in micro:
+                local = self._count_program(*[
+                    self._compute(self._local_input(specs[positions[name]], piece[positions[name]]))
+                    if name in positions else self._compute(self.state[name]) for name in counts.reads])
+                local = [torch.as_tensor(v).to(device=self.device, dtype=torch.float64) for v in local]
+                totals = local if totals is None else [t + v for t, v in zip(totals, local)]
+            for axes, members in counts.groups():  # one float64 vector per group of counts, per axis
+                part = torch.stack([totals[i] for i in members])
+                for axis in axes:
+                    if self.mesh.size(axis) > 1:
+                        part = self.mesh.comm(axis).all_reduce(part)
+                for i, value in zip(members, part.unbind()):
+                    totals[i] = value
+            totals = torch.stack(totals)
+        self._step_tokens = totals
+        divisors = counts.divisors(totals, len(micro))
+        for module in self.gm.modules():
+            if isinstance(module, StepDivisor):
+                module.value = divisors[module.index].to(module.dtype)
 
     def _compute(self, t):
         """dtype=bf16: float tensors enter the graph in bfloat16 (a differentiable cast, so the
@@ -357,6 +398,7 @@ class RankExecutor(ShardedCheckpoint):
         last microbatch's backward (ZeRO-2 reduce-scatters in every microbatch's).
         ``peak_state_bytes``: the most parameter, gradient and optimizer bytes held at once."""
         micro = self.check_batch(batch)
+        self._set_step_divisors(micro)
         for module in self.gm.modules():
             if hasattr(module, "reset_stats"):  # per-step statistics (MoE loads)
                 module.reset_stats()
@@ -459,7 +501,10 @@ class RankExecutor(ShardedCheckpoint):
 
     def _nan_cause(self, count) -> str | None:
         """Why the loss is not finite, when this rank can tell (read only after a step failed)."""
-        counted = None if count is None else self._to_host(torch.as_tensor(count).sum(), assumed=1.0)
+        if self.program.step_counts is not None and self._step_tokens is not None:
+            counted = self._to_host(self._step_tokens.min(), assumed=1.0)
+        else:
+            counted = None if count is None else self._to_host(torch.as_tensor(count).sum(), assumed=1.0)
         if counted == 0:
             return "no token was counted: every label of the batch is the loss's ignore_index (-100), so the " \
                 "mean divides by zero; drop such batches"
@@ -506,7 +551,9 @@ class RankExecutor(ShardedCheckpoint):
 
         self._measure = measure
         try:
-            loss, *_ = self._loss(self._split(batch)[0])
+            micro = self._split(batch)
+            self._set_step_divisors(micro)
+            loss, *_ = self._loss(micro[0])
         finally:
             self._measure = None
         total = sum(nbytes for nbytes, _ in seen.values())
@@ -515,9 +562,10 @@ class RankExecutor(ShardedCheckpoint):
 
     @torch.no_grad()
     def evaluate(self, batch: tuple) -> float:
-        pieces = []
+        pieces, micro = [], self.check_batch(batch)
+        self._set_step_divisors(micro)
         with self._state_cast_once():
-            for m, piece in enumerate(self.check_batch(batch)):
+            for m, piece in enumerate(micro):
                 self._key_random(self.gm, m)
                 pieces.append(self._loss(piece))
         self.pending_writes.clear()  # evaluation updates nothing

@@ -35,6 +35,7 @@ class LossValueReduction:
     counted: bool = False
     pipelined: bool = False
     verdict: tuple[str, ...] = ()  # axes the loss is a copy on, summed for one finite-loss verdict
+    step_counts: tuple[tuple[str, ...], ...] = ()  # per count summed before the first microbatch: its axes
 
     def over(self, sizes: Mapping[str, int]) -> "LossValueReduction":
         """This reduction on a mesh of these axis sizes: its verdict axes are those of size > 1 the loss
@@ -60,9 +61,18 @@ class LossValueReduction:
         """(axis, shape, dtype, what) of the finite-loss verdict's sum over each axis the loss is a copy on."""
         return [(axis, (), self.dtype, "every rank agrees on the finite-loss verdict") for axis in self.verdict]
 
+    def count_payloads(self) -> list[tuple[str, tuple[int, ...], torch.dtype, str]]:
+        """(axis, shape, dtype, what) of the sum of the step's token counts before its first microbatch
+        (a loss whose token means divide by the step's count: passes/loss_count.py)."""
+        groups: dict[tuple[str, ...], int] = {}
+        for axes in self.step_counts:
+            groups[axes] = groups.get(axes, 0) + 1
+        return [(axis, (n,), PIPELINE_DTYPE, "the step's token counts, summed before its first microbatch")
+                for axes, n in groups.items() for axis in axes]
+
     def payloads(self) -> list[tuple[str, tuple[int, ...], torch.dtype, str]]:
         """Every all-reduce, in the order the runtime issues them."""
-        return self.pipeline_payloads() + self.axis_payloads() + self.verdict_payloads()
+        return self.count_payloads() + self.pipeline_payloads() + self.axis_payloads() + self.verdict_payloads()
 
 
 def loss_parts(out) -> tuple[torch.Tensor, torch.Tensor | float, torch.Tensor | None]:
@@ -94,4 +104,50 @@ def step_count(count, transform: tuple[str, float] | None):
     return count.clamp(min=constant) if kind == "clamp_min" else count + constant
 
 
-__all__ = ["LossValueReduction", "PIPELINE_DTYPE", "loss_parts", "microbatch_share", "step_count"]
+class StepDivisor(torch.nn.Module):
+    """What a token mean divides by when its microbatches' weights differ from the other loss terms'
+    (passes/loss_count.py, "count_first"): the step's count (with the model's floor or offset) over
+    the number of microbatches, set by the runtime before the step's first forward from ``StepCounts``.
+    Weighted 1/M like every other term, microbatch m's numerator then adds numerator_m / N to the step."""
+
+    def __init__(self, index: int, dtype: torch.dtype):
+        super().__init__()
+        self.index, self.dtype = index, dtype
+        self.value: torch.Tensor | None = None
+
+    def forward(self) -> torch.Tensor:
+        if self.value is None:
+            raise RuntimeError("a token mean's step count was not set before the forward: the runtime sums the "
+                               "step's counts first (StepCounts); call the compiled step, not its graph")
+        return self.value
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}"
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """The token counts of a loss whose token means divide by the step's count (passes/loss_count.py):
+    ``program`` computes this rank's part of each count from the placeholders ``reads`` (the batch and
+    buffers, no weight); the runtime sums it over the microbatches, then over ``axes`` (each count's
+    mesh axes, a float64 all-reduce per axis), and applies ``transforms`` (the model's floor or offset)."""
+
+    program: torch.nn.Module
+    reads: tuple[str, ...]
+    axes: tuple[tuple[str, ...], ...]
+    transforms: tuple[tuple[str, float] | None, ...]
+
+    def groups(self) -> list[tuple[tuple[str, ...], list[int]]]:
+        """(axes, the counts summed over them): one all-reduce of a float64 vector per axis and group."""
+        out: dict[tuple[str, ...], list[int]] = {}
+        for i, axes in enumerate(self.axes):
+            out.setdefault(axes, []).append(i)
+        return list(out.items())
+
+    def divisors(self, totals: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
+        """What each token mean divides by: its step count (floored or offset as the model wrote) / M."""
+        return [step_count(totals[i], transform) / microbatches for i, transform in enumerate(self.transforms)]
+
+
+__all__ = ["LossValueReduction", "PIPELINE_DTYPE", "StepCounts", "StepDivisor", "loss_parts", "microbatch_share",
+           "step_count"]

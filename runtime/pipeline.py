@@ -342,12 +342,6 @@ class PipelineMixin:
         loss, count, empty = loss_parts(outputs)
         return InFlight(received, outputs, count, microbatch_share(loss, count, empty, self.program.count_transform))
 
-    def _input_values(self, piece: tuple) -> dict[str, torch.Tensor]:
-        values = self._state_values()
-        for spec, value in zip(self.program.inputs, piece):
-            values[spec.placeholder] = self._compute(self._local_input(spec, value))
-        return values
-
     def _roots(self, stage: int, mb: int, flight: InFlight) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """What backward starts from: the last stage's token-weighted loss sum, or the stage outputs
         with the gradients their consumers sent back (summed over consumers)."""
@@ -397,6 +391,7 @@ class PipelineMixin:
     # ------------------------------------------------------------------------------------ a step
     def _run_schedule(self, batch: tuple, *, train: bool) -> tuple[torch.Tensor, float]:
         micro = self.check_batch(batch)
+        self._set_step_divisors(micro)
         self._inbox = {peer: list(order) for peer, order in self._orders[train].items()}
         flights: dict[tuple[int, int], InFlight] = {}
         total, count = torch.zeros((), dtype=torch.float64, device=self.device), 0.0

@@ -212,6 +212,9 @@ def written_case(case: str):
     if case in ("unmasked_plus_regularizer", "clamped"):
         from test_losses_as_written import Denominators, empty_start
         return (lambda: Denominators(case).double()), [empty_start()] * 2
+    if case in ("z_loss_every_token", "two_masks"):
+        from test_losses_counted_first import Tagger as Counted, batch as counted_batch
+        return (lambda: Counted(case).double()), [counted_batch(s) for s in range(2)]
     if case == "bart":
         from test_seq2seq_models import bart, batch
         return (lambda: bart().double()), [batch(s) for s in range(2)]

@@ -301,32 +301,8 @@ def test_pairs_interleaved_in_the_batch_equal_one_device(plan):
 
 
 def test_what_microbatches_cannot_combine_is_refused_by_name():
-    """A floored count with terms that do not depend on the batch (their weight would follow the
-    floored count); a mean divided by the batch's size (not linear in the microbatches' means)."""
-
-    class FlooredPlusRegularizer(Tagger):
-        def forward(self, ids, labels):
-            z = self.head(self.emb(ids))
-            y = labels.reshape(-1)
-            counted = (y != IGNORED).to(z.dtype)
-            per_token = F.cross_entropy(z.reshape(-1, VOCAB), y, reduction="none")
-            return (per_token * counted).sum() / counted.sum().clamp(min=1) + self.head.weight.pow(2).sum()
-
-    class TwoCounts(Tagger):  # a z-loss over every token beside a cross-entropy over the counted ones
-        def forward(self, ids, labels):
-            z = self.head(self.emb(ids)).reshape(-1, VOCAB)
-            y = labels.reshape(-1)
-            counted = (y != IGNORED).to(z.dtype)
-            per_token = F.cross_entropy(z, y, reduction="none")
-            return (per_token * counted).sum() / counted.sum() + torch.logsumexp(z, -1).pow(2).mean()
-
-    with pytest.raises(usc.PlanError, match="adds a token mean .* to other batch terms weighted differently"):
-        usc.lint(TwoCounts("masked_mean"), "dp=3 mb=2", example_inputs=batch())
-
-    with pytest.raises(usc.PlanError, match="adds terms that do not depend on the batch .* floor or offset"):
-        usc.lint(FlooredPlusRegularizer("masked_mean"), "dp=3 mb=2", example_inputs=batch())
-    assert_equivalent(lambda: FlooredPlusRegularizer("masked_mean").double(), "dp=2", [empty_start()] * 2,
-                      optimizer=sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
+    """A mean divided by the batch's size (not linear in the microbatches' means). (A token mean beside
+    terms weighted otherwise divides by the step's count: test_losses_counted_first.py.)"""
 
     class MeanOverBatchSize(Tagger):
         def forward(self, ids, labels):

@@ -4,8 +4,10 @@ microbatch counts no token under dp and microbatches (the guarded count, weighte
 BART under pp with microbatches (the labels' new_zeros made from their shard, stages across
 processes); a ratio of sums whose numerator the mask does not cover, plus a regularizer, under dp
 and microbatches (the numerator of a microbatch counting nothing, summed over dp), and a floored
-count under pp (the floor applied to the step's count on every stage). Float64, SGD, against the
-model trained on one device."""
+count under pp (the floor applied to the step's count on every stage); a token mean beside a z-loss
+over every token under dp and microbatches, and two token means over different masks under pp (each
+dividing by the step's count, summed before the first microbatch). Float64, SGD, against the model
+trained on one device."""
 
 import io
 
@@ -17,7 +19,8 @@ from gloo_cases import train_written, written_case
 from harness import run_world
 
 CASES = [("cross_entropy_weight_smoothing", "tp=2"), ("masked_mean_all_ignored_microbatch", "dp=3 mb=2"),
-         ("bart", "pp=2 mb=2"), ("unmasked_plus_regularizer", "dp=3 mb=2"), ("clamped", "pp=2 mb=3")]
+         ("bart", "pp=2 mb=2"), ("unmasked_plus_regularizer", "dp=3 mb=2"), ("clamped", "pp=2 mb=3"),
+         ("z_loss_every_token", "dp=3 mb=2"), ("two_masks", "pp=2 mb=3")]
 
 
 def one_device(case: str):

@@ -65,6 +65,8 @@ PLANS = [
     ("dp=2 ep=2", "moe"),
     ("dp=2 pp=2 mb=2 schedule=gpipe", "llama"),  # the dp reduction overlapping the pipeline's backward
     ("dp=2 mb=2", "dropout"),  # random draws keyed on the device, per microbatch
+    ("dp=2 mb=2", "z_loss"),  # the step's token count, summed on the device before the first microbatch
+    ("pp=2 mb=2", "z_loss"),
 ]
 # Heavier combinations, run with USC_DEEP_TIER=1 (8 ranks, or paths the plans above already reach)
 DEEP_PLANS = [
@@ -77,8 +79,25 @@ if os.environ.get("USC_DEEP_TIER") == "1":
     PLANS += DEEP_PLANS
 
 
+class ZLossTagger(torch.nn.Module):
+    """A masked token mean beside a z-loss over every token: divides by the step's count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mid, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 32)
+
+    def forward(self, ids, labels):
+        z = self.head(torch.relu(self.mid(self.emb(ids)))).reshape(-1, 32)
+        y = labels.reshape(-1)
+        counted = (y != 0).to(z.dtype)
+        per_token = torch.nn.functional.cross_entropy(z, y, reduction="none")
+        return (per_token * counted).sum() / counted.sum() + 1e-3 * torch.logsumexp(z, -1).pow(2).mean()
+
+
 def _model(kind: str):
     torch.manual_seed(0)
+    if kind == "z_loss":
+        return ZLossTagger(), token_batch(32, 8, 6)
     if kind == "moe":
         return TinyMixtral(MoEConfig()), token_batch(MoEConfig().vocab, 4, 12)
     if kind == "dropout":
@@ -86,14 +105,14 @@ def _model(kind: str):
     return TinyLlama(), token_batch(128, 12, 12)
 
 
-_compiled: dict[str, object] = {}
+_compiled: dict[tuple[str, str], object] = {}
 
 
 def _compile(plan: str, kind: str):
-    if plan not in _compiled:
+    if (plan, kind) not in _compiled:
         model, batch = _model(kind)
-        _compiled[plan] = usc.compile(model, plan, example_inputs=batch)
-    return _compiled[plan]
+        _compiled[(plan, kind)] = usc.compile(model, plan, example_inputs=batch)
+    return _compiled[(plan, kind)]
 
 
 # Recompute's backward re-runs forward inside torch.utils.checkpoint, which aborts the process on
@@ -111,7 +130,7 @@ def _first_and_last(world: int) -> tuple[int, ...]:
 
 
 @_tier
-@pytest.mark.parametrize("plan,kind", TRAINED, ids=[p for p, _ in TRAINED])
+@pytest.mark.parametrize("plan,kind", TRAINED, ids=[f"{p} ({k})" for p, k in TRAINED])
 def test_the_first_and_last_rank_train_on_the_accelerator_without_a_host_tensor(plan, kind):
     compiled = _compile(plan, kind)
     device = fake_accelerator()
@@ -124,7 +143,7 @@ def test_the_first_and_last_rank_train_on_the_accelerator_without_a_host_tensor(
 
 
 @_tier
-@pytest.mark.parametrize("plan,kind", PLANS, ids=[p for p, _ in PLANS])
+@pytest.mark.parametrize("plan,kind", PLANS, ids=[f"{p} ({k})" for p, k in PLANS])
 def test_every_rank_program_creates_its_tensors_on_cuda(plan, kind):
     """torch.export bakes the tracing device (the CPU) into the graph's factory calls; each rank's
     bound program creates them on its device instead (checked on the graph: fake CUDA tensors
