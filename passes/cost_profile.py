@@ -826,7 +826,9 @@ def _saved_tensors(program) -> tuple[list[tuple[str, int, bool, bool]], set[str]
             seen.setdefault(storage._cdata, {}).setdefault(via or owner, (storage.nbytes(), t.dtype == torch.float32))
 
         rank._measure = measure
-        rank._loss(rank._split(batch)[0])
+        micro = rank._split(batch)
+        rank._set_step_divisors(micro)  # a loss dividing by the step's count
+        rank._loss(micro[0])
     out = []
     for cdata, through in seen.items():
         direct = owners[cdata] in through
