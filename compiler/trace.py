@@ -62,6 +62,9 @@ class Traced:
     # () -> (graph, samples, lifted constants): the model traced on one sample more than a microbatch
     # holds, on demand (the microbatch analysis tells a number the batch's size gives from a fixed one by it)
     resized_probe: object = field(default=None, compare=False, repr=False)
+    # () -> Traced: the model on twice the microbatch's samples, on demand (a microbatch holding one
+    # group of the samples a strided slice pairs cannot show a split into groups)
+    doubled_probe: object = field(default=None, compare=False, repr=False)
 
     def placeholder(self, name: str) -> fx.Node:
         return next(n for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == name)

@@ -39,7 +39,7 @@ from .zero3 import zero3_pass
 def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
                    constants: frozenset[str] = frozenset(), user_inputs: tuple[str, ...] = (),
                    batch_probe: fx.GraphModule | None = None, resized_probe=None,
-                   constant_values=None) -> list[PassSpec]:
+                   constant_values=None, doubled_probe=None) -> list[PassSpec]:
     """The ordered pass list. Order matters:
     random_ops and batch_coupling read the traced graph (no layouts yet): random draws first, so the
     microbatch analysis sees them as draws and can give each its batch dim;
@@ -60,7 +60,8 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
                  annotated=False),
         PassSpec("batch_coupling", batch_coupling_pass, {"user_inputs": tuple(user_inputs), "params": frozenset(params),
                                                          "probe": batch_probe, "resized": resized_probe,
-                                                         "constant_values": constant_values},
+                                                         "constant_values": constant_values,
+                                                         "doubled": doubled_probe},
                  annotated=False),
         PassSpec("compute_dtype", compute_dtype_pass, {"params": frozenset(params)}, annotated=False),
         PassSpec("propagate", propagate_pass, {"input_layouts": input_layouts, "grad_inputs": grad_inputs}),
@@ -97,7 +98,8 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
         passes = build_pipeline(input_layouts=layouts, grad_inputs=params, params=params, constants=constants,
                                 user_inputs=tuple(traced.user_inputs),
                                 batch_probe=traced.batch_probe.gm if traced.batch_probe is not None else None,
-                                resized_probe=traced.resized_probe, constant_values=lifted_constants(traced))
+                                resized_probe=traced.resized_probe, constant_values=lifted_constants(traced),
+                                doubled_probe=traced.doubled_probe)
         try:
             gm = run_pipeline(copy_graph_module(traced.gm), ctx, passes, verify=verify)
             break

@@ -68,13 +68,15 @@ OPTIONS = ("options: mb=1 (no microbatching); batch_coupling=per_microbatch (eac
 
 def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...] = (),
                         params: frozenset[str] = frozenset(), probe: fx.GraphModule | None = None,
-                        resized=None, constant_values=None) -> fx.GraphModule:
+                        resized=None, constant_values=None, doubled=None) -> fx.GraphModule:
     """Make the microbatch losses combine exactly, or refuse (see the module docstring).
     ``probe``: the model traced on two samples, analysed in place of a graph whose microbatch holds
     one (its nodes carry the same names). ``resized``: () -> (graph, samples, lifted constants), the
     model traced on another number of samples, asked for only when a loss term is scaled by a
     number that may be the batch size or a slice of the batch may hide a fixed bound.
-    ``constant_values``: the graph's lifted constants by placeholder (a scale made of them is read)."""
+    ``constant_values``: the graph's lifted constants by placeholder (a scale made of them is read).
+    ``doubled``: () -> the model traced on twice the microbatch's samples, analysed in place of a
+    microbatch that holds one group of samples a strided slice pairs (``_sample_groups``)."""
     microbatches = int(ctx.plan.get("mb"))
     if microbatches == 1:
         return gm
@@ -83,11 +85,16 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
     if per_microbatch and not draws:
         gm.meta["usc_loss_combine"] = "per_microbatch"
         return gm
+    group, strided = _sample_groups(gm, user_inputs)
+    batch = batch_size(gm, user_inputs)
+    if probe is None and group > 1 and batch == group and doubled is not None:
+        probe = _traced_graph(doubled)  # a microbatch of one group cannot show a split into groups
     analysed = gm if probe is None else batch_outer_pass(_with_draws(probe, ctx), ctx, user_inputs=user_inputs,
                                                         params=params)
     for graph in {id(g): g for g in (gm, analysed)}.values():
         _mark_token_ratios(graph, user_inputs, params)
-    virtual = _virtual_propagation(analysed, ctx, user_inputs, params)
+    fits = group > 1 and batch_size(analysed, user_inputs) % group == 0
+    virtual = _virtual_propagation(analysed, ctx, user_inputs, params, group if fits else 1)
     _set_draw_batch_dims(gm, virtual, microbatches)
     if draws:  # a ratio over a count of draws with a batch dim (known only now) is a token mean too
         _mark_token_ratios(gm, user_inputs, params)
@@ -95,9 +102,14 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
         gm.meta["usc_loss_combine"] = "per_microbatch"
         gm.recompile()
         return gm
-    coupling = _first_coupling(virtual, user_inputs) or _fixed_batch_slice(gm, resized, user_inputs)
+    coupling = _first_coupling(virtual, user_inputs) or _fixed_batch_slice(gm, resized, user_inputs) \
+        or _fixed_batch_blocks(gm, doubled, user_inputs)
     if coupling is not None:
-        raise ctx.plan.error_at("mb", f"mb={microbatches} runs the batch in microbatches, but {coupling}",
+        misfit = "" if fits or group == 1 else (
+            f"; {_name(strided)} pairs samples in groups of {group}, and a microbatch of {batch} samples does not "
+            f"hold whole groups: make the samples per microbatch (the global batch / (mb x dp)) a multiple of "
+            f"{group}")
+        raise ctx.plan.error_at("mb", f"mb={microbatches} runs the batch in microbatches, but {coupling}{misfit}",
                                 hint=OPTIONS)
     layouts = {n.name: n.meta[META].layout for n in virtual.graph.nodes if META in n.meta}
     # a node an expansion replaced (a per-token cross-entropy the user reduces) has its result's layout
@@ -114,6 +126,40 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
     gm.meta["usc_loss_combine"] = combine
     gm.recompile()
     return gm
+
+
+def _sample_groups(gm: fx.GraphModule, user_inputs) -> tuple[int, fx.Node | None]:
+    """(the least common multiple of k over the slices taking every k-th sample of a value whose
+    dim 0 is the batch's -- ``logp[0::2]``, pairs interleaved in the batch -- and the reshapes
+    grouping its samples k by k -- ``h.view(-1, 2, d)`` --, and one such op): the microbatch analysis
+    splits the batch into pieces of whole groups, as a microbatch whose size is a multiple of k keeps
+    them (1, None: no such op)."""
+    batch, group, strided = batch_size(gm, user_inputs), 1, None
+    dependent = _batch_dependent(gm, user_inputs)
+    for node in gm.graph.nodes:
+        if node not in dependent or not isinstance(node.args[0] if node.args else None, fx.Node):
+            continue
+        shape = shape_of(node.args[0])
+        if not shape or shape[0] != batch:
+            continue
+        if node.target is aten.slice.Tensor and _dim(node) == 0:
+            step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
+        elif node.target in RESHAPES and _splits_dim0(shape_of(node), batch):  # x.view(-1, k, d): groups of k
+            step = batch // shape_of(node)[0]
+        else:
+            continue
+        if isinstance(step, int) and step > 1:
+            group, strided = math.lcm(group, step), strided or node
+    return group, strided
+
+
+def _traced_graph(doubled) -> fx.GraphModule | None:
+    """The graph of the model traced on twice the microbatch's samples, or None where it refuses
+    that batch (the analysis then splits the microbatch as it is)."""
+    try:
+        return doubled().gm
+    except Exception:  # noqa: BLE001 - the model's own refusal of that batch, whatever it raises
+        return None
 
 
 def _mark_token_ratios(gm: fx.GraphModule, user_inputs, params) -> None:
@@ -207,11 +253,11 @@ def _with_draws(probe: fx.GraphModule, ctx) -> fx.GraphModule:
     return random_ops_pass(row_index_pass(fx.GraphModule(probe, graph), ctx), ctx)
 
 
-def _virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.GraphModule:
+def _virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params, group: int = 1) -> fx.GraphModule:
     try:
-        return virtual_propagation(gm, ctx, user_inputs, params)
+        return virtual_propagation(gm, ctx, user_inputs, params, group)
     except CompileError as err:  # a rule refused the op, or no rule places it
-        mesh = virtual_mesh(gm, user_inputs)  # the split the refusal names
+        mesh = virtual_mesh(gm, user_inputs, group)  # the split the refusal names
         hint = getattr(err, "hint", "") or ""
         # the refusal names the virtual axis (dp=N): say so, or a dp=1 plan reads "under dp=2"
         raise ctx.plan.error_at("mb", f"mb={ctx.plan.get('mb')} runs the batch in microbatches, and usc cannot show "
@@ -260,6 +306,45 @@ def _fixed_batch_slice(gm: fx.GraphModule, resized, user_inputs) -> str | None:
             return (f"{_name(node)} slices the batch dim by a bound the model fixes ([{bounds}]): on a microbatch of "
                     f"{batch} it keeps every sample, on the batch it would keep only some")
     return None
+
+
+def _fixed_batch_blocks(gm: fx.GraphModule, doubled, user_inputs) -> str | None:
+    """A reshape that splits the batch dim into a number of blocks the model fixes
+    (``h.reshape(2, -1, d)``, then a reduction inside each block): the microbatch's blocks are
+    pieces of the microbatch, the batch's are pieces of the batch, and where the proof's split of
+    the microbatch falls on the blocks it shows no coupling. Read against the model traced on twice
+    the samples: a split whose outer factor follows the number of samples is per-sample groups
+    (``x.view(-1, 2, d)``: pairs), one that stays is named."""
+    dependent, batch = _batch_dependent(gm, user_inputs), batch_size(gm, user_inputs)
+    suspects = [n for n in gm.graph.nodes if n.target in RESHAPES and n.args[0] in dependent
+                and (shape_of(n.args[0]) or (None,))[0] == batch
+                and (_splits_dim0(shape_of(n), batch) or _blocks_of_one(shape_of(n.args[0]), shape_of(n), batch))]
+    if not suspects:
+        return None
+    graph = _traced_graph(doubled) if doubled is not None else None
+    theirs = {n.name: n for n in graph.graph.nodes} if graph is not None else {}
+    for node in suspects:
+        twin, blocks = theirs.get(node.name), shape_of(node)[0]
+        if twin is None or (shape_of(twin) or (None,))[0] != 2 * blocks:
+            fixed = ("whatever the number of samples" if twin is not None else "a number the model may fix (traced "
+                     "on twice the samples, it did not show whether it does)")
+            return (f"{_name(node)} splits the batch dim into {blocks} blocks, {fixed}: on a "
+                    f"microbatch each block holds {batch // blocks} of its samples, on the batch samples "
+                    "of every microbatch (split the samples into groups of a fixed size instead: x.view(-1, k, ...))")
+    return None
+
+
+def _blocks_of_one(before, after, batch: int) -> bool:
+    """``[b, d] -> [b, 1, d]`` by a reshape: as many blocks as samples, one sample each -- what a fixed
+    number of blocks looks like on a microbatch of that many samples (``h.reshape(2, -1, d)`` at 2)."""
+    return bool(before) and bool(after) and len(after) > 2 and after[0] == batch and after[1] == 1 \
+        and len(before) > 1 and before[1] != 1
+
+
+def _splits_dim0(shape, batch: int) -> bool:
+    """An output shape that splits a batch dim of ``batch`` into outer blocks (fewer than the samples)."""
+    return bool(shape) and len(shape) > 1 and 0 < shape[0] < batch and batch % shape[0] == 0 \
+        and math.prod(shape[:2]) % batch == 0
 
 
 def _bounds(node: fx.Node) -> tuple:

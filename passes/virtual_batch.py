@@ -20,22 +20,26 @@ aten = torch.ops.aten
 VIRTUAL = "dp"
 
 
-def virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params) -> fx.GraphModule:
+def virtual_propagation(gm: fx.GraphModule, ctx, user_inputs, params, group: int = 1) -> fx.GraphModule:
     """A copy of the graph propagated with the batch's dim 0 sharded over a small virtual dp axis
-    (raises what propagation raises)."""
+    (raises what propagation raises); each piece a whole number of ``group`` samples."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     copy = fx.GraphModule(gm, graph)
     _functional_twins(copy)
-    mesh = virtual_mesh(gm, user_inputs)
+    mesh = virtual_mesh(gm, user_inputs, group)
     layouts = {name: Layout((Shard(0),)) for name in user_inputs if _rank(gm, name) > 0}
     plan = ctx.plan.with_options(mb=1, sp=None, cp_mode=None)
     return propagate_pass(copy, CompileContext(mesh, plan), input_layouts=layouts, grad_inputs=set(params))
 
 
-def virtual_mesh(gm: fx.GraphModule, user_inputs) -> MeshSpec:
-    """The one-axis mesh the batch is split over: its size the batch's smallest prime factor."""
-    return MeshSpec((VIRTUAL,), (virtual_size(batch_size(gm, user_inputs)),))
+def virtual_mesh(gm: fx.GraphModule, user_inputs, group: int = 1) -> MeshSpec:
+    """The one-axis mesh the batch is split over: its size the batch's smallest prime factor, or,
+    where samples go in groups of ``group`` (a slice taking every group-th sample: pairs interleaved
+    in the batch), the smallest prime factor of the number of groups, so each piece holds whole groups."""
+    batch = batch_size(gm, user_inputs)
+    groups = batch // group if group > 1 and batch % group == 0 and batch > group else batch
+    return MeshSpec((VIRTUAL,), (virtual_size(groups),))
 
 
 def _functional_twins(gm: fx.GraphModule) -> None:

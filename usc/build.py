@@ -128,6 +128,9 @@ class _Compiled:
             if samples == 1:
                 traced.batch_probe = probe()
             traced.resized_probe = lambda: (probe().gm, samples + 1, lifted_constants(probe()))
+            twice = tuple(v[:2 * samples] if isinstance(v, torch.Tensor) and v.dim() else v for v in batch)
+            traced.doubled_probe = probe if samples == 1 else functools.cache(
+                lambda: trace(self.model, twice, wrapper_source=self._loss_source, moe_blocks=moe_blocks))
         return traced
 
     def _attach_cost(self, batch: tuple, hardware) -> None:

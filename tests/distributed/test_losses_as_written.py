@@ -62,9 +62,9 @@ class Tagger(nn.Module):
         }[self.loss]()
 
 
-def batch():
+def batch(rows: int = 6):
     g = torch.Generator().manual_seed(0)
-    ids, labels = torch.randint(0, VOCAB, (6, 10), generator=g), torch.randint(0, VOCAB, (6, 10), generator=g)
+    ids, labels = torch.randint(0, VOCAB, (rows, 10), generator=g), torch.randint(0, VOCAB, (rows, 10), generator=g)
     labels[1, :4] = IGNORED  # microbatches count different numbers of tokens
     return ids, labels
 
@@ -280,12 +280,17 @@ def test_a_fixed_slice_of_the_batch_is_refused_where_a_microbatch_hides_it(loss,
 
 
 class Pairs(Tagger):
-    """A preference loss over pairs interleaved in the batch (rows 0/1, 2/3, 4/5: chosen, rejected)."""
+    """A preference loss over pairs interleaved in the batch (rows 0/1, 2/3, 4/5: chosen, rejected);
+    "sft": plus the chosen rows' cross-entropy, a token mean over the counted tokens (RPO's form)."""
 
     def forward(self, ids, labels):
         z = self.head(self.emb(ids))
         logp = F.log_softmax(z, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1).sum(-1)  # [B]
-        return -F.logsigmoid(logp[0::2] - logp[1::2]).mean()
+        preference = -F.logsigmoid(logp[0::2] - logp[1::2]).mean()
+        if self.loss != "sft":
+            return preference
+        chosen = z[0::2].reshape(-1, VOCAB)
+        return preference + F.cross_entropy(chosen, labels[0::2].reshape(-1), ignore_index=IGNORED)
 
 
 @pytest.mark.parametrize("plan", ["dp=3", "dp=2", "tp=2", "cp=2"])
@@ -298,6 +303,26 @@ def test_pairs_interleaved_in_the_batch_equal_one_device(plan):
     gathers = [c for c in usc.lint(Pairs("kl_sum"), plan, example_inputs=batch()).collectives
                if c.axis == "dp" and c.kind == "all-gather"]
     assert bool(gathers) == (plan == "dp=2")
+
+
+# (plan, rows): a microbatch of one pair (analysed on two), of three pairs, of a pair per dp rank
+MICROBATCHED_PAIRS = [("mb=3", 6), ("pp=2 mb=3", 6), ("mb=2", 12), ("dp=3 mb=2", 12), ("dp=2 mb=3", 12)]
+
+
+@pytest.mark.parametrize("plan, rows", MICROBATCHED_PAIRS)
+@pytest.mark.parametrize("loss", ["kl_sum", "sft"])
+def test_pairs_interleaved_in_the_batch_run_in_microbatches_that_hold_whole_pairs(loss, plan, rows):
+    """The microbatch analysis splits the batch into pieces of whole pairs (it split a microbatch
+    sample by sample and refused every plan here); with a token mean beside it, that mean divides
+    by the step's count."""
+    assert_equivalent(lambda: Pairs(loss).double(), plan, [batch(rows)] * 2, optimizer=sgd,
+                      rtol=1e-10, atol=1e-10, param_atol=1e-10)
+
+
+def test_a_microbatch_that_splits_a_pair_is_refused_saying_so():
+    with pytest.raises(usc.PlanError, match=r"pairs samples in groups of 2, and a microbatch of 3 samples does not "
+                                            r"hold whole groups"):
+        usc.lint(Pairs("kl_sum"), "mb=2", example_inputs=batch())
 
 
 def test_what_microbatches_cannot_combine_is_refused_by_name():
@@ -313,4 +338,39 @@ def test_what_microbatches_cannot_combine_is_refused_by_name():
                                             "from the shape of the microbatch"):
         usc.lint(MeanOverBatchSize("kl_sum"), "dp=3 mb=2", example_inputs=batch())
     assert_equivalent(lambda: MeanOverBatchSize("kl_sum").double(), "dp=2", [batch()] * 2, optimizer=sgd,
+                      rtol=1e-10, atol=1e-10, param_atol=1e-10)
+
+
+class Blocks(nn.Module):
+    """Scores reduced inside blocks of samples: "fixed" splits the batch into two blocks whatever its
+    size (``reshape(2, -1, d)``), "pairs" into groups of two samples (``view(-1, 2, d)``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb, self.head = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, 3)
+
+    def forward(self, ids, labels):
+        h = self.head(self.emb(ids)).mean(1)  # [B, 3]
+        if self.kind == "fixed":
+            return h.reshape(2, -1, 3).mean(1).pow(2).sum()
+        groups = h.view(-1, 2, 3)
+        return (groups[:, 0] - groups[:, 1]).pow(2).mean() + groups.mean(1).pow(2).sum()
+
+
+@pytest.mark.parametrize("plan", ["mb=2", "mb=3", "mb=6", "dp=3 mb=2", "pp=2 mb=6"])
+def test_samples_grouped_by_a_reshape_run_in_microbatches_that_hold_whole_groups(plan):
+    assert_equivalent(lambda: Blocks("pairs").double(), plan, [batch(12)] * 2, optimizer=sgd,
+                      rtol=1e-10, atol=1e-10, param_atol=1e-10)
+
+
+@pytest.mark.parametrize("plan", ["mb=2", "mb=3", "mb=6", "pp=2 mb=6"])
+def test_a_batch_split_into_a_fixed_number_of_blocks_is_refused_under_microbatches(plan):
+    """On a microbatch of 2 (mb=6 of 12) the reshape is [2, 1, 3], one sample a block, and the proof's
+    split fell on the blocks: it trained on 35x the loss (mb=6: 1.997 where one device has 0.058),
+    silently; at mb=2 and mb=3 too (0.219, 0.506)."""
+    with pytest.raises(usc.PlanError, match=r"reshape.default .* splits the batch dim into 2 blocks, whatever the "
+                                            r"number of samples"):
+        usc.lint(Blocks("fixed"), plan, example_inputs=batch(12))
+    assert_equivalent(lambda: Blocks("fixed").double(), "dp=2", [batch(12)] * 2, optimizer=sgd,
                       rtol=1e-10, atol=1e-10, param_atol=1e-10)
