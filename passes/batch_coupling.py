@@ -241,7 +241,8 @@ def _guard_count(gm: fx.GraphModule, div: fx.Node) -> None:
 
 def _whole_sum(node) -> bool:
     """A sum of every element (to a scalar)."""
-    return isinstance(node, fx.Node) and node.target in (aten.sum.default, aten.sum.dim_IntList) \
+    return isinstance(node, fx.Node) and node.target in (aten.sum.default, aten.sum.dim_IntList,
+                                                         aten.count_nonzero.default, aten.count_nonzero.dim_IntList) \
         and shape_of(node) == ()
 
 

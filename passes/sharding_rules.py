@@ -328,6 +328,19 @@ def _no_dims(view: OpView) -> bool:
 
 
 register(aten.sum.default, aten.sum.dim_IntList)(reduction("sum"))
+
+
+@register(aten.count_nonzero.default, aten.count_nonzero.dim_IntList)
+def count_nonzero_rule(view: OpView) -> Decision:
+    """A count over a sharded dim is a partial sum of the pieces' counts; a partial input is not
+    (the count of a sum is no sum of counts): gathered."""
+    p = view.placements[0]
+    if isinstance(p, Partial) or not is_shard(p):
+        return Decision((R,), R)
+    reduced, _ = _reduced_dims(view)
+    if p.dim in reduced:
+        return Decision((p,), P_SUM)
+    return Decision((p,), Shard(_after_reduction(p.dim, reduced, False)))
 register(aten.mean.default, aten.mean.dim)(reduction("mean"))
 register(aten.amax.default)(reduction("amax"))
 

@@ -140,11 +140,13 @@ class Denominators(Tagger):
             # a z-loss masked and divided by the same count as the cross-entropy (two ratios, one count)
             "masked_z_loss": lambda: (per_token * counted).sum() / counted.sum()
             + 1e-2 * (torch.logsumexp(z.reshape(-1, VOCAB), -1).pow(2) * counted).sum() / counted.sum(),
+            # the count as count_nonzero (it had no rule: refused under mb, gathered under dp)
+            "count_nonzero": lambda: (per_token * counted).sum() / torch.count_nonzero(counted).clamp(min=1),
         }[self.loss]()
 
 
 DENOMINATORS = ["unmasked", "unmasked_plus_regularizer", "cross_entropy_plus_regularizer", "clamped",
-                "clamped_unmasked", "clamp_min", "offset", "masked_z_loss"]
+                "clamped_unmasked", "clamp_min", "offset", "masked_z_loss", "count_nonzero"]
 
 
 def empty_start():
