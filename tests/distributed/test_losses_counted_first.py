@@ -20,17 +20,18 @@ IGNORED = -100
 
 
 class Tagger(nn.Module):
+    """A token tagger with a scoring head; ``loss`` names how its loss is written."""
+
     def __init__(self, loss: str) -> None:
         super().__init__()
         self.loss = loss
         self.emb = nn.Embedding(VOCAB, HIDDEN)
-        self.up, self.down = nn.Linear(HIDDEN, FFN), nn.Linear(FFN, HIDDEN)
-        self.head = nn.Linear(HIDDEN, VOCAB)
-        self.score = nn.Linear(HIDDEN, 1)
+        self.mlp = nn.Sequential(nn.Linear(HIDDEN, FFN), nn.GELU(), nn.Linear(FFN, HIDDEN))
+        self.head, self.score = nn.Linear(HIDDEN, VOCAB), nn.Linear(HIDDEN, 1)
 
     def forward(self, ids, labels):
         h = self.emb(ids)
-        h = h + self.down(torch.relu(self.up(h)))
+        h = h + self.mlp(h)
         z = self.head(h)
         flat, y = z.reshape(-1, VOCAB), labels.reshape(-1)
         counted = (y != IGNORED).to(z.dtype)
