@@ -65,11 +65,93 @@ def inline_regions(exported):
 # ------------------------------------------------------------------------------ the regions
 def _grad_region(gm: fx.GraphModule, node: fx.Node) -> None:
     enabled, submodule, *args = node.args
-    outputs = _inline(gm, node, _submodule(gm, submodule), args)
+    sub = _submodule(gm, submodule)
+    zeros: dict[int, fx.Node] = {}
+    if not enabled:  # taken before the region's ops: after them the written tensor reads its new values
+        with gm.graph.inserting_before(node):
+            zeros = {j: _zero_with_gradient(gm, args[j]) for j in _written_inputs(sub)
+                     if isinstance(args[j], fx.Node) and args[j].op != "placeholder"}
+    outputs = _inline(gm, node, sub, args)
     if not enabled:
+        aliases = _output_aliases(sub)
         with gm.graph.inserting_before(node):
             outputs = [_detached(gm, out) for out in outputs]
+            for i, j in aliases.items():
+                if j in zeros:
+                    outputs[i] = _plus(gm, outputs[i], zeros[j])
+            # the written tensor read after the region (written through a view, not returned)
+            later = {j: _plus(gm, _detached(gm, args[j]), zero) for j, zero in zeros.items()
+                     if any(_after(user, node) for user in args[j].users)}
+        for j, value in later.items():
+            for user in [u for u in args[j].users if _after(u, node)]:
+                user.replace_input_with(args[j], value)
     _replace_outputs(gm, node, outputs)
+
+
+def _after(user: fx.Node, region: fx.Node) -> bool:
+    """Whether ``user`` comes after the region node (the region's own users are its outputs)."""
+    node = region.next
+    while node.op != "root":
+        if node is user:
+            return True
+        node = node.next
+    return False
+
+
+def _base(node) -> fx.Node | None:
+    """The tensor an in-place op or a view reads through (``v[:, 0].clamp_()`` -> ``v``), or None."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and _aliases(node.target) and node.args:
+        node = node.args[0]
+    return node if isinstance(node, fx.Node) else None
+
+
+def _written_inputs(sub: fx.GraphModule) -> set[int]:
+    """Indices of the region's inputs some in-place op writes (``v.clamp_(min=eps)``, ``v.mul_(2)``,
+    ``v[:, 0].clamp_()``: through a view)."""
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    return {placeholders.index(base) for n in sub.graph.nodes
+            if n.op == "call_function" and _in_place(n.target) and (base := _base(n)) in placeholders}
+
+
+def _output_aliases(sub: fx.GraphModule) -> dict[int, int]:
+    """{output index: input index} of the region's outputs that are one of its inputs, written in
+    place (``return v.clamp_(min=eps)``)."""
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    out = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+    return {i: placeholders.index(_base(value)) for i, value in enumerate(out if isinstance(out, (tuple, list)) else [out])
+            if isinstance(value, fx.Node) and value not in placeholders and _base(value) in placeholders}
+
+
+def _in_place(target) -> bool:
+    name = target._schema.name.split("::")[-1] if isinstance(target, torch._ops.OpOverload) else ""
+    return name.endswith("_") and not name.startswith("_")
+
+
+def _aliases(target) -> bool:
+    """An op whose output is its first input or a view of it (in-place ops, views)."""
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
+        return False
+    return target._schema.returns[0].alias_info is not None
+
+
+def _zero_with_gradient(gm: fx.GraphModule, written: fx.Node) -> fx.Node:
+    """``written - written.detach()``: zero, with the gradient of ``written``. A tensor written in place
+    under no_grad keeps its place in autograd: later uses read the new values and their gradient
+    reaches the tensor as it was (torch records no op for the write). The region's output plus this
+    zero is exactly the new values with that gradient (a detached output lost it: ``gaussian_nll_loss``
+    clamps its variance so, and the variance's head trained on nothing)."""
+    frozen = _detached(gm, written)
+    zero = gm.graph.call_function(aten.sub.Tensor, (written, frozen))
+    zero.meta.update({k: v for k, v in written.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+    return zero
+
+
+def _plus(gm: fx.GraphModule, value, zero: fx.Node):
+    if not isinstance(value, fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
+        return value
+    out = gm.graph.call_function(aten.add.Tensor, (value, zero))
+    out.meta.update({k: v for k, v in value.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+    return out
 
 
 def _autocast_region(gm: fx.GraphModule, node: fx.Node) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -213,18 +214,47 @@ def _mask_kept(mask, is_causal=None, size=None) -> bool:
     return bool(is_causal) if is_causal is not None else False
 
 
+def _gaussian_nll_loss(input, target, var, full: bool = False, eps: float = 1e-6, reduction: str = "mean"):
+    """``F.gaussian_nll_loss`` while tracing: the same loss, its variance clamped to ``eps`` without
+    a gradient through the clamp, as torch computes it. torch first raises on a negative variance, a
+    check of the values that export cannot trace (every model with ``nn.GaussianNLLLoss`` failed to
+    trace); here a negative variance makes the loss NaN instead, so the step is refused (NonFiniteLoss)
+    and the weights stay as they were."""
+    if isinstance(var, (int, float)):
+        if var < 0:
+            raise ValueError("var has negative entry/entries")
+        var = torch.full_like(input, float(var))
+    else:
+        var = torch.where(var < 0, var.new_full((), float("nan")), var)
+    if var.shape != input.shape:
+        if var.shape == input.shape[:-1]:  # one variance per row of features
+            var = var.unsqueeze(-1)
+        elif var.dim() != input.dim() or [v for i, v in zip(input.shape, var.shape) if i != v] != [1]:
+            raise ValueError("var is of incorrect size")
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(reduction + " is not valid")
+    var = var.clone()
+    with torch.no_grad():
+        var.clamp_(min=eps)
+    loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var)
+    if full:
+        loss = loss + 0.5 * math.log(2 * math.pi)
+    return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
+
+
 @contextlib.contextmanager
 def _traceable_torch_modules():
     """torch.nn helpers whose value checks export cannot trace, replaced by traceable equivalents for
-    the trace (``_mask_kept``)."""
+    the trace (``_mask_kept``, ``_gaussian_nll_loss``)."""
+    from torch.nn import functional
     from torch.nn.modules import transformer
 
-    saved = transformer._detect_is_causal_mask
-    transformer._detect_is_causal_mask = _mask_kept
+    saved = transformer._detect_is_causal_mask, functional.gaussian_nll_loss
+    transformer._detect_is_causal_mask, functional.gaussian_nll_loss = _mask_kept, _gaussian_nll_loss
     try:
         yield
     finally:
-        transformer._detect_is_causal_mask = saved
+        transformer._detect_is_causal_mask, functional.gaussian_nll_loss = saved
 
 
 def _export(model: nn.Module, example_inputs: tuple):

@@ -361,3 +361,79 @@ def test_drawn_writes_through_views_train_as_on_one_device(dim, kind, start, pla
         assert_equivalent(model, plan, _counter_batches(), optimizer=_sgd, rtol=1e-10, atol=1e-12, param_atol=1e-10)
     except usc.PlanError as err:  # a clear refusal is allowed; a different model is not
         assert "mb=2" in str(err) and dim == 0, err
+
+
+class NoGradWrites(nn.Module):
+    """A tensor of the forward written in place under torch.no_grad: torch records no op for the
+    write, so later uses read the new values and their gradient reaches the tensor as it was (a
+    straight-through clamp). Written directly, in a chain, through a view and not returned."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(D, 3)
+
+    def forward(self, x, y):
+        v = self.lin(x).clone()
+        with torch.no_grad():
+            if self.kind == "direct":
+                v.clamp_(min=0.1)
+            elif self.kind == "chain":
+                v.mul_(2).add_(1)
+            else:
+                v[:, 0].clamp_(min=0.1)
+        return (v * y).pow(2).sum()
+
+
+def _regression_batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, D, generator=g, dtype=torch.float64), torch.randn(B, 3, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "dp=2 mb=2"])
+@pytest.mark.parametrize("kind", ["direct", "chain", "through_a_view"])
+def test_writes_under_no_grad_keep_the_gradient_as_on_one_device(kind, plan):
+    """The region's value was detached: the loss lost its gradient ("does not require grad") or,
+    written through a view, the clamped elements trained on nothing."""
+    assert_equivalent(lambda: NoGradWrites(kind).double(), plan, [_regression_batch(0), _regression_batch(1)],
+                      optimizer=_sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
+
+
+class GaussianRegression(nn.Module):
+    """torch's nn.GaussianNLLLoss on a mean head and a variance head (it did not trace: torch checks
+    the variance's values; and its variance clamp under no_grad would have cut the variance head's
+    gradient)."""
+
+    def __init__(self, var: str) -> None:
+        super().__init__()
+        self.var = var
+        self.body = nn.Sequential(nn.Linear(D, H), nn.Tanh())
+        self.mean, self.log_var = nn.Linear(H, 3), nn.Linear(H, 3)
+        self.loss = nn.GaussianNLLLoss(full=True)
+
+    def forward(self, x, y):
+        h = self.body(x)
+        var = {"per_output": lambda: self.log_var(h).exp(), "per_row": lambda: self.log_var(h)[:, 0].exp(),
+               "scalar": lambda: 0.5, "raw": lambda: self.log_var(h)}[self.var]()
+        return self.loss(self.mean(h), y, var)
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "dp=3 mb=2", "tp=2", "pp=2 mb=3", "dp=2 zero=2"])
+@pytest.mark.parametrize("var", ["per_output", "per_row", "scalar"])
+def test_gaussian_nll_loss_trains_as_on_one_device(var, plan):
+    assert_equivalent(lambda: GaussianRegression(var).double(), plan, [_regression_batch(0), _regression_batch(1)],
+                      optimizer=_sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
+
+
+def test_a_negative_variance_refuses_the_step_where_torch_raises():
+    """torch raises on a negative variance (a check of the values export cannot trace); usc's loss is
+    NaN there, and the step is refused with the weights as they were."""
+    model = GaussianRegression("raw").double()
+    x, y = _regression_batch(0)
+    with pytest.raises(ValueError, match="negative"):
+        model(x, y)
+    sim = usc.simulate(model, "dp=2", example_inputs=(x, y), optimizer=_sgd)
+    before = {k: v.clone() for k, v in sim.full_state_dict().items()}
+    with pytest.raises(usc.NonFiniteLoss):
+        sim.step(x, y)
+    assert all(torch.equal(before[k], v) for k, v in sim.full_state_dict().items())
