@@ -115,11 +115,18 @@ def _written_inputs(sub: fx.GraphModule) -> set[int]:
 
 def _output_aliases(sub: fx.GraphModule) -> dict[int, int]:
     """{output index: input index} of the region's outputs that are one of its inputs, written in
-    place (``return v.clamp_(min=eps)``)."""
+    place (``return v.clamp_(min=eps)``, ``v.mul_(2).add_(1)``). A view of an input made in the region
+    is not: torch gives it no gradient (made under no_grad), and it stays detached."""
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     out = next(n for n in sub.graph.nodes if n.op == "output").args[0]
-    return {i: placeholders.index(_base(value)) for i, value in enumerate(out if isinstance(out, (tuple, list)) else [out])
-            if isinstance(value, fx.Node) and value not in placeholders and _base(value) in placeholders}
+    aliases = {}
+    for i, value in enumerate(out if isinstance(out, (tuple, list)) else [out]):
+        node = value
+        while isinstance(node, fx.Node) and node.op == "call_function" and _in_place(node.target) and node.args:
+            node = node.args[0]
+        if node is not value and node in placeholders:
+            aliases[i] = placeholders.index(node)
+    return aliases
 
 
 def _in_place(target) -> bool:

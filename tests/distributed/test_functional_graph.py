@@ -366,7 +366,8 @@ def test_drawn_writes_through_views_train_as_on_one_device(dim, kind, start, pla
 class NoGradWrites(nn.Module):
     """A tensor of the forward written in place under torch.no_grad: torch records no op for the
     write, so later uses read the new values and their gradient reaches the tensor as it was (a
-    straight-through clamp). Written directly, in a chain, through a view and not returned."""
+    straight-through clamp). Written directly, in a chain, through a view and not returned; a view
+    of it made in the region has no gradient."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -374,15 +375,19 @@ class NoGradWrites(nn.Module):
         self.lin = nn.Linear(D, 3)
 
     def forward(self, x, y):
-        v = self.lin(x).clone()
+        v, first = self.lin(x).clone(), None
         with torch.no_grad():
             if self.kind == "direct":
                 v.clamp_(min=0.1)
             elif self.kind == "chain":
                 v.mul_(2).add_(1)
-            else:
+            elif self.kind == "through_a_view":
                 v[:, 0].clamp_(min=0.1)
-        return (v * y).pow(2).sum()
+            else:  # a view of the written tensor made in the region: no gradient, as in torch
+                v.clamp_(min=0.1)
+                first = v[:, 0]
+        loss = (v * y).pow(2).sum()
+        return loss if first is None else loss + (first * y[:, 0]).sum()
 
 
 def _regression_batch(seed: int):
@@ -391,7 +396,7 @@ def _regression_batch(seed: int):
 
 
 @pytest.mark.parametrize("plan", ["dp=2", "dp=2 mb=2"])
-@pytest.mark.parametrize("kind", ["direct", "chain", "through_a_view"])
+@pytest.mark.parametrize("kind", ["direct", "chain", "through_a_view", "and_a_view_of_it"])
 def test_writes_under_no_grad_keep_the_gradient_as_on_one_device(kind, plan):
     """The region's value was detached: the loss lost its gradient ("does not require grad") or,
     written through a view, the clamped elements trained on nothing."""
