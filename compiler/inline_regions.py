@@ -66,26 +66,40 @@ def inline_regions(exported):
 def _grad_region(gm: fx.GraphModule, node: fx.Node) -> None:
     enabled, submodule, *args = node.args
     sub = _submodule(gm, submodule)
-    zeros: dict[int, fx.Node] = {}
-    if not enabled:  # taken before the region's ops: after them the written tensor reads its new values
+    zeros: dict[fx.Node, fx.Node] = {}
+    written = _written_inputs(sub) if not enabled else set()
+    if written:  # taken before the region's ops: after them a written tensor reads its new values
         with gm.graph.inserting_before(node):
-            zeros = {j: _zero_with_gradient(gm, args[j]) for j in _written_inputs(sub)
-                     if isinstance(args[j], fx.Node) and args[j].op != "placeholder"}
+            zeros = {t: _zero_with_gradient(gm, t) for j in written for t in _written_tensors(args[j])}
     outputs = _inline(gm, node, sub, args)
     if not enabled:
         aliases = _output_aliases(sub)
         with gm.graph.inserting_before(node):
             outputs = [_detached(gm, out) for out in outputs]
             for i, j in aliases.items():
-                if j in zeros:
-                    outputs[i] = _plus(gm, outputs[i], zeros[j])
-            # the written tensor read after the region (written through a view, not returned)
-            later = {j: _plus(gm, _detached(gm, args[j]), zero) for j, zero in zeros.items()
-                     if any(_after(user, node) for user in args[j].users)}
-        for j, value in later.items():
-            for user in [u for u in args[j].users if _after(u, node)]:
-                user.replace_input_with(args[j], value)
+                if args[j] in zeros:
+                    outputs[i] = _plus(gm, outputs[i], zeros[args[j]])
+            # a written tensor read after the region (written through a view, not returned; or the
+            # tensor a view the region wrote was taken of)
+            later = {t: _plus(gm, _detached(gm, t), zero) for t, zero in zeros.items()
+                     if any(_after(user, node) for user in t.users)}
+        for tensor, value in later.items():
+            for user in [u for u in tensor.users if _after(u, node) and u is not value]:
+                user.replace_input_with(tensor, value)
     _replace_outputs(gm, node, outputs)
+
+
+def _written_tensors(arg) -> list[fx.Node]:
+    """The tensors of the forward a write to the region input ``arg`` writes: ``arg`` and, where it is
+    a view, what it views (``u = v[:, 0]`` written: ``v`` too), up to a placeholder (a model input or
+    a buffer: not followed, its writes are state writes)."""
+    tensors, node = [], arg
+    while isinstance(node, fx.Node) and node.op != "placeholder":
+        tensors.append(node)
+        if not (node.op == "call_function" and _aliases(node.target) and node.args):
+            break
+        node = node.args[0]
+    return [] if isinstance(node, fx.Node) and node.op == "placeholder" else tensors
 
 
 def _after(user: fx.Node, region: fx.Node) -> bool:

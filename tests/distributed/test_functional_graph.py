@@ -366,8 +366,8 @@ def test_drawn_writes_through_views_train_as_on_one_device(dim, kind, start, pla
 class NoGradWrites(nn.Module):
     """A tensor of the forward written in place under torch.no_grad: torch records no op for the
     write, so later uses read the new values and their gradient reaches the tensor as it was (a
-    straight-through clamp). Written directly, in a chain, through a view and not returned; a view
-    of it made in the region has no gradient."""
+    straight-through clamp). Written directly, in a chain, through a view made in the region or
+    before it, and not returned; a view of it made in the region has no gradient."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -376,6 +376,7 @@ class NoGradWrites(nn.Module):
 
     def forward(self, x, y):
         v, first = self.lin(x).clone(), None
+        column = v[:, 1]  # a view taken before the region
         with torch.no_grad():
             if self.kind == "direct":
                 v.clamp_(min=0.1)
@@ -383,6 +384,8 @@ class NoGradWrites(nn.Module):
                 v.mul_(2).add_(1)
             elif self.kind == "through_a_view":
                 v[:, 0].clamp_(min=0.1)
+            elif self.kind == "through_a_view_taken_before":
+                column.clamp_(min=0.1)
             else:  # a view of the written tensor made in the region: no gradient, as in torch
                 v.clamp_(min=0.1)
                 first = v[:, 0]
@@ -396,7 +399,8 @@ def _regression_batch(seed: int):
 
 
 @pytest.mark.parametrize("plan", ["dp=2", "dp=2 mb=2"])
-@pytest.mark.parametrize("kind", ["direct", "chain", "through_a_view", "and_a_view_of_it"])
+@pytest.mark.parametrize("kind", ["direct", "chain", "through_a_view", "through_a_view_taken_before",
+                                  "and_a_view_of_it"])
 def test_writes_under_no_grad_keep_the_gradient_as_on_one_device(kind, plan):
     """The region's value was detached: the loss lost its gradient ("does not require grad") or,
     written through a view, the clamped elements trained on nothing."""
