@@ -86,15 +86,23 @@ def _grad_region(gm: fx.GraphModule, node: fx.Node) -> None:
         for tensor, value in later.items():
             for user in [u for u in tensor.users if _after(u, node) and u is not value]:
                 user.replace_input_with(tensor, value)
+        for zero in zeros.values():  # a written tensor neither returned nor read again
+            if not zero.users:
+                frozen = zero.args[1]
+                gm.graph.erase_node(zero)
+                gm.graph.erase_node(frozen)
     _replace_outputs(gm, node, outputs)
 
 
 def _written_tensors(arg) -> list[fx.Node]:
     """The tensors of the forward a write to the region input ``arg`` writes: ``arg`` and, where it is
     a view, what it views (``u = v[:, 0]`` written: ``v`` too), up to a placeholder (a model input or
-    a buffer: not followed, its writes are state writes)."""
+    a buffer: not followed, its writes are state writes); none for a tensor that is not floating."""
     tensors, node = [], arg
     while isinstance(node, fx.Node) and node.op != "placeholder":
+        value = node.meta.get("val")
+        if not (isinstance(value, torch.Tensor) and value.dtype.is_floating_point):
+            return []  # no gradient to keep (an integer or boolean tensor)
         tensors.append(node)
         if not (node.op == "call_function" and _aliases(node.target) and node.args):
             break

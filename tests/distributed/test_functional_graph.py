@@ -446,3 +446,26 @@ def test_a_negative_variance_refuses_the_step_where_torch_raises():
     with pytest.raises(usc.NonFiniteLoss):
         sim.step(x, y)
     assert all(torch.equal(before[k], v) for k, v in sim.full_state_dict().items())
+
+
+class NoGradMaskWrite(nn.Module):
+    """A boolean mask flipped in place under no_grad (no gradient to keep: a subtraction of booleans
+    does not exist), and a tensor written there and never read again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, 3)
+
+    def forward(self, x, y):
+        v = self.lin(x)
+        keep, scratch = v > 0, v.clone()
+        with torch.no_grad():
+            keep.logical_not_()
+            scratch.mul_(3)
+        return (v * y * keep).pow(2).sum()
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "dp=2 mb=2"])
+def test_a_mask_written_under_no_grad_trains_as_on_one_device(plan):
+    assert_equivalent(lambda: NoGradMaskWrite().double(), plan, [_regression_batch(0), _regression_batch(1)],
+                      optimizer=_sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
