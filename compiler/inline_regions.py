@@ -6,7 +6,9 @@ sharding rule can see into such a node ("no sharding rule for wrap_with_autocast
 inlines them, keeping what each region means:
 
   * a grad-disabled region's outputs are ``aten.detach``-ed: no gradient flows back through them,
-    as on one device (nested regions are inlined the same way);
+    as on one device (nested regions are inlined the same way) -- except a tensor of the forward the
+    region writes in place, which keeps its gradient as torch keeps it (the new values, the gradient
+    passed through); likewise a write through a detached alias anywhere (``v.detach().clamp_()``);
   * an autocast region is traced again under the same ``torch.autocast`` and run through
     ``run_decompositions({})``, which writes the casts autocast makes (``_to_copy`` to bf16 before a
     matmul, back to float32 for the ops autocast keeps in float32) as ordinary nodes, keeping
@@ -50,8 +52,11 @@ def inline_regions(exported):
     Requires: an exported program. Establishes: no wrap_with_set_grad_enabled / wrap_with_autocast
     node; each region's ops in its place, with the region's meaning kept (see the module docstring)."""
     gm = exported.graph_module
-    if not region_nodes(gm):
+    detached_writes = _writes_through_detached(gm)
+    if not region_nodes(gm) and not detached_writes:
         return exported
+    for write in detached_writes:
+        _keep_gradient_through(gm, write)
     while nodes := region_nodes(gm):
         for node in nodes:
             REGIONS[node.target](gm, node)
@@ -60,6 +65,50 @@ def inline_regions(exported):
     gm.graph.lint()
     gm.recompile()
     return exported
+
+
+def _writes_through_detached(gm: fx.GraphModule) -> list[fx.Node]:
+    """In-place ops that write a tensor through a detached alias of it (``v.detach().clamp_(min=eps)``):
+    as under no_grad, torch records no op, later uses read the new values and the gradient reaches
+    the tensor as it was."""
+    writes = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and _in_place(node.target):
+            chain = _alias_chain(node.args[0] if node.args else None)
+            if any(n.target is aten.detach.default for n in chain):
+                writes.append(node)
+    return writes
+
+
+def _alias_chain(node) -> list[fx.Node]:
+    """``node`` and the tensors it is a view or an alias of, back to the first that is not one."""
+    chain = []
+    while isinstance(node, fx.Node):
+        chain.append(node)
+        if not (node.op == "call_function" and _aliases(node.target) and node.args):
+            break
+        node = node.args[0]
+    return chain
+
+
+def _keep_gradient_through(gm: fx.GraphModule, write: fx.Node) -> None:
+    """The tensors past the detach a write reaches through: each read after the write becomes its new
+    values plus ``t - t.detach()`` taken before it (the values exactly, the gradient passed through)."""
+    chain = _alias_chain(write.args[0])
+    cut = next(i for i, n in enumerate(chain) if n.target is aten.detach.default)
+    for tensor in _written_tensors(chain[cut].args[0]):
+        later = [u for u in tensor.users if _after(u, write)]
+        if not later:
+            continue
+        with gm.graph.inserting_before(write):
+            zero = _zero_with_gradient(gm, tensor)
+        with gm.graph.inserting_after(write):
+            frozen = _detached(gm, tensor)
+        with gm.graph.inserting_after(frozen):
+            value = _plus(gm, frozen, zero)
+        for user in later:
+            if user is not frozen:
+                user.replace_input_with(tensor, value)
 
 
 # ------------------------------------------------------------------------------ the regions
