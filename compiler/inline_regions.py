@@ -145,18 +145,13 @@ def _grad_region(gm: fx.GraphModule, node: fx.Node) -> None:
 
 def _written_tensors(arg) -> list[fx.Node]:
     """The tensors of the forward a write to the region input ``arg`` writes: ``arg`` and, where it is
-    a view, what it views (``u = v[:, 0]`` written: ``v`` too), up to a placeholder (a model input or
-    a buffer: not followed, its writes are state writes); none for a tensor that is not floating."""
-    tensors, node = [], arg
-    while isinstance(node, fx.Node) and node.op != "placeholder":
-        value = node.meta.get("val")
-        if not (isinstance(value, torch.Tensor) and value.dtype.is_floating_point):
-            return []  # no gradient to keep (an integer or boolean tensor)
-        tensors.append(node)
-        if not (node.op == "call_function" and _aliases(node.target) and node.args):
-            break
-        node = node.args[0]
-    return [] if isinstance(node, fx.Node) and node.op == "placeholder" else tensors
+    a view, what it views (``u = v[:, 0]`` written: ``v`` too); none where that reaches a placeholder
+    (a model input or a buffer: its writes are state writes) or a tensor that is not floating."""
+    chain = _alias_chain(arg)
+    if not chain or chain[-1].op == "placeholder":
+        return []
+    floating = all(isinstance(v := n.meta.get("val"), torch.Tensor) and v.dtype.is_floating_point for n in chain)
+    return chain if floating else []
 
 
 def _after(user: fx.Node, region: fx.Node) -> bool:
@@ -171,9 +166,8 @@ def _after(user: fx.Node, region: fx.Node) -> bool:
 
 def _base(node) -> fx.Node | None:
     """The tensor an in-place op or a view reads through (``v[:, 0].clamp_()`` -> ``v``), or None."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and _aliases(node.target) and node.args:
-        node = node.args[0]
-    return node if isinstance(node, fx.Node) else None
+    chain = _alias_chain(node)
+    return chain[-1] if chain else None
 
 
 def _written_inputs(sub: fx.GraphModule) -> set[int]:

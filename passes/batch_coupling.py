@@ -88,7 +88,7 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
     group, strided = _sample_groups(gm, user_inputs)
     batch = batch_size(gm, user_inputs)
     if probe is None and group > 1 and batch == group and doubled is not None:
-        probe = _traced_graph(doubled)  # a microbatch of one group cannot show a split into groups
+        probe = getattr(_probed(doubled), "gm", None)  # a microbatch of one group cannot show a split into groups
     analysed = gm if probe is None else batch_outer_pass(_with_draws(probe, ctx), ctx, user_inputs=user_inputs,
                                                         params=params)
     for graph in {id(g): g for g in (gm, analysed)}.values():
@@ -151,15 +151,6 @@ def _sample_groups(gm: fx.GraphModule, user_inputs) -> tuple[int, fx.Node | None
         if isinstance(step, int) and step > 1:
             group, strided = math.lcm(group, step), strided or node
     return group, strided
-
-
-def _traced_graph(doubled) -> fx.GraphModule | None:
-    """The graph of the model traced on twice the microbatch's samples, or None where it refuses
-    that batch (the analysis then splits the microbatch as it is)."""
-    try:
-        return doubled().gm
-    except Exception:  # noqa: BLE001 - the model's own refusal of that batch, whatever it raises
-        return None
 
 
 def _mark_token_ratios(gm: fx.GraphModule, user_inputs, params) -> None:
@@ -296,7 +287,7 @@ def _fixed_batch_slice(gm: fx.GraphModule, resized, user_inputs) -> str | None:
                 and _dim(n) == 0 and (shape_of(n.args[0]) or (None,))[0] == batch and _keeps_all_by_a_bound(n, batch)]
     if not suspects:
         return None
-    other = _resized(resized)
+    other = _probed(resized)
     graph, samples = (other[0], other[1]) if other is not None else (None, 0)
     theirs = {n.name: n for n in graph.graph.nodes} if graph is not None else {}
     for node in suspects:
@@ -322,7 +313,7 @@ def _fixed_batch_blocks(gm: fx.GraphModule, doubled, user_inputs) -> str | None:
                 and (_splits_dim0(shape_of(n), batch) or _blocks_of_one(shape_of(n.args[0]), shape_of(n), batch))]
     if not suspects:
         return None
-    graph = _traced_graph(doubled) if doubled is not None else None
+    graph = getattr(_probed(doubled), "gm", None)
     theirs = {n.name: n for n in graph.graph.nodes} if graph is not None else {}
     for node in suspects:
         twin, blocks = theirs.get(node.name), shape_of(node)[0]
@@ -960,7 +951,7 @@ def _read_batch_constants(kinds, batch: int, resized, user_inputs, gm: fx.GraphM
                 and _maybe_of_size(_node_factor(n, dependent, values), batch)]
     if resized is None or not (flagged or suspects):
         return kinds, None
-    other = _resized(resized)
+    other = _probed(resized)
     if other is None:
         return kinds, None
     graph, samples, their_values = other
@@ -991,13 +982,14 @@ def _read_batch_constants(kinds, batch: int, resized, user_inputs, gm: fx.GraphM
     return out, None
 
 
-def _resized(resized):
-    """(graph, samples, lifted constants) of the model traced on one sample more, or None where it was
-    not given or the model refuses another batch size (what needed it stays unread)."""
-    if resized is None:
+def _probed(probe):
+    """What a lazy probe of the model traced on another number of samples gives (``resized``: (graph,
+    samples, lifted constants); ``doubled``: the trace), or None where it was not given or the model
+    refuses that batch (what needed it stays unread)."""
+    if probe is None:
         return None
     try:
-        return resized()
+        return probe()
     except Exception:  # noqa: BLE001 - the model's own refusal of that batch, whatever it raises
         return None
 

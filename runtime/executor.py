@@ -221,11 +221,16 @@ class RankExecutor(ShardedCheckpoint):
         values = self._input_values(batch)
         return [values[name] for name in self._order]
 
-    def _input_values(self, piece: tuple) -> dict[str, torch.Tensor]:
-        """The program's inputs by placeholder: the state, and this rank's part of the batch ``piece``."""
-        values = self._state_values()
+    def _input_values(self, piece: tuple, only: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+        """The program's inputs by placeholder: the state, and this rank's part of the batch ``piece``
+        (``only``: just these placeholders, the state not cast)."""
+        if only is None:
+            values = self._state_values()
+        else:
+            values = {name: self._compute(self.state[name]) for name in only if name in self.state}
         for spec, value in zip(self.program.inputs, piece):
-            values[spec.placeholder] = self._compute(self._local_input(spec, value))
+            if only is None or spec.placeholder in only:
+                values[spec.placeholder] = self._compute(self._local_input(spec, value))
         return values
 
     _step_tokens: torch.Tensor | None = None  # the last step's counts (a loss dividing by the step's count)
@@ -239,12 +244,10 @@ class RankExecutor(ShardedCheckpoint):
         if counts is None:
             return
         with torch.no_grad():
-            totals, positions = None, {spec.placeholder: i for i, spec in enumerate(self.program.inputs)}
-            specs = self.program.inputs
+            totals = None
             for piece in micro:
-                local = self._count_program(*[
-                    self._compute(self._local_input(specs[positions[name]], piece[positions[name]]))
-                    if name in positions else self._compute(self.state[name]) for name in counts.reads])
+                values = self._input_values(piece, only=counts.reads)
+                local = self._count_program(*[values[name] for name in counts.reads])
                 local = [torch.as_tensor(v).to(device=self.device, dtype=torch.float64) for v in local]
                 totals = local if totals is None else [t + v for t, v in zip(totals, local)]
             for axes, members in counts.groups():  # one float64 vector per group of counts, per axis

@@ -122,15 +122,16 @@ class _Compiled:
         if int(self.plan.get("mb")) > 1 and samples is not None:
             # the model on one sample more, traced only if the microbatch analysis asks (a loss scaled
             # by a constant that may be the batch size): two samples when a microbatch holds one
-            more = tuple(v[:samples + 1] if isinstance(v, torch.Tensor) and v.dim() else v for v in batch)
-            probe = functools.cache(lambda: trace(self.model, more, wrapper_source=self._loss_source,
-                                                  moe_blocks=moe_blocks))
+            def on(rows: int):  # the model traced on the batch's first rows, once, when asked
+                rows_of = tuple(v[:rows] if isinstance(v, torch.Tensor) and v.dim() else v for v in batch)
+                return functools.cache(lambda: trace(self.model, rows_of, wrapper_source=self._loss_source,
+                                                     moe_blocks=moe_blocks))
+
+            probe = on(samples + 1)
             if samples == 1:
                 traced.batch_probe = probe()
             traced.resized_probe = lambda: (probe().gm, samples + 1, lifted_constants(probe()))
-            twice = tuple(v[:2 * samples] if isinstance(v, torch.Tensor) and v.dim() else v for v in batch)
-            traced.doubled_probe = probe if samples == 1 else functools.cache(
-                lambda: trace(self.model, twice, wrapper_source=self._loss_source, moe_blocks=moe_blocks))
+            traced.doubled_probe = probe if samples == 1 else on(2 * samples)
         return traced
 
     def _attach_cost(self, batch: tuple, hardware) -> None:
