@@ -85,7 +85,7 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
     if per_microbatch and not draws:
         gm.meta["usc_loss_combine"] = "per_microbatch"
         return gm
-    group, strided = _sample_groups(gm, user_inputs)
+    group, strided = _sample_groups(gm, user_inputs, doubled)
     batch = batch_size(gm, user_inputs)
     if probe is None and group > 1 and batch == group and doubled is not None:
         probe = getattr(_probed(doubled), "gm", None)  # a microbatch of one group cannot show a split into groups
@@ -128,7 +128,7 @@ def batch_coupling_pass(gm: fx.GraphModule, ctx, *, user_inputs: tuple[str, ...]
     return gm
 
 
-def _sample_groups(gm: fx.GraphModule, user_inputs) -> tuple[int, fx.Node | None]:
+def _sample_groups(gm: fx.GraphModule, user_inputs, doubled=None) -> tuple[int, fx.Node | None]:
     """(the least common multiple of k over the slices taking every k-th sample of a value whose
     dim 0 is the batch's -- ``logp[0::2]``, pairs interleaved in the batch -- and the reshapes
     grouping its samples k by k -- ``h.view(-1, 2, d)`` --, and one such op): the microbatch analysis
@@ -146,6 +146,8 @@ def _sample_groups(gm: fx.GraphModule, user_inputs) -> tuple[int, fx.Node | None
             step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
         elif node.target in RESHAPES and _splits_dim0(shape_of(node), batch):  # x.view(-1, k, d): groups of k
             step = batch // shape_of(node)[0]
+        elif node.target in RESHAPES and _one_group(node, batch, doubled):
+            step = batch
         else:
             continue
         if isinstance(step, int) and step > 1:
@@ -326,6 +328,18 @@ def _fixed_batch_blocks(gm: fx.GraphModule, doubled, user_inputs) -> str | None:
     return None
 
 
+def _one_group(node: fx.Node, batch: int, doubled) -> bool:
+    """``[b, d] -> [1, b, d]`` where the model groups its samples b by b (``view(-1, 2, d)`` on a
+    microbatch of 2): on twice the samples it makes two groups. Attention's reshapes moving the batch
+    inside one block (``[1, b * heads, d]`` at a sequence of 1) keep one."""
+    shape = shape_of(node)
+    if not shape or len(shape) < 2 or shape[0] != 1 or shape[1] != batch:
+        return False
+    twin = next((n for n in getattr(_probed(doubled), "gm", fx.GraphModule({}, fx.Graph())).graph.nodes
+                 if n.name == node.name), None)
+    return twin is not None and (shape_of(twin) or (None,))[0] == 2
+
+
 def _blocks_of_one(before, after, batch: int) -> bool:
     """``[b, d] -> [b, 1, d]`` by a reshape: as many blocks as samples, one sample each -- what a fixed
     number of blocks looks like on a microbatch of that many samples (``h.reshape(2, -1, d)`` at 2)."""
@@ -334,8 +348,9 @@ def _blocks_of_one(before, after, batch: int) -> bool:
 
 
 def _splits_dim0(shape, batch: int) -> bool:
-    """An output shape that splits a batch dim of ``batch`` into outer blocks (fewer than the samples)."""
-    return bool(shape) and len(shape) > 1 and 0 < shape[0] < batch and batch % shape[0] == 0 \
+    """An output shape that splits a batch dim of ``batch`` into outer blocks (more than one, fewer than
+    the samples; one block holding every sample moves the batch inside, as attention's reshapes do)."""
+    return bool(shape) and len(shape) > 1 and 1 < shape[0] < batch and batch % shape[0] == 0 \
         and math.prod(shape[:2]) % batch == 0
 
 
