@@ -104,12 +104,28 @@ def _refuse_overlapping_writes(gm: fx.GraphModule) -> None:
             continue
         written = node.args[0].meta.get("val")
         read = [a.meta.get("val") for a in node.all_input_nodes[1:]]
+        if _elementwise(node):  # reading the very element it writes is defined (``x[:, 0] *= s``)
+            read = [r for r in read if not _same_elements(written, r)]
         if isinstance(written, torch.Tensor) and any(_overlap(written, r) for r in read):
             src = user_source(node)
             raise OverlappingWriteError(
                 f"in-place op {node.target} in module '{module_path(node) or '<root>'}'{f' ({src})' if src else ''} "
                 "reads memory it writes (a view of the same tensor): PyTorch's result then depends on the "
                 "order it visits elements\n  fix: read from a copy, e.g. a.add_(b.clone())")
+
+
+def _elementwise(node: fx.Node) -> bool:
+    """A copy or a pointwise op: element i of the result reads element i of each tensor input."""
+    target = node.target
+    return target is torch.ops.aten.copy_.default or (
+        isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags)
+
+
+def _same_elements(a, b) -> bool:
+    """The same elements of the same storage, in the same order (a tensor and an alias of it)."""
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
+        and a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset() \
+        and a.shape == b.shape and a.stride() == b.stride()
 
 
 def _overlap(a: torch.Tensor, b) -> bool:

@@ -492,3 +492,26 @@ class DetachedAliasWrite(nn.Module):
 def test_a_write_through_a_detached_alias_keeps_the_gradient_as_on_one_device(view, plan):
     assert_equivalent(lambda: DetachedAliasWrite(view).double(), plan, [_regression_batch(0), _regression_batch(1)],
                       optimizer=_sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
+
+
+class ScaledInPlace(nn.Module):
+    """``h[:, 0] *= 0.5`` (Python reads the view, scales it, and copies it onto itself) and ``h.add_(h)``:
+    an in-place op that reads exactly the elements it writes is defined (they were refused as
+    overlapping writes); torch's own encoder layer under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, 6)
+        self.enc = nn.TransformerEncoderLayer(6, 2, 10, dropout=0.0, batch_first=True)
+
+    def forward(self, x, y):
+        h = self.enc(self.lin(x).unsqueeze(1)).squeeze(1)
+        h[:, 0] *= 0.5
+        h.add_(h)
+        return (h[:, :3] * y).pow(2).mean()
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "dp=2 mb=2", "tp=2"])
+def test_an_in_place_op_on_exactly_what_it_reads_trains_as_on_one_device(plan):
+    assert_equivalent(lambda: ScaledInPlace().double(), plan, [_regression_batch(0), _regression_batch(1)],
+                      optimizer=_sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
