@@ -250,3 +250,37 @@ def test_the_gpu_benchmarks_host_probe_runs_here_and_is_reported(capsys):
     assert probe["2 layers"] > 0 and probe["10 layers"] > 0 and "per layer per microbatch" in probe
     gpu_step.report(dict(device="cpu", torch=torch.__version__, profile="h100", model="1B", **{"host time": probe}))
     assert "usc's host time per layer per microbatch (unit_overhead)" in capsys.readouterr().out
+
+
+def test_the_gpu_plans_benchmark_replays_the_allocator_peak_and_lists_each_neighbour_once():
+    """gpu_plans.replay finds the peak of an allocation history (frees completed, not only
+    requested, lower it) and groups what was alive then by usc's innermost frame; neighbours lists
+    the chosen plan first and each microbatch count, unfused and recomputed variant once."""
+    gpu_plans = _benchmark("gpu_plans")
+
+    def frames(line):
+        return [{"filename": "/site/torch/nn/functional.py", "line": 9, "name": "linear"},
+                {"filename": "/site/usc/runtime/executor.py", "line": line, "name": "run"}]
+
+    trace = [dict(action="alloc", addr=1, size=100, frames=frames(10)),
+             dict(action="alloc", addr=2, size=30, frames=frames(20)),
+             dict(action="free_requested", addr=1, size=100),  # still alive until completed
+             dict(action="alloc", addr=3, size=7, frames=frames(10)),
+             dict(action="free_completed", addr=1, size=100),
+             dict(action="alloc", addr=4, size=50, frames=frames(30))]
+    out = gpu_plans.replay(trace, before=11)
+    assert out["step_peak_bytes"] == 137 and out["before_step_bytes"] == 11
+    assert [(g["where"], g["bytes"], g["count"]) for g in out["groups"]] == [
+        ("runtime/executor.py:10 run", 107, 2), ("runtime/executor.py:20 run", 30, 1)]
+    plans = gpu_plans.neighbours("dtype=bf16 fuse=on gpus_per_node=1", 6)
+    assert plans == ["dtype=bf16 fuse=on gpus_per_node=1", "dtype=bf16 fuse=on mb=2", "dtype=bf16 mb=1",
+                     "dtype=bf16 fuse=on mb=1 recompute=selective"]
+
+
+def test_the_gpu_plans_benchmark_measures_a_plan_on_the_cpu():
+    """gpu_plans.measure_plan (--dry: a tiny shape on the CPU) compiles the plan, steps it and reports
+    the median of the timed steps and every loss."""
+    gpu_plans = _benchmark("gpu_plans")
+    row = gpu_plans.measure_plan("1B", "dtype=bf16 mb=2", 2, gpu_plans.Where(dry=True))
+    assert row["seconds"] > 0 and len(row["losses"]) == gpu_plans.WARMUP + gpu_plans.STEPS
+    assert all(math.isfinite(x) for x in row["losses"])
