@@ -92,23 +92,66 @@ def _alias_chain(node) -> list[fx.Node]:
 
 
 def _keep_gradient_through(gm: fx.GraphModule, write: fx.Node) -> None:
-    """The tensors past the detach a write reaches through: each read after the write becomes its new
-    values plus ``t - t.detach()`` taken before it (the values exactly, the gradient passed through)."""
+    """The tensor past the detach a write reaches through, and its views taken before the write: each
+    read after the write reads the new values, with the gradient passed through (``_read_new_values``)."""
     chain = _alias_chain(write.args[0])
     cut = next(i for i, n in enumerate(chain) if n.target is aten.detach.default)
-    for tensor in _written_tensors(chain[cut].args[0]):
-        later = [u for u in tensor.users if _after(u, write)]
-        if not later:
-            continue
+    written = _written_tensors(chain[cut].args[0])
+    if written:
+        _read_new_values(gm, written[-1], write, anchor=write.next)
+
+
+def _read_new_values(gm: fx.GraphModule, base: fx.Node, write: fx.Node, *, anchor: fx.Node,
+                     zero: fx.Node | None = None) -> None:
+    """Reads after ``write`` (a no-grad region or an in-place op through a detached alias) of ``base``,
+    a tensor written in place there, and of every view of it taken before: torch records no op for
+    the write, so each reads the new values and its gradient reaches ``base`` as it was. ``base``'s
+    reads become ``base.detach() + (base - base.detach())`` (the detach taken after the write, the
+    zero before it: the values exactly, the gradient passed through); each view is taken again of
+    that, as written (``v = h[:, :3]`` before ``h.mul_(2)`` under no_grad, read after: the doubled
+    values, ``v``'s gradient to ``h`` unscaled -- the functional program would regenerate ``v`` from
+    the written values and scale it). A view stays a view of what it viewed, so a later write to
+    either is seen by both. New nodes go before ``anchor``; ``zero``: ``base - base.detach()`` taken
+    before the write, made here (before ``write``) if not given."""
+    views = _views_taken_before(base, write)
+    if not any(_after(u, write) for t in [base, *views] for u in t.users):
+        return
+    if zero is None:
         with gm.graph.inserting_before(write):
-            zero = _zero_with_gradient(gm, tensor)
-        with gm.graph.inserting_after(write):
-            frozen = _detached(gm, tensor)
-        with gm.graph.inserting_after(frozen):
-            value = _plus(gm, frozen, zero)
-        for user in later:
-            if user is not frozen:
-                user.replace_input_with(tensor, value)
+            zero = _zero_with_gradient(gm, base)
+    made: set[fx.Node] = set()
+    with gm.graph.inserting_before(anchor):
+        frozen = _detached(gm, base)
+        value = _plus(gm, frozen, zero)
+        again = {base: value}
+        for view in views:  # parents before their views
+            node = gm.graph.call_function(view.target, (again[view.args[0]], *view.args[1:]), dict(view.kwargs))
+            node.meta.update({k: v for k, v in view.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+            again[view] = node
+    made = {frozen, value, *again.values()}
+    for old, new in again.items():
+        for user in [u for u in old.users if u not in made and _after(u, write)]:
+            user.replace_input_with(old, new)
+
+
+def _views_taken_before(base: fx.Node, write: fx.Node) -> list[fx.Node]:
+    """Every view of ``base`` taken before ``write`` (views of views too, parents first; not a
+    detached alias, which has no gradient to keep, nor an in-place op)."""
+    out, todo = [], [base]
+    while todo:
+        t = todo.pop(0)
+        for u in t.users:
+            # (a view out of a list, split's, is not followed: torch refuses it once its base is written)
+            if u is not write and u.op == "call_function" and u.args and u.args[0] is t and u not in out \
+                    and _aliases(u.target) and not _in_place(u.target) and u.target is not aten.detach.default \
+                    and not _after(u, write) and _floating(u):
+                out.append(u)
+                todo.append(u)
+    return out
+
+
+def _floating(node: fx.Node) -> bool:
+    return isinstance(v := node.meta.get("val"), torch.Tensor) and v.dtype.is_floating_point
 
 
 # ------------------------------------------------------------------------------ the regions
@@ -117,29 +160,29 @@ def _grad_region(gm: fx.GraphModule, node: fx.Node) -> None:
     sub = _submodule(gm, submodule)
     zeros: dict[fx.Node, fx.Node] = {}
     written = _written_inputs(sub) if not enabled else set()
-    if written:  # taken before the region's ops: after them a written tensor reads its new values
-        with gm.graph.inserting_before(node):
-            zeros = {t: _zero_with_gradient(gm, t) for j in written for t in _written_tensors(args[j])}
+    aliases = _output_aliases(sub) if not enabled else {}
+    bases = list(dict.fromkeys(chain[-1] for j in written if (chain := _written_tensors(args[j]))))
+    # taken before the region's ops: a written tensor (a returned input, a written base) is its new
+    # values plus this zero after them
+    with gm.graph.inserting_before(node):
+        zeros = {t: _zero_with_gradient(gm, t) for t in dict.fromkeys(
+            [args[j] for j in aliases.values() if _written_tensors(args[j])] + bases)}
     outputs = _inline(gm, node, sub, args)
     if not enabled:
-        aliases = _output_aliases(sub)
         with gm.graph.inserting_before(node):
             outputs = [_detached(gm, out) for out in outputs]
             for i, j in aliases.items():
                 if args[j] in zeros:
                     outputs[i] = _plus(gm, outputs[i], zeros[args[j]])
-            # a written tensor read after the region (written through a view, not returned; or the
-            # tensor a view the region wrote was taken of)
-            later = {t: _plus(gm, _detached(gm, t), zero) for t, zero in zeros.items()
-                     if any(_after(user, node) for user in t.users)}
-        for tensor, value in later.items():
-            for user in [u for u in tensor.users if _after(u, node) and u is not value]:
-                user.replace_input_with(tensor, value)
-        for zero in zeros.values():  # a written tensor neither returned nor read again
-            if not zero.users:
-                frozen = zero.args[1]
-                gm.graph.erase_node(zero)
-                gm.graph.erase_node(frozen)
+        # a written tensor read after the region (written through a view, not returned; the tensor a
+        # view the region wrote was taken of; a view of either taken before the region)
+        for base in bases:
+            _read_new_values(gm, base, node, anchor=node, zero=zeros[base])
+    for zero in zeros.values():  # a written tensor neither returned nor read again
+        if not zero.users:
+            frozen = zero.args[1]
+            gm.graph.erase_node(zero)
+            gm.graph.erase_node(frozen)
     _replace_outputs(gm, node, outputs)
 
 

@@ -377,6 +377,7 @@ class NoGradWrites(nn.Module):
     def forward(self, x, y):
         v, first = self.lin(x).clone(), None
         column = v[:, 1]  # a view taken before the region
+        rows = v.t()[1:]  # a view of a view of it
         with torch.no_grad():
             if self.kind == "direct":
                 v.clamp_(min=0.1)
@@ -386,9 +387,13 @@ class NoGradWrites(nn.Module):
                 v[:, 0].clamp_(min=0.1)
             elif self.kind == "through_a_view_taken_before":
                 column.clamp_(min=0.1)
+            elif self.kind == "views_taken_before_read_after":
+                v.mul_(2)  # column and rows (a view of a view), read below: new values, gradient unscaled
             else:  # a view of the written tensor made in the region: no gradient, as in torch
                 v.clamp_(min=0.1)
                 first = v[:, 0]
+        if self.kind == "views_taken_before_read_after":
+            first = column + rows.sum(0)
         loss = (v * y).pow(2).sum()
         return loss if first is None else loss + (first * y[:, 0]).sum()
 
@@ -400,7 +405,7 @@ def _regression_batch(seed: int):
 
 @pytest.mark.parametrize("plan", ["dp=2", "dp=2 mb=2"])
 @pytest.mark.parametrize("kind", ["direct", "chain", "through_a_view", "through_a_view_taken_before",
-                                  "and_a_view_of_it"])
+                                  "views_taken_before_read_after", "and_a_view_of_it"])
 def test_writes_under_no_grad_keep_the_gradient_as_on_one_device(kind, plan):
     """The region's value was detached: the loss lost its gradient ("does not require grad") or,
     written through a view, the clamped elements trained on nothing."""
@@ -476,19 +481,23 @@ class DetachedAliasWrite(nn.Module):
     the gradient passed through); with another term beside it, the cut gradient trained silently on
     less (step-1 loss -17.49 where one device has -26.26)."""
 
-    def __init__(self, view: bool) -> None:
+    def __init__(self, view: bool | str) -> None:
         super().__init__()
         self.view = view
         self.lin = nn.Linear(D, 3)
 
     def forward(self, x, y):
         v = self.lin(x).clone()
-        (v.detach()[:, 0] if self.view else v.detach()).clamp_(min=0.1)
+        column = v[:, 1]  # taken before the write: read after, it has the new values, gradient unscaled
+        (v.detach()[:, 0] if self.view is True else v.detach()).clamp_(min=0.1)
+        if self.view == "read_a_view_taken_before":
+            v.detach().mul_(3)
+            return (v * y).pow(2).sum() + (column * y[:, 0]).sum()
         return (v * y).pow(2).sum() + self.lin(x).sum()
 
 
 @pytest.mark.parametrize("plan", ["dp=2", "dp=2 mb=2"])
-@pytest.mark.parametrize("view", [False, True])
+@pytest.mark.parametrize("view", [False, True, "read_a_view_taken_before"])
 def test_a_write_through_a_detached_alias_keeps_the_gradient_as_on_one_device(view, plan):
     assert_equivalent(lambda: DetachedAliasWrite(view).double(), plan, [_regression_batch(0), _regression_batch(1)],
                       optimizer=_sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
