@@ -26,14 +26,18 @@ Two more guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 from torch.export.graph_signature import OutputKind
 
 from .errors import CompileError
 from .source_info import module_path, user_source
+
+aten = torch.ops.aten
 
 WRITE_KINDS = (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)
 INPUT_WRITES = "usc_input_writes"  # gm.meta key: user inputs the forward writes (names)
@@ -254,3 +258,48 @@ def _describe(node: fx.Node, module: str, source: str) -> str:
 
 __all__ = ["distinct_inputs", "input_write_warnings", "functionalize", "explicit_writes", "verify_functional", "user_output_specs",
            "is_mutating", "is_state_write", "HiddenEffectError", "OverlappingWriteError", "STATE_WRITE", "INPUT_WRITES", "WRITE_KINDS"]
+
+
+def masked_writes_as_where(gm: fx.GraphModule) -> fx.GraphModule:
+    """``x[mask] = value`` (``index_put`` with one boolean mask over x's leading dims and a value that
+    broadcasts over the rest) as ``torch.where(mask, value, x)``: the same values and gradients, but
+    element-wise, so every plan's rules read it as such -- as ``index_put`` it reads as a gather of
+    the whole tensor (under ``mb=`` a refusal: it seemed to mix samples)."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.index_put.default:
+            continue
+        x, indices, value = node.args[:3]
+        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+        if accumulate or len(indices) != 1 or not isinstance(indices[0], fx.Node) or not isinstance(value, fx.Node):
+            continue
+        xv, mask, vv = (n.meta.get("val") for n in (x, indices[0], value))
+        if not all(isinstance(t, torch.Tensor) for t in (xv, mask, vv)) or mask.dtype is not torch.bool:
+            continue
+        lead, rest = mask.dim(), tuple(xv.shape[mask.dim():])
+        if tuple(mask.shape) != tuple(xv.shape[:lead]) or not _broadcasts(tuple(vv.shape), rest):
+            continue
+        with gm.graph.inserting_before(node):
+            m = indices[0]
+            for _ in rest:
+                m = _call(gm, aten.unsqueeze.default, (m, -1), node)
+            v = value if vv.dtype == xv.dtype else _call(gm, aten._to_copy.default, (value,), node, dtype=xv.dtype)
+            where = _call(gm, aten.where.self, (m, v, x), node)
+        node.replace_all_uses_with(where)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _broadcasts(shape: tuple, onto: tuple) -> bool:
+    return len(shape) <= len(onto) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(onto)))
+
+
+def _call(gm: fx.GraphModule, target, args: tuple, like: fx.Node, **kwargs) -> fx.Node:
+    """``target(*args, **kwargs)`` as a node with ``like``'s source and module, its value computed on
+    the arguments' fake values."""
+    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    with mode if mode is not None else contextlib.nullcontext():
+        value = target(*vals, **kwargs)
+    return _like(gm.graph.call_function(target, args, kwargs), like, value)

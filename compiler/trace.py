@@ -29,7 +29,7 @@ from torch.export.graph_signature import InputKind
 from .errors import CompileError, TraceError
 from .source_info import TORCH_DIR, USC_DIRS, module_path, user_source  # noqa: F401 (re-exported)
 from .casts import held_casts, release_casts, writes_through_held_casts
-from .functional import distinct_inputs, explicit_writes, functionalize, user_output_specs
+from .functional import distinct_inputs, explicit_writes, functionalize, masked_writes_as_where, user_output_specs
 from .inline_regions import inline_regions
 from .moe import MoEBlock, patched
 from . import trace_memo
@@ -257,6 +257,70 @@ def _traceable_torch_modules():
         transformer._detect_is_causal_mask, functional.gaussian_nll_loss = saved
 
 
+# ------------------------------------------------------------------ Python state forward writes
+_SCALARS = (torch.Tensor, bool, int, float)
+_TORCH_OWN = frozenset(vars(nn.Module()))  # nn.Module's own bookkeeping (hooks, training)
+
+
+def _python_state(model: nn.Module) -> dict[tuple[str, str], object]:
+    """{(module path, attribute): value} of every plain attribute of the model's modules that holds a
+    tensor (not a parameter or buffer), a number or None: what forward could keep across calls."""
+    out = {}
+    modules = dict(model.named_modules())
+    user = getattr(model, "user_model", None)  # usc's loss wrapper: the user's model is its root
+    if user is not None:
+        modules[""] = user
+    for path, module in modules.items():
+        for name, value in vars(module).items():
+            if name not in _TORCH_OWN and (value is None or isinstance(value, _SCALARS)):
+                out[(path, name)] = value
+    return out
+
+
+def _changed(before, after) -> bool:
+    if isinstance(before, torch.Tensor) or isinstance(after, torch.Tensor):
+        return before is not after
+    if after is None or not isinstance(after, _SCALARS):
+        return False  # a value forward clears, or keeps for inspection as another type: not read back as state
+    return type(before) is not type(after) or before != after
+
+
+@contextlib.contextmanager
+def _python_state_kept(model: nn.Module):
+    """Refuses a model whose forward changes a plain attribute it could read again next call (a
+    counter, ``self.stat = h.mean(0).detach()``): usc traces forward and replays that program each
+    step, so the attribute keeps its traced value and the model trains differently with no error
+    (torch's export restores the attribute and only warns, for tensors)."""
+    before = _python_state(model)
+    seen: list = []
+
+    def look(module, args, output):
+        now = _python_state(model)
+        seen.extend(key for key, value in before.items() if key in now and _changed(value, now[key]))
+
+    handle = model.register_forward_hook(look)
+    try:
+        yield
+    finally:
+        handle.remove()
+    if seen:
+        path, name = seen[0]
+        owner = f"{type(model).__name__}" + (f" module '{path}'" if path else "")
+        raise TraceError(
+            f"{owner} sets its attribute `{name}` in forward (it held {_describe(before[(path, name)])} before the "
+            "call): usc traces forward once and replays that program every step, so an attribute forward changes "
+            "keeps its traced value and the model would train differently from one device's with no error\n"
+            f"  fix: keep it as a buffer written in place (self.register_buffer('{name}', ...) once, then "
+            f"self.{name}.copy_(...) or .add_(1) in forward), or compute it outside forward (a value kept only "
+            "to look at later would never be updated: drop it from forward)")
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return repr(value)
+
+
 def _export(model: nn.Module, example_inputs: tuple):
     """The functional program, casts held as written (compiler/casts.py); taken again without held
     casts where the model writes in place through one."""
@@ -313,7 +377,8 @@ def _trace(model: nn.Module, example_inputs: tuple, wrapper_source: str,
     error = None
     with _quiet_torch_logs(), _held_output() as held, patched(model, list(moe_blocks)):
         try:
-            exported = _export(model, example_inputs)
+            with _python_state_kept(model):
+                exported = _export(model, example_inputs)
         except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
             # usc's own errors raised while tracing (no loss in the output, a write that reads what it
             # writes) already say what to fix: wrapped, they would carry the tracer's hint instead
@@ -334,7 +399,7 @@ def _trace(model: nn.Module, example_inputs: tuple, wrapper_source: str,
         raise TraceError(f"{type(model).__name__}.forward must return one scalar loss (got outputs: {kinds}); "
                          "pass loss_fn= to compile, or return the loss from forward")
     release_casts(exported.graph_module)
-    gm = explicit_writes(exported)
+    gm = masked_writes_as_where(explicit_writes(exported))
     _refuse_data_dependent_shapes(gm, model)
     if wrapper_source:
         _attribute_wrapper_frames(gm, wrapper_source)

@@ -524,3 +524,82 @@ class ScaledInPlace(nn.Module):
 def test_an_in_place_op_on_exactly_what_it_reads_trains_as_on_one_device(plan):
     assert_equivalent(lambda: ScaledInPlace().double(), plan, [_regression_batch(0), _regression_batch(1)],
                       optimizer=_sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
+
+
+class MaskedWrites(nn.Module):
+    """``x[mask] = value`` as users write it: a scalar where the values are negative, a learned row
+    where a sample's first feature is positive (its gradient the sum over the rows written), and a
+    column written through a view. It traced as ``index_put``, which reads as a gather of the whole
+    tensor: under ``mb=`` it was refused as mixing samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(D, 4), nn.Linear(4, 4)
+        self.fill = nn.Parameter(torch.linspace(-1.0, 1.0, 4))
+
+    def forward(self, x, y):
+        h = self.out(torch.tanh(self.lin(x)))
+        h[h < -0.5] = -0.5
+        h[x[:, 0] > 0] = self.fill
+        col = h[:, 1]
+        col[col > 0.3] = 0.3
+        return (h[:, :3] * y).pow(2).mean() + h[:, 3].sum()
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "dp=2 mb=2", "tp=2", "pp=2 mb=3"])
+def test_masked_assignments_train_as_on_one_device(plan):
+    assert_equivalent(lambda: MaskedWrites().double(), plan, [_regression_batch(0), _regression_batch(1)],
+                      optimizer=_sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
+
+
+def test_a_masked_assignment_traces_as_an_element_wise_where():
+    x, y = _regression_batch(0)
+    targets = {n.target for n in trace(MaskedWrites().double(), (x, y)).gm.graph.nodes}
+    assert torch.ops.aten.where.self in targets and torch.ops.aten.index_put.default not in targets
+
+
+class AttributeState(nn.Module):
+    """State kept across calls in a plain attribute: a step counter, a statistic of the last batch
+    (``self.stat = h.mean(0).detach()``). Traced once, both kept their traced values every step --
+    a different model with no error (torch's export restores them, warning only for the tensor)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(D, 3)
+        if kind == "counter":
+            self.calls = 0
+        elif kind == "statistic":
+            self.stat = torch.zeros(3, dtype=torch.float64)
+        else:  # the fix the error names: buffers written in place
+            self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+            self.register_buffer("stat", torch.zeros(3, dtype=torch.float64))
+
+    def forward(self, x, y):
+        h = self.lin(x)
+        if self.kind == "counter":
+            self.calls += 1
+            return ((h / self.calls - y) ** 2).mean()
+        if self.kind == "statistic":
+            loss = ((h - self.stat - y) ** 2).mean()
+            self.stat = h.mean(0).detach()
+            return loss
+        self.calls.add_(1)
+        loss = ((h / self.calls - self.stat - y) ** 2).mean()
+        with torch.no_grad():
+            self.stat.copy_(h.mean(0))
+        return loss
+
+
+@pytest.mark.parametrize("kind,name", [("counter", "calls"), ("statistic", "stat")])
+def test_state_kept_in_a_plain_attribute_is_refused_by_name(kind, name):
+    model = AttributeState(kind).double()
+    with pytest.raises(usc.TraceError, match=f"(?s)sets its attribute `{name}` in forward.*register_buffer"):
+        usc.simulate(model, "dp=2", example_inputs=_regression_batch(0), optimizer=_sgd)
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "tp=3"])
+def test_the_same_state_in_buffers_trains_as_on_one_device(plan):
+    assert_equivalent(lambda: AttributeState("buffers").double(), plan,
+                      [_regression_batch(0), _regression_batch(1), _regression_batch(2)],
+                      optimizer=_sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
