@@ -286,23 +286,34 @@ def _changed(before, after) -> bool:
 
 
 @contextlib.contextmanager
-def _python_state_kept(model: nn.Module):
-    """Refuses a model whose forward changes a plain attribute it could read again next call (a
-    counter, ``self.stat = h.mean(0).detach()``): usc traces forward and replays that program each
-    step, so the attribute keeps its traced value and the model trains differently with no error
-    (torch's export restores the attribute and only warns, for tensors)."""
-    before = _python_state(model)
+def _host_state_kept(model: nn.Module):
+    """Refuses a model whose forward changes host state the traced program cannot replay: a plain
+    attribute it could read again next call (a counter, ``self.stat = h.mean(0).detach()``), or a
+    draw from Python's or NumPy's global generator (a layer drop by ``random.random()``). usc traces
+    forward and replays that program each step, so the attribute keeps its traced value and the draw
+    its traced outcome: the model would train differently with no error (torch's export restores
+    attributes and only warns, for tensors)."""
+    before, generators = _python_state(model), _host_generators()
     seen: list = []
+    drew: list = []
 
     def look(module, args, output):
         now = _python_state(model)
         seen.extend(key for key, value in before.items() if key in now and _changed(value, now[key]))
+        drew.extend(name for name, state in _host_generators().items() if not _same_state(state, generators[name]))
 
     handle = model.register_forward_hook(look)
     try:
         yield
     finally:
         handle.remove()
+    if drew:
+        raise TraceError(
+            f"{type(getattr(model, 'user_model', model)).__name__}.forward draws from {drew[0]}: usc traces "
+            "forward once and replays that program every step, so the draw made while tracing would be made "
+            "again every step (a layer always dropped or always kept, the same noise) -- a different model with "
+            "no error\n  fix: draw with torch (torch.rand, torch.bernoulli, nn.Dropout), which usc draws anew "
+            "every step; a random layer drop as torch.where(torch.rand(()) < p, h, h + layer(h))")
     if seen:
         path, name = seen[0]
         owner = f"{type(model).__name__}" + (f" module '{path}'" if path else "")
@@ -313,6 +324,24 @@ def _python_state_kept(model: nn.Module):
             f"  fix: keep it as a buffer written in place (self.register_buffer('{name}', ...) once, then "
             f"self.{name}.copy_(...) or .add_(1) in forward), or compute it outside forward (a value kept only "
             "to look at later would never be updated: drop it from forward)")
+
+
+def _host_generators() -> dict[str, object]:
+    """The states of the random generators torch does not trace: Python's and NumPy's global ones."""
+    import random
+
+    import numpy
+
+    return {"Python's `random` module": random.getstate(), "NumPy's global generator (np.random)":
+            numpy.random.get_state()}
+
+
+def _same_state(a, b) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    if hasattr(a, "shape"):  # NumPy's key array
+        return hasattr(b, "shape") and a.shape == b.shape and bool((a == b).all())
+    return a == b
 
 
 def _describe(value) -> str:
@@ -377,7 +406,7 @@ def _trace(model: nn.Module, example_inputs: tuple, wrapper_source: str,
     error = None
     with _quiet_torch_logs(), _held_output() as held, patched(model, list(moe_blocks)):
         try:
-            with _python_state_kept(model):
+            with _host_state_kept(model):
                 exported = _export(model, example_inputs)
         except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
             # usc's own errors raised while tracing (no loss in the output, a write that reads what it

@@ -603,3 +603,30 @@ def test_the_same_state_in_buffers_trains_as_on_one_device(plan):
     assert_equivalent(lambda: AttributeState("buffers").double(), plan,
                       [_regression_batch(0), _regression_batch(1), _regression_batch(2)],
                       optimizer=_sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
+
+
+class HostRandom(nn.Module):
+    """A layer dropped by Python's ``random`` (older Hugging Face LayerDrop), noise from NumPy's
+    global generator: traced once, the draw made while tracing was made again every step."""
+
+    def __init__(self, source: str) -> None:
+        super().__init__()
+        self.source = source
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, 3)
+
+    def forward(self, x, y):
+        import random
+
+        import numpy as np
+
+        h = x
+        if self.source == "python" and random.random() < 0.5:
+            h = h + torch.tanh(self.a(h))
+        scale = float(np.random.uniform(0.5, 1.5)) if self.source == "numpy" else 1.0
+        return ((self.b(h) * scale - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("source,named", [("python", "Python's `random` module"), ("numpy", "NumPy's global generator")])
+def test_a_draw_from_python_or_numpy_in_forward_is_refused_by_name(source, named):
+    with pytest.raises(usc.TraceError, match=f"(?s)HostRandom.forward draws from {named}.*fix: draw with torch"):
+        usc.simulate(HostRandom(source).double(), "dp=2", example_inputs=_regression_batch(0), optimizer=_sgd)
