@@ -256,10 +256,6 @@ def _describe(node: fx.Node, module: str, source: str) -> str:
             "writes when it traces; a pass that inserts an in-place op must use its functional form")
 
 
-__all__ = ["distinct_inputs", "input_write_warnings", "functionalize", "explicit_writes", "verify_functional", "user_output_specs",
-           "is_mutating", "is_state_write", "HiddenEffectError", "OverlappingWriteError", "STATE_WRITE", "INPUT_WRITES", "WRITE_KINDS"]
-
-
 def masked_writes_as_where(gm: fx.GraphModule) -> fx.GraphModule:
     """``x[mask] = value`` (``index_put`` with one boolean mask over x's leading dims and a value that
     broadcasts over the rest) as ``torch.where(mask, value, x)``: the same values and gradients, but
@@ -303,3 +299,7 @@ def _call(gm: fx.GraphModule, target, args: tuple, like: fx.Node, **kwargs) -> f
     with mode if mode is not None else contextlib.nullcontext():
         value = target(*vals, **kwargs)
     return _like(gm.graph.call_function(target, args, kwargs), like, value)
+
+
+__all__ = ["distinct_inputs", "input_write_warnings", "functionalize", "explicit_writes", "verify_functional", "user_output_specs",
+           "is_mutating", "is_state_write", "masked_writes_as_where", "HiddenEffectError", "OverlappingWriteError", "STATE_WRITE", "INPUT_WRITES", "WRITE_KINDS"]

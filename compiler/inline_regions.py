@@ -119,7 +119,6 @@ def _read_new_values(gm: fx.GraphModule, base: fx.Node, write: fx.Node, *, ancho
     if zero is None:
         with gm.graph.inserting_before(write):
             zero = _zero_with_gradient(gm, base)
-    made: set[fx.Node] = set()
     with gm.graph.inserting_before(anchor):
         frozen = _detached(gm, base)
         value = _plus(gm, frozen, zero)

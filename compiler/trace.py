@@ -20,6 +20,7 @@ import tempfile
 import traceback
 import warnings
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -350,6 +351,148 @@ def _describe(value) -> str:
     return repr(value)
 
 
+# ------------------------------------------------------------------ gradients forward customises
+class _Applied(NamedTuple):
+    args: tuple
+    kwargs: dict
+    where: str
+
+
+def _user_frame(depth: int = 2) -> str:
+    """'file:line' of the first caller outside torch and usc."""
+    frame = sys._getframe(depth)
+    while frame is not None and frame.f_code.co_filename.startswith((TORCH_DIR,) + USC_DIRS):
+        frame = frame.f_back
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" if frame is not None else ""
+
+
+@contextlib.contextmanager
+def _gradient_customisations():
+    """Records, while the model is traced, each ``torch.autograd.Function`` subclass applied (not
+    torch's or usc's own: their backward is their forward's derivative) and each gradient hook
+    forward registers on a tensor: the traced program holds neither (usc differentiates the ops the
+    forward ran), so ``_refuse_lost_gradients`` checks them after the trace."""
+    from torch.autograd.function import Function
+
+    applied: dict[type, _Applied] = {}
+    hooks: list[str] = []
+    apply, register_hook = Function.__dict__["apply"], torch.Tensor.register_hook
+
+    def recording_apply(cls, *args, **kwargs):
+        if cls not in applied and not cls.__module__.startswith(("torch.", "usc.")):
+            applied[cls] = _Applied(args, kwargs, _user_frame())
+        return apply.__func__(cls, *args, **kwargs)
+
+    def recording_hook(self, hook):
+        caller = sys._getframe(1)  # torch's and usc's own hooks are theirs to keep
+        if not caller.f_code.co_filename.startswith((TORCH_DIR,) + USC_DIRS):
+            hooks.append(f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}")
+        return register_hook(self, hook)
+
+    Function.apply, torch.Tensor.register_hook = classmethod(recording_apply), recording_hook
+    try:
+        yield applied, hooks
+    finally:
+        Function.apply, torch.Tensor.register_hook = apply, register_hook
+
+
+def _refuse_lost_gradients(model: nn.Module, applied: dict, hooks: list[str]) -> None:
+    name = type(getattr(model, "user_model", model)).__name__
+    if hooks:
+        raise TraceError(
+            f"{name}.forward registers a gradient hook on a tensor ({hooks[0]}): usc differentiates the program "
+            "it traced, which holds no hook, so the gradient the hook changes would pass unchanged -- a different "
+            "model with no error\n  fix: write the change into forward with detach: h = h.detach() + s * (h - "
+            "h.detach()) has h's values and s times its gradient")
+    for cls, call in applied.items():
+        problem = _backward_problem(cls, call)
+        if problem is not None:
+            raise TraceError(
+                f"{name}.forward applies the autograd.Function {cls.__qualname__} ({call.where}), {problem}: usc "
+                "differentiates the forward it traced, so the Function's own backward is not run\n  fix: where the "
+                "backward is meant to differ from the forward's derivative (a straight-through estimator, a "
+                "gradient reversal), write it with detach: f(x).detach() + g(x) - g(x).detach() has f's values "
+                "and g's gradient (x + (torch.round(x) - x).detach() rounds with an identity gradient)")
+
+
+class _PlainContext:
+    """The ``ctx`` a Function's forward is called with to differentiate it directly."""
+
+    def __init__(self, inputs) -> None:
+        self.needs_input_grad = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in inputs)
+        self.saved_tensors: tuple = ()
+
+    def save_for_backward(self, *tensors) -> None:
+        self.saved_tensors = tensors
+
+    def mark_dirty(self, *tensors) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+
+def _backward_problem(cls, call: _Applied) -> str | None:
+    """None where the Function's backward is its forward's derivative on random inputs of the traced
+    shapes (a fused kernel's), else what differs or why it could not be checked."""
+    from torch.autograd.function import Function
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    def real(a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        if a.device.type == "meta" or (a.device.type == "cuda" and not torch.cuda.is_available()):
+            raise _Unchecked(f"its inputs are on {a.device.type}")
+        if a.is_floating_point():
+            return torch.randn(tuple(a.shape), dtype=a.dtype, device=a.device).requires_grad_(a.requires_grad)
+        return torch.zeros(tuple(a.shape), dtype=a.dtype, device=a.device)
+
+    def differentiable(tree):
+        return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    try:
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            torch.manual_seed(0)
+            inputs, kwargs = tree_map(real, call.args), tree_map(real, call.kwargs)
+            wrt = differentiable(inputs)
+            if not wrt:
+                return None
+            own = differentiable(Function.__dict__["apply"].__func__(cls, *inputs, **kwargs))
+            grads = [torch.randn_like(o) for o in own]
+            by_backward = torch.autograd.grad(own, wrt, grads, allow_unused=True)
+            direct = cls.forward(*inputs, **kwargs) if _has_setup_context(cls) else \
+                cls.forward(_PlainContext(inputs), *inputs, **kwargs)
+            by_derivative = torch.autograd.grad(differentiable(direct), wrt, grads, allow_unused=True)
+    except _Unchecked as why:
+        warnings.warn(f"{cls.__qualname__}'s backward is replaced by the derivative of its forward and could not "
+                      f"be checked against it here ({why}); see usc.TraceError for what that changes", stacklevel=2)
+        return None
+    except Exception as exc:  # noqa: BLE001 - a check that cannot run says why
+        return f"whose backward could not be checked against its forward's derivative ({type(exc).__name__}: {exc})"
+    for i, (a, b) in enumerate(zip(by_backward, by_derivative)):
+        a = torch.zeros_like(wrt[i]) if a is None else a
+        b = torch.zeros_like(wrt[i]) if b is None else b
+        tolerance = {torch.float64: 1e-9, torch.float32: 1e-4}.get(wrt[i].dtype, 2e-2)
+        scale = max(float(a.abs().max()), float(b.abs().max()), 1e-12)
+        if float((a - b).abs().max()) > tolerance * scale:
+            return (f"whose backward is not its forward's derivative (input {i}'s gradient differs by "
+                    f"{float((a - b).abs().max()):.3g}, largest {scale:.3g})")
+    return None
+
+
+class _Unchecked(Exception):
+    pass
+
+
+def _has_setup_context(cls) -> bool:
+    from torch.autograd.function import _SingleLevelFunction
+
+    return getattr(cls, "setup_context", None) is not getattr(_SingleLevelFunction, "setup_context", None)
+
+
 def _export(model: nn.Module, example_inputs: tuple):
     """The functional program, casts held as written (compiler/casts.py); taken again without held
     casts where the model writes in place through one."""
@@ -406,8 +549,9 @@ def _trace(model: nn.Module, example_inputs: tuple, wrapper_source: str,
     error = None
     with _quiet_torch_logs(), _held_output() as held, patched(model, list(moe_blocks)):
         try:
-            with _host_state_kept(model):
+            with _host_state_kept(model), _gradient_customisations() as (applied, hooks):
                 exported = _export(model, example_inputs)
+            _refuse_lost_gradients(model, applied, hooks)
         except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
             # usc's own errors raised while tracing (no loss in the output, a write that reads what it
             # writes) already say what to fix: wrapped, they would carry the tracer's hint instead
