@@ -327,7 +327,9 @@ EXPERTS_BIASES = ("gate_up_proj_bias", "down_proj_bias")
 
 
 def _stacked_param(module: nn.Module, name: str, dims: int) -> torch.Tensor | None:
-    value = getattr(module, name, None)
+    # the registered parameter itself: getattr would run a parametrization (spectral_norm's power
+    # iteration writes its buffers in place: looking at the model would change it)
+    value = module._parameters.get(name)
     return value if isinstance(value, nn.Parameter) and value.dim() == dims else None
 
 
