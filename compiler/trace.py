@@ -243,6 +243,24 @@ def _gaussian_nll_loss(input, target, var, full: bool = False, eps: float = 1e-6
     return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
 
 
+def _phimoe_multiplier(scores, multiplier, selected_experts, masked_gates, mask_for_one):
+    """transformers' ``PhimoeMultiplier`` (PhiMoE's sparse-mixer gradient estimator) as an expression
+    whose derivative is its backward: the values ``multiplier * mask_for_one``; to ``scores`` the
+    gradient ``g * multiplier * (one_hot(selected_experts) - masked_gates)``, to the rest none. Traced
+    as the Function, usc would differentiate its forward (the gradient to ``multiplier`` instead)."""
+    chosen = torch.zeros_like(scores).scatter_add(-1, selected_experts, torch.ones_like(scores).narrow(
+        -1, 0, selected_experts.shape[-1]))
+    direction = (chosen - masked_gates).detach()
+    estimate = multiplier.detach() * (direction * scores).sum(-1, keepdim=True)
+    return (multiplier * mask_for_one).detach() + (estimate - estimate.detach())
+
+
+# autograd.Functions of libraries people bring whose backward is not their forward's derivative, as
+# traceable expressions with that backward: (module, class) -> the expression, applied in the
+# Function's place while the model is traced (``_gradient_customisations``)
+GRADIENT_FORMS = {("transformers.models.phimoe.modeling_phimoe", "PhimoeMultiplier"): _phimoe_multiplier}
+
+
 @contextlib.contextmanager
 def _traceable_torch_modules():
     """torch.nn helpers whose value checks export cannot trace, replaced by traceable equivalents for
@@ -371,7 +389,8 @@ def _gradient_customisations():
     """Records, while the model is traced, each ``torch.autograd.Function`` subclass applied (not
     torch's or usc's own: their backward is their forward's derivative) and each gradient hook
     forward registers on a tensor: the traced program holds neither (usc differentiates the ops the
-    forward ran), so ``_refuse_lost_gradients`` checks them after the trace."""
+    forward ran), so ``_refuse_lost_gradients`` checks them after the trace. A Function of
+    ``GRADIENT_FORMS`` is applied as its expression instead."""
     from torch.autograd.function import Function
 
     applied: dict[type, _Applied] = {}
@@ -379,6 +398,9 @@ def _gradient_customisations():
     apply, register_hook = Function.__dict__["apply"], torch.Tensor.register_hook
 
     def recording_apply(cls, *args, **kwargs):
+        form = GRADIENT_FORMS.get((cls.__module__, cls.__qualname__))
+        if form is not None:
+            return form(*args, **kwargs)
         if cls not in applied and not cls.__module__.startswith(("torch.", "usc.")):
             applied[cls] = _Applied(args, kwargs, _user_frame())
         return apply.__func__(cls, *args, **kwargs)

@@ -762,3 +762,31 @@ def test_compiling_leaves_the_users_model_as_it_was():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     usc.simulate(model, "dp=2", example_inputs=_regression_batch(0), optimizer=_sgd)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class SparseMixerRouter(nn.Module):
+    """transformers' ``PhimoeMultiplier`` (PhiMoE's sparse-mixer estimator: the gradient goes to the
+    router's scores, not to the multiplier its forward multiplies by) in a router of its own. Traced as
+    the Function, usc differentiated its forward, so the router trained on another gradient (PhiMoE
+    included, whose tier reference was usc's own one device); now it traces as an expression with
+    that backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router, self.head = nn.Linear(D, 5), nn.Linear(D, 3)
+
+    def forward(self, x, y):
+        from transformers.models.phimoe.modeling_phimoe import PhimoeMultiplier
+
+        scores = self.router(x)
+        selected = scores.argmax(-1, keepdim=True)
+        gates = torch.softmax(scores, -1)
+        for_one = (selected == 0).to(scores.dtype) * 0.6667 + 0.3333
+        weight = PhimoeMultiplier.apply(scores, gates.gather(-1, selected), selected, gates, for_one)
+        return ((self.head(x) * weight - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "dp=2 mb=2", "tp=2"])
+def test_phimoes_sparse_mixer_estimator_trains_as_on_one_device(plan):
+    assert_equivalent(lambda: SparseMixerRouter().double(), plan, [_regression_batch(0), _regression_batch(1)],
+                      optimizer=_sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)

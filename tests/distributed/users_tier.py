@@ -61,7 +61,10 @@ def _usc_one_device(family: Family):
 
 def _mesh(family: Family, plan: str, optimizer):
     def run(model, steps):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
         sim = usc.simulate(model, plan, example_inputs=steps[0], loss_fn=family.loss_fn, optimizer=optimizer)
+        changed = [k for k, v in model.state_dict().items() if not torch.equal(before[k], v)]
+        assert not changed, f"compiling changed the user's model: {changed[:3]}"  # looking must not touch
         return [sim.step(b) for b in steps], sim.full_state_dict()
     return run
 
