@@ -483,11 +483,16 @@ def _backward_problem(cls, call: _Applied) -> str | None:
             if not wrt:
                 return None
             own = differentiable(Function.__dict__["apply"].__func__(cls, *inputs, **kwargs))
+            direct = differentiable(cls.forward(*inputs, **kwargs) if _has_setup_context(cls) else
+                                    cls.forward(_PlainContext(inputs), *inputs, **kwargs))
+            if len(own) != len(direct):  # outputs marked non-differentiable, or outputs that carry none
+                return (f"whose outputs carry a gradient {len(own)} times where its forward's derivative "
+                        f"does {len(direct)} times")
+            if not own:
+                return None
             grads = [torch.randn_like(o) for o in own]
             by_backward = torch.autograd.grad(own, wrt, grads, allow_unused=True)
-            direct = cls.forward(*inputs, **kwargs) if _has_setup_context(cls) else \
-                cls.forward(_PlainContext(inputs), *inputs, **kwargs)
-            by_derivative = torch.autograd.grad(differentiable(direct), wrt, grads, allow_unused=True)
+            by_derivative = torch.autograd.grad(direct, wrt, grads, allow_unused=True)
     except _Unchecked as why:
         warnings.warn(f"{cls.__qualname__}'s backward is replaced by the derivative of its forward and could not "
                       f"be checked against it here ({why}); see usc.TraceError for what that changes", stacklevel=2)

@@ -690,6 +690,20 @@ class Reversal(torch.autograd.Function):
         return -0.5 * grad
 
 
+class StopGradient(torch.autograd.Function):
+    """Its output carries no gradient (a detach written as a Function)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = x * 1.0
+        ctx.mark_non_differentiable(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
 class CustomGradients(nn.Module):
     """Gradients a forward customises. Traced, an autograd.Function's forward ran and usc
     differentiated it, so a backward meant to differ (rounding with an identity gradient, a reversal)
@@ -709,6 +723,8 @@ class CustomGradients(nn.Module):
             h = StraightThrough.apply(torch.tanh(h))
         elif self.kind == "reversal":
             h = Reversal.apply(torch.tanh(h))
+        elif self.kind == "stop_gradient":
+            h = torch.tanh(h) + StopGradient.apply(torch.sin(h))
         else:
             h = torch.tanh(h)
             h.register_hook(lambda g: g * 0.1)
@@ -724,8 +740,9 @@ def test_an_autograd_function_whose_backward_is_its_derivative_trains_as_on_one_
 
 @pytest.mark.parametrize("kind,named", [("straight_through", "autograd.Function StraightThrough .*not its forward's derivative"),
                                         ("reversal", "autograd.Function Reversal .*not its forward's derivative"),
+                                        ("stop_gradient", "autograd.Function StopGradient .*carry a gradient 0 times"),
                                         ("hook", "registers a gradient hook")],
-                         ids=["straight_through", "reversal", "hook"])
+                         ids=["straight_through", "reversal", "stop_gradient", "hook"])
 def test_a_backward_that_is_not_the_forwards_derivative_is_refused_by_name(kind, named):
     with pytest.raises(usc.TraceError, match=f"(?s)CustomGradients.forward {'applies the ' if kind != 'hook' else ''}"
                                              f"{named}.*fix: .*detach"):
