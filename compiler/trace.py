@@ -418,8 +418,41 @@ def _gradient_customisations():
         Function.apply, torch.Tensor.register_hook = apply, register_hook
 
 
+def _hooks_on_the_model(model: nn.Module) -> list[str]:
+    """The backward hooks the model carries (a module's full backward or backward pre-hook, a
+    parameter's gradient or post-accumulate hook; torch's global ones): torch runs them in backward,
+    the program usc traces holds none of them (usc's own gradient-ready hooks are not the model's)."""
+    from torch.nn.modules import module as torch_module
+
+    found = [f"a global module backward hook ({kind})" for kind in ("_global_backward_hooks",
+             "_global_backward_pre_hooks") if getattr(torch_module, kind, None)]
+    modules = dict(model.named_modules())
+    user = getattr(model, "user_model", None)
+    if user is not None:
+        modules[""] = user
+    for path, module in modules.items():
+        if module._backward_hooks or module._backward_pre_hooks:
+            found.append(f"module '{path or '<root>'}' has a backward hook (register_full_backward_hook or "
+                         "register_full_backward_pre_hook)")
+    for name, param in model.named_parameters():
+        if getattr(param, "_backward_hooks", None):
+            found.append(f"parameter '{name}' has a gradient hook (register_hook)")
+        after = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+        if any(not type(getattr(h, "__self__", None)).__module__.startswith("usc.") for h in after.values()):
+            found.append(f"parameter '{name}' has a post-accumulate-grad hook")
+    return found
+
+
 def _refuse_lost_gradients(model: nn.Module, applied: dict, hooks: list[str]) -> None:
     name = type(getattr(model, "user_model", model)).__name__
+    carried = _hooks_on_the_model(model)
+    if carried:
+        raise TraceError(
+            f"{name}: {carried[0]}{f' (and {len(carried) - 1} more)' if len(carried) > 1 else ''}: usc "
+            "differentiates the program it traced, which runs no hook in backward, so the gradient the hook "
+            "changes would pass unchanged -- a different model with no error\n  fix: remove the hook before "
+            "compiling and write the change into forward with detach (h = h.detach() + s * (h - h.detach()) "
+            "has h's values and s times its gradient), or clip by norm with step(..., max_grad_norm=)")
     if hooks:
         raise TraceError(
             f"{name}.forward registers a gradient hook on a tensor ({hooks[0]}): usc differentiates the program "
