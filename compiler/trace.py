@@ -528,7 +528,9 @@ def _backward_problem(cls, call: _Applied) -> str | None:
             by_derivative = torch.autograd.grad(direct, wrt, grads, allow_unused=True)
     except _Unchecked as why:
         warnings.warn(f"{cls.__qualname__}'s backward is replaced by the derivative of its forward and could not "
-                      f"be checked against it here ({why}); see usc.TraceError for what that changes", stacklevel=2)
+                      f"be checked against it here ({why}): a backward meant to differ from that derivative (a "
+                      "straight-through estimator, a gradient reversal) would be lost; trace the model on a "
+                      "device to check it", stacklevel=2)
         return None
     except Exception as exc:  # noqa: BLE001 - a check that cannot run says why
         return f"whose backward could not be checked against its forward's derivative ({type(exc).__name__}: {exc})"

@@ -3,6 +3,8 @@ trains the model one device trains (float64 + SGD: the sharpest check), or refus
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -844,3 +846,16 @@ def test_a_model_compiled_twice_is_not_refused_for_usc_s_own_hooks():
     step = usc.compile(model, "dp=1", example_inputs=_regression_batch(0), optimizer=_sgd)
     step.step(*_regression_batch(0))
     usc.compile(model, "dp=1", example_inputs=_regression_batch(0), optimizer=_sgd).step(*_regression_batch(1))
+
+
+def test_a_function_on_the_meta_device_is_named_as_unchecked():
+    """On the meta device the Function cannot run: usc says its backward is replaced and unchecked."""
+    with torch.device("meta"):
+        model = CustomGradients("derivatives").double()
+    x, y = _regression_batch(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        usc.plan(model, "gpus=2", example_inputs=(x.to("meta"), y.to("meta")))
+    said = [str(w.message) for w in caught if "backward is replaced" in str(w.message)]
+    assert [m.split("'")[0] for m in said] == ["FusedSiLU", "ScaledTanh"], said
+    assert all("could not be checked against it here (its inputs are on meta)" in m for m in said)
