@@ -281,15 +281,21 @@ _SCALARS = (torch.Tensor, bool, int, float)
 _TORCH_OWN = frozenset(vars(nn.Module()))  # nn.Module's own bookkeeping (hooks, training)
 
 
+def _modules_of(model: nn.Module) -> dict[str, nn.Module]:
+    """{path: module} of the model usc traces, the user's own model at the root (usc's loss wrapper
+    holds it outside its submodules)."""
+    modules = dict(model.named_modules())
+    user = getattr(model, "user_model", None)
+    if user is not None:
+        modules[""] = user
+    return modules
+
+
 def _python_state(model: nn.Module) -> dict[tuple[str, str], object]:
     """{(module path, attribute): value} of every plain attribute of the model's modules that holds a
     tensor (not a parameter or buffer), a number or None: what forward could keep across calls."""
     out = {}
-    modules = dict(model.named_modules())
-    user = getattr(model, "user_model", None)  # usc's loss wrapper: the user's model is its root
-    if user is not None:
-        modules[""] = user
-    for path, module in modules.items():
+    for path, module in _modules_of(model).items():
         for name, value in vars(module).items():
             if name not in _TORCH_OWN and (value is None or isinstance(value, _SCALARS)):
                 out[(path, name)] = value
@@ -426,11 +432,7 @@ def _hooks_on_the_model(model: nn.Module) -> list[str]:
 
     found = [f"a global module backward hook ({kind})" for kind in ("_global_backward_hooks",
              "_global_backward_pre_hooks") if getattr(torch_module, kind, None)]
-    modules = dict(model.named_modules())
-    user = getattr(model, "user_model", None)
-    if user is not None:
-        modules[""] = user
-    for path, module in modules.items():
+    for path, module in _modules_of(model).items():
         if module._backward_hooks or module._backward_pre_hooks:
             found.append(f"module '{path or '<root>'}' has a backward hook (register_full_backward_hook or "
                          "register_full_backward_pre_hook)")
