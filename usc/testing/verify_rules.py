@@ -17,6 +17,7 @@ the hand table and any derived table are checked the same way::
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import sys
 import time
@@ -139,6 +140,7 @@ def derived_ops(index: dict[str, list], limit: int | None = 1) -> dict:
             for op in _ops_of(info, sample):
                 if op not in SHARDING_RULES and derived_link(op) != NONE:
                     found.setdefault(op, []).append(info)
+    _collect_left_generators()
     return {op: list({id(i): i for i in infos}.values()) for op, infos in found.items()}
 
 
@@ -148,7 +150,8 @@ def _ops_of(info, sample) -> set:
     if not positions:
         return set()
     try:
-        gm = make_fx(_sample_fn(info, leaves, spec, positions), pre_dispatch=True)(*[leaves[i] for i in positions])
+        with collector_paused():
+            gm = make_fx(_sample_fn(info, leaves, spec, positions), pre_dispatch=True)(*[leaves[i] for i in positions])
     except Exception:  # noqa: BLE001 - a sample the tracer cannot take
         return set()
     return {n.target for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
@@ -352,11 +355,22 @@ def verify(source: RuleSource = hand_rules, ops=None, **kwargs) -> list[OpResult
     """Verify ``source`` on ``ops`` (default: the hand table's; for the derived rules, the ops
     OpInfo samples reach that the hand table lacks)."""
     index = _opinfos_by_name()
-    if source is derived_rules and ops is None:
-        reached = derived_ops(index)
-        return [verify_op(op, source, index, infos=reached[op], **kwargs) for op in sorted(reached, key=str)]
-    ops = rule_ops(SHARDING_RULES) if ops is None else ops
-    return [verify_op(op, source, index, **kwargs) for op in ops]
+    try:
+        if source is derived_rules and ops is None:
+            reached = derived_ops(index)
+            return [verify_op(op, source, index, infos=reached[op], **kwargs) for op in sorted(reached, key=str)]
+        ops = rule_ops(SHARDING_RULES) if ops is None else ops
+        return [verify_op(op, source, index, **kwargs) for op in ops]
+    finally:
+        _collect_left_generators()
+
+
+def _collect_left_generators() -> None:
+    """Collect now, outside any trace, the sample generators torch leaves in reference cycles (one
+    chained inside another). Each leaves a no_grad context when finalised; left to the collector,
+    that runs whenever it next runs -- inside a later make_fx or torch.export trace, where the
+    context switch is traced and fails (an unraisable exception in whatever test traced next)."""
+    gc.collect()
 
 
 def table(results: list[OpResult]) -> str:
