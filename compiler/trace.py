@@ -302,6 +302,39 @@ def _python_state(model: nn.Module) -> dict[tuple[str, str], object]:
     return out
 
 
+def _global_state(model: nn.Module) -> dict[tuple[str, str], object]:
+    """{(Python module, name): value} of every module-level name holding a tensor, a number, a flag or
+    None in the Python modules that define the model's classes (not torch's or usc's): what forward
+    could rebind with ``global`` and read back next call."""
+    names = {cls.__module__ for module in _modules_of(model).values() for cls in type(module).__mro__}
+    out = {}
+    for name in sorted(names):
+        if name.startswith(("torch.", "usc.", "builtins")) or name == "torch":
+            continue
+        python_module = sys.modules.get(name)
+        for key, value in vars(python_module).items() if python_module is not None else ():
+            if not key.startswith("__") and (value is None or isinstance(value, _SCALARS)) \
+                    and not isinstance(value, nn.Parameter):
+                out[(name, key)] = value
+    return out
+
+
+def _rebound(before: dict, now: dict) -> list:
+    """The names forward rebound; one None before is a cache forward fills on first use, not listed."""
+    return [key for key, value in before.items() if value is not None and key in now and _changed(value, now[key])]
+
+
+def _restore_globals(before: dict) -> None:
+    """Module-level names as they were before the trace: a name forward rebound (refused) gets its
+    value back, and a cache forward filled (None before) with a tensor of the trace -- a fake one,
+    that the model's next eager call would read -- is emptied, to be filled afresh."""
+    for (name, key), value in before.items():
+        python_module = sys.modules.get(name)
+        now = getattr(python_module, key, None) if python_module is not None else None
+        if now is not value and (value is not None or isinstance(now, torch.Tensor)):
+            setattr(python_module, key, value)
+
+
 def _changed(before, after) -> bool:
     if isinstance(before, torch.Tensor) or isinstance(after, torch.Tensor):
         return before is not after
@@ -313,25 +346,28 @@ def _changed(before, after) -> bool:
 @contextlib.contextmanager
 def _host_state_kept(model: nn.Module):
     """Refuses a model whose forward changes host state the traced program cannot replay: a plain
-    attribute it could read again next call (a counter, ``self.stat = h.mean(0).detach()``), or a
-    draw from Python's or NumPy's global generator (a layer drop by ``random.random()``). usc traces
+    attribute or a module-level name it could read again next call (a counter, ``self.stat =
+    h.mean(0).detach()``, ``global STEP; STEP += 1``), or a draw from Python's or NumPy's global generator (a layer drop by ``random.random()``). usc traces
     forward and replays that program each step, so the attribute keeps its traced value and the draw
     its traced outcome: the model would train differently with no error (torch's export restores
     attributes and only warns, for tensors)."""
-    before, generators = _python_state(model), _host_generators()
+    before, generators, globals_before = _python_state(model), _host_generators(), _global_state(model)
     seen: list = []
     drew: list = []
+    rebound: list = []
 
     def look(module, args, output):
         now = _python_state(model)
         seen.extend(key for key, value in before.items() if key in now and _changed(value, now[key]))
         drew.extend(name for name, state in _host_generators().items() if not _same_state(state, generators[name]))
+        rebound.extend(_rebound(globals_before, _global_state(model)))
 
     handle = model.register_forward_hook(look)
     try:
         yield
     finally:
         handle.remove()
+        _restore_globals(globals_before)
     if drew:
         raise TraceError(
             f"{type(getattr(model, 'user_model', model)).__name__}.forward draws from {drew[0]}: usc traces "
@@ -339,6 +375,17 @@ def _host_state_kept(model: nn.Module):
             "again every step (a layer always dropped or always kept, the same noise) -- a different model with "
             "no error\n  fix: draw with torch (torch.rand, torch.bernoulli, nn.Dropout), which usc draws anew "
             "every step; a random layer drop as torch.where(torch.rand(()) < p, h, h + layer(h))")
+    if rebound:
+        where, name = rebound[0]
+        raise TraceError(
+            f"{type(getattr(model, 'user_model', model)).__name__}.forward sets the module-level name `{name}` of "
+            f"{where} (it held {_describe(globals_before[(where, name)])} before the call): usc traces forward once "
+            "and replays that program every step, so a global forward changes keeps its traced value (a step "
+            "counter that never counts, a schedule that never moves) and the model would train differently from "
+            "one device's with no error\n"
+            f"  fix: keep it as a buffer of the model written in place (self.register_buffer('{name}', ...) once, "
+            f"then self.{name}.add_(1) in forward), or set it outside forward, between steps, and pass what "
+            "forward needs as an input")
     if seen:
         path, name = seen[0]
         owner = f"{type(model).__name__}" + (f" module '{path}'" if path else "")

@@ -634,6 +634,51 @@ def test_a_draw_from_python_or_numpy_in_forward_is_refused_by_name(source, named
         usc.simulate(HostRandom(source).double(), "dp=2", example_inputs=_regression_batch(0), optimizer=_sgd)
 
 
+_CALLS = 0  # module-level state the forwards below keep
+_SCALE = torch.ones(3, dtype=torch.float64)
+_TABLE = None
+
+
+class GlobalState(nn.Module):
+    """State kept across calls in a module-level name: a step counter rebound with ``global``, a
+    running statistic; traced once, each kept its traced value every step. A table forward fills
+    on first use (None before: a cache, whose traced computation is replayed) is allowed."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(D, 3)
+
+    def forward(self, x, y):
+        global _CALLS, _SCALE, _TABLE
+        h = self.lin(x)
+        if self.kind == "counter":
+            _CALLS += 1
+            return ((h / _CALLS - y) ** 2).mean()
+        if self.kind == "statistic":
+            loss = ((h * _SCALE - y) ** 2).mean()
+            _SCALE = 0.5 * _SCALE + 0.5 * h.detach().abs().mean(0)
+            return loss
+        if _TABLE is None:
+            _TABLE = torch.linspace(0.5, 1.5, 3, dtype=torch.float64)
+        return ((h * _TABLE - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("kind,name", [("counter", "_CALLS"), ("statistic", "_SCALE")])
+def test_state_kept_in_a_module_level_name_is_refused_by_name(kind, name):
+    with pytest.raises(usc.TraceError, match=f"(?s)GlobalState.forward sets the module-level name `{name}` of "
+                                             f"{__name__}.*fix: keep it as a buffer"):
+        usc.simulate(GlobalState(kind).double(), "dp=2", example_inputs=_regression_batch(0), optimizer=_sgd)
+    assert _CALLS == 0 and type(_SCALE) is torch.Tensor and torch.equal(_SCALE, torch.ones(3, dtype=torch.float64))
+
+
+def test_a_module_level_cache_filled_on_first_use_trains_as_on_one_device():
+    assert_equivalent(lambda: GlobalState("cache").double(), "dp=2",
+                      [_regression_batch(0), _regression_batch(1)],
+                      optimizer=_sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
+    assert _TABLE is None or type(_TABLE) is torch.Tensor  # never a tensor of the trace
+
+
 class FusedSiLU(torch.autograd.Function):
     """A hand-written backward that is the forward's derivative (a fused kernel's pattern)."""
 
