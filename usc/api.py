@@ -65,6 +65,7 @@ class _TrainingLoop:
             torch.cuda.reset_peak_memory_stats(ranks[0].mesh.device)
         start = time.perf_counter()
         value = run()
+        self.steps_taken += 1
         for scheduler in schedulers:
             scheduler.step()
         seconds = time.perf_counter() - start
@@ -273,8 +274,11 @@ class Compiled(_TrainingLoop, _Compiled):
         if self._executor is None and strict:  # a meta-built model is not initialised only to be overwritten
             self._rank(loading=path)
             self._agreed_rank()
+            self.loads_done += 1
             return LoadResult()
-        return self._load_rank(self._agreed_rank(), self._schedulers, path, strict=strict)
+        result = self._load_rank(self._agreed_rank(), self._schedulers, path, strict=strict)
+        self.loads_done += 1
+        return result
 
     def moe_stats(self) -> dict:
         """This rank's view of each MoE layer over the last step (loads of its own experts, the
@@ -446,6 +450,7 @@ class Simulated(_TrainingLoop, _Compiled):
         reader = checkpoint.Reader(path)
         results = [rank.load_from(reader, strict=strict) for rank in self.ranks]
         self._load_schedulers(reader, self.lr_schedulers)
+        self.loads_done += 1
         return results[0]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ from usc.runtime.materialize import InitFn, MetaState, has_meta_tensors
 from usc.runtime.training import bucket_groups
 from usc.planning import estimate_plan, moe_blocks
 
+from .handover import refuse_if_behind, watch
 from .model_call import BatchLayout, trainable, with_checkpointed_layers
 
 
@@ -87,6 +88,8 @@ class _Compiled:
                  optimizer: OptimizerFactory | None = None, hardware=None, traced=None,
                  lr_scheduler: SchedulerFactory | None = None, init: InitFn | str | os.PathLike | None = None,
                  init_seed: int | None = None) -> None:
+        if type(self) is not _Compiled:  # a program that trains starts from the model's values (lint's reads none)
+            refuse_if_behind(model, "was compiled again")
         self._init, self._init_seed = _checked_init(model, init, init_seed)
         self.plan = with_checkpointed_layers(_as_plan(plan), model)
         self.training = model.training  # torch's default: a module starts in training mode
@@ -274,11 +277,22 @@ class _Compiled:
         if self._user_model is None:
             return
         self._state_names = tuple(self._user_model.state_dict())
+        # calling or saving it once trained past raises ModelOutOfDate
+        watch(self._user_model, self, behind=self.init_checkpoint is not None)
         self.model = _Released(self.model)
         self._user_model = None
         for traced in (self._traced, self._traced.batch_probe, *self._traced.stamped[:2]):
             if traced is not None:
                 traced.constants = {}  # the model's own constant tensors: each rank holds its copy
+
+    steps_taken = 0  # optimizer steps this program took
+    loads_done = 0  # checkpoints it loaded after its state was made
+
+    @property
+    def state_version(self) -> int:
+        """Changes whenever the program's state moves away from what it was made from (a step, a
+        load): the user's model is behind it until the trained values are loaded into it."""
+        return self.steps_taken + self.loads_done
 
     def _model_state_names(self) -> tuple[str, ...]:
         return self._state_names if self._user_model is None else tuple(self._user_model.state_dict())

@@ -888,8 +888,10 @@ def test_a_model_compiled_twice_is_not_refused_for_usc_s_own_hooks():
     for plan in ("dp=2", "dp=2 zero=2"):
         sim = usc.simulate(model, plan, example_inputs=_regression_batch(0), optimizer=_sgd)
         sim.step(*_regression_batch(0))
+        model.load_state_dict(sim.full_state_dict())  # the trained values, for the next compile to read
     step = usc.compile(model, "dp=1", example_inputs=_regression_batch(0), optimizer=_sgd)
     step.step(*_regression_batch(0))
+    model.load_state_dict(step.full_state_dict())
     usc.compile(model, "dp=1", example_inputs=_regression_batch(0), optimizer=_sgd).step(*_regression_batch(1))
 
 
