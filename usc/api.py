@@ -38,9 +38,28 @@ class _TrainingLoop:
     """What Compiled and Simulated share of the loop a user writes: train()/eval(), the scheduler
     stepped after each step, the step's metrics and the checkpoint's metadata."""
 
+    _mode_source = None  # the user's model (a weak reference): its train()/eval() is this program's mode too
+    _training = True
+
+    @property
+    def training(self) -> bool:
+        """The mode steps and calls run in: the model's own ``training`` while the model you compiled
+        is alive (``model.eval()`` turns dropout off in ``step(...)`` as in ``model(...)``), else the
+        last ``train()`` / ``eval()`` of this object."""
+        model = self._mode_source() if self._mode_source is not None else None
+        return self._training if model is None else model.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        self._training = bool(mode)
+
     def train(self, mode: bool = True):
-        """As ``nn.Module.train``: steps and calls run with dropout as traced. Returns self."""
+        """As ``nn.Module.train``: steps and calls run with dropout as traced, and the model you
+        compiled is set to the same mode (one flag, as for a module). Returns self."""
         self.training = bool(mode)
+        model = self._mode_source() if self._mode_source is not None else None
+        if model is not None:
+            model.train(mode)
         return self
 
     def eval(self):

@@ -8,6 +8,7 @@ import functools
 import inspect
 import os
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Callable, Iterable
 
@@ -93,6 +94,7 @@ class _Compiled:
         self._init, self._init_seed = _checked_init(model, init, init_seed)
         self.plan = with_checkpointed_layers(_as_plan(plan), model)
         self.training = model.training  # torch's default: a module starts in training mode
+        self._mode_source = weakref.ref(model)  # its train()/eval() later sets the mode (usc/api.py)
         self._scheduler_factory = lr_scheduler
         self.metrics = None  # the last step's StepMetrics (usc/api.py)
         self.model = trainable(model, loss_fn)

@@ -270,6 +270,26 @@ def test_eval_mode_turns_dropout_off_like_torch(plan):
     assert sim.training and sim(*batch) != pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.parametrize("plan", ["dp=2", "tp=2"])
+def test_the_models_own_eval_and_train_set_the_programs_mode(plan):
+    """The loop people write toggles the model: model.eval() before validation, model.train() after.
+    The program ran in its own mode whatever the model's (dropout on after model.eval(), no error);
+    now one flag: the model's train()/eval() is the program's mode, and the program's sets the model's."""
+    batch = token_batch(32, 4, 8)
+    reference, mesh_model = _dropout_reference(batch)
+    with torch.no_grad():
+        expected = reference.eval()(*batch).item()
+    sim = usc.simulate(mesh_model, plan, example_inputs=batch)
+    mesh_model.eval()
+    assert not sim.training and sim(*batch) == pytest.approx(expected, rel=1e-12)
+    mesh_model.train()
+    assert sim.training and sim(*batch) != pytest.approx(expected, rel=1e-6)
+    sim.eval()
+    assert not mesh_model.training and sim(*batch) == pytest.approx(expected, rel=1e-12)
+    sim.train()
+    assert mesh_model.training
+
+
 def test_a_step_in_eval_mode_trains_without_dropout():
     """torch: model.eval(); loss.backward(); opt.step() trains without dropout. So does usc."""
     batches = [token_batch(32, 4, 8, seed=s) for s in range(2)]
