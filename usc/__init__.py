@@ -16,9 +16,10 @@ from usc.runtime.materialize import InitError, materialize
 
 from . import data, training
 from .version import __version__
-from .api import Compiled, Simulated, compile, lint, plan, simulate
+from .api import Compiled, Simulated, StepContextError, compile, lint, plan, simulate
 
 __all__ = ["compile", "simulate", "lint", "plan", "parse_plan", "load_plan", "Plan", "PlanError", "CompileError",
            "TraceError", "ShardingError", "CollectiveError", "CollectiveTimeout", "Compiled", "Simulated",
            "Report", "CollectiveRecord", "CheckpointError", "NonFiniteLoss", "BadInput", "InputOutOfRange",
-           "InputDtypeError", "RanksDisagree", "InitError", "materialize", "ModelOutOfDate"]
+           "InputDtypeError", "RanksDisagree", "InitError", "materialize", "ModelOutOfDate",
+           "StepContextError"]

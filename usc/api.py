@@ -34,6 +34,33 @@ from .model_call import trainable
 from .version import __version__
 
 
+class StepContextError(RuntimeError):
+    """A step or evaluation called inside a torch context that would change what it computes
+    (``torch.no_grad()`` around a training step, ``torch.autocast`` around any)."""
+
+
+def _refuse_ambient_modes(call: str, *, trains: bool) -> None:
+    """The program runs the plan's precision and its own gradient mode; the caller's context must
+    not change them. Simulated ranks run on threads, where torch's grad and autocast modes do not
+    follow, so the same call did different things in one process and under torchrun."""
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            dtype = str(torch.get_autocast_dtype(device)).replace("torch.", "")
+            raise StepContextError(
+                f"{call} was called inside torch.autocast('{device}', dtype=torch.{dtype}): usc runs the plan's "
+                "precision, and autocast around it would cast the program's own ops (a float32 plan's step "
+                "under it took no update: the loss stayed where it was)\n"
+                "  fix: put the precision in the plan -- dtype=bf16 computes in bfloat16 with float32 master "
+                "weights, as autocast's recipe does -- and call it outside autocast (autocast inside the model's "
+                "forward is traced and kept)")
+    if trains and not torch.is_grad_enabled():
+        raise StepContextError(
+            f"{call} was called with gradients off (inside torch.no_grad() or torch.inference_mode()): a "
+            "training step computes gradients and updates the weights\n"
+            "  fix: call step(...) outside that block; to evaluate, step.eval_step(*batch) or step(*batch) "
+            "take no gradients and update nothing")
+
+
 class _TrainingLoop:
     """What Compiled and Simulated share of the loop a user writes: train()/eval(), the scheduler
     stepped after each step, the step's metrics and the checkpoint's metadata."""
@@ -214,6 +241,7 @@ class Compiled(_TrainingLoop, _Compiled):
         max_grad_norm: clip the gradient to this global L2 norm first (``clip_grad_norm_`` over the
         whole model, exact on every plan; ``float('inf')`` measures the norm without clipping).
         ``self.metrics`` then holds the step's loss, grad_norm, lr, tokens, time and peak bytes."""
+        _refuse_ambient_modes("step.step(...)", trains=True)
         if local and self._program is None:
             raise RuntimeError("step(..., local=True) needs example_inputs= at compile: the global batch's shape")
         batch = self.flat_batch(batch)
@@ -242,6 +270,7 @@ class Compiled(_TrainingLoop, _Compiled):
     def __call__(self, *batch) -> float:
         """The global mean loss on ``batch`` without updating anything (no gradients), in the
         current mode: after ``eval()`` dropout is off, as in ``model.eval(); model(x)``."""
+        _refuse_ambient_modes("step(...)", trains=False)
         batch = self.flat_batch(batch)
         self._ensure_built(batch)
         with self._mode():
@@ -250,6 +279,7 @@ class Compiled(_TrainingLoop, _Compiled):
     def eval_step(self, *batch) -> float:
         """The global mean loss on ``batch`` in evaluation mode (dropout off, no gradients), whatever
         the current mode."""
+        _refuse_ambient_modes("step.eval_step(...)", trains=False)
         batch = self.flat_batch(batch)
         self._ensure_built(batch)
         with self._mode(evaluating=True):
@@ -387,6 +417,7 @@ class Simulated(_TrainingLoop, _Compiled):
             shards = [usc.data.local_slice(sim, *b, coord=c) for c in usc.data.shard_coords(sim)]
             sim.step(*shards, local=True)
         """
+        _refuse_ambient_modes("sim.step(...)", trains=True)
         timeline = Timeline(0) if trace else None
         for rank in self.ranks:
             rank.set_timeline(timeline)
@@ -431,10 +462,12 @@ class Simulated(_TrainingLoop, _Compiled):
             return fn(batch)
 
     def __call__(self, *batch) -> float:
+        _refuse_ambient_modes("sim(...)", trains=False)
         batch = self.flat_batch(batch)
         return self._run(lambda rank: self._in_mode(rank.evaluate, batch))[0]
 
     def eval_step(self, *batch) -> float:
+        _refuse_ambient_modes("sim.eval_step(...)", trains=False)
         batch = self.flat_batch(batch)
         return self._run(lambda rank: self._in_mode(rank.evaluate, batch, evaluating=True))[0]
 

@@ -290,6 +290,35 @@ def test_the_models_own_eval_and_train_set_the_programs_mode(plan):
     assert mesh_model.training
 
 
+@pytest.mark.parametrize("how", ["compile", "simulate"])
+def test_a_step_inside_no_grad_or_autocast_is_refused_and_changes_nothing(how):
+    """Under torch.autocast a float32 program's step cast its own ops and took no update (the loss
+    stayed where it was); under torch.no_grad() usc.compile's step raised torch's "does not require
+    grad" while the simulator's ranks, on threads where the mode does not follow, trained. Both are
+    refused by name, before anything runs."""
+    batch = token_batch(32, 4, 8)
+    _, model = _dropout_reference(batch)
+    plan = "dp=1" if how == "compile" else "dp=2"
+    program = (usc.compile if how == "compile" else usc.simulate)(model, plan, example_inputs=batch, optimizer=_sgd)
+    program.step(*batch)
+    before = {k: v.clone() for k, v in program.full_state_dict().items()}
+    for context, match in [(torch.no_grad, r"gradients off \(inside torch.no_grad\(\)"),
+                           (torch.inference_mode, "gradients off"),
+                           (lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+                            r"(?s)inside torch.autocast\('cpu', dtype=torch.bfloat16\).*fix: put the precision in the plan")]:
+        with context(), pytest.raises(usc.StepContextError, match=match):
+            program.step(*batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for evaluate in (program.eval_step, program):
+            with pytest.raises(usc.StepContextError, match="autocast"):
+                evaluate(*batch)
+    with torch.no_grad():  # evaluation takes no gradients: allowed there
+        assert program.eval_step(*batch) == pytest.approx(program.eval_step(*batch))
+    after = program.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert program.step(*batch) != program.step(*batch)  # and outside them, it trains
+
+
 def test_a_step_in_eval_mode_trains_without_dropout():
     """torch: model.eval(); loss.backward(); opt.step() trains without dropout. So does usc."""
     batches = [token_batch(32, 4, 8, seed=s) for s in range(2)]
