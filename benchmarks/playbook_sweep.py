@@ -323,6 +323,20 @@ def markdown(predicted: list[dict]) -> None:
               f"{p['gpu_memory_gb']:.1f} | {p['predicted_memory']:.1f} |")
 
 
+def misses(predicted: list[dict], points: float = 0.05) -> list[str]:
+    """Every row (all 199, fitted ones included) whose predicted MFU is more than ``points`` from the
+    measured, as markdown rows, then a count by node count."""
+    out = [f"| {p['model']} | {p['nodes']} | `{p['plan']}` | {p['groups']} | {p['mfu_percent']:.1f}% | "
+           f"{p['predicted_mfu']:.1%} | {(p['predicted_mfu'] - p['mfu_percent'] / 100) * 100:+.1f} |"
+           for p in predicted if abs(p["predicted_mfu"] - p["mfu_percent"] / 100) > points]
+    by_nodes: dict = {}
+    for p in predicted:
+        total, missed = by_nodes.get(p["nodes"], (0, 0))
+        by_nodes[p["nodes"]] = (total + 1, missed + (abs(p["predicted_mfu"] - p["mfu_percent"] / 100) > points))
+    counts = ", ".join(f"{n} node{'s' * (n > 1)}: {m} of {t}" for n, (t, m) in sorted(by_nodes.items()))
+    return out + ["", f"outside {points * 100:.0f} MFU points: {len(out)} of {len(predicted)} rows ({counts})"]
+
+
 def microbatch_costs(hw_name="h100", models=("1B", "3B", "8B")) -> list[dict]:
     """The one-node rows that differ only in their microbatch count (same mesh and ZeRO stage, the
     same 256 sequences cut finer): what one more microbatch adds to the step, per layer, measured and
@@ -367,6 +381,8 @@ def main() -> None:
                         "by ranks per node on the 1B and 3B rows of 2-32 nodes (the 8B rows held out)")
     parser.add_argument("--implied", action="store_true", help="the gradient bandwidth each pp=1 row on 2-32 "
                         "nodes implies, by ranks of the dp group per node (what --fit-gradient's law is read from)")
+    parser.add_argument("--misses", action="store_true",
+                        help="every row whose predicted MFU is more than 5 points from the measured")
     parser.add_argument("--microbatch-cost", action="store_true",
                         help="what one more microbatch adds per layer, measured vs predicted (one-node rows)")
     args = parser.parse_args()
@@ -395,6 +411,10 @@ def main() -> None:
         fitted = ", ".join(f"{k} = {v}" for k, v in fit(one_node, args.hardware).items())
         return print(f"fitted on {len(one_node)} one-node rows: {fitted}")
     predicted = predict(rows(), args.hardware)
+    if args.misses:
+        print("| model | nodes | plan | groups | MFU published | predicted | points |")
+        print("|---|---|---|---|---|---|---|")
+        return print("\n".join(misses(predicted)))
     if args.markdown:
         markdown(predicted)
     for group in ("fitted", *GROUPS):

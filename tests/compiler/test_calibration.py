@@ -137,6 +137,15 @@ def test_playbook_sweep_8b_rows_held_out_from_the_gradient_fit(sweep):
     assert counts["by nodes", "first"] == "pp=1 dp=64 tp=4 mb=2 sp=on dtype=bf16"
 
 
+def test_the_misses_list_is_every_row_outside_five_points(sweep):
+    """``--misses`` lists exactly the rows more than 5 MFU points off, and counts them per node count."""
+    rows = [dict(model="1B", nodes=n, plan=f"pp=1 dp={n}", groups="dp", mfu_percent=30.0, predicted_mfu=mfu)
+            for n, mfu in ((1, 0.30), (2, 0.36), (2, 0.2499), (64, 0.35))]
+    out = sweep.misses(rows)
+    assert [line.split("|")[7].strip() for line in out[:-2]] == ["+6.0", "-5.0"]  # 64 nodes: +5.0, not over
+    assert out[-1] == "outside 5 MFU points: 2 of 4 rows (1 node: 0 of 1, 2 nodes: 2 of 2, 64 nodes: 0 of 1)"
+
+
 def test_the_h100_gradient_table_is_the_fits_minimum(sweep):
     """The h100 profile's gradient_busbw_by_ranks_per_node is 24 GB/s * g**0.5 at g = 1, 2, 4, 8
     (playbook_sweep.py --fit-gradient): the profile holds that table, and moving either constant
