@@ -324,14 +324,14 @@ def _rebound(before: dict, now: dict) -> list:
     return [key for key, value in before.items() if value is not None and key in now and _changed(value, now[key])]
 
 
-def _restore_globals(before: dict) -> None:
+def _restore_globals(before: dict, rebound: list) -> None:
     """Module-level names as they were before the trace: a name forward rebound (refused) gets its
     value back, and a cache forward filled (None before) with a tensor of the trace -- a fake one,
     that the model's next eager call would read -- is emptied, to be filled afresh."""
     for (name, key), value in before.items():
         python_module = sys.modules.get(name)
         now = getattr(python_module, key, None) if python_module is not None else None
-        if now is not value and (value is not None or isinstance(now, torch.Tensor)):
+        if (name, key) in rebound or (value is None and isinstance(now, torch.Tensor)):
             setattr(python_module, key, value)
 
 
@@ -367,7 +367,7 @@ def _host_state_kept(model: nn.Module):
         yield
     finally:
         handle.remove()
-        _restore_globals(globals_before)
+        _restore_globals(globals_before, rebound)
     if drew:
         raise TraceError(
             f"{type(getattr(model, 'user_model', model)).__name__}.forward draws from {drew[0]}: usc traces "

@@ -280,7 +280,7 @@ class _Compiled:
             return
         self._state_names = tuple(self._user_model.state_dict())
         # calling or saving it once trained past raises ModelOutOfDate
-        watch(self._user_model, self, behind=self.init_checkpoint is not None)
+        watch(self._user_model, self)
         self.model = _Released(self.model)
         self._user_model = None
         for traced in (self._traced, self._traced.batch_probe, *self._traced.stamped[:2]):

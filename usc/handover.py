@@ -24,10 +24,10 @@ class _Watch:
     """Whether the watched model is behind the program that took it over: the program's state
     version (steps taken, checkpoints loaded) against the one last loaded into the model."""
 
-    def __init__(self, model: nn.Module, program, behind: bool) -> None:
+    def __init__(self, model: nn.Module, program) -> None:
         self.model = weakref.ref(model)
         self.program = weakref.ref(program)
-        self.synced = None if behind else program.state_version  # None: never level with it
+        self.synced = program.state_version
 
     def behind(self, module: nn.Module):
         """The program the module is behind, or None (a copy of the model, or the program gone:
@@ -44,9 +44,8 @@ class _Watch:
         if program is None:
             return
         name = type(module).__name__
-        since = "its state was read from a checkpoint, " if self.synced is None else ""
         raise ModelOutOfDate(
-            f"{name} {use} after usc's compiled program moved past it ({since}{program.steps_taken} step(s) taken, "
+            f"{name} {use} after usc's compiled program moved past it ({program.steps_taken} step(s) taken, "
             f"{program.loads_done} checkpoint(s) loaded): the program holds the trained values, the {name} still "
             "holds the ones it was compiled with, so this would use the untrained model\n"
             "  fix: model.load_state_dict(step.full_state_dict()) copies the trained values into it (every rank "
@@ -70,13 +69,12 @@ def refuse_if_behind(model: nn.Module, use: str) -> None:
         watcher.refuse(model, use)
 
 
-def watch(model: nn.Module, program, *, behind: bool = False) -> None:
+def watch(model: nn.Module, program) -> None:
     """Guard ``model`` (the module given to usc.compile) against use after ``program`` trains past it:
     a forward pre-hook and a state_dict pre-hook refuse while it is behind; a load_state_dict into it
-    brings it level again. ``behind``: the program's state never was the model's (read from a
-    checkpoint at compile). A model built on meta is not refused: it holds no values to mistake
-    for trained ones (its forward makes meta tensors) until trained values are loaded into it."""
-    watcher = _WATCHES[model] = _Watch(model, program, behind)
+    brings it level again. A model built on meta (the only kind ``init=`` fills from a checkpoint) is
+    not refused: it holds no values to mistake for trained ones until trained values are loaded in."""
+    watcher = _WATCHES[model] = _Watch(model, program)
     # usc's own traces (lint, plan, a second compile: it asks refuse_if_behind first) read no values
     model.register_forward_pre_hook(
         lambda module, args: None if torch.compiler.is_exporting() else watcher.refuse(module, "was called"))
