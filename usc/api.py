@@ -30,6 +30,7 @@ from usc.training import StepMetrics
 from usc.runtime.materialize import InitFn, has_meta_tensors
 
 from .build import OptimizerFactory, SchedulerFactory, _as_plan, _Compiled, _full_state
+from .handover import refuse_changed_training
 from .model_call import trainable
 from .version import __version__
 
@@ -79,6 +80,9 @@ class _TrainingLoop:
     @training.setter
     def training(self, mode: bool) -> None:
         self._training = bool(mode)
+
+    def _user_model_alive(self) -> "nn.Module | None":
+        return self._mode_source() if self._mode_source is not None else None
 
     def train(self, mode: bool = True):
         """As ``nn.Module.train``: steps and calls run with dropout as traced, and the model you
@@ -242,6 +246,7 @@ class Compiled(_TrainingLoop, _Compiled):
         whole model, exact on every plan; ``float('inf')`` measures the norm without clipping).
         ``self.metrics`` then holds the step's loss, grad_norm, lr, tokens, time and peak bytes."""
         _refuse_ambient_modes("step.step(...)", trains=True)
+        refuse_changed_training(self._user_model_alive(), self._frozen, "step.step(...)")
         if local and self._program is None:
             raise RuntimeError("step(..., local=True) needs example_inputs= at compile: the global batch's shape")
         batch = self.flat_batch(batch)
@@ -418,6 +423,7 @@ class Simulated(_TrainingLoop, _Compiled):
             sim.step(*shards, local=True)
         """
         _refuse_ambient_modes("sim.step(...)", trains=True)
+        refuse_changed_training(self._user_model_alive(), self._frozen, "sim.step(...)")
         timeline = Timeline(0) if trace else None
         for rank in self.ranks:
             rank.set_timeline(timeline)

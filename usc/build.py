@@ -26,7 +26,7 @@ from usc.runtime.materialize import InitFn, MetaState, has_meta_tensors
 from usc.runtime.training import bucket_groups
 from usc.planning import estimate_plan, moe_blocks
 
-from .handover import refuse_if_behind, watch
+from .handover import frozen_names, refuse_if_behind, watch
 from .model_call import BatchLayout, trainable, with_checkpointed_layers
 
 
@@ -95,6 +95,7 @@ class _Compiled:
         self.plan = with_checkpointed_layers(_as_plan(plan), model)
         self.training = model.training  # torch's default: a module starts in training mode
         self._mode_source = weakref.ref(model)  # its train()/eval() later sets the mode (usc/api.py)
+        self._frozen = frozen_names(model)  # what it trains: a step refuses a model frozen otherwise since
         self._scheduler_factory = lr_scheduler
         self.metrics = None  # the last step's StepMetrics (usc/api.py)
         self.model = trainable(model, loss_fn)

@@ -20,6 +20,38 @@ class ModelOutOfDate(RuntimeError):
     past it: its own tensors are the ones it was compiled with."""
 
 
+class ModelChanged(RuntimeError):
+    """The model handed to ``usc.compile`` was changed after it in a way the compiled program does
+    not follow (a parameter frozen or unfrozen): the program would go on training as compiled."""
+
+
+def frozen_names(model: nn.Module) -> frozenset:
+    """The names of the model's parameters that do not train (``requires_grad=False``)."""
+    return frozenset(name for name, p in model.named_parameters() if not p.requires_grad)
+
+
+def refuse_changed_training(model: "nn.Module | None", compiled_frozen: frozenset, call: str) -> None:
+    """Raise ModelChanged when the model's frozen parameters are not the ones the program was
+    compiled with (gradual unfreezing, a backbone frozen after the first epochs): the program keeps
+    training what it was compiled to train."""
+    if model is None:
+        return
+    now = frozen_names(model)
+    if now == compiled_frozen:
+        return
+    changes = [f"{len(names)} parameter(s) {how} ('{names[0]}'" + (", ..." if len(names) > 1 else "") + ")"
+               for names, how in ((sorted(compiled_frozen - now), "unfrozen"), (sorted(now - compiled_frozen), "frozen"))
+               if names]
+    raise ModelChanged(
+        f"{call}: requires_grad changed on the model after usc.compile, {' and '.join(changes)}: the compiled "
+        "program trains the parameters that had "
+        "requires_grad when it was compiled (their gradients, optimizer state and ZeRO slices are laid out for "
+        "them), so it would go on training as compiled, with no error\n"
+        "  fix: compile again from the trained values once the set changes -- "
+        "model.load_state_dict(step.full_state_dict()), set requires_grad, step = usc.compile(model, ...) "
+        "(the optimizer's state starts afresh); or set requires_grad as wanted before compiling")
+
+
 class _Watch:
     """Whether the watched model is behind the program that took it over: the program's state
     version (steps taken, checkpoints loaded) against the one last loaded into the model."""

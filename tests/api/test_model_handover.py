@@ -132,3 +132,28 @@ def test_a_compiled_process_guards_its_model_too():
         model(**batch(1))
     model.load_state_dict(step.full_state_dict())
     assert eager_loss(model, batch(1)) == pytest.approx(step.eval_step(batch(1)), rel=1e-5)
+
+
+def test_freezing_or_unfreezing_after_compile_is_refused_and_compiling_again_applies_it():
+    """Gradual unfreezing, a backbone frozen after the first epochs: requires_grad set on the model
+    after compile was not seen by the program, which went on training what it was compiled to train
+    (the frozen embedding kept moving, no error). Refused by name now; the fix it names applies it."""
+    torch.manual_seed(5)
+    model = llama()
+    step = usc.simulate(model, "dp=2", example_inputs=batch(0), optimizer=sgd)
+    step.step(batch(0))
+    model.model.embed_tokens.weight.requires_grad_(False)
+    with pytest.raises(usc.ModelChanged, match=r"(?s)1 parameter\(s\) frozen \('model.embed_tokens.weight'\).*"
+                                               r"fix: compile again from the trained values"):
+        step.step(batch(1))
+    model.load_state_dict(step.full_state_dict())
+    again = usc.simulate(model, "dp=2", example_inputs=batch(0), optimizer=sgd)
+    embedding = again.full_state_dict()["model.embed_tokens.weight"].clone()
+    again.step(batch(1))
+    after = again.full_state_dict()
+    assert torch.equal(after["model.embed_tokens.weight"], embedding)
+    assert not torch.equal(after["lm_head.weight"], step.full_state_dict()["lm_head.weight"])
+
+    model.model.embed_tokens.weight.requires_grad_(True)
+    with pytest.raises(usc.ModelChanged, match=r"1 parameter\(s\) unfrozen \('model.embed_tokens.weight'\)"):
+        again.step(batch(2))
