@@ -118,6 +118,26 @@ def test_a_model_the_key_cannot_describe_is_traced_every_time(memo):
     assert len(memo) == 4
 
 
+def test_a_model_a_program_took_over_is_still_keyed(memo):
+    """usc's own guard on a compiled model (usc/handover.py) stands aside in traces: it does not make
+    the model unkeyable, where any other hook does."""
+    from usc.handover import watch
+
+    class Program:
+        state_version = 0
+
+    program = Program()
+    torch.manual_seed(0)
+    model = Scaled()
+    watch(model, program)
+    trace(model, _x())
+    trace(model, _x())
+    assert len(memo) == 1
+    model.register_forward_pre_hook(lambda module, args: None)
+    trace(model, _x())
+    assert len(memo) == 2
+
+
 def test_prints_and_warnings_of_the_model_are_replayed_on_reuse(memo, capfd):
     class Talks(Scaled):
         def forward(self, x):
