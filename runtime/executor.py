@@ -301,8 +301,11 @@ class RankExecutor(ShardedCheckpoint):
         if tuple(value.shape) != shape:
             what = "this rank's data shard" if self.local_batch else "the global batch"
             name = self.input_names.get(spec.placeholder, spec.placeholder)
+            short = len(shape) == value.dim() and 0 < value.shape[0] < shape[0] and tuple(value.shape[1:]) == shape[1:]
+            hint = (" -- fewer rows than compiled: a data loader's last, partial batch (DataLoader(..., "
+                    "drop_last=True) leaves it out)") if short else ""
             raise BadInput(f"input {name} has shape {list(value.shape)} but {what} was compiled as {list(shape)}; "
-                           f"pass the same shape on every step (compile again for another)",
+                           f"pass the same shape on every step (compile again for another){hint}",
                            input=name, value=list(value.shape), rank=self.mesh.rank)
         return placements, shape
 

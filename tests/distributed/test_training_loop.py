@@ -319,6 +319,18 @@ def test_a_step_inside_no_grad_or_autocast_is_refused_and_changes_nothing(how):
     assert program.step(*batch) != program.step(*batch)  # and outside them, it trains
 
 
+def test_a_last_partial_batch_is_named_with_its_fix():
+    """A data loader's last batch with fewer rows than compiled: refused, naming drop_last=True; a
+    batch of another length is refused without that hint."""
+    batch = token_batch(32, 4, 8)
+    _, model = _dropout_reference(batch)
+    sim = usc.simulate(model, "dp=2", example_inputs=batch, optimizer=_sgd)
+    with pytest.raises(usc.BadInput, match=r"has shape \[3, 8\] .*last, partial batch .*drop_last=True"):
+        sim.step(*(t[:3] for t in batch))
+    with pytest.raises(usc.BadInput, match=r"compile again for another\)\n"):
+        sim.step(*(t[:, :6] for t in batch))
+
+
 def test_a_step_in_eval_mode_trains_without_dropout():
     """torch: model.eval(); loss.backward(); opt.step() trains without dropout. So does usc."""
     batches = [token_batch(32, 4, 8, seed=s) for s in range(2)]
