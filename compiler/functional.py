@@ -257,25 +257,31 @@ def _describe(node: fx.Node, module: str, source: str) -> str:
 
 
 def masked_writes_as_where(gm: fx.GraphModule) -> fx.GraphModule:
-    """``x[mask] = value`` (``index_put`` with one boolean mask over x's leading dims and a value that
-    broadcasts over the rest) as ``torch.where(mask, value, x)``: the same values and gradients, but
-    element-wise, so every plan's rules read it as such -- as ``index_put`` it reads as a gather of
-    the whole tensor (under ``mb=`` a refusal: it seemed to mix samples)."""
+    """``x[mask] = value`` (``index_put`` with one boolean mask over consecutive dims of x -- the
+    leading ones, or after whole dims: ``x[:, m] = v``, ``logits[..., banned] = -inf`` -- and a value
+    that broadcasts over the dims after the mask) as ``torch.where(mask, value, x)``: the same values
+    and gradients, but element-wise, so every plan's rules read it as such -- as ``index_put`` it
+    reads as a gather of the whole tensor (under ``mb=`` a refusal: it seemed to mix samples)."""
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.index_put.default:
             continue
         x, indices, value = node.args[:3]
         accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
-        if accumulate or len(indices) != 1 or not isinstance(indices[0], fx.Node) or not isinstance(value, fx.Node):
+        whole = len(indices) - 1  # the dims before the mask, taken whole (None)
+        if accumulate or not indices or any(i is not None for i in indices[:whole]) \
+                or not isinstance(indices[-1], fx.Node) or not isinstance(value, fx.Node):
             continue
-        xv, mask, vv = (n.meta.get("val") for n in (x, indices[0], value))
+        xv, mask, vv = (n.meta.get("val") for n in (x, indices[-1], value))
         if not all(isinstance(t, torch.Tensor) for t in (xv, mask, vv)) or mask.dtype is not torch.bool:
             continue
-        lead, rest = mask.dim(), tuple(xv.shape[mask.dim():])
-        if tuple(mask.shape) != tuple(xv.shape[:lead]) or not _broadcasts(tuple(vv.shape), rest):
+        end = whole + mask.dim()
+        rest = tuple(xv.shape[end:])
+        if tuple(mask.shape) != tuple(xv.shape[whole:end]) or not _broadcasts(tuple(vv.shape), rest):
             continue
         with gm.graph.inserting_before(node):
-            m = indices[0]
+            m = indices[-1]
+            for _ in range(whole):
+                m = _call(gm, aten.unsqueeze.default, (m, 0), node)
             for _ in rest:
                 m = _call(gm, aten.unsqueeze.default, (m, -1), node)
             v = value if vv.dtype == xv.dtype else _call(gm, aten._to_copy.default, (value,), node, dtype=xv.dtype)

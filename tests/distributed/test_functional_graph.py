@@ -554,6 +554,37 @@ def test_masked_assignments_train_as_on_one_device(plan):
                       optimizer=_sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
 
 
+class TrailingMasks(nn.Module):
+    """Masks over trailing dims, as users write them: ``h[:, m] = v`` with a mask the weights choose,
+    ``h3[..., banned] = -inf``-style writes over the last dim of a 3-D view (a learned floor as the
+    value, its gradient the sum over the entries written). They traced as ``index_put`` with whole
+    leading dims and trained as one device then too (these plans pass on the code before, the trace
+    check does not); as ``where`` they are element-wise to every plan's rules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(D, 6), nn.Linear(6, 3)
+        self.gate = nn.Parameter(torch.tensor([0.3, -0.2, 0.5, -0.7, 0.1, -0.4]))
+        self.floor = nn.Parameter(torch.tensor(-0.25))
+        self.register_buffer("banned", torch.tensor([False, True, False]))
+
+    def forward(self, x, y):
+        h = self.lin(x)
+        h[:, self.gate > 0] = self.floor * 2
+        h3 = h.view(-1, 2, 3)
+        h3[..., self.banned] = self.floor
+        return (self.out(torch.tanh(h)) - y).pow(2).mean()
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "dp=2 mb=2", "tp=2", "pp=2 mb=3"])
+def test_masks_over_trailing_dims_train_as_on_one_device(plan):
+    assert_equivalent(lambda: TrailingMasks().double(), plan, [_regression_batch(0), _regression_batch(1)],
+                      optimizer=_sgd, rtol=1e-10, atol=1e-10, param_atol=1e-10)
+    x, y = _regression_batch(0)
+    targets = [n.target for n in trace(TrailingMasks().double(), (x, y)).gm.graph.nodes]
+    assert torch.ops.aten.index_put.default not in targets and targets.count(torch.ops.aten.where.self) == 2
+
+
 def test_a_masked_assignment_traces_as_an_element_wise_where():
     x, y = _regression_batch(0)
     targets = {n.target for n in trace(MaskedWrites().double(), (x, y)).gm.graph.nodes}
