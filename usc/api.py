@@ -30,7 +30,7 @@ from usc.training import StepMetrics
 from usc.runtime.materialize import InitFn, has_meta_tensors
 
 from .build import OptimizerFactory, SchedulerFactory, _as_plan, _Compiled, _full_state
-from .handover import refuse_changed_training
+from .handover import note_given, refuse_changed_training
 from .model_call import trainable
 from .version import __version__
 
@@ -80,6 +80,8 @@ class _TrainingLoop:
     @training.setter
     def training(self, mode: bool) -> None:
         self._training = bool(mode)
+
+    _watcher = None  # usc/handover.py's watch of the model, once this program holds its state
 
     def _user_model_alive(self) -> "nn.Module | None":
         return self._mode_source() if self._mode_source is not None else None
@@ -246,7 +248,7 @@ class Compiled(_TrainingLoop, _Compiled):
         whole model, exact on every plan; ``float('inf')`` measures the norm without clipping).
         ``self.metrics`` then holds the step's loss, grad_norm, lr, tokens, time and peak bytes."""
         _refuse_ambient_modes("step.step(...)", trains=True)
-        refuse_changed_training(self._user_model_alive(), self._frozen, "step.step(...)")
+        refuse_changed_training(self._user_model_alive(), self._frozen, "step.step(...)", self._watcher)
         if local and self._program is None:
             raise RuntimeError("step(..., local=True) needs example_inputs= at compile: the global batch's shape")
         batch = self.flat_batch(batch)
@@ -342,7 +344,9 @@ class Compiled(_TrainingLoop, _Compiled):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) tensors under the model's own state_dict names (a collective call)."""
         full = self._agreed_rank().full_state_dict()
-        return {k: full[k] for k in self._model_state_names() if k in full}
+        out = {k: full[k] for k in self._model_state_names() if k in full}
+        note_given(self, out)  # loaded back into the model, these make it level with the program
+        return out
 
 
 def _profile_of_device(device) -> str | None:
@@ -423,7 +427,7 @@ class Simulated(_TrainingLoop, _Compiled):
             sim.step(*shards, local=True)
         """
         _refuse_ambient_modes("sim.step(...)", trains=True)
-        refuse_changed_training(self._user_model_alive(), self._frozen, "sim.step(...)")
+        refuse_changed_training(self._user_model_alive(), self._frozen, "sim.step(...)", self._watcher)
         timeline = Timeline(0) if trace else None
         for rank in self.ranks:
             rank.set_timeline(timeline)
@@ -513,7 +517,9 @@ class Simulated(_TrainingLoop, _Compiled):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         full = self._run(lambda rank: rank.full_state_dict())[0]
-        return {k: full[k] for k in self._model_state_names() if k in full}
+        out = {k: full[k] for k in self._model_state_names() if k in full}
+        note_given(self, out)
+        return out
 
     def moe_stats(self) -> dict:
         """Per MoE layer (module path): tokens per expert and per rank (the load), their imbalance

@@ -157,3 +157,26 @@ def test_freezing_or_unfreezing_after_compile_is_refused_and_compiling_again_app
     model.model.embed_tokens.weight.requires_grad_(True)
     with pytest.raises(usc.ModelChanged, match=r"1 parameter\(s\) unfrozen \('model.embed_tokens.weight'\)"):
         again.step(batch(2))
+
+
+def test_values_written_into_the_model_after_compile_are_refused_and_compiling_again_takes_them():
+    """``usc.compile(model)``, then ``model.load_state_dict(pretrained)``, then steps: the program had
+    read the model's values when it was made, so it trained from the random ones (the loss of the
+    first step was the untrained model's, no error). Refused by name now, as is an in-place write;
+    compiling again starts from the values loaded."""
+    torch.manual_seed(6)
+    model, pretrained = llama(), llama()
+    step = usc.compile(model, "dp=1", example_inputs=batch(0), optimizer=sgd)
+    model.load_state_dict(pretrained.state_dict())
+    with pytest.raises(usc.ModelChanged, match=r"(?s)values were written after the compiled program read them.*"
+                                               r"compile again now"):
+        step.step(batch(0))
+    again = usc.compile(model, "dp=1", example_inputs=batch(0), optimizer=sgd)
+    assert again.step(batch(0)) == pytest.approx(eager_loss(pretrained, batch(0)), rel=1e-5)
+
+    held = llama()
+    sim2 = usc.simulate(held, "dp=2", example_inputs=batch(0), optimizer=sgd)
+    with torch.no_grad():
+        held.lm_head.weight.mul_(0.5)
+    with pytest.raises(usc.ModelChanged, match="'lm_head.weight'"):
+        sim2.step(batch(0))
