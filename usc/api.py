@@ -30,7 +30,7 @@ from usc.training import StepMetrics
 from usc.runtime.materialize import InitFn, has_meta_tensors
 
 from .build import OptimizerFactory, SchedulerFactory, _as_plan, _Compiled, _full_state
-from .handover import note_given, refuse_changed_training
+from .handover import note_given, refuse_model_changes
 from .model_call import trainable
 from .version import __version__
 
@@ -74,7 +74,7 @@ class _TrainingLoop:
         """The mode steps and calls run in: the model's own ``training`` while the model you compiled
         is alive (``model.eval()`` turns dropout off in ``step(...)`` as in ``model(...)``), else the
         last ``train()`` / ``eval()`` of this object."""
-        model = self._mode_source() if self._mode_source is not None else None
+        model = self._user_model_alive()
         return self._training if model is None else model.training
 
     @training.setter
@@ -90,7 +90,7 @@ class _TrainingLoop:
         """As ``nn.Module.train``: steps and calls run with dropout as traced, and the model you
         compiled is set to the same mode (one flag, as for a module). Returns self."""
         self.training = bool(mode)
-        model = self._mode_source() if self._mode_source is not None else None
+        model = self._user_model_alive()
         if model is not None:
             model.train(mode)
         return self
@@ -248,7 +248,7 @@ class Compiled(_TrainingLoop, _Compiled):
         whole model, exact on every plan; ``float('inf')`` measures the norm without clipping).
         ``self.metrics`` then holds the step's loss, grad_norm, lr, tokens, time and peak bytes."""
         _refuse_ambient_modes("step.step(...)", trains=True)
-        refuse_changed_training(self._user_model_alive(), self._frozen, "step.step(...)", self._watcher)
+        refuse_model_changes(self._user_model_alive(), self._frozen, "step.step(...)", self._watcher)
         if local and self._program is None:
             raise RuntimeError("step(..., local=True) needs example_inputs= at compile: the global batch's shape")
         batch = self.flat_batch(batch)
@@ -427,7 +427,7 @@ class Simulated(_TrainingLoop, _Compiled):
             sim.step(*shards, local=True)
         """
         _refuse_ambient_modes("sim.step(...)", trains=True)
-        refuse_changed_training(self._user_model_alive(), self._frozen, "sim.step(...)", self._watcher)
+        refuse_model_changes(self._user_model_alive(), self._frozen, "sim.step(...)", self._watcher)
         timeline = Timeline(0) if trace else None
         for rank in self.ranks:
             rank.set_timeline(timeline)

@@ -14,6 +14,8 @@ import weakref
 import torch
 from torch import nn
 
+from usc.runtime.materialize import has_meta_tensors
+
 
 class ModelOutOfDate(RuntimeError):
     """The model handed to ``usc.compile`` was called or saved after the compiled program trained
@@ -41,7 +43,7 @@ def frozen_names(model: nn.Module) -> frozenset:
     return frozenset(name for name, p in model.named_parameters() if not p.requires_grad)
 
 
-def refuse_changed_training(model: "nn.Module | None", compiled_frozen: frozenset, call: str,
+def refuse_model_changes(model: "nn.Module | None", compiled_frozen: frozenset, call: str,
                             watcher: "_Watch | None" = None) -> None:
     """Raise ModelChanged when the model's frozen parameters are not the ones the program was
     compiled with (gradual unfreezing, a backbone frozen after the first epochs), or when values were
@@ -91,7 +93,7 @@ class _Watch:
         program = self.program()
         if module is not self.model() or program is None or program.state_version == self.synced:
             return None
-        if any(t.is_meta for t in module.parameters()):  # built on meta: no values to take for trained ones
+        if has_meta_tensors(module):  # built on meta: no values to take for trained ones
             return None
         return program
 
