@@ -278,6 +278,7 @@ class Compiled(_TrainingLoop, _Compiled):
         """The global mean loss on ``batch`` without updating anything (no gradients), in the
         current mode: after ``eval()`` dropout is off, as in ``model.eval(); model(x)``."""
         _refuse_ambient_modes("step(...)", trains=False)
+        refuse_model_changes(self._user_model_alive(), None, "step(...)", self._watcher)
         batch = self.flat_batch(batch)
         self._ensure_built(batch)
         with self._mode():
@@ -287,6 +288,7 @@ class Compiled(_TrainingLoop, _Compiled):
         """The global mean loss on ``batch`` in evaluation mode (dropout off, no gradients), whatever
         the current mode."""
         _refuse_ambient_modes("step.eval_step(...)", trains=False)
+        refuse_model_changes(self._user_model_alive(), None, "step.eval_step(...)", self._watcher)
         batch = self.flat_batch(batch)
         self._ensure_built(batch)
         with self._mode(evaluating=True):
@@ -473,11 +475,13 @@ class Simulated(_TrainingLoop, _Compiled):
 
     def __call__(self, *batch) -> float:
         _refuse_ambient_modes("sim(...)", trains=False)
+        refuse_model_changes(self._user_model_alive(), None, "sim(...)", self._watcher)
         batch = self.flat_batch(batch)
         return self._run(lambda rank: self._in_mode(rank.evaluate, batch))[0]
 
     def eval_step(self, *batch) -> float:
         _refuse_ambient_modes("sim.eval_step(...)", trains=False)
+        refuse_model_changes(self._user_model_alive(), None, "sim.eval_step(...)", self._watcher)
         batch = self.flat_batch(batch)
         return self._run(lambda rank: self._in_mode(rank.evaluate, batch, evaluating=True))[0]
 

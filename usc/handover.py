@@ -9,6 +9,10 @@ error -- so from the program's first step or checkpoint load on, calling the mod
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
+import types
 import weakref
 
 import torch
@@ -24,13 +28,138 @@ class ModelOutOfDate(RuntimeError):
 
 class ModelChanged(RuntimeError):
     """The model handed to ``usc.compile`` was changed after it in a way the compiled program does
-    not follow (a parameter frozen or unfrozen): the program would go on training as compiled."""
+    not follow (a parameter frozen or unfrozen, values loaded, an attribute forward reads set): the
+    program would go on as compiled."""
 
 
 def value_marks(model: nn.Module) -> dict:
-    """{name: (tensor identity, version counter)} of the model's parameters: torch bumps a tensor's
-    version on every in-place write (``load_state_dict`` copies in place; ``assign=True`` replaces)."""
-    return {name: (id(p), p._version) for name, p in model.named_parameters()}
+    """{name: (tensor identity, version counter)} of the model's parameters and buffers: torch bumps a
+    tensor's version on every in-place write (``load_state_dict`` copies in place; ``assign=True``
+    replaces)."""
+    marks = {name: (id(p), p._version) for name, p in model.named_parameters()}
+    marks.update((name, (id(b), b._version)) for name, b in model.named_buffers())
+    return marks
+
+
+_MODULE_OWN = frozenset(nn.Module().__dict__) | {"training"}  # torch's bookkeeping, and the mode (followed)
+_ABSENT = object()
+
+
+@functools.lru_cache(maxsize=None)
+def _names_read(cls: type) -> frozenset:
+    """The names the methods of ``cls`` and its bases (below ``nn.Module``) use -- read off their code
+    objects (``self.p``, ``getattr(self, "p")`` among them; more than the instance's: a name no
+    attribute has is not looked at)."""
+    names: set = set()
+
+    def take(code) -> None:
+        names.update(code.co_names)
+        names.update(c for c in code.co_consts if isinstance(c, str) and c.isidentifier())
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                take(const)
+
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            continue
+        for value in vars(klass).values():
+            for fn in (value.fget, value.fset) if isinstance(value, property) else (getattr(value, "__func__", value),):
+                code = getattr(fn, "__code__", None)
+                if isinstance(code, types.CodeType):
+                    take(code)
+    return frozenset(names)
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _plain(value, depth: int = 0) -> bool:
+    """A number, string, flag or None, or a list, tuple, dict or set of those (a few levels deep)."""
+    if isinstance(value, _PLAIN):
+        return True
+    if depth > 3 or isinstance(value, torch.Tensor):
+        return False
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return len(value) <= 4096 and all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return len(value) <= 4096 and all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _mark(value):
+    """What is compared to tell an attribute was set since: plain values (and containers of them) by
+    value, tensors by identity and version counter; None for anything else (not compared: an object's
+    identity changes where its meaning does not)."""
+    if value is _ABSENT:
+        return ("value", None, _ABSENT)
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value._version)
+    if _plain(value):
+        return ("value", type(value), copy.deepcopy(value) if isinstance(value, (list, dict, set)) else value)
+    return None
+
+
+class AttributeMarks:
+    """The plain attributes the model's modules read (their ``__dict__``: not parameters, buffers or
+    submodules), as the trace saw them: their values are constants of the compiled program. An
+    attribute a module holds itself is marked on the module (weakly: the marks keep no module alive);
+    a name it reads off its class (a default every instance shares) is marked once per class, and
+    the module's own dict is watched for an instance attribute set over it later."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.own: list = []  # (module ref, path, name, mark)
+        self.shadowed: list = []  # (module ref, path, name): read off the class; set on the instance since?
+        self.defaults: dict = {}  # (class, name) -> (path of a module of that class, mark)
+        for path, module in model.named_modules():
+            ref = weakref.ref(module)
+            own = module.__dict__
+            for name in _names_read(type(module)) - _MODULE_OWN:
+                if name in own:
+                    mark = _mark(own[name])
+                    if mark is not None:
+                        self.own.append((ref, path, name, mark))
+                    continue
+                if name in module._parameters or name in module._buffers or name in module._modules:
+                    continue
+                mark = _mark(inspect.getattr_static(type(module), name, _ABSENT))
+                if mark is None or mark[2] is _ABSENT:
+                    continue  # a method, a property, or a name no attribute has
+                self.shadowed.append((ref, path, name, mark))
+                self.defaults.setdefault((type(module), name), (path, mark))
+
+    def changed(self) -> list:
+        """[((module path, name), mark when traced, mark now)] of the attributes set since."""
+        out = []
+        for ref, path, name, mark in self.own:
+            module = ref()
+            if module is None:
+                continue
+            value = module.__dict__.get(name, _ABSENT)
+            if value is mark[2] or (mark[0] == "value" and type(value) is mark[1] and value == mark[2]):
+                continue  # the common case, without making a mark
+            now = _mark(value)
+            if now is not None and not _same(mark, now):
+                out.append(((path, name), mark, now))
+        for ref, path, name, mark in self.shadowed:
+            module = ref()
+            if module is not None and name in module.__dict__:
+                now = _mark(module.__dict__[name])
+                if now is not None and not _same(mark, now):
+                    out.append(((path, name), mark, now))
+        for (cls, name), (path, mark) in self.defaults.items():
+            now = _mark(inspect.getattr_static(cls, name, _ABSENT))
+            if now is not None and not _same(mark, now):
+                out.append(((path, name), mark, now))
+        return out
+
+
+def _same(a, b) -> bool:
+    if a[0] == "value" and b[0] == "value" and a[1] is float and b[1] is float and a[2] != a[2] and b[2] != b[2]:
+        return True  # nan stays nan
+    try:
+        return a == b
+    except Exception:  # noqa: BLE001 -- a value whose == raises: compared as unequal only if not identical
+        return a is b
 
 
 def note_given(program, state: dict) -> None:
@@ -43,23 +172,55 @@ def frozen_names(model: nn.Module) -> frozenset:
     return frozenset(name for name, p in model.named_parameters() if not p.requires_grad)
 
 
-def refuse_model_changes(model: "nn.Module | None", compiled_frozen: frozenset, call: str,
-                            watcher: "_Watch | None" = None) -> None:
+def _listed(names: list) -> str:
+    return f"'{names[0]}'" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+
+
+def refuse_model_changes(model: "nn.Module | None", compiled_frozen: "frozenset | None", call: str,
+                         watcher: "_Watch | None" = None) -> None:
     """Raise ModelChanged when the model's frozen parameters are not the ones the program was
-    compiled with (gradual unfreezing, a backbone frozen after the first epochs), or when values were
+    compiled with (gradual unfreezing, a backbone frozen after the first epochs), when values were
     written into the model after the program read them (``model.load_state_dict(pretrained)`` after
-    compile): the program keeps training what it was compiled to train, from its own values."""
+    compile), when parameters were added or removed (adapters injected), or when a plain attribute
+    its forward reads was set (``model.drop.p = 0.0``, a temperature): the program keeps running what
+    it was compiled to run, from its own values. ``compiled_frozen=None``: an evaluation (what trains
+    does not matter to it)."""
     if model is None:
         return
-    written = watcher.changed_values(model) if watcher is not None and watcher.model() is model else []
+    ours = watcher is not None and watcher.model() is model
+    written, added, removed = watcher.changed_values(model) if ours else ([], [], [])
+    if added or removed:
+        what = " and ".join(f"{len(names)} {how} ({_listed(names)})"
+                            for names, how in ((added, "added"), (removed, "removed")) if names)
+        raise ModelChanged(
+            f"{call}: the model's parameters or buffers changed after usc.compile, {what}: the compiled "
+            "program runs the modules it traced (an adapter injected since, a layer replaced, is not in it), "
+            "so it would go on training without them, with no error\n"
+            "  fix: change the model before compiling, or compile again now "
+            "(model.load_state_dict(step.full_state_dict(), strict=False) first to keep the trained values)")
     if written:
         raise ModelChanged(
             f"{call}: the model's values were written after the compiled program read them ({len(written)} "
-            f"parameter(s): '{written[0]}'" + (", ..." if len(written) > 1 else "") + "; a load_state_dict or an "
-            "in-place write): the program trains its own copy, read when it was made, and would not see them\n"
+            f"parameter(s) or buffer(s): {_listed(written)}; a load_state_dict, an in-place write, or "
+            "calling the model in training mode, which updates its buffers): the program trains its own "
+            "copy, read when it was made, and would not see them\n"
             "  fix: to train from the new values, load them before compiling, or compile again now "
             "(step = usc.compile(model, ...); the optimizer's state starts afresh); to go on with the "
             "program's values, model.load_state_dict(step.full_state_dict())")
+    attributes = watcher.changed_attributes(model) if ours else []
+    if attributes:
+        (path, name), old, new = attributes[0]
+        where = f"{path}.{name}" if path else name
+        raise ModelChanged(
+            f"{call}: {type(model).__name__}.{where} was set after usc.compile ({_shown(old)} when traced, "
+            f"{_shown(new)} now" + (f"; {len(attributes) - 1} more attribute(s) changed" if len(attributes) > 1
+                                     else "") + "): forward reads it, and the compiled program keeps the value "
+            "it was traced with (a dropout rate, a temperature, a flag), so it would run as before, with no error\n"
+            "  fix: set it before compiling, or compile again now (model.load_state_dict(step.full_state_dict()) "
+            "first to keep the trained values; the optimizer's state starts afresh); a value that changes every "
+            "step belongs in the batch (an input tensor) or the loss, not in an attribute")
+    if compiled_frozen is None:
+        return
     now = frozen_names(model)
     if now == compiled_frozen:
         return
@@ -85,6 +246,7 @@ class _Watch:
         self.program = weakref.ref(program)
         self.synced = program.state_version
         self.marks = value_marks(model)  # the parameters as the program read them
+        self.attributes = AttributeMarks(model)  # the plain attributes forward reads, as traced
         self.loading_program_values = False
 
     def behind(self, module: nn.Module):
@@ -127,10 +289,23 @@ class _Watch:
                 self.marks = value_marks(module)
         self.loading_program_values = False
 
-    def changed_values(self, module: nn.Module) -> list:
-        """The parameters written (replaced, loaded into, changed in place) since the program read them."""
+    def changed_values(self, module: nn.Module) -> tuple[list, list, list]:
+        """(the parameters and buffers written -- replaced, loaded into, changed in place -- since the
+        program read them, those added since, those removed since)."""
         now = value_marks(module)
-        return sorted(name for name, mark in now.items() if self.marks.get(name, mark) != mark)
+        written = sorted(name for name, mark in now.items() if self.marks.get(name, mark) != mark)
+        return written, sorted(set(now) - set(self.marks)), sorted(set(self.marks) - set(now))
+
+    def changed_attributes(self, module: nn.Module) -> list:
+        """[((module path, name), mark when traced, mark now)] of the attributes set since."""
+        return self.attributes.changed()
+
+
+def _shown(mark) -> str:
+    if mark[0] == "tensor":
+        return "a tensor"
+    text = "unset" if mark[2] is _ABSENT else repr(mark[2])
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 _WATCHES: "weakref.WeakKeyDictionary[nn.Module, list[_Watch]]" = weakref.WeakKeyDictionary()

@@ -180,3 +180,127 @@ def test_values_written_into_the_model_after_compile_are_refused_and_compiling_a
         held.lm_head.weight.mul_(0.5)
     with pytest.raises(usc.ModelChanged, match="'lm_head.weight'"):
         sim2.step(batch(0))
+
+
+class Tempered(nn.Module):
+    """A user's wrapper around a model they did not write: logits over a temperature (distillation,
+    calibration), and a class-level switch an instance may override."""
+
+    boost = 1.0
+
+    def __init__(self, inner, temperature: float):
+        super().__init__()
+        self.inner, self.temperature = inner, temperature
+
+    def forward(self, input_ids, labels):
+        logits = self.inner(input_ids=input_ids).logits * self.boost / self.temperature
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def tempered_loss(model, b) -> float:
+    with torch.no_grad():
+        return float(model(b["input_ids"], b["labels"]))
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "tp=2", "pp=2 mb=2"])
+def test_an_attribute_forward_reads_set_after_compile_is_refused_and_compiling_again_follows_it(plan):
+    """A plain attribute forward reads is a constant of the trace: set after compile, the program kept
+    the traced value (a temperature from 2.0 to 1.0 left the loss as it was, no error). Refused by name
+    now, in training and in evaluation; compiling again takes the new value."""
+    torch.manual_seed(7)
+    model = Tempered(llama(), temperature=2.0)
+    sim = usc.simulate(model, plan, example_inputs=(batch(0)["input_ids"], batch(0)["labels"]), optimizer=sgd)
+    sim.step(batch(0)["input_ids"], batch(0)["labels"])
+    model.temperature = 1.0
+    for call in (lambda: sim.step(batch(1)["input_ids"], batch(1)["labels"]),
+                 lambda: sim.eval_step(batch(1)["input_ids"], batch(1)["labels"])):
+        with pytest.raises(usc.ModelChanged, match=r"(?s)Tempered.temperature was set after usc.compile \(2.0 when "
+                                                   r"traced, 1.0 now\).*fix: set it before compiling, or compile again"):
+            call()
+    model.load_state_dict(sim.full_state_dict())
+    again = usc.simulate(model, plan, example_inputs=(batch(0)["input_ids"], batch(0)["labels"]), optimizer=sgd)
+    assert again.eval_step(batch(1)["input_ids"], batch(1)["labels"]) == pytest.approx(
+        tempered_loss(model, batch(1)), rel=1e-5)
+
+    Tempered.boost = 3.0  # a class default moves: every instance reads it (the wrapper's own class)
+    try:
+        with pytest.raises(usc.ModelChanged, match=r"Tempered.boost was set after usc.compile"):
+            again.step(batch(1)["input_ids"], batch(1)["labels"])
+    finally:
+        Tempered.boost = 1.0
+    model.boost = 3.0  # an instance attribute over the class default the trace read
+    with pytest.raises(usc.ModelChanged, match=r"Tempered.boost was set after usc.compile \(1.0 when traced, 3.0 now\)"):
+        again.step(batch(1)["input_ids"], batch(1)["labels"])
+
+
+def test_a_dropout_rate_set_after_compile_is_refused():
+    """Scheduling dropout (``module.p = rate`` as training goes on) on Hugging Face's GPT-2."""
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=24, n_layer=2, n_head=4)
+    model = transformers.GPT2LMHeadModel(config)
+    sim = usc.simulate(model, "tp=2", example_inputs=batch(0), optimizer=sgd)
+    sim.step(batch(0))
+    model.transformer.h[1].attn.resid_dropout.p = 0.0
+    with pytest.raises(usc.ModelChanged, match=r"GPT2LMHeadModel.transformer.h.1.attn.resid_dropout.p was set after "
+                                               r"usc.compile \(0.1 when traced, 0.0 now\)"):
+        sim.step(batch(1))
+
+
+def test_attributes_forward_does_not_read_are_the_users_own():
+    """Bookkeeping kept on the model (an epoch count, notes, the config's generation switches forward
+    does not reach in training) is not refused, and the steps are the steps of a model without it."""
+    losses = []
+    for bookkeeping in (False, True):
+        torch.manual_seed(8)
+        model = llama()
+        sim = usc.simulate(model, "dp=2", example_inputs=batch(0), optimizer=sgd)
+        sim.step(batch(0))
+        if bookkeeping:
+            model.epoch, model.notes = 3, {"lr": [0.1, 0.2]}
+            model.model.layers[0].seen_tokens = 1234
+        losses.append([sim.step(batch(1)), sim.step(batch(2))])
+    assert losses[0] == losses[1]
+
+
+def test_an_adapter_injected_after_compile_is_refused():
+    """A low-rank adapter wrapped around a layer after compile (as PEFT injects one): the program runs
+    the modules it traced, so it trained without the adapter, no error. Refused, naming what came."""
+
+    class LoRA(nn.Module):
+        def __init__(self, base: nn.Linear, rank: int = 3):
+            super().__init__()
+            self.base = base
+            self.lora_a = nn.Parameter(torch.randn(rank, base.in_features) * 0.01)
+            self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))
+
+        def forward(self, x):
+            return self.base(x) + x @ self.lora_a.T @ self.lora_b.T
+
+    torch.manual_seed(9)
+    model = llama()
+    sim = usc.simulate(model, "dp=2", example_inputs=batch(0), optimizer=sgd)
+    attention = model.model.layers[0].self_attn
+    attention.q_proj = LoRA(attention.q_proj)
+    with pytest.raises(usc.ModelChanged, match=r"(?s)parameters or buffers changed after usc.compile, 3 added "
+                                               r"\('model.layers.0.self_attn.q_proj.base.weight' and 2 more\) and 1 "
+                                               r"removed \('model.layers.0.self_attn.q_proj.weight'\).*change the model "
+                                               r"before compiling"):
+        sim.step(batch(0))
+
+
+def test_buffers_written_after_compile_are_refused():
+    """A buffer written after compile (a RoPE frequency rescaled for a longer context; a batch norm's
+    running statistics moved by calling the model in training mode) is not what the program holds."""
+    torch.manual_seed(10)
+    model = llama()
+    sim = usc.simulate(model, "dp=2", example_inputs=batch(0), optimizer=sgd)
+    with torch.no_grad():
+        model.model.rotary_emb.inv_freq.mul_(0.25)
+    with pytest.raises(usc.ModelChanged, match=r"parameter\(s\) or buffer\(s\): 'model.rotary_emb.inv_freq'"):
+        sim.step(batch(0))
+
+    net = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.ReLU(), nn.Linear(7, 1))
+    x, y = torch.randn(6, 5), torch.randn(6, 1)
+    sim = usc.simulate(net, "dp=2", example_inputs=(x, y), loss_fn=nn.functional.mse_loss, optimizer=sgd)
+    net(x)  # the model is level (no step yet): calling it is allowed, and moves its running statistics
+    with pytest.raises(usc.ModelChanged, match=r"buffer\(s\): '1.num_batches_tracked'"):
+        sim.step(x, y)
