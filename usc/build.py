@@ -104,6 +104,7 @@ class _Compiled:
         if self.plan.auto:
             self.plan = _resolve_auto(self.model, self.plan, example_inputs, hardware)
         self._loss_source = _source_of(loss_fn) if loss_fn is not None else ""
+        self._loss_fn = loss_fn  # what a step checks for names set since the trace (usc/handover.py)
         self._user_model = model
         self._hardware = hardware  # what auto plans for and StepMetrics.mfu is measured against
         self._optimizer = optimizer

@@ -9,7 +9,6 @@ error -- so from the program's first step or checkpoint load on, calling the mod
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import types
@@ -74,28 +73,26 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 
 
 def _plain(value, depth: int = 0) -> bool:
-    """A number, string, flag or None, or a list, tuple, dict or set of those (a few levels deep)."""
+    """A number, string, flag or None, or a tuple or frozenset of those (a few levels deep): values
+    that cannot change in place. (A list or dict can, and does where it is bookkeeping -- the
+    warnings a model has issued -- so it is not compared.)"""
     if isinstance(value, _PLAIN):
         return True
-    if depth > 3 or isinstance(value, torch.Tensor):
-        return False
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return len(value) <= 4096 and all(_plain(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return len(value) <= 4096 and all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
+    if depth < 3 and isinstance(value, (tuple, frozenset)) and len(value) <= 4096:
+        return all(_plain(v, depth + 1) for v in value)
     return False
 
 
 def _mark(value):
-    """What is compared to tell an attribute was set since: plain values (and containers of them) by
-    value, tensors by identity and version counter; None for anything else (not compared: an object's
+    """What is compared to tell an attribute was set since: plain values by value, tensors (not
+    parameters) by identity and version counter; None for anything else (not compared: an object's
     identity changes where its meaning does not)."""
     if value is _ABSENT:
         return ("value", None, _ABSENT)
     if isinstance(value, torch.Tensor):
-        return ("tensor", id(value), value._version)
+        return None if isinstance(value, nn.Parameter) else ("tensor", id(value), value._version)
     if _plain(value):
-        return ("value", type(value), copy.deepcopy(value) if isinstance(value, (list, dict, set)) else value)
+        return ("value", type(value), value)
     return None
 
 
@@ -153,6 +150,99 @@ class AttributeMarks:
         return out
 
 
+def _library(module: str) -> bool:
+    """torch's and usc's own code: what a user's training script does not set."""
+    return module.split(".")[0] in ("torch", "usc")
+
+
+class PythonReads:
+    """Module-level names, and a loss function's closure, that the model's and the loss's code reads,
+    holding plain values or tensors (a loss weight annealed by the training script, a flag): constants
+    of the trace, like the attributes above. Found by walking the code from each module's
+    ``forward`` (and the loss function) through the methods and same-module functions it names, a
+    few calls deep; torch's and usc's own code is not walked."""
+
+    def __init__(self, model: "nn.Module | None", loss_fn=None) -> None:
+        self.entries: list = []  # (namespace: a module's globals or a closure cell, name, label, mark)
+        self._seen: set = set()
+        if model is not None:
+            for cls in {type(m) for m in model.modules()}:
+                forward = inspect.getattr_static(cls, "forward", None)
+                if forward is not None and not _library(getattr(forward, "__module__", None) or ""):
+                    self._visit(forward, cls, 0)
+        if loss_fn is not None:
+            self._visit(getattr(loss_fn, "__func__", loss_fn), None, 0)
+
+    def _visit(self, fn, cls: "type | None", depth: int) -> None:
+        if isinstance(fn, (staticmethod, classmethod)):
+            fn = fn.__func__
+        if isinstance(fn, property):
+            for part in (fn.fget, fn.fset):
+                self._visit(part, cls, depth)
+            return
+        code = getattr(fn, "__code__", None)
+        if not isinstance(code, types.CodeType) or id(code) in self._seen or depth > 4:
+            return
+        self._seen.add(id(code))
+        namespace = getattr(fn, "__globals__", {})
+        module = namespace.get("__name__", "")
+        if _library(module):
+            return
+        names: set = set()
+
+        def take(c) -> None:
+            names.update(c.co_names)
+            for const in c.co_consts:
+                if isinstance(const, types.CodeType):
+                    take(const)
+
+        take(code)
+        for name in names:
+            if cls is not None:
+                method = inspect.getattr_static(cls, name, None)
+                if isinstance(method, (types.FunctionType, staticmethod, classmethod, property)):
+                    self._visit(method, cls, depth + 1)
+            if name not in namespace or name.startswith("__"):
+                continue
+            value = namespace[name]
+            if isinstance(value, types.FunctionType):
+                self._visit(value, None, depth + 1)
+                continue
+            mark = _mark(value)
+            if mark is not None:
+                self.entries.append((namespace, name, f"{module}.{name}" if module else name, mark))
+        for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, types.FunctionType):
+                self._visit(value, None, depth + 1)
+                continue
+            mark = _mark(value)
+            if mark is not None:
+                self.entries.append((cell, name, f"{name} in {getattr(fn, '__qualname__', 'a function')}'s closure",
+                                     mark))
+
+    def changed(self) -> list:
+        """[(label, mark when traced, mark now)] of the names set since."""
+        out = []
+        for namespace, name, label, mark in self.entries:
+            if isinstance(namespace, dict):
+                value = namespace.get(name, _ABSENT)
+            else:
+                try:
+                    value = namespace.cell_contents
+                except ValueError:
+                    value = _ABSENT
+            if value is mark[2] or (mark[0] == "value" and type(value) is mark[1] and value == mark[2]):
+                continue
+            now = _mark(value)
+            if now is not None and not _same(mark, now):
+                out.append((label, mark, now))
+        return out
+
+
 def _same(a, b) -> bool:
     if a[0] == "value" and b[0] == "value" and a[1] is float and b[1] is float and a[2] != a[2] and b[2] != b[2]:
         return True  # nan stays nan
@@ -207,6 +297,17 @@ def refuse_model_changes(model: "nn.Module | None", compiled_frozen: "frozenset 
             "  fix: to train from the new values, load them before compiling, or compile again now "
             "(step = usc.compile(model, ...); the optimizer's state starts afresh); to go on with the "
             "program's values, model.load_state_dict(step.full_state_dict())")
+    reads = watcher.python.changed() if ours else []
+    if reads:
+        label, old, new = reads[0]
+        raise ModelChanged(
+            f"{call}: {label} was set after usc.compile ({_shown(old)} when traced, {_shown(new)} now"
+            + (f"; {len(reads) - 1} more name(s) changed" if len(reads) > 1 else "") + "): the model's or the "
+            "loss's code reads it, and the compiled program keeps the value it was traced with (a loss weight, "
+            "a flag), so it would run as before, with no error\n"
+            "  fix: set it before compiling, or compile again now (model.load_state_dict(step.full_state_dict()) "
+            "first to keep the trained values; the optimizer's state starts afresh); a value that changes every "
+            "step (an annealed weight) belongs in the batch, as an input tensor the loss reads")
     attributes = watcher.changed_attributes(model) if ours else []
     if attributes:
         (path, name), old, new = attributes[0]
@@ -247,6 +348,7 @@ class _Watch:
         self.synced = program.state_version
         self.marks = value_marks(model)  # the parameters as the program read them
         self.attributes = AttributeMarks(model)  # the plain attributes forward reads, as traced
+        self.python = PythonReads(model, getattr(program, "_loss_fn", None))  # module-level names, the loss's closure
         self.loading_program_values = False
 
     def behind(self, module: nn.Module):

@@ -5,6 +5,7 @@ loss after three steps was its loss before them); usc refuses both until the tra
 back, and a model loaded back equals the program."""
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -304,3 +305,78 @@ def test_buffers_written_after_compile_are_refused():
     net(x)  # the model is level (no step yet): calling it is allowed, and moves its running statistics
     with pytest.raises(usc.ModelChanged, match=r"buffer\(s\): '1.num_batches_tracked'"):
         sim.step(x, y)
+
+
+AUX_WEIGHT = 0.25
+Z_SCALE = 1.0
+
+
+def z_loss(logits):
+    """A helper of the model's Python module, reading a module-level name of its own."""
+    return logits.float().logsumexp(-1).square().mean() * Z_SCALE
+
+
+class WithAux(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, labels):
+        out = self.inner(input_ids=input_ids, labels=labels)
+        return out.loss + AUX_WEIGHT * z_loss(out.logits)
+
+
+def test_module_level_names_the_model_reads_set_after_compile_are_refused(monkeypatch):
+    """A loss weight kept at module level and annealed by the training script (``AUX_WEIGHT = 0.5``
+    between steps) is a constant of the trace: the program kept 0.25, no error. Refused by name, as is
+    a name a helper the forward calls reads; the script's other names are its own."""
+    torch.manual_seed(11)
+    model = WithAux(llama())
+    b = (batch(0)["input_ids"], batch(0)["labels"])
+    sim = usc.simulate(model, "tp=2", example_inputs=b, optimizer=sgd)
+    sim.step(*b)
+    here = sys.modules[__name__]
+    monkeypatch.setattr(here, "AUX_WEIGHT", 0.5)
+    with pytest.raises(usc.ModelChanged, match=rf"{__name__}.AUX_WEIGHT was set after usc.compile \(0.25 when traced, "
+                                               r"0.5 now\).*"):
+        sim.step(*b)
+    monkeypatch.setattr(here, "AUX_WEIGHT", 0.25)
+    monkeypatch.setattr(here, "Z_SCALE", 2.0)
+    with pytest.raises(usc.ModelChanged, match=rf"{__name__}.Z_SCALE was set after usc.compile"):
+        sim.eval_step(*b)
+    monkeypatch.setattr(here, "Z_SCALE", 1.0)
+    monkeypatch.setattr(here, "VOCAB", VOCAB)  # a name nothing in the model reads: the test's own
+    sim.step(*b)
+
+
+def test_a_loss_functions_closure_set_after_compile_is_refused_and_compiling_again_follows_it():
+    """A loss function whose weight the training loop changes through its closure (label smoothing
+    scheduled): the program kept the traced value. Refused by name; compiling again takes it."""
+
+    def make_loss():
+        smoothing = 0.0
+
+        def loss_fn(out, labels):
+            return nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), label_smoothing=smoothing)
+
+        def schedule(value):
+            nonlocal smoothing
+            smoothing = value
+
+        return loss_fn, schedule
+
+    torch.manual_seed(12)
+    model = llama()
+    loss_fn, schedule = make_loss()
+    b = (batch(0)["input_ids"], batch(0)["labels"])
+    sim = usc.simulate(model, "dp=2", example_inputs=b, loss_fn=loss_fn, optimizer=sgd)
+    sim.step(*b)
+    schedule(0.2)
+    with pytest.raises(usc.ModelChanged, match=r"(?s)smoothing in .*loss_fn's closure was set after usc.compile "
+                                               r"\(0.0 when traced, 0.2 now\).*belongs in the batch"):
+        sim.step(*b)
+    model.load_state_dict(sim.full_state_dict())
+    again = usc.simulate(model, "dp=2", example_inputs=b, loss_fn=loss_fn, optimizer=sgd)
+    with torch.no_grad():
+        expected = float(loss_fn(model(input_ids=b[0]), b[1]))
+    assert again.eval_step(*b) == pytest.approx(expected, rel=1e-5)
