@@ -17,6 +17,7 @@ import math
 import os
 import sys
 import tempfile
+import threading
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -604,9 +605,32 @@ def _has_setup_context(cls) -> bool:
     return getattr(cls, "setup_context", None) is not getattr(_SingleLevelFunction, "setup_context", None)
 
 
+_TRACING = threading.local()
+
+
+def in_trace() -> bool:
+    """Whether this thread is inside usc's export of a model: its tensors are read for their metadata
+    only (made fake), which a guard on a model's values lets through (usc/handover.py)."""
+    return getattr(_TRACING, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _tracing():
+    _TRACING.depth = getattr(_TRACING, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _TRACING.depth -= 1
+
+
 def _export(model: nn.Module, example_inputs: tuple):
     """The functional program, casts held as written (compiler/casts.py); taken again without held
     casts where the model writes in place through one."""
+    with _tracing():
+        return _export_held(model, example_inputs)
+
+
+def _export_held(model: nn.Module, example_inputs: tuple):
     for hold in (True, False):
         with held_casts() if hold else contextlib.nullcontext(), _traceable_torch_modules():
             exported = inline_regions(torch.export.export(model, example_inputs, strict=False))

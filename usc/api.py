@@ -118,6 +118,7 @@ class _TrainingLoop:
         start = time.perf_counter()
         value = run()
         self.steps_taken += 1
+        self._moved()
         for scheduler in schedulers:
             scheduler.step()
         seconds = time.perf_counter() - start
@@ -333,9 +334,11 @@ class Compiled(_TrainingLoop, _Compiled):
             self._rank(loading=path)
             self._agreed_rank()
             self.loads_done += 1
+            self._moved()
             return LoadResult()
         result = self._load_rank(self._agreed_rank(), self._schedulers, path, strict=strict)
         self.loads_done += 1
+        self._moved()
         return result
 
     def moe_stats(self) -> dict:
@@ -517,6 +520,7 @@ class Simulated(_TrainingLoop, _Compiled):
         results = [rank.load_from(reader, strict=strict) for rank in self.ranks]
         self._load_schedulers(reader, self.lr_schedulers)
         self.loads_done += 1
+        self._moved()
         return results[0]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -70,7 +70,9 @@ def user_batch(args: tuple):
 def _full_state(model: nn.Module, traced) -> dict[str, torch.Tensor]:
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(dict(model.named_buffers(remove_duplicate=False)))
-    state.update(traced.constants)
+    # the trace's constants are the model's own tensors, but a trace reused for an equal model (the
+    # tests' trace memo) holds the first model's: the model's own buffer of that name is the one
+    state.update((name, value) for name, value in traced.constants.items() if name not in state)
     return state
 
 
@@ -291,6 +293,13 @@ class _Compiled:
 
     steps_taken = 0  # optimizer steps this program took
     loads_done = 0  # checkpoints it loaded after its state was made
+
+    def _moved(self) -> None:
+        """The state moved past the model handed in (a step, a checkpoint load): from here its own
+        tensors refuse use of their values until it is level again (usc/handover.py)."""
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None:
+            watcher.guard()
 
     @property
     def state_version(self) -> int:

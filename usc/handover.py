@@ -17,6 +17,7 @@ import weakref
 import torch
 from torch import nn
 
+from usc.compiler.trace import in_trace
 from usc.runtime.materialize import has_meta_tensors
 
 
@@ -338,6 +339,69 @@ def refuse_model_changes(model: "nn.Module | None", compiled_frozen: "frozenset 
         "(the optimizer's state starts afresh); or set requires_grad as wanted before compiling")
 
 
+def _tensor_reads_no_values() -> frozenset:
+    """What a parameter or buffer of a model left behind still answers: its metadata (shape, dtype,
+    device, requires_grad, the gradient slot, the version counter), never its values -- counting
+    parameters, ``zero_grad()``, ``requires_grad_()`` and usc's own checks keep working."""
+    tensor = torch.Tensor
+    out = set()
+    for name in ("shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "ndim", "layout", "names",
+                 "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_mps", "is_xpu",
+                 "is_nested", "grad_fn", "_version", "itemsize", "nbytes", "output_nr", "_base",
+                 "_backward_hooks", "_post_accumulate_grad_hooks"):
+        descriptor = getattr(tensor, name, None)
+        for slot in ("__get__", "__set__") if name in ("grad", "requires_grad", "_backward_hooks") else ("__get__",):
+            if hasattr(descriptor, slot):
+                out.add(getattr(descriptor, slot))
+    for name in ("size", "dim", "numel", "nelement", "element_size", "stride", "is_contiguous", "data_ptr",
+                 "requires_grad_", "storage_offset", "is_floating_point", "is_complex", "get_device", "__len__",
+                 "_is_view", "is_shared", "is_pinned", "untyped_storage", "register_hook",
+                 "register_post_accumulate_grad_hook", "__hash__", "__dir__"):
+        if hasattr(tensor, name):
+            out.add(getattr(tensor, name))
+    return frozenset(out)
+
+
+_NO_VALUES = _tensor_reads_no_values()
+
+
+class _LeftBehind:
+    """A parameter or buffer of the model handed to ``usc.compile``, while the program has moved past
+    it: any use of its values (an average of weights kept over ``model.parameters()``, a copy, an
+    in-place write) raises ``ModelOutOfDate``; its metadata stays readable. The class is set on the
+    model's own tensors when the program takes a step or loads a checkpoint, and put back when the
+    model is level again (``model.load_state_dict(...)``) or the program is gone."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _NO_VALUES and not in_trace():  # usc's own traces make it fake: no values read
+            for value in (*args, *kwargs.values()):
+                watch = _watch_of(value)
+                if watch is not None:
+                    watch.refuse_value(value)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _watch_of(value) -> "_Watch | None":
+    if isinstance(value, (list, tuple)):  # torch's foreach ops take lists of tensors
+        return next((w for w in map(_watch_of, value) if w is not None), None)
+    ref = getattr(value, "_usc_left_behind", None) if isinstance(value, _LeftBehind) else None
+    return ref() if ref is not None else None
+
+
+class _LeftBehindParameter(_LeftBehind, nn.Parameter):
+    pass
+
+
+class _LeftBehindTensor(_LeftBehind, torch.Tensor):
+    pass
+
+
+_LEFT_BEHIND = {nn.Parameter: _LeftBehindParameter, torch.Tensor: _LeftBehindTensor}
+
+
 class _Watch:
     """Whether the watched model is behind the program that took it over: the program's state
     version (steps taken, checkpoints loaded) against the one last loaded into the model."""
@@ -350,6 +414,56 @@ class _Watch:
         self.attributes = AttributeMarks(model)  # the plain attributes forward reads, as traced
         self.python = PythonReads(model, getattr(program, "_loss_fn", None))  # module-level names, the loss's closure
         self.loading_program_values = False
+        self.loading_now = False
+        self.guarded: list = []  # (tensor ref, its own class, its name)
+
+    def __deepcopy__(self, memo):
+        """A copy of the model (``copy.deepcopy``, ``AveragedModel``) keeps its hooks, bound to this
+        watch: the watch is the program's, not copied, and it never refuses the copy (``behind``)."""
+        return self
+
+    def guard(self) -> None:
+        """The program moved past the model: its tensors refuse value reads (``_LeftBehind``)."""
+        model = self.model()
+        self.loading_now = False
+        if self.guarded or model is None or has_meta_tensors(model):
+            return
+        for prefix, module in model.named_modules():
+            for kind in (module._parameters, module._buffers):
+                for name, tensor in kind.items():
+                    own = type(tensor)
+                    if tensor is None or own not in _LEFT_BEHIND or getattr(tensor, "_usc_left_behind", None):
+                        continue  # another tensor subclass is its own; a tensor two modules share: once
+                    tensor.__class__ = _LEFT_BEHIND[own]
+                    tensor._usc_left_behind = weakref.ref(self)
+                    tensor._usc_name = f"{prefix}.{name}" if prefix else name
+                    self.guarded.append((weakref.ref(tensor), own))
+
+    def unguard(self) -> None:
+        """The model is level (or the program gone): its tensors are plain again."""
+        for ref, own in self.guarded:
+            tensor = ref()
+            if tensor is not None and isinstance(tensor, _LeftBehind):
+                tensor.__class__ = own
+                del tensor._usc_left_behind
+        self.guarded = []
+
+    def refuse_value(self, tensor) -> None:
+        model = self.model()
+        program = self.behind(model) if model is not None and not self.loading_now else None
+        if program is None:
+            if not self.loading_now:
+                self.unguard()
+            return
+        name = type(model).__name__
+        raise ModelOutOfDate(
+            f"{name}'s tensor '{getattr(tensor, '_usc_name', '?')}' was used after usc's compiled program moved "
+            f"past it ({program.steps_taken} step(s) taken, {program.loads_done} checkpoint(s) loaded): it holds the "
+            "value the model was compiled with, not the trained one (an average of weights kept over "
+            "model.parameters(), a copy of the model, a value read or written through it)\n"
+            "  fix: read the trained values from the program (step.full_state_dict(): an EMA or an average "
+            "over those), or model.load_state_dict(step.full_state_dict()) first, which makes the model "
+            "usable again")
 
     def behind(self, module: nn.Module):
         """The program the module is behind, or None (a copy of the model, or the program gone:
@@ -380,6 +494,7 @@ class _Watch:
         given = getattr(program, "_given_ids", None) or ()
         tensors = [t for t in state_dict.values() if isinstance(t, torch.Tensor)]
         self.loading_program_values = bool(tensors) and all(id(t) in given for t in tensors)
+        self.loading_now = module is self.model()  # its tensors take values: not a use of the old ones
 
     def loaded(self, module: nn.Module, incompatible=None) -> None:
         """After it: level with the program (not behind it). Values that are not the program's are the
@@ -389,7 +504,9 @@ class _Watch:
             self.synced = program.state_version
             if self.loading_program_values:
                 self.marks = value_marks(module)
-        self.loading_program_values = False
+        self.loading_program_values = self.loading_now = False
+        if module is self.model():
+            self.unguard()
 
     def changed_values(self, module: nn.Module) -> tuple[list, list, list]:
         """(the parameters and buffers written -- replaced, loaded into, changed in place -- since the

@@ -370,6 +370,7 @@ def test_a_loss_functions_closure_set_after_compile_is_refused_and_compiling_aga
     loss_fn, schedule = make_loss()
     b = (batch(0)["input_ids"], batch(0)["labels"])
     sim = usc.simulate(model, "dp=2", example_inputs=b, loss_fn=loss_fn, optimizer=sgd)
+    copy.deepcopy(model)  # a copy beside the compile (an EMA's start): the watch on the loss is not copied
     sim.step(*b)
     schedule(0.2)
     with pytest.raises(usc.ModelChanged, match=r"(?s)smoothing in .*loss_fn's closure was set after usc.compile "
@@ -380,3 +381,57 @@ def test_a_loss_functions_closure_set_after_compile_is_refused_and_compiling_aga
     with torch.no_grad():
         expected = float(loss_fn(model(input_ids=b[0]), b[1]))
     assert again.eval_step(*b) == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_models_own_tensors_refuse_their_values_while_it_is_behind():
+    """An average of weights kept over ``model.parameters()`` (torch's ``AveragedModel``, an EMA of the
+    model) read the tensors the model was compiled with: the average of untrained weights, no error.
+    Once the program has moved past the model its tensors refuse any use of their values, naming
+    the tensor; their metadata stays (counting, zero_grad, dtype); loading the trained values back
+    makes them plain tensors again, and then the average is of trained weights."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(13)
+    model = llama()
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))  # a copy: the user's own
+    sim = usc.simulate(model, "tp=2", example_inputs=batch(0), optimizer=sgd)
+    sim.step(batch(0))
+    with pytest.raises(usc.ModelOutOfDate, match=r"(?s)LlamaForCausalLM's tensor '[\w.]+' was used after usc's "
+                                                 r"compiled program moved past it \(1 step\(s\) taken.*"
+                                                 r"fix: read the trained values from the program"):
+        ema.update_parameters(model)
+    count = sum(p.numel() for p in model.parameters())  # metadata: still answered
+    assert count == sum(v.numel() for k, v in sim.full_state_dict().items() if "rotary" not in k) - \
+        model.lm_head.weight.numel() * (model.lm_head.weight is model.model.embed_tokens.weight)
+    model.zero_grad()
+    assert next(model.parameters()).dtype == torch.float32
+    with pytest.raises(usc.ModelOutOfDate, match="was used after"):
+        copy.deepcopy(model)  # a copy of the untrained values
+    with pytest.raises(usc.ModelOutOfDate, match="was used after"):
+        with torch.no_grad():
+            model.lm_head.weight.mul_(2.0)
+
+    model.load_state_dict(sim.full_state_dict())
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    ema.update_parameters(model)
+    trained = sim.full_state_dict()["lm_head.weight"]
+    assert torch.allclose(ema.module.lm_head.weight, trained)  # the first update copies: the trained weights
+    sim.step(batch(1))
+    with pytest.raises(usc.ModelOutOfDate):
+        ema.update_parameters(model)
+
+
+def test_the_guard_on_the_models_tensors_steps_aside_for_usc_and_for_a_gone_program():
+    """usc's own traces of a model left behind (lint) read its tensors' metadata only; with the program
+    gone, the model's own tensors are the only state there is, and usable."""
+    torch.manual_seed(14)
+    model = llama()
+    sim = usc.simulate(model, "dp=2", example_inputs=batch(0), optimizer=sgd)
+    sim.step(batch(0))
+    usc.lint(model, "tp=2", example_inputs=batch(0))
+    del sim
+    import gc
+
+    gc.collect()
+    assert eager_loss(model, batch(1)) > 0
+    assert all(type(p) is nn.Parameter for p in model.parameters())
