@@ -12,6 +12,7 @@ from usc.runtime.agreement import RanksDisagree
 from usc.runtime.errors import CollectiveError, CollectiveTimeout, NonFiniteLoss
 from usc.runtime.input_checks import BadInput, InputDtypeError, InputOutOfRange
 from usc.handover import ModelChanged, ModelOutOfDate
+from usc.eval_form import EvalModeError
 from usc.runtime.materialize import InitError, materialize
 
 from . import data, training
@@ -22,4 +23,4 @@ __all__ = ["compile", "simulate", "lint", "plan", "parse_plan", "load_plan", "Pl
            "TraceError", "ShardingError", "CollectiveError", "CollectiveTimeout", "Compiled", "Simulated",
            "Report", "CollectiveRecord", "CheckpointError", "NonFiniteLoss", "BadInput", "InputOutOfRange",
            "InputDtypeError", "RanksDisagree", "InitError", "materialize", "ModelOutOfDate",
-           "ModelChanged", "StepContextError"]
+           "ModelChanged", "StepContextError", "EvalModeError"]

@@ -30,6 +30,7 @@ from usc.training import StepMetrics
 from usc.runtime.materialize import InitFn, has_meta_tensors
 
 from .build import OptimizerFactory, SchedulerFactory, _as_plan, _Compiled, _full_state
+from . import eval_form
 from .handover import note_given, refuse_model_changes
 from .model_call import trainable
 from .version import __version__
@@ -282,6 +283,8 @@ class Compiled(_TrainingLoop, _Compiled):
         refuse_model_changes(self._user_model_alive(), None, "step(...)", self._watcher)
         batch = self.flat_batch(batch)
         self._ensure_built(batch)
+        if not self.training:
+            eval_form.check(self, batch, "step(...)")
         with self._mode():
             return self._agreed_rank().evaluate(batch)
 
@@ -292,6 +295,7 @@ class Compiled(_TrainingLoop, _Compiled):
         refuse_model_changes(self._user_model_alive(), None, "step.eval_step(...)", self._watcher)
         batch = self.flat_batch(batch)
         self._ensure_built(batch)
+        eval_form.check(self, batch, "step.eval_step(...)")
         with self._mode(evaluating=True):
             return self._agreed_rank().evaluate(batch)
 
@@ -480,12 +484,15 @@ class Simulated(_TrainingLoop, _Compiled):
         _refuse_ambient_modes("sim(...)", trains=False)
         refuse_model_changes(self._user_model_alive(), None, "sim(...)", self._watcher)
         batch = self.flat_batch(batch)
+        if not self.training:
+            eval_form.check(self, batch, "sim(...)")
         return self._run(lambda rank: self._in_mode(rank.evaluate, batch))[0]
 
     def eval_step(self, *batch) -> float:
         _refuse_ambient_modes("sim.eval_step(...)", trains=False)
         refuse_model_changes(self._user_model_alive(), None, "sim.eval_step(...)", self._watcher)
         batch = self.flat_batch(batch)
+        eval_form.check(self, batch, "sim.eval_step(...)")
         return self._run(lambda rank: self._in_mode(rank.evaluate, batch, evaluating=True))[0]
 
     def memory_bytes(self) -> list[dict[str, int]]:
