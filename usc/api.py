@@ -30,7 +30,7 @@ from usc.training import StepMetrics
 from usc.runtime.materialize import InitFn, has_meta_tensors
 
 from .build import OptimizerFactory, SchedulerFactory, _as_plan, _Compiled, _full_state
-from . import eval_form
+from .eval_form import check as check_eval_form
 from .handover import note_given, refuse_model_changes
 from .model_call import trainable
 from .version import __version__
@@ -284,7 +284,7 @@ class Compiled(_TrainingLoop, _Compiled):
         batch = self.flat_batch(batch)
         self._ensure_built(batch)
         if not self.training:
-            eval_form.check(self, batch, "step(...)")
+            check_eval_form(self, batch, "step(...)")
         with self._mode():
             return self._agreed_rank().evaluate(batch)
 
@@ -295,7 +295,7 @@ class Compiled(_TrainingLoop, _Compiled):
         refuse_model_changes(self._user_model_alive(), None, "step.eval_step(...)", self._watcher)
         batch = self.flat_batch(batch)
         self._ensure_built(batch)
-        eval_form.check(self, batch, "step.eval_step(...)")
+        check_eval_form(self, batch, "step.eval_step(...)")
         with self._mode(evaluating=True):
             return self._agreed_rank().evaluate(batch)
 
@@ -485,14 +485,14 @@ class Simulated(_TrainingLoop, _Compiled):
         refuse_model_changes(self._user_model_alive(), None, "sim(...)", self._watcher)
         batch = self.flat_batch(batch)
         if not self.training:
-            eval_form.check(self, batch, "sim(...)")
+            check_eval_form(self, batch, "sim(...)")
         return self._run(lambda rank: self._in_mode(rank.evaluate, batch))[0]
 
     def eval_step(self, *batch) -> float:
         _refuse_ambient_modes("sim.eval_step(...)", trains=False)
         refuse_model_changes(self._user_model_alive(), None, "sim.eval_step(...)", self._watcher)
         batch = self.flat_batch(batch)
-        eval_form.check(self, batch, "sim.eval_step(...)")
+        check_eval_form(self, batch, "sim.eval_step(...)")
         return self._run(lambda rank: self._in_mode(rank.evaluate, batch, evaluating=True))[0]
 
     def memory_bytes(self) -> list[dict[str, int]]:
