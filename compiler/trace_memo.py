@@ -7,9 +7,10 @@ for a model that is the same program: the key holds every module's class and eve
 carries (numbers, strings, configs, dataclasses, functions by identity, tensors with their values),
 every parameter's and buffer's name, shape, dtype, device, requires_grad and tying, the inputs
 (values included), the tracing options, and the global state tracing reads (default dtype, grad and
-autocast modes, deterministic algorithms, usc's environment variables). An attribute of any other
-kind (an object the key cannot describe, a closure, a hook) makes the model unkeyable: it is traced
-every time. What the model printed and warned while traced is replayed on every reuse.
+autocast modes, deterministic algorithms, usc's environment variables, the torch function modes
+active). An attribute of any other kind (an object the key cannot describe, a closure, a hook)
+makes the model unkeyable: it is traced every time. What the model printed and warned while traced
+is replayed on every reuse.
 
 A reused trace is a copy of the graph the first compile got (nodes and their metadata copied, the
 submodules and constants shared: what every pass does before editing), in a fresh ``Traced``
@@ -131,7 +132,8 @@ def _global_state() -> tuple:
     return (torch.get_default_dtype(), torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
             torch.are_deterministic_algorithms_enabled(), torch.is_autocast_enabled("cpu"),
             torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cpu"), torch.get_autocast_dtype("cuda"),
-            tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("USC_"))))
+            tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("USC_"))),
+            tuple(type(mode) for mode in torch.overrides._get_current_function_mode_stack()))
 
 
 def _usc_own(hook) -> bool:

@@ -377,18 +377,20 @@ class _LeftBehind:
         kwargs = kwargs or {}
         if func not in _NO_VALUES and not in_trace():  # usc's own traces make it fake: no values read
             for value in (*args, *kwargs.values()):
-                watch = _watch_of(value)
+                watch, tensor = _watch_of(value)
                 if watch is not None:
-                    watch.refuse_value(value)
+                    watch.refuse_value(tensor)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
 
-def _watch_of(value) -> "_Watch | None":
+def _watch_of(value) -> tuple:
+    """(the watch of the first guarded tensor in ``value``, that tensor), or (None, None)."""
     if isinstance(value, (list, tuple)):  # torch's foreach ops take lists of tensors
-        return next((w for w in map(_watch_of, value) if w is not None), None)
+        return next((found for found in map(_watch_of, value) if found[0] is not None), (None, None))
     ref = getattr(value, "_usc_left_behind", None) if isinstance(value, _LeftBehind) else None
-    return ref() if ref is not None else None
+    watch = ref() if ref is not None else None
+    return (watch, value) if watch is not None else (None, None)
 
 
 class _LeftBehindParameter(_LeftBehind, nn.Parameter):
