@@ -131,7 +131,9 @@ def _uses_batch_statistics(gm: fx.GraphModule) -> str:
 def check(program, batch: tuple, call: str) -> None:
     """Refuse ``call`` (an evaluation in eval mode) when the model's evaluation is not its training
     forward with dropout off. Decided once per program, on the first such call: the model traced in
-    both modes on ``batch``; with the model gone (nothing left to trace), a batch norm's training form
+    evaluation mode on ``batch`` and compared with the program's own trace, and where they differ
+    (dropout's kernels, another batch's shapes) with the model traced in training mode, dropout at
+    zero, on the same batch; with the model gone (nothing left to trace), a batch norm's training form
     in the compiled program decides."""
     verdict = getattr(program, "_eval_form", None)
     if verdict is None:
@@ -155,17 +157,23 @@ def _decide(program, batch: tuple) -> str:
         where = _uses_batch_statistics(traced.gm) if traced is not None else ""
         return f"{where} normalises with the batch's statistics in training" if where else ""
     microbatch = program._microbatch(batch)
+    loss_fn = getattr(program, "_loss_fn", None)
+
+    def trace_in(mode: bool) -> fx.GraphModule:
+        model.train(mode)
+        wrapped = trainable(model, loss_fn)
+        wrapped.layout = program.model.layout  # the batch as the program reads it
+        with _DropoutOff() if mode else contextlib.nullcontext():
+            return trace(wrapped, microbatch, wrapper_source=program._loss_source).gm
+
     was = model.training
     try:
-        graphs = []
-        for mode in (True, False):
-            model.train(mode)
-            wrapped = trainable(model, getattr(program, "_loss_fn", None))
-            wrapped.layout = program.model.layout  # the batch as the program reads it
-            with _DropoutOff() if mode else contextlib.nullcontext():
-                graphs.append(trace(wrapped, microbatch, wrapper_source=program._loss_source).gm)
+        evaluating = trace_in(False)
+        built = getattr(program, "_traced", None)  # the program's own trace: the same where nothing differs
+        if built is not None and not mode_difference(built.gm, evaluating):
+            return ""
+        return mode_difference(trace_in(True), evaluating)
     except CompileError as err:
         return f"the model in evaluation mode does not trace as in training ({str(err).splitlines()[0]})"
     finally:
         model.train(was)
-    return mode_difference(*graphs)
