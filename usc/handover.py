@@ -313,6 +313,7 @@ def refuse_model_changes(model: "nn.Module | None", compiled_frozen: "frozenset 
     if attributes:
         (path, name), old, new = attributes[0]
         where = f"{path}.{name}" if path else name
+        recompute = any(n == "gradient_checkpointing" for (_, n), _, _ in attributes)
         raise ModelChanged(
             f"{call}: {type(model).__name__}.{where} was set after usc.compile ({_shown(old)} when traced, "
             f"{_shown(new)} now" + (f"; {len(attributes) - 1} more attribute(s) changed" if len(attributes) > 1
@@ -320,7 +321,8 @@ def refuse_model_changes(model: "nn.Module | None", compiled_frozen: "frozenset 
             "it was traced with (a dropout rate, a temperature, a flag), so it would run as before, with no error\n"
             "  fix: set it before compiling, or compile again now (model.load_state_dict(step.full_state_dict()) "
             "first to keep the trained values; the optimizer's state starts afresh); a value that changes every "
-            "step belongs in the batch (an input tensor) or the loss, not in an attribute")
+            "step belongs in the batch (an input tensor) or the loss, not in an attribute"
+            + ("; activation checkpointing is the plan's: recompute=full or recompute=selective" if recompute else ""))
     if compiled_frozen is None:
         return
     now = frozen_names(model)

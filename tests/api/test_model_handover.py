@@ -246,6 +246,19 @@ def test_a_dropout_rate_set_after_compile_is_refused():
         sim.step(batch(1))
 
 
+def test_activation_checkpointing_switched_on_after_compile_points_to_the_plan():
+    """Hugging Face's ``activation_checkpointing_enable()`` (``gradient_checkpointing_enable()`` before
+    it) after compile sets a flag its layers read: refused, naming the plan's own recompute."""
+    torch.manual_seed(15)
+    model = llama()
+    sim = usc.simulate(model, "dp=2", example_inputs=batch(0), optimizer=sgd)
+    sim.step(batch(0))
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    with pytest.raises(usc.ModelChanged, match=r"(?s)gradient_checkpointing was set after usc.compile \(False when "
+                                               r"traced, True now.*recompute=full or recompute=selective"):
+        sim.step(batch(1))
+
+
 def test_attributes_forward_does_not_read_are_the_users_own():
     """Bookkeeping kept on the model (an epoch count, notes, the config's generation switches forward
     does not reach in training) is not refused, and the steps are the steps of a model without it."""
