@@ -3,9 +3,10 @@
 usc traces the training forward and evaluates with that program, dropout off (``EvalMode``). A model
 whose evaluation differs in more than dropout -- batch norm's running statistics, a branch on
 ``self.training`` (stochastic depth, a router's jitter, a layer drop, a scale) -- would be evaluated
-with its training forward, silently. So the first evaluation in eval mode traces the model in both
-modes on that batch and compares the two programs op by op, dropout aside; where they differ, the
-evaluation is refused by name (``EvalModeError``) instead of answering with the training forward."""
+with its training forward, silently. So the first evaluation in eval mode traces the model in
+evaluation mode on that batch and compares the program op by op with the training one, dropout
+aside; where they differ, the evaluation is refused by name (``EvalModeError``) instead of answering
+with the training forward."""
 
 from __future__ import annotations
 
