@@ -51,14 +51,6 @@ def _names_read(cls: type) -> frozenset:
     objects (``self.p``, ``getattr(self, "p")`` among them; more than the instance's: a name no
     attribute has is not looked at)."""
     names: set = set()
-
-    def take(code) -> None:
-        names.update(code.co_names)
-        names.update(c for c in code.co_consts if isinstance(c, str) and c.isidentifier())
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                take(const)
-
     for klass in cls.__mro__:
         if klass in (nn.Module, object):
             continue
@@ -66,8 +58,20 @@ def _names_read(cls: type) -> frozenset:
             for fn in (value.fget, value.fset) if isinstance(value, property) else (getattr(value, "__func__", value),):
                 code = getattr(fn, "__code__", None)
                 if isinstance(code, types.CodeType):
-                    take(code)
+                    names |= _code_names(code, strings=True)
     return frozenset(names)
+
+
+def _code_names(code: types.CodeType, *, strings: bool = False) -> set:
+    """The names ``code`` and the functions nested in it use (attributes, globals); ``strings``: also
+    its string constants that are identifiers (``getattr(self, "p")``)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const, strings=strings)
+        elif strings and isinstance(const, str) and const.isidentifier():
+            names.add(const)
+    return names
 
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
@@ -132,21 +136,17 @@ class AttributeMarks:
             module = ref()
             if module is None:
                 continue
-            value = module.__dict__.get(name, _ABSENT)
-            if value is mark[2] or (mark[0] == "value" and type(value) is mark[1] and value == mark[2]):
-                continue  # the common case, without making a mark
-            now = _mark(value)
-            if now is not None and not _same(mark, now):
+            now = _moved(mark, module.__dict__.get(name, _ABSENT))
+            if now is not None:
                 out.append(((path, name), mark, now))
         for ref, path, name, mark in self.shadowed:
             module = ref()
-            if module is not None and name in module.__dict__:
-                now = _mark(module.__dict__[name])
-                if now is not None and not _same(mark, now):
-                    out.append(((path, name), mark, now))
+            now = _moved(mark, module.__dict__[name]) if module is not None and name in module.__dict__ else None
+            if now is not None:
+                out.append(((path, name), mark, now))
         for (cls, name), (path, mark) in self.defaults.items():
-            now = _mark(inspect.getattr_static(cls, name, _ABSENT))
-            if now is not None and not _same(mark, now):
+            now = _moved(mark, inspect.getattr_static(cls, name, _ABSENT))
+            if now is not None:
                 out.append(((path, name), mark, now))
         return out
 
@@ -189,16 +189,7 @@ class PythonReads:
         module = namespace.get("__name__", "")
         if _library(module):
             return
-        names: set = set()
-
-        def take(c) -> None:
-            names.update(c.co_names)
-            for const in c.co_consts:
-                if isinstance(const, types.CodeType):
-                    take(const)
-
-        take(code)
-        for name in names:
+        for name in _code_names(code):
             if cls is not None:
                 method = inspect.getattr_static(cls, name, None)
                 if isinstance(method, (types.FunctionType, staticmethod, classmethod, property)):
@@ -236,12 +227,19 @@ class PythonReads:
                     value = namespace.cell_contents
                 except ValueError:
                     value = _ABSENT
-            if value is mark[2] or (mark[0] == "value" and type(value) is mark[1] and value == mark[2]):
-                continue
-            now = _mark(value)
-            if now is not None and not _same(mark, now):
+            now = _moved(mark, value)
+            if now is not None:
                 out.append((label, mark, now))
         return out
+
+
+def _moved(mark, value):
+    """The mark of ``value`` where it is not what ``mark`` recorded, else None (also for a value that is
+    not compared: an object)."""
+    if value is mark[2] or (mark[0] == "value" and type(value) is mark[1] and value == mark[2]):
+        return None  # the common case, without making a mark
+    now = _mark(value)
+    return now if now is not None and not _same(mark, now) else None
 
 
 def _same(a, b) -> bool:
