@@ -67,6 +67,17 @@ class _TrainingLoop:
     """What Compiled and Simulated share of the loop a user writes: train()/eval(), the scheduler
     stepped after each step, the step's metrics and the checkpoint's metadata."""
 
+    def _evaluation(self, call: str, batch: tuple, *, in_eval_mode: bool) -> tuple:
+        """What every evaluation checks first (the caller's context, the model changed since compile,
+        and in eval mode the model's evaluation form); returns the flat batch, the program built."""
+        _refuse_ambient_modes(call, trains=False)
+        refuse_model_changes(self._user_model_alive(), None, call, self._watcher)
+        batch = self.flat_batch(batch)
+        self._ensure_built(batch)
+        if in_eval_mode:
+            check_eval_form(self, batch, call)
+        return batch
+
     _mode_source = None  # the user's model (a weak reference): its train()/eval() is this program's mode too
     _training = True
 
@@ -279,23 +290,14 @@ class Compiled(_TrainingLoop, _Compiled):
     def __call__(self, *batch) -> float:
         """The global mean loss on ``batch`` without updating anything (no gradients), in the
         current mode: after ``eval()`` dropout is off, as in ``model.eval(); model(x)``."""
-        _refuse_ambient_modes("step(...)", trains=False)
-        refuse_model_changes(self._user_model_alive(), None, "step(...)", self._watcher)
-        batch = self.flat_batch(batch)
-        self._ensure_built(batch)
-        if not self.training:
-            check_eval_form(self, batch, "step(...)")
+        batch = self._evaluation("step(...)", batch, in_eval_mode=not self.training)
         with self._mode():
             return self._agreed_rank().evaluate(batch)
 
     def eval_step(self, *batch) -> float:
         """The global mean loss on ``batch`` in evaluation mode (dropout off, no gradients), whatever
         the current mode."""
-        _refuse_ambient_modes("step.eval_step(...)", trains=False)
-        refuse_model_changes(self._user_model_alive(), None, "step.eval_step(...)", self._watcher)
-        batch = self.flat_batch(batch)
-        self._ensure_built(batch)
-        check_eval_form(self, batch, "step.eval_step(...)")
+        batch = self._evaluation("step.eval_step(...)", batch, in_eval_mode=True)
         with self._mode(evaluating=True):
             return self._agreed_rank().evaluate(batch)
 
@@ -481,18 +483,11 @@ class Simulated(_TrainingLoop, _Compiled):
             return fn(batch)
 
     def __call__(self, *batch) -> float:
-        _refuse_ambient_modes("sim(...)", trains=False)
-        refuse_model_changes(self._user_model_alive(), None, "sim(...)", self._watcher)
-        batch = self.flat_batch(batch)
-        if not self.training:
-            check_eval_form(self, batch, "sim(...)")
+        batch = self._evaluation("sim(...)", batch, in_eval_mode=not self.training)
         return self._run(lambda rank: self._in_mode(rank.evaluate, batch))[0]
 
     def eval_step(self, *batch) -> float:
-        _refuse_ambient_modes("sim.eval_step(...)", trains=False)
-        refuse_model_changes(self._user_model_alive(), None, "sim.eval_step(...)", self._watcher)
-        batch = self.flat_batch(batch)
-        check_eval_form(self, batch, "sim.eval_step(...)")
+        batch = self._evaluation("sim.eval_step(...)", batch, in_eval_mode=True)
         return self._run(lambda rank: self._in_mode(rank.evaluate, batch, evaluating=True))[0]
 
     def memory_bytes(self) -> list[dict[str, int]]:
