@@ -7,6 +7,7 @@
     python benchmarks/playbook_sweep.py --fit       # refit the h100 profile's two fitted constants
     python benchmarks/playbook_sweep.py --fit-gradient  # refit its gradient bandwidth by ranks per node
     python benchmarks/playbook_sweep.py --implied   # the gradient bandwidth each row implies
+    python benchmarks/playbook_sweep.py --fit-pipeline  # refit its pipeline transfer time at 64 nodes
     python benchmarks/playbook_sweep.py --microbatch-cost  # what one more microbatch costs, measured vs predicted
 
 Hugging Face measured thousands of nanotron configurations of Llama-style models on 1-64 nodes of 8
@@ -173,6 +174,58 @@ def gradient_fit_report(base: str = "h100") -> list[str]:
             counts.append(sum(d <= 5 for d in points))
         lines.append(f"fitted on {' and '.join(pair)} instead: b1 = {b1 / 1e9:.0f} GB/s, a = {a:.2f}; the "
                      f"{len(rest)} rows held out within 5 MFU points: {counts[0]} (by-nodes reading alone: {counts[1]})")
+    return lines
+
+
+def _mfu_error(data: list[dict], hw) -> float:
+    return sum(math.log(p["predicted_mfu"] / p["mfu_percent"] * 100) ** 2 for p in predict(data, hw))
+
+
+def fit_pipeline_seconds(data: list[dict], nodes: int, base: str = "h100", grid=None) -> float:
+    """The seconds per pipeline transfer at ``nodes`` nodes (``pipeline_transfer_seconds_by_nodes``
+    holding that one figure for every node count) minimising the squared log error of MFU over
+    ``data``: a coarse grid of 10 ms steps, then 1 ms steps around its best."""
+    hw = hardware_profile(base)
+
+    def error(seconds: float) -> float:
+        return _mfu_error(data, replace(hw, pipeline_transfer_seconds_by_nodes=((nodes, seconds),)))
+
+    coarse = grid or [i / 100 for i in range(0, 41)]
+    best = min(coarse, key=error)
+    return min((max(0.0, best + d / 1000) for d in range(-9, 10)), key=error)
+
+
+def pipeline_fit_report(base: str = "h100") -> list[str]:
+    """Fit the pipeline transfer's seconds on the 64-node pipelined rows, each model held out in turn;
+    then the figure each node count's pipelined rows would take on their own (2-32 nodes: what says
+    the table's lower pair is 0)."""
+    hw = hardware_profile(base)
+    data = rows()
+    sixty_four = [r for r in data if r["nodes"] == 64]
+    piped = [r for r in sixty_four if r["pp"] > 1]
+    fitted = fit_pipeline_seconds(piped, 64, base)
+    table = ((32, 0.0), (64, fitted))
+    lines = [f"fitted on the {len(piped)} pipelined rows of 64 nodes: {fitted:.3f} s per transfer: "
+             f"pipeline_transfer_seconds_by_nodes = [[32, 0.0], [64, {fitted:.3f}]]"]
+    for label, profile in (("without the table", replace(hw, pipeline_transfer_seconds_by_nodes=())),
+                           ("with it", replace(hw, pipeline_transfer_seconds_by_nodes=table))):
+        points = [abs(p["predicted_mfu"] * 100 - p["mfu_percent"]) for p in predict(sixty_four, profile)]
+        lines.append(f"64 nodes, all {len(points)} rows, {label}: within 5 MFU points {sum(d <= 5 for d in points)}")
+    for held in sorted({r["model"] for r in piped}):
+        seconds = fit_pipeline_seconds([r for r in piped if r["model"] != held], 64, base)
+        rest = [r for r in sixty_four if r["model"] == held]
+        profile = replace(hw, pipeline_transfer_seconds_by_nodes=((32, 0.0), (64, seconds)))
+        points = [abs(p["predicted_mfu"] * 100 - p["mfu_percent"]) for p in predict(rest, profile)]
+        lines.append(f"{held} held out: fitted on the others' {len([r for r in piped if r['model'] != held])} "
+                     f"rows, {seconds:.3f} s; {held}'s {len(rest)} rows at 64 nodes within 5 MFU points "
+                     f"{sum(d <= 5 for d in points)}")
+    small = [0.0, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05]
+    for nodes in sorted({r["nodes"] for r in data if 1 < r["nodes"] < 64}):
+        sel = [r for r in data if r["nodes"] == nodes and r["pp"] > 1]
+        if sel:
+            best = min(small, key=lambda s: _mfu_error(sel, replace(hw, pipeline_transfer_seconds_by_nodes=((nodes, s),))))
+            lines.append(f"{nodes} nodes, {len(sel)} pipelined rows on their own: {best * 1e3:.1f} ms per transfer "
+                         f"(of {', '.join(f'{s * 1e3:g}' for s in small)} ms)")
     return lines
 
 
@@ -379,6 +432,8 @@ def main() -> None:
                         "one-node rows (the multi-node rows are not used)")
     parser.add_argument("--fit-gradient", action="store_true", help="fit the h100 profile's gradient bandwidth "
                         "by ranks per node on the 1B and 3B rows of 2-32 nodes (the 8B rows held out)")
+    parser.add_argument("--fit-pipeline", action="store_true", help="fit the h100 profile's pipeline transfer "
+                        "seconds at 64 nodes on that node count's pipelined rows (each model held out in turn)")
     parser.add_argument("--implied", action="store_true", help="the gradient bandwidth each pp=1 row on 2-32 "
                         "nodes implies, by ranks of the dp group per node (what --fit-gradient's law is read from)")
     parser.add_argument("--misses", action="store_true",
@@ -404,6 +459,8 @@ def main() -> None:
         print("| model | nodes | plan | dp ranks per node | implied gradient busbw (GB/s) |")
         print("|---|---|---|---|---|")
         return print("\n".join(implied_bandwidth(args.hardware)))
+    if args.fit_pipeline:
+        return print("\n".join(pipeline_fit_report(args.hardware)))
     if args.fit_gradient:
         return print("\n".join(gradient_fit_report(args.hardware)))
     if args.fit:

@@ -616,10 +616,12 @@ def pipeline_collectives(profile: ModelProfile, plan: PlanPoint, stages: list[Un
     cuts = [stages[i] for i in (k - 1, k) if 0 <= i < len(stages) - 1]  # stage i's boundary: the cut after it
     timed = len(cuts) - 1 if k < len(stages) - 1 else 0  # which cut's transfer is on the time
     link = _link(hw, plan, "pp")
+    # what a transfer across nodes takes beyond its bytes at the mesh's scale (the profile's table)
+    scale = hw.pipeline_transfer_seconds(math.ceil(plan.world / hw.gpus_per_node)) if crosses_node(plan, "pp") else 0.0
     out = []
     for direction, crossing in (("forward", lambda cut: cut.boundary), ("backward", lambda cut: cut.boundary_grad)):
         nbytes = [_acts(crossing(cut).get(sp, {}), profile, plan) for cut in cuts]  # the hidden state
-        seconds = collective_seconds("send/recv", nbytes[timed], 2, *link)
+        seconds = collective_seconds("send/recv", nbytes[timed], 2, *link) + scale
         out.append(CollectiveEstimate("pp", "send/recv", direction, plan.pp, sum(nbytes), len(cuts),
                                       seconds, seconds))
     return out

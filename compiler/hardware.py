@@ -104,12 +104,20 @@ class HardwareProfile:
     # between the pairs; reduce-scatter and all-gather scaled by the by-nodes tables' ratio to
     # all-reduce). Empty: the by-nodes reading above alone.
     gradient_busbw_by_ranks_per_node: tuple = ()
+    # Seconds a pipeline transfer across nodes takes beyond its bytes, by the nodes the whole mesh
+    # spans, as (nodes, seconds) pairs read from measured steps (linear between the pairs, the ends
+    # held beyond them): a cost that appears with the fabric's scale, not with the message -- the
+    # Ultra-Scale Playbook's sweep shows none on 2-32 nodes and ~0.17 s per transfer on 64
+    # (docs/cost_model.md, "The playbook's sweep"). Empty: the link's latency alone.
+    pipeline_transfer_seconds_by_nodes: tuple = ()
 
     def __post_init__(self) -> None:
         for name in BUSBW_FIELDS.values():
             object.__setattr__(self, name, _busbw_table(self.name, name, getattr(self, name)))
         object.__setattr__(self, GRADIENT_FIELD, _busbw_table(self.name, GRADIENT_FIELD,
                                                               getattr(self, GRADIENT_FIELD), least=1))
+        object.__setattr__(self, PIPELINE_FIELD, _seconds_table(self.name, PIPELINE_FIELD,
+                                                                getattr(self, PIPELINE_FIELD)))
         for f in fields(self):
             _check_field(self.name, f.name, getattr(self, f.name))
         if int(self.gpus_per_node) != self.gpus_per_node:
@@ -162,6 +170,20 @@ class HardwareProfile:
         between its pairs, its ends held beyond them); None when the profile has no such table."""
         return _log_log(self.gradient_busbw_by_ranks_per_node, ranks_per_node)
 
+    def pipeline_transfer_seconds(self, nodes: float) -> float:
+        """What a pipeline transfer across nodes takes beyond its bytes on a mesh spanning ``nodes``
+        nodes (``pipeline_transfer_seconds_by_nodes``, linear between its pairs, its ends held beyond
+        them); 0 where the profile has no such table."""
+        pairs = self.pipeline_transfer_seconds_by_nodes
+        if not pairs:
+            return 0.0
+        if nodes <= pairs[0][0]:
+            return pairs[0][1]
+        for (n0, s0), (n1, s1) in zip(pairs, pairs[1:]):
+            if nodes <= n1:
+                return s0 + (nodes - n0) / (n1 - n0) * (s1 - s0)
+        return pairs[-1][1]
+
     def matmul_rate(self, rows: float, dtype: str) -> float:
         """FLOP/s of one rank's matmuls with ``rows`` rows (tokens) per call: the peak times the
         sustained efficiency, falling off below ``matmul_half_rows`` -- or, with
@@ -199,6 +221,9 @@ BUSBW_FIELDS = {"all-reduce": "all_reduce_busbw_by_nodes", "all-gather": "all_ga
 
 # The profile field of the gradient reduction's bus bandwidth by ranks per node (``gradient_busbw``).
 GRADIENT_FIELD = "gradient_busbw_by_ranks_per_node"
+
+# The profile field of a pipeline transfer's time by the mesh's node count (``pipeline_transfer_seconds``).
+PIPELINE_FIELD = "pipeline_transfer_seconds_by_nodes"
 
 
 def _log_log(pairs: tuple, x: float) -> "float | None":
@@ -243,10 +268,34 @@ def _busbw_table(profile: str, name: str, value, least: int = 2) -> tuple:
     return tuple(pairs)
 
 
+def _seconds_table(profile: str, name: str, value) -> tuple:
+    """``value`` as ((nodes, seconds), ...), nodes whole and ascending from 1, seconds at least 0;
+    raise naming the field."""
+    def bad(why: str) -> HardwareProfileError:
+        return HardwareProfileError(
+            f"hardware profile {profile!r}: {name!r} {why}; write it as [[32, 0.0], [64, 0.17]]: "
+            "(nodes of the mesh, seconds) pairs, nodes ascending from 1")
+    if not isinstance(value, (list, tuple)):
+        raise bad(f"must be a list of pairs, got {value!r}")
+    pairs = []
+    for pair in value:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise bad(f"holds {pair!r}, not a (nodes, seconds) pair")
+        nodes, seconds = pair
+        if isinstance(nodes, bool) or not isinstance(nodes, (int, float)) or nodes != int(nodes) or nodes < 1:
+            raise bad(f"has node count {nodes!r}: a whole number of at least 1")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+            raise bad(f"has {seconds!r} seconds at {nodes} nodes: a number of at least 0")
+        pairs.append((int(nodes), float(seconds)))
+    if [n for n, _ in pairs] != sorted({n for n, _ in pairs}):
+        raise bad("must list each node count once, ascending")
+    return tuple(pairs)
+
+
 # Fields that may be zero (an overhead nobody measured is no overhead), and the string-valued ones.
 MAY_BE_ZERO = ("unit_overhead", "comm_overlap", "host_cores", "attention_efficiency", "matmul_half_work")
 TEXT_FIELDS = {"latency_steps": ("tree", "ring"), "host_launch": ("async", "sync")}
-BUSBW_NAMES = frozenset((*BUSBW_FIELDS.values(), GRADIENT_FIELD))
+BUSBW_NAMES = frozenset((*BUSBW_FIELDS.values(), GRADIENT_FIELD, PIPELINE_FIELD))
 
 
 def _check_field(profile: str, name: str, value) -> None:

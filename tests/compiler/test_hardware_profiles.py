@@ -308,3 +308,57 @@ def test_the_gradient_table_moves_only_the_dp_gradient_terms():
         b = {(c.kind, c.direction): c.seconds for c in gradient_collectives(plan, [unit], without, 0.0)}
         assert a.keys() == b.keys()
         assert {k for k in a if a[k] != pytest.approx(b[k])} == changed, (zero, a, b)
+
+
+def test_the_pipeline_transfer_table_is_read_checked_and_interpolated(tmp_path):
+    """pipeline_transfer_seconds_by_nodes: (nodes, seconds) pairs, linear between them, the ends held
+    beyond them; a malformed table names the field and the pair."""
+    from dataclasses import replace
+
+    assert H100.pipeline_transfer_seconds_by_nodes == ((32, 0.0), (64, 0.173))
+    assert H100.pipeline_transfer_seconds(4) == 0.0 and H100.pipeline_transfer_seconds(32) == 0.0
+    assert H100.pipeline_transfer_seconds(48) == pytest.approx(0.0865)
+    assert H100.pipeline_transfer_seconds(64) == H100.pipeline_transfer_seconds(1024) == pytest.approx(0.173)
+    assert replace(H100, pipeline_transfer_seconds_by_nodes=()).pipeline_transfer_seconds(64) == 0.0
+    path = tmp_path / "fabric.toml"
+    path.write_text('base = "h100"\npipeline_transfer_seconds_by_nodes = [[8, 0.001], [128, 0.05]]\n')
+    assert hardware_profile(str(path)).pipeline_transfer_seconds(68) == pytest.approx(0.0255)
+    for text, message in [("[[0, 0.1]]", "node count 0: a whole number of at least 1"),
+                          ("[[64, 0.1], [32, 0.0]]", "each node count once, ascending"),
+                          ("[[64, -0.1]]", "-0.1 seconds at 64 nodes"),
+                          ("[64, 0.1]", "holds 64, not a")]:
+        path.write_text(f'base = "h100"\npipeline_transfer_seconds_by_nodes = {text}\n')
+        with pytest.raises(HardwareProfileError, match=f"'pipeline_transfer_seconds_by_nodes' .*{message}"):
+            hardware_profile(str(path))
+
+
+def test_the_pipeline_transfer_table_moves_only_transfers_across_nodes_on_a_large_mesh():
+    """The table adds its seconds to each pipeline send/recv whose stages sit on different nodes, at
+    the node count of the whole mesh: a 64-node pipelined plan's transfers take 0.173 s more each, a
+    32-node one's and a pipeline inside each node's nothing; no other term moves."""
+    from dataclasses import replace
+
+    import torch
+
+    from usc.compiler.cost_model import PlanPoint, crosses_node, estimate
+    from usc.passes.cost_profile import profile_model
+    from usc.testing.models import LlamaConfig, TinyLlama, token_batch
+
+    torch.manual_seed(0)
+    profile = profile_model(TinyLlama(LlamaConfig(layers=4, hidden=96, heads=6, kv_heads=2)), token_batch(128, 6, 40))
+    without = replace(H100, name="no-pipeline-table", pipeline_transfer_seconds_by_nodes=())
+    nanotron = ("pp", "dp", "cp", "ep", "tp")  # pp outermost: its stages on different nodes
+    for plan, crosses, added in ((PlanPoint(512, 40, dp=256, pp=2, mb=2, gpus_per_node=8, order=nanotron), True, 0.173),
+                                 (PlanPoint(256, 40, dp=128, pp=2, mb=2, gpus_per_node=8, order=nanotron), True, 0.0),
+                                 (PlanPoint(512, 40, dp=256, pp=2, mb=2, gpus_per_node=8), False, 0.0)):
+        assert crosses_node(plan, "pp") == crosses
+        a, b = estimate(profile, plan, H100), estimate(profile, plan, without)
+        pp_a = {c.direction: c.seconds for c in a.collectives if c.kind == "send/recv"}
+        pp_b = {c.direction: c.seconds for c in b.collectives if c.kind == "send/recv"}
+        assert pp_a.keys() == pp_b.keys() == {"forward", "backward"}
+        for direction in pp_a:  # per transfer, times the microbatches
+            assert pp_a[direction] - pp_b[direction] == pytest.approx(added * plan.mb)
+        others = lambda e: [(c.axis, c.kind, c.direction, c.seconds) for c in e.collectives if c.kind != "send/recv"]  # noqa: E731
+        assert others(a) == others(b)
+        assert a.time["compute"] == pytest.approx(b.time["compute"])
+        assert (a.time["step"] > b.time["step"] + 0.5) == (added > 0)  # 2 directions x (2 microbatches + the bubble's 1)
