@@ -341,6 +341,27 @@ def tp_scaling(hw_name="h100") -> list[str]:
 NANOTRON_SPACE = (("zero", 1), ("recompute", "none"), ("fuse", False), ("cp", 1), ("schedule", "1f1b"))
 
 
+def measured_or_bound(plan, cell: list[dict]) -> tuple[str, float | None]:
+    """What the sweep says of ``plan`` in its (model, nodes) cell: ("measured", MFU %) when a row is
+    that configuration (same dp/tp/pp sizes, microbatch count and, with dp > 1, ZeRO stage; nanotron's
+    layout), else ("at most", MFU %) read off the ranks the file keeps -- every pipelined row among a
+    cell's fifteen fastest on 2+ nodes is kept, so one missing ran below all of those; any other missing
+    row ranks after the first rank the file lacks, below the row before it -- or ("not run", None)
+    for a pure-dp or pure-tp plan (the file keeps all of those). A bound holds if the sweep ran the
+    configuration at all (it may not have fit)."""
+    for r in cell:
+        if (r["dp"], r["tp"], r["pp"], r["gradacc"]) == (plan.dp, plan.tp, plan.pp, plan.mb) and (
+                plan.dp == 1 or r["zero"] == plan.zero):
+            return "measured", r["mfu_percent"]
+    if (plan.tp == 1 and plan.pp == 1) or (plan.dp == 1 and plan.pp == 1):
+        return "not run", None
+    by_rank = {r["rank"]: r["mfu_percent"] for r in cell}
+    if plan.pp > 1 and cell[0]["nodes"] > 1:
+        return "at most", min(m for k, m in by_rank.items() if k <= 15)
+    gap = next(k for k in range(1, len(by_rank) + 2) if k not in by_rank)
+    return "at most", by_rank[gap - 1]
+
+
 def planner_vs_sweep(hw_name="h100") -> list[str]:
     """Per (model, nodes) cell: the plan usc.plan's search chooses in the sweep's space, its predicted
     MFU, and the MFU the sweep measured for its fastest configuration."""
@@ -354,12 +375,15 @@ def planner_vs_sweep(hw_name="h100") -> list[str]:
         if cell not in best or r["tok_s_gpu"] > best[cell]["tok_s_gpu"]:
             best[cell] = r
     lines = []
+    data = rows()
     for (model, nodes), measured in sorted(best.items(), key=lambda c: (c[0][0], c[0][1])):
         target = PlanTarget(gpus=8 * nodes, seq=SEQ, global_batch=256, gpus_per_node=8, dtype="bf16",
                             fixed=NANOTRON_SPACE)
         result = search(model_profile(model), target, hw, supported=refusal)
         chosen = result.best
-        lines.append(f"| {model} | {nodes} | `{chosen.plan.text()}` | {chosen.estimate.mfu:.1%} | "
+        kind, mfu = measured_or_bound(chosen.plan, [r for r in data if (r["model"], r["nodes"]) == (model, nodes)])
+        said = "not in the sweep" if mfu is None else f"{mfu:.1f}%" if kind == "measured" else f"at most {mfu:.1f}%"
+        lines.append(f"| {model} | {nodes} | `{chosen.plan.text()}` | {chosen.estimate.mfu:.1%} | {said} | "
                      f"`{plan_text(measured)}` | {measured['mfu_percent']:.1f}% | "
                      f"{(chosen.estimate.mfu - measured['mfu_percent'] / 100) * 100:+.1f} | "
                      f"{'; '.join(result.unchecked_terms) or '-'} |")
@@ -447,9 +471,9 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|")
         return print("\n".join(microbatch_cost(args.hardware)))
     if args.planner:
-        print("| model | nodes | usc.plan's choice | predicted MFU | the sweep's fastest | measured MFU | points "
-              "| unchecked terms |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| model | nodes | usc.plan's choice | predicted MFU | the choice measured | the sweep's fastest "
+              "| measured MFU | points | unchecked terms |")
+        print("|---|---|---|---|---|---|---|---|---|")
         return print("\n".join(planner_vs_sweep(args.hardware)))
     if args.tp_scaling:
         print("| mode | tp | batch | tokens/s/GPU published | predicted | predicted at the sweep's FLOPs |")

@@ -205,6 +205,29 @@ def test_the_64_node_rows_with_the_pipeline_transfer_table_each_model_held_out(s
     assert max(cell, key=lambda p: p["predicted_mfu"]) is max(cell, key=lambda p: p["tok_s_gpu"])
 
 
+def test_a_plan_the_sweep_did_not_list_is_bounded_by_the_ranks_it_kept(sweep):
+    """``measured_or_bound``: a listed configuration is its measured MFU; a pipelined one missing on
+    2+ nodes ranks below every kept pipelined row among the fifteen fastest; any other missing one
+    ranks after the first rank the file lacks; a missing pure-dp or pure-tp plan was not run."""
+    from usc.compiler.cost_types import PlanPoint
+
+    def row(rank, mfu, dp, tp=1, pp=1, gradacc=1, zero=1):
+        return dict(nodes=4, rank=rank, mfu_percent=mfu, dp=dp, tp=tp, pp=pp, gradacc=gradacc, zero=zero)
+
+    cell = [row(1, 40.0, 32), row(2, 39.0, 16, tp=2), row(3, 38.0, 8, tp=4), row(5, 36.0, 16, pp=2, gradacc=2),
+            row(9, 30.0, 8, pp=4, gradacc=4)]
+    point = lambda **k: PlanPoint(256, 4096, **k)  # noqa: E731
+    assert sweep.measured_or_bound(point(dp=16, tp=2, zero=1), cell) == ("measured", 39.0)
+    assert sweep.measured_or_bound(point(dp=16, tp=2, zero=0), cell) == ("at most", 38.0)  # rank 4 is missing
+    assert sweep.measured_or_bound(point(dp=16, pp=2, mb=4, zero=1), cell) == ("at most", 30.0)
+    assert sweep.measured_or_bound(point(dp=32, mb=2, zero=1), cell) == ("not run", None)
+    # the sweep's own: usc.plan's 64-node choices (ZeRO-1, dp=64 tp=8) ran below each cell's third fastest
+    data = sweep.rows()
+    for model, bound in (("1B", 2.6), ("3B", 4.3), ("8B", 9.6)):
+        cell = [r for r in data if (r["model"], r["nodes"]) == (model, 64)]
+        assert sweep.measured_or_bound(point(dp=64, tp=8, zero=1), cell) == ("at most", bound)
+
+
 def test_one_more_microbatch_costs_what_the_sweep_measured(sweep):
     """The sweep's one-node 1B rows that cut the same 256 sequences finer: under pure dp one more
     microbatch cost 0.28 ms per layer (the device, busy with whole layers, hides the host's launches),
