@@ -246,49 +246,50 @@ def _busbw_table(profile: str, name: str, value, least: int = 2) -> tuple:
     (the gradient table, from 1)."""
     what, unit = ("node count", "nodes") if least == 2 else ("ranks per node", "ranks per node")
     example = "[[2, 361.7e9], [4, 160.1e9], ...]" if least == 2 else "[[1, 24e9], [2, 33.9e9], ...]"
-    def bad(why: str) -> HardwareProfileError:
-        return HardwareProfileError(
-            f"hardware profile {profile!r}: {name!r} {why}; write it as {example}: "
-            f"({what}, bus bandwidth in bytes/s) pairs, {what}s from {least} up")
-    if not isinstance(value, (list, tuple)):
-        raise bad(f"must be a list of pairs, got {value!r}")
-    pairs = []
-    for pair in value:
-        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise bad(f"holds {pair!r}, not a ({unit}, busbw) pair")
-        count, busbw = pair
-        if isinstance(count, bool) or not isinstance(count, (int, float)) or count != int(count) or count < least:
-            why = " (one node is NVLink's)" if least == 2 else ""
-            raise bad(f"has {what} {count!r}: a whole number of at least {least}{why}")
-        if isinstance(busbw, bool) or not isinstance(busbw, (int, float)) or not busbw > 0:
-            raise bad(f"has bandwidth {busbw!r} at {count} {unit}: a positive number of bytes/s")
-        pairs.append((int(count), float(busbw)))
-    if [n for n, _ in pairs] != sorted({n for n, _ in pairs}):
-        raise bad(f"must list each {what} once, ascending")
-    return tuple(pairs)
+    return _checked_pairs(
+        profile, name, value, least=least, what=what, unit=unit, second="busbw",
+        how=f"{example}: ({what}, bus bandwidth in bytes/s) pairs, {what}s from {least} up",
+        count_note=" (one node is NVLink's)" if least == 2 else "",
+        bad_value=lambda busbw, count: None if _is_number(busbw) and busbw > 0 else
+        f"has bandwidth {busbw!r} at {count} {unit}: a positive number of bytes/s")
 
 
 def _seconds_table(profile: str, name: str, value) -> tuple:
     """``value`` as ((nodes, seconds), ...), nodes whole and ascending from 1, seconds at least 0;
     raise naming the field."""
+    return _checked_pairs(
+        profile, name, value, least=1, what="node count", unit="nodes", second="seconds",
+        how="[[32, 0.0], [64, 0.17]]: (nodes of the mesh, seconds) pairs, nodes ascending from 1",
+        bad_value=lambda seconds, nodes: None if _is_number(seconds) and seconds >= 0 else
+        f"has {seconds!r} seconds at {nodes} nodes: a number of at least 0")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _checked_pairs(profile: str, name: str, value, *, least: int, what: str, unit: str, second: str,
+                   how: str, bad_value, count_note: str = "") -> tuple:
+    """``value`` as ((count, number), ...): whole counts from ``least`` up, each once and ascending,
+    values that ``bad_value(value, count)`` finds nothing wrong with (it returns why, or None);
+    raise naming the field, the pair and how to write it."""
     def bad(why: str) -> HardwareProfileError:
-        return HardwareProfileError(
-            f"hardware profile {profile!r}: {name!r} {why}; write it as [[32, 0.0], [64, 0.17]]: "
-            "(nodes of the mesh, seconds) pairs, nodes ascending from 1")
+        return HardwareProfileError(f"hardware profile {profile!r}: {name!r} {why}; write it as {how}")
     if not isinstance(value, (list, tuple)):
         raise bad(f"must be a list of pairs, got {value!r}")
     pairs = []
     for pair in value:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise bad(f"holds {pair!r}, not a (nodes, seconds) pair")
-        nodes, seconds = pair
-        if isinstance(nodes, bool) or not isinstance(nodes, (int, float)) or nodes != int(nodes) or nodes < 1:
-            raise bad(f"has node count {nodes!r}: a whole number of at least 1")
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
-            raise bad(f"has {seconds!r} seconds at {nodes} nodes: a number of at least 0")
-        pairs.append((int(nodes), float(seconds)))
+            raise bad(f"holds {pair!r}, not a ({unit}, {second}) pair")
+        count, number = pair
+        if not _is_number(count) or count != int(count) or count < least:
+            raise bad(f"has {what} {count!r}: a whole number of at least {least}{count_note}")
+        problem = bad_value(number, count)
+        if problem:
+            raise bad(problem)
+        pairs.append((int(count), float(number)))
     if [n for n, _ in pairs] != sorted({n for n, _ in pairs}):
-        raise bad("must list each node count once, ascending")
+        raise bad(f"must list each {what} once, ascending")
     return tuple(pairs)
 
 
