@@ -249,7 +249,7 @@ def _cores() -> int:
 def write_toml(profile: dict, path: str, comment: str) -> None:
     lines = [f"# {line}" for line in comment.splitlines()]
     for key, value in profile.items():
-        if isinstance(value, (list, tuple)):  # a busbw-by-nodes table: [[nodes, bytes/s], ...]
+        if isinstance(value, (list, tuple)):  # a table of pairs: [[nodes or ranks per node, value], ...]
             lines.append(f"{key} = [{', '.join(f'[{int(n)}, {float(b):.6g}]' for n, b in value)}]")
         else:
             lines.append(f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value}"

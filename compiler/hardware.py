@@ -296,7 +296,7 @@ def _checked_pairs(profile: str, name: str, value, *, least: int, what: str, uni
 # Fields that may be zero (an overhead nobody measured is no overhead), and the string-valued ones.
 MAY_BE_ZERO = ("unit_overhead", "comm_overlap", "host_cores", "attention_efficiency", "matmul_half_work")
 TEXT_FIELDS = {"latency_steps": ("tree", "ring"), "host_launch": ("async", "sync")}
-BUSBW_NAMES = frozenset((*BUSBW_FIELDS.values(), GRADIENT_FIELD, PIPELINE_FIELD))
+PAIR_TABLES = frozenset((*BUSBW_FIELDS.values(), GRADIENT_FIELD, PIPELINE_FIELD))
 
 
 def _check_field(profile: str, name: str, value) -> None:
@@ -304,8 +304,8 @@ def _check_field(profile: str, name: str, value) -> None:
     if name == "name":
         if not isinstance(value, str) or not value:
             raise HardwareProfileError("hardware profile: 'name' must be a non-empty string")
-    elif name in BUSBW_NAMES:
-        return  # checked (and normalised) by _busbw_table
+    elif name in PAIR_TABLES:
+        return  # checked (and normalised) by _checked_pairs
     elif name in TEXT_FIELDS:
         if value not in TEXT_FIELDS[name]:
             raise HardwareProfileError(f"hardware profile {profile!r}: {name!r} must be one of "
