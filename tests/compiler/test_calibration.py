@@ -198,7 +198,7 @@ def test_the_64_node_rows_with_the_pipeline_transfer_table_each_model_held_out(s
     assert held_in >= 23  # 7 of 7, 9 of 9, 7 of 8 when written
     error = lambda s: sweep._mfu_error(piped, table(s))  # noqa: E731
     assert error(0.173) < min(error(0.163), error(0.183))
-    for nodes in (2, 4, 8):
+    for nodes in (2, 4, 8, 16, 32):
         sel = [r for r in data if r["nodes"] == nodes and r["pp"] > 1]
         assert sweep.fit_pipeline_seconds(sel, nodes, grid=[0.0, 0.01, 0.02]) == 0.0
     cell = [p for p in sweep.predict(sixty_four) if p["model"] == "8B"]
