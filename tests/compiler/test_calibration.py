@@ -201,8 +201,10 @@ def test_the_64_node_rows_with_the_pipeline_transfer_table_each_model_held_out(s
     for nodes in (2, 4, 8, 16, 32):
         sel = [r for r in data if r["nodes"] == nodes and r["pp"] > 1]
         assert sweep.fit_pipeline_seconds(sel, nodes, grid=[0.0, 0.01, 0.02]) == 0.0
-    cell = [p for p in sweep.predict(sixty_four) if p["model"] == "8B"]
-    assert max(cell, key=lambda p: p["predicted_mfu"]) is max(cell, key=lambda p: p["tok_s_gpu"])
+    for hw, first_is_fastest in ((H100, True), (replace(H100, pipeline_transfer_seconds_by_nodes=()), False)):
+        cell = [p for p in sweep.predict(sixty_four, hw) if p["model"] == "8B"]
+        first, fastest = max(cell, key=lambda p: p["predicted_mfu"]), max(cell, key=lambda p: p["tok_s_gpu"])
+        assert (first is fastest) == first_is_fastest and (first["pp"] > 1) != first_is_fastest
 
 
 def test_a_plan_the_sweep_did_not_list_is_bounded_by_the_ranks_it_kept(sweep):
