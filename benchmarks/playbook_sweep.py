@@ -414,6 +414,31 @@ def misses(predicted: list[dict], points: float = 0.05) -> list[str]:
     return out + ["", f"outside {points * 100:.0f} MFU points: {len(out)} of {len(predicted)} rows ({counts})"]
 
 
+def flops_per_token_ratio(p: dict) -> float:
+    """The sweep's FLOPs per token over usc's for one predicted row: its MFU per token/s over the
+    prediction's (a row's MFU is its tokens/s times its FLOPs per token over the peak)."""
+    return (p["mfu_percent"] / 100 / p["tok_s_gpu"]) / (p["predicted_mfu"] / p["predicted_tps"])
+
+
+def flops_consistency(predicted: list[dict]) -> dict[tuple[str, bool], list[float]]:
+    """Per (model, pipelined): the FLOPs-per-token ratios of its rows. One model has one FLOPs count
+    per token whatever its mesh, so within a model the ratio should not move with pp."""
+    out: dict = {}
+    for p in predicted:
+        out.setdefault((p["model"], p["pp"] > 1), []).append(flops_per_token_ratio(p))
+    return out
+
+
+def by_tokens(predicted: list[dict]) -> list[dict]:
+    """``predicted`` with each row's measured MFU made again from its tokens/s and its model's FLOPs
+    per token as the sweep's own non-pipelined rows count them (``flops_consistency``): the
+    comparison in MFU points where the figure's MFU and tokens/s disagree."""
+    ratios = flops_consistency(predicted)
+    per_model = {model: statistics.median(r) for (model, piped), r in ratios.items() if not piped}
+    return [dict(p, mfu_percent=100 * p["tok_s_gpu"] * p["predicted_mfu"] / p["predicted_tps"] * per_model[p["model"]])
+            for p in predicted]
+
+
 def microbatch_costs(hw_name="h100", models=("1B", "3B", "8B")) -> list[dict]:
     """The one-node rows that differ only in their microbatch count (same mesh and ZeRO stage, the
     same 256 sequences cut finer): what one more microbatch adds to the step, per layer, measured and
@@ -461,7 +486,8 @@ def main() -> None:
     parser.add_argument("--implied", action="store_true", help="the gradient bandwidth each pp=1 row on 2-32 "
                         "nodes implies, by ranks of the dp group per node (what --fit-gradient's law is read from)")
     parser.add_argument("--misses", action="store_true",
-                        help="every row whose predicted MFU is more than 5 points from the measured")
+                        help="every row whose predicted MFU is more than 5 points from the measured (by the "
+                        "figure's MFU, then by its tokens/s), and the FLOPs per token each model's rows imply")
     parser.add_argument("--microbatch-cost", action="store_true",
                         help="what one more microbatch adds per layer, measured vs predicted (one-node rows)")
     args = parser.parse_args()
@@ -495,7 +521,14 @@ def main() -> None:
     if args.misses:
         print("| model | nodes | plan | groups | MFU published | predicted | points |")
         print("|---|---|---|---|---|---|---|")
-        return print("\n".join(misses(predicted)))
+        print("\n".join(misses(predicted)))
+        print("\nThe sweep's FLOPs per token over usc's, read off each row's MFU and tokens/s:")
+        for (model, piped), ratios in sorted(flops_consistency(predicted).items()):
+            print(f"  {model} {'pipelined' if piped else 'not pipelined'}: {len(ratios)} rows, "
+                  f"{min(ratios):.3f}-{max(ratios):.3f} (median {statistics.median(ratios):.3f})")
+        print("\nThe same rows, each measured MFU made again from its tokens/s at its model's FLOPs per token "
+              "as the non-pipelined rows count them:")
+        return print("\n".join(misses(by_tokens(predicted))[:-2] + misses(by_tokens(predicted))[-1:]))
     if args.markdown:
         markdown(predicted)
     for group in ("fitted", *GROUPS):
