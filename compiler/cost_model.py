@@ -616,8 +616,7 @@ def pipeline_collectives(profile: ModelProfile, plan: PlanPoint, stages: list[Un
     cuts = [stages[i] for i in (k - 1, k) if 0 <= i < len(stages) - 1]  # stage i's boundary: the cut after it
     timed = len(cuts) - 1 if k < len(stages) - 1 else 0  # which cut's transfer is on the time
     link = _link(hw, plan, "pp")
-    # what a transfer across nodes takes beyond its bytes at the mesh's scale (the profile's table)
-    scale = hw.pipeline_transfer_seconds(math.ceil(plan.world / hw.gpus_per_node)) if crosses_node(plan, "pp") else 0.0
+    scale = _pipeline_transfer_seconds(plan, hw)
     out = []
     for direction, crossing in (("forward", lambda cut: cut.boundary), ("backward", lambda cut: cut.boundary_grad)):
         nbytes = [_acts(crossing(cut).get(sp, {}), profile, plan) for cut in cuts]  # the hidden state
@@ -625,6 +624,12 @@ def pipeline_collectives(profile: ModelProfile, plan: PlanPoint, stages: list[Un
         out.append(CollectiveEstimate("pp", "send/recv", direction, plan.pp, sum(nbytes), len(cuts),
                                       seconds, seconds))
     return out
+
+
+def _pipeline_transfer_seconds(plan: PlanPoint, hw: HardwareProfile) -> float:
+    """What a pipeline transfer across nodes takes beyond its bytes at the mesh's scale (the profile's
+    ``pipeline_transfer_seconds_by_nodes`` at the nodes the whole mesh spans); 0 inside a node."""
+    return hw.pipeline_transfer_seconds(math.ceil(plan.world / hw.gpus_per_node)) if crosses_node(plan, "pp") else 0.0
 
 
 # ---------------------------------------------------------------------------------------- time
@@ -668,7 +673,8 @@ def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile, *, mem
     peak = hw.peak_flops(plan.dtype) * plan.world
     comms += loss_value_collectives(profile, plan)
     return Estimate(plan, memory, flops, model_flops, tuple(comms), time, plan.global_batch * plan.seq / step,
-                    model_flops / (step * peak), hw.name, traffic_estimate=partial(step_traffic, profile, plan, hw))
+                    model_flops / (step * peak), hw.name, traffic_estimate=partial(step_traffic, profile, plan, hw),
+                    pipeline_transfer=_pipeline_transfer_seconds(plan, hw) if plan.pp > 1 else 0.0)
 
 
 def step_traffic(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) -> dict[str, float]:

@@ -216,6 +216,9 @@ class Estimate:
     mfu: float
     hardware: str
     traffic_estimate: Callable[[], dict] = field(default=dict, repr=False, compare=False)  # see traffic
+    # seconds the profile adds to each pipeline transfer across nodes at this mesh's scale
+    # (``pipeline_transfer_seconds_by_nodes``; 0: none), said beside the time breakdown
+    pipeline_transfer: float = 0.0
 
     @cached_property
     def traffic(self) -> dict[str, float]:

@@ -38,7 +38,8 @@ def cost_dict(report) -> dict:
 
 def estimate_dict(est) -> dict:
     return {"hardware": est.hardware, "seconds": dict(est.time), "tokens_per_second": est.tokens_per_second,
-            "mfu": est.mfu, "memory_bytes": {k: int(v) for k, v in est.memory.items()}}
+            "mfu": est.mfu, "memory_bytes": {k: int(v) for k, v in est.memory.items()},
+            "pipeline_transfer_seconds": est.pipeline_transfer}
 
 
 def _ms(seconds: float) -> str:
@@ -62,6 +63,10 @@ def render_time_breakdown(est) -> list[str]:
     if exposed:
         parts = ", ".join(f"{axis} {_ms(s)}" for axis, s in sorted(exposed.items(), key=lambda kv: -kv[1]))
         lines.append(f"  exposed communication by axis: {parts}")
+    if est.pipeline_transfer:
+        nodes = -(-est.plan.world // est.plan.gpus_per_node)
+        lines.append(f"  each pipeline transfer across nodes takes {_ms(est.pipeline_transfer)} beyond its bytes at "
+                     f"{nodes} nodes (the profile's pipeline_transfer_seconds_by_nodes, read from measured runs)")
     lines.append(f"  {est.tokens_per_second:,.0f} tokens/s, MFU {est.mfu:.1%}; memory per rank "
                  f"{human_bytes(est.memory_total)} (largest: {est.largest_memory_term})")
     return lines

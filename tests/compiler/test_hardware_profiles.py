@@ -335,12 +335,14 @@ def test_the_pipeline_transfer_table_is_read_checked_and_interpolated(tmp_path):
 def test_the_pipeline_transfer_table_moves_only_transfers_across_nodes_on_a_large_mesh():
     """The table adds its seconds to each pipeline send/recv whose stages sit on different nodes, at
     the node count of the whole mesh: a 64-node pipelined plan's transfers take 0.173 s more each, a
-    32-node one's and a pipeline inside each node's nothing; no other term moves."""
+    32-node one's and a pipeline inside each node's nothing; no other term moves, and the time
+    breakdown says so where it applies."""
     from dataclasses import replace
 
     import torch
 
     from usc.compiler.cost_model import PlanPoint, crosses_node, estimate
+    from usc.compiler.report_cost import render_time_breakdown
     from usc.passes.cost_profile import profile_model
     from usc.testing.models import LlamaConfig, TinyLlama, token_batch
 
@@ -362,3 +364,8 @@ def test_the_pipeline_transfer_table_moves_only_transfers_across_nodes_on_a_larg
         assert others(a) == others(b)
         assert a.time["compute"] == pytest.approx(b.time["compute"])
         assert (a.time["step"] > b.time["step"] + 0.5) == (added > 0)  # 2 directions x (2 microbatches + the bubble's 1)
+        # the time breakdown says where the seconds come from
+        assert a.pipeline_transfer == pytest.approx(added) and b.pipeline_transfer == 0.0
+        said = [line for line in render_time_breakdown(a) if "pipeline transfer across nodes" in line]
+        assert said == ([f"  each pipeline transfer across nodes takes 173.0 ms beyond its bytes at 64 nodes "
+                         "(the profile's pipeline_transfer_seconds_by_nodes, read from measured runs)"] if added else [])
