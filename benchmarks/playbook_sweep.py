@@ -20,7 +20,11 @@ traffic) are fitted on the one-node rows (``--fit``); its matrix products' rate 
 (benchmarks/gpu_step.py); its gradient bandwidth by ranks per node is fitted on the 1B and 3B rows on
 2-32 nodes (``--fit-gradient``, read off the rows with ``--implied``); the 8B rows and every 64-node
 row are held out. Its bus bandwidth by node count comes from the same cluster's collective
-measurements (the playbook's bandwidth figure).
+measurements (the playbook's bandwidth figure). The rows are predicted with ``data/playbook_cluster.toml``:
+the h100 profile plus the time a pipeline transfer took on 64 of that cluster's nodes under nanotron
+(``--fit-pipeline``, fitted on the 64-node pipelined rows with each model held out in turn), which
+the h100 profile does not hold (usc's runtime has not been measured on it, and a published run on
+1,024 nodes of another cluster could not have paid it).
 
 Each row is read as the plan usc would run: nanotron's pp/dp/tp mesh, ZeRO-1 or none, GradAcc
 microbatches of MBS sequences, tensor parallel with sequence parallelism (nanotron's reduce-scatter
@@ -51,6 +55,9 @@ from usc.dsl import parse_plan  # noqa: E402
 from usc.planning import point_of  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "playbook_sweep.csv"
+# The sweep's cluster and runtime: the h100 profile plus the pipeline transfer time nanotron's 64-node
+# runs show (``--fit-pipeline``), which usc's own runtime has not been measured on
+CLUSTER = str(Path(__file__).parent / "data" / "playbook_cluster.toml")
 SEQ = 4096
 GROUPS = {"best": "2+ nodes, the three fastest of the cell", "dp": "2+ nodes, pure dp (tp=pp=1)",
           "tp": "2+ nodes, pure tp (dp=pp=1)", "pp": "2+ nodes, pipelined (pp>1, tp<=8), among the cell's fifteen fastest"}
@@ -76,7 +83,7 @@ def plan_text(r: dict) -> str:
     return " ".join(parts + ["dtype=bf16"])
 
 
-def predict(data: list[dict], hw_name="h100") -> list[dict]:
+def predict(data: list[dict], hw_name=CLUSTER) -> list[dict]:
     hw = hardware_profile(hw_name)
     out = []
     for r in data:
@@ -362,7 +369,7 @@ def measured_or_bound(plan, cell: list[dict]) -> tuple[str, float | None]:
     return "at most", by_rank[gap - 1]
 
 
-def planner_vs_sweep(hw_name="h100") -> list[str]:
+def planner_vs_sweep(hw_name=CLUSTER) -> list[str]:
     """Per (model, nodes) cell: the plan usc.plan's search chooses in the sweep's space, its predicted
     MFU, and the MFU the sweep measured for its fastest configuration."""
     from usc.compiler.planner import PlanTarget, search
@@ -473,7 +480,7 @@ def microbatch_cost(hw_name="h100") -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="every row as a markdown table")
-    parser.add_argument("--hardware", default="h100")
+    parser.add_argument("--hardware", default=CLUSTER, help="the profile to predict with (default: the sweep's cluster, benchmarks/data/playbook_cluster.toml)")
     parser.add_argument("--tp-scaling", action="store_true", help="the TP and TP/SP scaling figures")
     parser.add_argument("--planner", action="store_true",
                         help="usc.plan's choice in the sweep's space per cell against the cell's measured best")

@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -310,16 +311,22 @@ def test_the_gradient_table_moves_only_the_dp_gradient_terms():
         assert {k for k in a if a[k] != pytest.approx(b[k])} == changed, (zero, a, b)
 
 
+# The sweep's cluster and runtime as a profile file: the h100 profile plus its pipeline transfer time
+PLAYBOOK_CLUSTER = Path(__file__).parents[2] / "benchmarks" / "data" / "playbook_cluster.toml"
+
+
 def test_the_pipeline_transfer_table_is_read_checked_and_interpolated(tmp_path):
     """pipeline_transfer_seconds_by_nodes: (nodes, seconds) pairs, linear between them, the ends held
     beyond them; a malformed table names the field and the pair."""
     from dataclasses import replace
 
-    assert H100.pipeline_transfer_seconds_by_nodes == ((32, 0.0), (64, 0.173))
-    assert H100.pipeline_transfer_seconds(4) == 0.0 and H100.pipeline_transfer_seconds(32) == 0.0
-    assert H100.pipeline_transfer_seconds(48) == pytest.approx(0.0865)
-    assert H100.pipeline_transfer_seconds(64) == H100.pipeline_transfer_seconds(1024) == pytest.approx(0.173)
-    assert replace(H100, pipeline_transfer_seconds_by_nodes=()).pipeline_transfer_seconds(64) == 0.0
+    # the h100 profile holds none (usc's runtime has not been measured on it); the sweep's cluster does
+    assert H100.pipeline_transfer_seconds_by_nodes == () and H100.pipeline_transfer_seconds(64) == 0.0
+    cluster = hardware_profile(str(PLAYBOOK_CLUSTER))
+    assert cluster == replace(H100, name="h100-playbook-cluster", pipeline_transfer_seconds_by_nodes=((32, 0.0), (64, 0.173)))
+    assert cluster.pipeline_transfer_seconds(4) == 0.0 and cluster.pipeline_transfer_seconds(32) == 0.0
+    assert cluster.pipeline_transfer_seconds(48) == pytest.approx(0.0865)
+    assert cluster.pipeline_transfer_seconds(64) == cluster.pipeline_transfer_seconds(1024) == pytest.approx(0.173)
     path = tmp_path / "fabric.toml"
     path.write_text('base = "h100"\npipeline_transfer_seconds_by_nodes = [[8, 0.001], [128, 0.05]]\n')
     assert hardware_profile(str(path)).pipeline_transfer_seconds(68) == pytest.approx(0.0255)
@@ -348,13 +355,13 @@ def test_the_pipeline_transfer_table_moves_only_transfers_across_nodes_on_a_larg
 
     torch.manual_seed(0)
     profile = profile_model(TinyLlama(LlamaConfig(layers=4, hidden=96, heads=6, kv_heads=2)), token_batch(128, 6, 40))
-    without = replace(H100, name="no-pipeline-table", pipeline_transfer_seconds_by_nodes=())
+    cluster, without = hardware_profile(str(PLAYBOOK_CLUSTER)), H100
     nanotron = ("pp", "dp", "cp", "ep", "tp")  # pp outermost: its stages on different nodes
     for plan, crosses, added in ((PlanPoint(512, 40, dp=256, pp=2, mb=2, gpus_per_node=8, order=nanotron), True, 0.173),
                                  (PlanPoint(256, 40, dp=128, pp=2, mb=2, gpus_per_node=8, order=nanotron), True, 0.0),
                                  (PlanPoint(512, 40, dp=256, pp=2, mb=2, gpus_per_node=8), False, 0.0)):
         assert crosses_node(plan, "pp") == crosses
-        a, b = estimate(profile, plan, H100), estimate(profile, plan, without)
+        a, b = estimate(profile, plan, cluster), estimate(profile, plan, without)
         pp_a = {c.direction: c.seconds for c in a.collectives if c.kind == "send/recv"}
         pp_b = {c.direction: c.seconds for c in b.collectives if c.kind == "send/recv"}
         assert pp_a.keys() == pp_b.keys() == {"forward", "backward"}
