@@ -107,8 +107,9 @@ class HardwareProfile:
     # Seconds a pipeline transfer across nodes takes beyond its bytes, by the nodes the whole mesh
     # spans, as (nodes, seconds) pairs read from measured steps (linear between the pairs, the ends
     # held beyond them): a cost that appears with the fabric's scale, not with the message -- the
-    # Ultra-Scale Playbook's sweep shows none on 2-32 nodes and ~0.17 s per transfer on 64
-    # (docs/cost_model.md, "The playbook's sweep"). Empty: the link's latency alone.
+    # Ultra-Scale Playbook's sweep shows none on 2-32 nodes and ~0.17 s per transfer on 64 under
+    # nanotron (benchmarks/data/playbook_cluster.toml; docs/cost_model.md, "The playbook's sweep").
+    # Empty (the built-in profiles): the link's latency alone.
     pipeline_transfer_seconds_by_nodes: tuple = ()
 
     def __post_init__(self) -> None:

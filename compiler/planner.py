@@ -66,7 +66,7 @@ FAMILIES = (
 # Checked: one-node tp/sp/pp and the host's per-microbatch launch time (the playbook's sweep,
 # fitted), dp, tp, pp and their mixes across 2-32 nodes (the same sweep: docs/cost_model.md),
 # FSDP over 8-16 nodes (torchtitan, MaxText). At 64 nodes the sweep's rows come within 5 MFU points
-# only at MFU that low (its pipelined rows with the h100 profile's transfer time fitted on them), and
+# only at MFU that low (its pipelined rows with its cluster's transfer time fitted on them), and
 # the plans the search chooses there ran at most half their prediction (docs/cost_model.md, "The
 # planner's choices"), so collective bandwidth is checked to 32 nodes where the profile measured it
 # by node count, and to 16 where it did not.
