@@ -7,7 +7,7 @@
     python benchmarks/playbook_sweep.py --fit       # refit the h100 profile's two fitted constants
     python benchmarks/playbook_sweep.py --fit-gradient  # refit its gradient bandwidth by ranks per node
     python benchmarks/playbook_sweep.py --implied   # the gradient bandwidth each row implies
-    python benchmarks/playbook_sweep.py --fit-pipeline  # refit its pipeline transfer time at 64 nodes
+    python benchmarks/playbook_sweep.py --fit-pipeline  # refit the sweep cluster's pipeline transfer time
     python benchmarks/playbook_sweep.py --microbatch-cost  # what one more microbatch costs, measured vs predicted
 
 Hugging Face measured thousands of nanotron configurations of Llama-style models on 1-64 nodes of 8
@@ -219,11 +219,12 @@ def pipeline_fit_report(base: str = "h100") -> list[str]:
         points = [abs(p["predicted_mfu"] * 100 - p["mfu_percent"]) for p in predict(sixty_four, profile)]
         lines.append(f"64 nodes, all {len(points)} rows, {label}: within 5 MFU points {sum(d <= 5 for d in points)}")
     for held in sorted({r["model"] for r in piped}):
-        seconds = fit_pipeline_seconds([r for r in piped if r["model"] != held], 64, base)
+        others = [r for r in piped if r["model"] != held]
+        seconds = fit_pipeline_seconds(others, 64, base)
         rest = [r for r in sixty_four if r["model"] == held]
         profile = replace(hw, pipeline_transfer_seconds_by_nodes=((32, 0.0), (64, seconds)))
         points = [abs(p["predicted_mfu"] * 100 - p["mfu_percent"]) for p in predict(rest, profile)]
-        lines.append(f"{held} held out: fitted on the others' {len([r for r in piped if r['model'] != held])} "
+        lines.append(f"{held} held out: fitted on the others' {len(others)} "
                      f"rows, {seconds:.3f} s; {held}'s {len(rest)} rows at 64 nodes within 5 MFU points "
                      f"{sum(d <= 5 for d in points)}")
     small = [0.0, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05]
@@ -488,8 +489,9 @@ def main() -> None:
                         "one-node rows (the multi-node rows are not used)")
     parser.add_argument("--fit-gradient", action="store_true", help="fit the h100 profile's gradient bandwidth "
                         "by ranks per node on the 1B and 3B rows of 2-32 nodes (the 8B rows held out)")
-    parser.add_argument("--fit-pipeline", action="store_true", help="fit the h100 profile's pipeline transfer "
-                        "seconds at 64 nodes on that node count's pipelined rows (each model held out in turn)")
+    parser.add_argument("--fit-pipeline", action="store_true", help="fit the sweep cluster's pipeline transfer "
+                        "seconds at 64 nodes (data/playbook_cluster.toml) on that node count's pipelined rows, "
+                        "each model held out in turn")
     parser.add_argument("--implied", action="store_true", help="the gradient bandwidth each pp=1 row on 2-32 "
                         "nodes implies, by ranks of the dp group per node (what --fit-gradient's law is read from)")
     parser.add_argument("--misses", action="store_true",
@@ -535,7 +537,8 @@ def main() -> None:
                   f"{min(ratios):.3f}-{max(ratios):.3f} (median {statistics.median(ratios):.3f})")
         print("\nThe same rows, each measured MFU made again from its tokens/s at its model's FLOPs per token "
               "as the non-pipelined rows count them:")
-        return print("\n".join(misses(by_tokens(predicted))[:-2] + misses(by_tokens(predicted))[-1:]))
+        again = misses(by_tokens(predicted))
+        return print("\n".join(again[:-2] + again[-1:]))
     if args.markdown:
         markdown(predicted)
     for group in ("fitted", *GROUPS):

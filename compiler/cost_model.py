@@ -628,8 +628,11 @@ def pipeline_collectives(profile: ModelProfile, plan: PlanPoint, stages: list[Un
 
 def _pipeline_transfer_seconds(plan: PlanPoint, hw: HardwareProfile) -> float:
     """What a pipeline transfer across nodes takes beyond its bytes at the mesh's scale (the profile's
-    ``pipeline_transfer_seconds_by_nodes`` at the nodes the whole mesh spans); 0 inside a node."""
-    return hw.pipeline_transfer_seconds(math.ceil(plan.world / hw.gpus_per_node)) if crosses_node(plan, "pp") else 0.0
+    ``pipeline_transfer_seconds_by_nodes`` at the nodes the whole mesh spans); 0 without a pipeline or
+    inside a node."""
+    if plan.pp == 1 or not crosses_node(plan, "pp"):
+        return 0.0
+    return hw.pipeline_transfer_seconds(math.ceil(plan.world / hw.gpus_per_node))
 
 
 # ---------------------------------------------------------------------------------------- time
@@ -674,7 +677,7 @@ def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile, *, mem
     comms += loss_value_collectives(profile, plan)
     return Estimate(plan, memory, flops, model_flops, tuple(comms), time, plan.global_batch * plan.seq / step,
                     model_flops / (step * peak), hw.name, traffic_estimate=partial(step_traffic, profile, plan, hw),
-                    pipeline_transfer=_pipeline_transfer_seconds(plan, hw) if plan.pp > 1 else 0.0)
+                    pipeline_transfer=_pipeline_transfer_seconds(plan, hw))
 
 
 def step_traffic(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) -> dict[str, float]:

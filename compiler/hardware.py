@@ -163,27 +163,19 @@ class HardwareProfile:
         """Measured bus bandwidth of ``kind`` over a group filling ``nodes`` nodes (log-log between
         the table's node counts, its ends held beyond them); None when the profile has no table for it."""
         name = BUSBW_FIELDS.get(kind)
-        return _log_log(getattr(self, name) if name else (), nodes)
+        return _between(getattr(self, name) if name else (), nodes)
 
     def gradient_busbw(self, ranks_per_node: int) -> "float | None":
         """What a gradient reduction sustains per rank over a dp group spanning nodes with
         ``ranks_per_node`` of its ranks in each (``gradient_busbw_by_ranks_per_node``, log-log
         between its pairs, its ends held beyond them); None when the profile has no such table."""
-        return _log_log(self.gradient_busbw_by_ranks_per_node, ranks_per_node)
+        return _between(self.gradient_busbw_by_ranks_per_node, ranks_per_node)
 
     def pipeline_transfer_seconds(self, nodes: float) -> float:
         """What a pipeline transfer across nodes takes beyond its bytes on a mesh spanning ``nodes``
         nodes (``pipeline_transfer_seconds_by_nodes``, linear between its pairs, its ends held beyond
         them); 0 where the profile has no such table."""
-        pairs = self.pipeline_transfer_seconds_by_nodes
-        if not pairs:
-            return 0.0
-        if nodes <= pairs[0][0]:
-            return pairs[0][1]
-        for (n0, s0), (n1, s1) in zip(pairs, pairs[1:]):
-            if nodes <= n1:
-                return s0 + (nodes - n0) / (n1 - n0) * (s1 - s0)
-        return pairs[-1][1]
+        return _between(self.pipeline_transfer_seconds_by_nodes, nodes, log=False) or 0.0
 
     def matmul_rate(self, rows: float, dtype: str) -> float:
         """FLOP/s of one rank's matmuls with ``rows`` rows (tokens) per call: the peak times the
@@ -227,17 +219,20 @@ GRADIENT_FIELD = "gradient_busbw_by_ranks_per_node"
 PIPELINE_FIELD = "pipeline_transfer_seconds_by_nodes"
 
 
-def _log_log(pairs: tuple, x: float) -> "float | None":
-    """The value at ``x`` of ascending (x, value) ``pairs``, log-log between them, the ends held
-    beyond them; None for no pairs."""
+def _between(pairs: tuple, x: float, *, log: bool = True) -> "float | None":
+    """The value at ``x`` of ascending (x, value) ``pairs``, the ends held beyond them; None for no
+    pairs. Between two pairs log-log (bandwidths, which fall as powers of the count) or, with
+    ``log=False``, linear (times, which may be 0)."""
     if not pairs:
         return None
     if x <= pairs[0][0]:
         return pairs[0][1]
-    for (n0, b0), (n1, b1) in zip(pairs, pairs[1:]):
+    for (n0, v0), (n1, v1) in zip(pairs, pairs[1:]):
         if x <= n1:
+            if not log:
+                return v0 + (x - n0) / (n1 - n0) * (v1 - v0)
             t = math.log(x / n0) / math.log(n1 / n0)
-            return math.exp(math.log(b0) + t * (math.log(b1) - math.log(b0)))
+            return math.exp(math.log(v0) + t * (math.log(v1) - math.log(v0)))
     return pairs[-1][1]
 
 
