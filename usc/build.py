@@ -27,7 +27,7 @@ from usc.runtime.training import bucket_groups
 from usc.planning import estimate_plan, moe_blocks
 
 from .handover import frozen_names, refuse_if_behind, watch
-from .model_call import BatchLayout, trainable, with_checkpointed_layers
+from .model_call import BatchError, BatchLayout, trainable, with_checkpointed_layers
 
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -200,9 +200,13 @@ class _Compiled:
         if mb == 1:
             return batch
         first = next((v for v in batch if isinstance(v, torch.Tensor) and v.dim() > 0), None)
-        if first is None or first.shape[0] % mb:
-            size = None if first is None else first.shape[0]
-            raise self.plan.error_at("mb", f"mb={mb} microbatches do not divide the global batch of {size}",
+        if first is None:  # the batch, not the plan: nothing at its top level has a dim to split
+            raise BatchError(
+                f"mb={mb} splits dim 0 of the batch's tensors, but the batch holds none with a batch dim at its "
+                f"top level (it holds {', '.join(type(v).__name__ for v in batch) or 'nothing'}): pass a mapping "
+                "as the batch itself (example_inputs=batch, step(batch)), not inside a tuple")
+        if first.shape[0] % mb:
+            raise self.plan.error_at("mb", f"mb={mb} microbatches do not divide the global batch of {first.shape[0]}",
                                      hint=f"use a batch that is a multiple of {mb}")
         return tuple(v.chunk(mb, 0)[0] if isinstance(v, torch.Tensor) and v.dim() else v for v in batch)
 

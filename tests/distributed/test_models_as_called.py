@@ -150,6 +150,10 @@ def test_a_batch_forward_cannot_take_is_a_batch_error_with_the_signature():
         usc.lint(GPT(GPTConfig()), "dp=2", example_inputs={"tokens": ids})
     with pytest.raises(BatchError, match="cannot take the batch less its target"):
         usc.lint(GPT(GPTConfig()), "dp=2", example_inputs=(ids,), loss_fn=lambda logits, target: logits.sum())
+    # a collator's dict inside a tuple under microbatches: the batch is named, not the plan's mb
+    with pytest.raises(BatchError, match=r"mb=2 splits dim 0 of the batch's tensors, but the batch holds none "
+                                         r"with a batch dim at its top level \(it holds dict\): pass a mapping"):
+        usc.lint(GPT(GPTConfig()), "mb=2", example_inputs=(collated(0),))
 
 
 def padded(seed: int) -> dict:
