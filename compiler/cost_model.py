@@ -661,10 +661,7 @@ def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile, *, mem
     time is the busiest stage's (the most FLOPs at the plan's sequence), which the others wait for.
     ``memory``: ``peak_memory(profile, plan)`` when the caller has it already (the planner's check)."""
     stages = merged_stages(profile, plan.pp, plan.split)
-    # at the plan's S: attention grows as S^2
-    busiest = memo(profile, ("busiest", id(stages), tokens_per_microbatch(profile, plan), plan.seq, plan.tp,
-                             plan.sp, plan.cp > 1),
-                   lambda: max(range(len(stages)), key=lambda k: stage_flops(profile, plan, [stages[k]])))
+    busiest = _busiest(profile, plan, stages)
     # one stage: its memory is the peak the caller may have computed already
     state, flops, time, comms = _stage_estimate(profile, plan, stages, busiest, hw,
                                                 state=memory if len(stages) == 1 else None)
@@ -742,16 +739,8 @@ def _attention_growth(profile: ModelProfile, plan: PlanPoint) -> float:
 def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], k: int,
                     hw: HardwareProfile, *, state: dict | None = None):
     units = [stages[k]]
-    mm_flops, attn_flops = stage_flops_by_kind(profile, plan, units)
-    fwd_flops = mm_flops + attn_flops
-    rows = tokens_per_microbatch(profile, plan)
-    # the seconds of the forward's FLOPs, each kind at its rate; backward is twice them (recompute adds one)
-    calls = units[0].matmul_calls - units[0].expert_calls * (1 - 1 / plan.ep)  # a rank runs E/ep experts
-    compute = (hw.matmul_seconds(mm_flops, calls, rows, plan.dtype)
-               + attn_flops / hw.attention_rate(rows, plan.dtype))
+    fwd_flops, compute, pointwise = _stage_compute(profile, plan, units[0], hw)
     extra = {"full": 1.0, "selective": 0.0}.get(plan.recompute, 0.0)  # selective: pointwise only
-    acts = sum(_acts(u.acts.get(plan.sp and plan.tp > 1, {}), profile, plan) for u in units)
-    pointwise = hw.pointwise_traffic * acts / hw.hbm_bandwidth * (FUSED_POINTWISE if plan.fuse else 1.0)
     forward = compute + pointwise / 3
     backward = (2 + extra) * compute + 2 * pointwise / 3
     per_mb_comms = _stage_microbatch_collectives(profile, plan, k, hw)
@@ -779,6 +768,51 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     time["step"] = sum(time.values())
     flops = plan.mb * (3 + extra) * fwd_flops
     return state, flops, time, comms
+
+
+def _stage_compute(profile: ModelProfile, plan: PlanPoint, unit: UnitCost, hw: HardwareProfile
+                   ) -> tuple[float, float, float]:
+    """(forward FLOPs, seconds of them, seconds of the pointwise memory traffic of forward and backward)
+    of one microbatch on one rank of the stage ``unit``: each kind of FLOP at its rate (backward runs
+    twice the forward's, recompute adds one)."""
+    mm_flops, attn_flops = stage_flops_by_kind(profile, plan, [unit])
+    rows = tokens_per_microbatch(profile, plan)
+    calls = unit.matmul_calls - unit.expert_calls * (1 - 1 / plan.ep)  # a rank runs E/ep experts
+    compute = (hw.matmul_seconds(mm_flops, calls, rows, plan.dtype)
+               + attn_flops / hw.attention_rate(rows, plan.dtype))
+    acts = _acts(unit.acts.get(plan.sp and plan.tp > 1, {}), profile, plan)
+    pointwise = hw.pointwise_traffic * acts / hw.hbm_bandwidth * (FUSED_POINTWISE if plan.fuse else 1.0)
+    return mm_flops + attn_flops, compute, pointwise
+
+
+def step_floor(profile: ModelProfile, base: PlanPoint, hw: HardwareProfile, microbatches: list[int],
+               schedules: list[tuple[str, int]]) -> float:
+    """Seconds no plan of ``base``'s mesh shape steps in, whatever its ZeRO stage, recompute, schedule
+    (of ``schedules``: (name, v)) and microbatch count (of ``microbatches``): what ``estimate`` puts
+    on the busiest stage's path at one microbatch without recompute -- its FLOPs and pointwise traffic,
+    the per-layer collectives it waits for -- plus the least bubble those schedules leave. None of it
+    shrinks as the step is cut into more microbatches: the FLOPs and bytes of a step stay, each
+    microbatch's matmuls run no faster on fewer rows, and each call keeps its own latency. The
+    planner skips a mesh shape whose floor is over every plan it could still have to show."""
+    point = base.with_(mb=1, zero=0, recompute="none", schedule="1f1b", v=1)
+    stages = merged_stages(profile, point.pp, point.split)
+    k = _busiest(profile, point, stages)
+    _, compute, pointwise = _stage_compute(profile, point, stages[k], hw)
+    comm = sum(c.exposed_seconds for c in _stage_microbatch_collectives(profile, point, k, hw))
+    floor = 3 * compute + pointwise + comm
+    if point.pp == 1:
+        return floor
+    # each microbatch's forward and backward take at least floor / mb, and the bubble is units of them
+    return floor * (1 + min(pipeline_bubble_units(base.with_(schedule=s, v=v, mb=m), hw) / m
+                            for s, v in schedules for m in microbatches))
+
+
+def _busiest(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost]) -> int:
+    """The stage with the most FLOPs at the plan's sequence (attention grows as S^2), kept in the
+    profile's cache: every stage's FLOPs scale alike with the microbatch's tokens."""
+    return memo(profile, ("busiest", id(stages), tokens_per_microbatch(profile, plan), plan.seq, plan.tp,
+                          plan.sp, plan.cp > 1),
+                lambda: max(range(len(stages)), key=lambda k: stage_flops(profile, plan, [stages[k]])))
 
 
 def _stage_microbatch_collectives(profile: ModelProfile, plan: PlanPoint, k: int, hw: HardwareProfile
@@ -841,6 +875,6 @@ def _zero3_exposed(grads: list[CollectiveEstimate], compute: float) -> float:
 
 
 __all__ = ["ScaleKey", "CollectiveCost", "UnitCost", "ModelProfile", "PlanPoint", "Estimate",
-           "CollectiveEstimate", "estimate", "scale", "stage_units", "in_flight", "bubble_units",
+           "CollectiveEstimate", "estimate", "step_floor", "scale", "stage_units", "in_flight", "bubble_units",
            "pipeline_bubble_units",
            "crosses_node", "collective_seconds", "peak_memory", "shared_gradient_collectives", "Link"]

@@ -15,11 +15,14 @@ runs on one :class:`ModelProfile` -- nothing is traced per plan.
 
 from __future__ import annotations
 
+import bisect
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
-from .cost_model import TIME_TERMS, Estimate, ModelProfile, PlanPoint, crosses_node, estimate, peak_memory
+from .cost_model import (TIME_TERMS, Estimate, ModelProfile, PlanPoint, crosses_node, estimate, peak_memory,
+                         step_floor)
 from .cost_types import written_sizes
 from .hardware import HardwareProfile
 
@@ -124,6 +127,7 @@ class PlanSearch:
     rejected: dict[str, int] = field(default_factory=dict)  # reason -> how many plans
     rejected_examples: dict[str, str] = field(default_factory=dict)  # reason -> one plan and why
     evaluated: int = 0
+    skipped_shapes: int = 0  # mesh shapes whose step floor was over every plan the answer could show
     seconds: float = 0.0
     families: dict = field(default_factory=dict)  # family -> its best Candidate, or why none fits
     best_checked: Candidate | None = None  # the best plan whose estimate rests on no unchecked term
@@ -215,17 +219,35 @@ def _microbatches(per_replica: int, pp: int) -> list[int]:
 
 
 def search(profile: ModelProfile, target: PlanTarget, hw: HardwareProfile, *,
-           supported: Callable[[PlanPoint], str | None] = lambda p: None, keep: int = 5) -> PlanSearch:
-    """Rank every plan that fits; ``supported(point)`` returns why the compiler refuses it, or None."""
+           supported: Callable[[PlanPoint], str | None] = lambda p: None, keep: int = 5,
+           skip: bool = True) -> PlanSearch:
+    """Rank every plan that fits; ``supported(point)`` returns why the compiler refuses it, or None.
+    ``skip``: leave out the mesh shapes whose step floor (``cost_model.step_floor``) is over every plan
+    the answer could still show (``_Shown``) -- the answer is the same (tests hold it to ``skip=False``);
+    the shapes with the lowest floors are walked first, so the bar is low early."""
     start = time.perf_counter()
     result = PlanSearch(target, hw.name, None, [], measured_nodes=hw.measured_nodes)
     search_state = _Search(profile, target, hw, result, supported)
+    shapes = list(mesh_shapes(profile, target))
+    floors = [search_state.floor(sizes) if skip and not problem else 0.0 for sizes, problem in shapes]
+    walk = sorted((i for i, (_, problem) in enumerate(shapes) if not problem), key=floors.__getitem__)
+    found: dict[int, tuple[list[Candidate], PlanSearch]] = {}
+    shown = _Shown(keep + 1, hw.measured_nodes)
+    for i in walk:
+        if floors[i] > shown.bar(search_state.base(shapes[i][0])):
+            result.skipped_shapes += 1
+            continue
+        found[i] = search_state.walk(shapes[i][0])
+        shown.add(found[i][0])
+    # the plans and rejections in the enumeration's order (a tie of steps keeps it, each reason's
+    # example is its first), whatever order the walk took
     fits: list[Candidate] = []
-    for sizes, problem in mesh_shapes(profile, target):
+    for i, (sizes, problem) in enumerate(shapes):
         if problem:
             _reject(result, problem, _shape_text(sizes))
-            continue
-        fits += search_state.shape(sizes)
+        elif i in found:
+            fits += found[i][0]
+            _merge_rejections(result, found[i][1])
     fits.sort(key=lambda c: c.step)
     if fits:
         chosen = _lead(fits, hw.measured_nodes)
@@ -251,6 +273,39 @@ def _lead(fits: list[Candidate], measured_nodes: int) -> Candidate:
                key=lambda c: simplicity(c.plan))
 
 
+class _Shown:
+    """The steps a mesh shape's plans must beat to change the search's answer: a place among the
+    fastest ``places`` mesh shapes (the choice's and the runners-up), the best of their family, a
+    place among the plans the choice is taken from (within ``UNCHECKED_MARGIN`` and a tie of the
+    fastest: ``_lead``), or the best plan resting on no unchecked term (where the shape can hold
+    one). ``bar(point)`` is the highest of them for ``point``'s shape: a shape whose every plan is
+    slower changes nothing the search returns."""
+
+    def __init__(self, places: int, measured_nodes: int) -> None:
+        self.places, self.measured_nodes = places, measured_nodes
+        self.shape_bests: list[float] = []  # each walked shape's fastest plan, fastest first
+        self.family_best: dict[str, float] = {}
+        self.checked_best = math.inf
+
+    def add(self, candidates: list[Candidate]) -> None:
+        if not candidates:
+            return
+        bisect.insort(self.shape_bests, min(c.step for c in candidates))
+        for c in candidates:
+            name = family(c.plan)
+            self.family_best[name] = min(self.family_best.get(name, math.inf), c.step)
+            if not unchecked_terms(c.plan, self.measured_nodes):
+                self.checked_best = min(self.checked_best, c.step)
+
+    def bar(self, point: PlanPoint) -> float:
+        if len(self.shape_bests) < self.places:
+            return math.inf
+        # a 1F1B plan of a shape without cp can rest on no unchecked term
+        may_be_checked = point.cp == 1 and not unchecked_terms(point.with_(schedule="1f1b"), self.measured_nodes)
+        return max(self.shape_bests[self.places - 1], self.shape_bests[0] * (1 + UNCHECKED_MARGIN) * (1 + TIE),
+                   self.family_best.get(family(point), math.inf), self.checked_best if may_be_checked else 0.0)
+
+
 class _Search:
     """Walks the options of one mesh shape, pruning what cannot win (see ``shape``)."""
 
@@ -262,13 +317,31 @@ class _Search:
         self.capacity = hw.hbm_bytes * MEMORY_HEADROOM
         self.fixed = dict(target.fixed)
 
+    def base(self, sizes: dict) -> PlanPoint:
+        """The shape's plan before its options, fused where compile runs fusion."""
+        base = base_point(self.target, sizes, self.profile.sp_possible)
+        if "fuse" not in self.fixed and not self.refusal(replace(base, fuse=True)):
+            base = replace(base, fuse=True)  # fusion only saves memory traffic: use it once compile runs it
+        return base
+
+    def floor(self, sizes: dict) -> float:
+        """The step no plan ``shape(sizes)`` walks can beat (``cost_model.step_floor``)."""
+        counts = _microbatches(self.target.global_batch // sizes["dp"], sizes["pp"])
+        return step_floor(self.profile, self.base(sizes), self.hw, counts, _schedules(sizes["pp"]))
+
+    def walk(self, sizes: dict) -> tuple[list[Candidate], PlanSearch]:
+        """``shape(sizes)``, and what it rejected and estimated, kept apart (``_merge_rejections``)."""
+        kept, self.result = self.result, PlanSearch(self.target, self.hw.name, None, [])
+        try:
+            return self.shape(sizes), self.result
+        finally:
+            self.result = kept
+
     def shape(self, sizes: dict) -> list[Candidate]:
         """For each ZeRO stage and schedule, microbatch counts in increasing order: more microbatches
         save activation memory and shrink the bubble but make each matmul smaller, so the walk stops
         once a plan fits without recompute (pp=1) or once the step time stops improving (pp>1)."""
-        base = base_point(self.target, sizes, self.profile.sp_possible)
-        if "fuse" not in self.fixed and not self.refusal(replace(base, fuse=True)):
-            base = replace(base, fuse=True)  # fusion only saves memory traffic: use it once compile runs it
+        base = self.base(sizes)
         per_replica = self.target.global_batch // sizes["dp"]
         found = []
         counts = _microbatches(per_replica, sizes["pp"])
@@ -347,8 +420,22 @@ class _Search:
 
 
 def _support_key(p: PlanPoint) -> tuple:
+    """What the compiler's support checks read of a plan, and their messages show (passes/plan_checks.py):
+    plans equal in it are refused alike, in the same words -- an interleaved schedule's microbatches
+    against pp, split's cut count against pp*v and ep against dp included."""
+    interleaved = p.pp > 1 and p.schedule == "interleaved"
     return (p.dp > 1, p.tp > 1, p.pp > 1, p.cp > 1, p.ep > 1, p.zero, p.mb > 1, p.sp, p.recompute,
-            p.schedule if p.pp > 1 else "", p.v, p.cp_mode if p.cp > 1 else "", p.dtype, p.fuse)
+            p.schedule if p.pp > 1 else "", p.v, p.cp_mode if p.cp > 1 else "", p.dtype, p.fuse,
+            (p.pp, p.mb) if interleaved else None, (p.pp, len(p.split)) if p.split is not None else None,
+            (p.dp, p.ep) if p.ep > 1 else None)
+
+
+def _merge_rejections(result: PlanSearch, part: PlanSearch) -> None:
+    """Add one shape's rejections and estimates (``_Search.walk``) to the search's."""
+    for reason, n in part.rejected.items():
+        result.rejected[reason] = result.rejected.get(reason, 0) + n
+        result.rejected_examples.setdefault(reason, part.rejected_examples[reason])
+    result.evaluated += part.evaluated
 
 
 def _reject(result: PlanSearch, reason: str, example: "str | Callable[[], str]") -> None:
