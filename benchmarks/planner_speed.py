@@ -4,9 +4,10 @@
     python benchmarks/planner_speed.py --table         # 8B and 70B at 8-512 GPUs (docs/cost_model.md's table)
 
 usc.plan profiles the model once (a trace of three of its identical blocks, two probe compiles run
-on fake tensors, the steady block stamped for the rest) and then scores every plan analytically.
-Measured 2026-11-27 on 2 shared cores, ten runs each time: first call in the process 1.58-2.31 s
-CPU (median 1.73) in a calm phase, 1.62-2.40 s (median 2.08) in a slow one; a second call 1.2-1.95 s
+on fake tensors, the steady block stamped for the rest) and then scores the plans analytically,
+skipping the mesh shapes whose step floor is over every plan its answer could show.
+Measured 2026-12-02 on 2 shared cores, eight fresh processes: first call in the process 1.52-1.99 s
+CPU (median 1.72; 2.24-3.23 s before the skip, interleaved with these), a second call 1.04-1.97 s
 (docs/cost_model.md, "Speed", with the history).
 """
 
