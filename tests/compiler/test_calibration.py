@@ -379,3 +379,27 @@ def test_the_gpu_plans_benchmark_measures_a_plan_on_the_cpu():
     row = gpu_plans.measure_plan("1B", "dtype=bf16 mb=2", 2, gpu_plans.Where(dry=True))
     assert row["seconds"] > 0 and len(row["losses"]) == gpu_plans.WARMUP + gpu_plans.STEPS
     assert all(math.isfinite(x) for x in row["losses"])
+
+
+def test_the_older_nanotron_runs_are_read_as_their_config_generator_wrote_them(calibrate):
+    """nanotron's old_bench and bench_cluster runs of "llama-1B" are the ablation model their config
+    generator writes (24 layers, MLP 4096, no GQA, GPT-2's vocabulary padded to a multiple of tp),
+    under ZeRO-1 and sp, in nanotron's mesh order (pp, dp, tp): tp inside a node, pp across them.
+    The two one-node runs with eight-sequence microbatches come within 5 MFU points."""
+    from usc.compiler.cost_model import crosses_node
+
+    config = calibrate.SHAPES["nanotron-1B"][1]
+    assert (config.layers, config.hidden, config.mlp, config.heads, config.kv_heads) == (24, 2048, 4096, 32, 32)
+    assert config.vocab % 8 == 0 and 0 <= config.vocab - 50257 < 8
+    runs = [r for r in calibrate.PUBLISHED if r[0] == "nanotron-1B"]
+    assert len(runs) == 4
+    rows = {r["plan"]: r for r in calibrate.published_rows(runs)}
+    for plan in rows:
+        assert "pp=" not in plan or plan.index("pp=") < plan.index("tp="), plan
+        assert "dp=2" not in plan or "zero=1" in plan, plan
+    far = calibrate.estimate_shape("nanotron-1B", "pp=8 tp=8 sp=on mb=64 dtype=bf16", 1024, 4096,
+                                   calibrate.hardware_profile("h100")).plan
+    assert not crosses_node(far, "tp") and crosses_node(far, "pp")
+    for plan in ("dp=2 tp=4 sp=on zero=1 mb=64 dtype=bf16", "pp=2 tp=4 sp=on mb=128 dtype=bf16"):
+        r = rows[plan]
+        assert abs(r["predicted_mfu"] - r["published_mfu"]) < 0.05, (plan, r["predicted_mfu"], r["published_mfu"])
