@@ -632,7 +632,7 @@ def _pipeline_transfer_seconds(plan: PlanPoint, hw: HardwareProfile) -> float:
     inside a node."""
     if plan.pp == 1 or not crosses_node(plan, "pp"):
         return 0.0
-    return hw.pipeline_transfer_seconds(math.ceil(plan.world / hw.gpus_per_node))
+    return hw.pipeline_transfer_seconds(plan.nodes)
 
 
 # ---------------------------------------------------------------------------------------- time

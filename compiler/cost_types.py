@@ -152,6 +152,11 @@ class PlanPoint:
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp * self.ep
 
+    @property
+    def nodes(self) -> int:
+        """Nodes the whole mesh spans (``gpus_per_node`` ranks each, as ``crosses_node`` lays them)."""
+        return -(-self.world // self.gpus_per_node)
+
     def with_(self, **changes) -> "PlanPoint":
         """``dataclasses.replace(self, **changes)`` for the planner's inner loop (which makes tens of
         thousands of points): a copy of the fields, without replace's per-call walk of them. Names

@@ -229,15 +229,15 @@ def search(profile: ModelProfile, target: PlanTarget, hw: HardwareProfile, *,
     result = PlanSearch(target, hw.name, None, [], measured_nodes=hw.measured_nodes)
     search_state = _Search(profile, target, hw, result, supported)
     shapes = list(mesh_shapes(profile, target))
-    floors = [search_state.floor(sizes) if skip and not problem else 0.0 for sizes, problem in shapes]
-    walk = sorted((i for i, (_, problem) in enumerate(shapes) if not problem), key=floors.__getitem__)
+    bases = {i: search_state.base(sizes) for i, (sizes, problem) in enumerate(shapes) if not problem}
+    floors = {i: search_state.floor(shapes[i][0], base) if skip else 0.0 for i, base in bases.items()}
     found: dict[int, tuple[list[Candidate], PlanSearch]] = {}
     shown = _Shown(keep + 1, hw.measured_nodes)
-    for i in walk:
-        if floors[i] > shown.bar(search_state.base(shapes[i][0])):
+    for i in sorted(bases, key=floors.__getitem__):
+        if floors[i] > shown.bar(bases[i]):
             result.skipped_shapes += 1
             continue
-        found[i] = search_state.walk(shapes[i][0])
+        found[i] = search_state.walk(shapes[i][0], bases[i])
         shown.add(found[i][0])
     # the plans and rejections in the enumeration's order (a tie of steps keeps it, each reason's
     # example is its first), whatever order the walk took
@@ -324,24 +324,24 @@ class _Search:
             base = replace(base, fuse=True)  # fusion only saves memory traffic: use it once compile runs it
         return base
 
-    def floor(self, sizes: dict) -> float:
-        """The step no plan ``shape(sizes)`` walks can beat (``cost_model.step_floor``)."""
+    def floor(self, sizes: dict, base: PlanPoint) -> float:
+        """The step no plan ``shape(sizes, base)`` walks can beat (``cost_model.step_floor``)."""
         counts = _microbatches(self.target.global_batch // sizes["dp"], sizes["pp"])
-        return step_floor(self.profile, self.base(sizes), self.hw, counts, _schedules(sizes["pp"]))
+        return step_floor(self.profile, base, self.hw, counts, _schedules(sizes["pp"]))
 
-    def walk(self, sizes: dict) -> tuple[list[Candidate], PlanSearch]:
-        """``shape(sizes)``, and what it rejected and estimated, kept apart (``_merge_rejections``)."""
+    def walk(self, sizes: dict, base: PlanPoint) -> tuple[list[Candidate], PlanSearch]:
+        """``shape(sizes, base)``, and what it rejected and estimated, kept apart (``_merge_rejections``)."""
         kept, self.result = self.result, PlanSearch(self.target, self.hw.name, None, [])
         try:
-            return self.shape(sizes), self.result
+            return self.shape(sizes, base), self.result
         finally:
             self.result = kept
 
-    def shape(self, sizes: dict) -> list[Candidate]:
-        """For each ZeRO stage and schedule, microbatch counts in increasing order: more microbatches
-        save activation memory and shrink the bubble but make each matmul smaller, so the walk stops
-        once a plan fits without recompute (pp=1) or once the step time stops improving (pp>1)."""
-        base = self.base(sizes)
+    def shape(self, sizes: dict, base: PlanPoint) -> list[Candidate]:
+        """For each ZeRO stage and schedule from ``base`` (``base(sizes)``), microbatch counts in
+        increasing order: more microbatches save activation memory and shrink the bubble but make each
+        matmul smaller, so the walk stops once a plan fits without recompute (pp=1) or once the step
+        time stops improving (pp>1)."""
         per_replica = self.target.global_batch // sizes["dp"]
         found = []
         counts = _microbatches(per_replica, sizes["pp"])

@@ -65,9 +65,8 @@ def render_time_breakdown(est) -> list[str]:
         parts = ", ".join(f"{axis} {_ms(s)}" for axis, s in sorted(exposed.items(), key=lambda kv: -kv[1]))
         lines.append(f"  exposed communication by axis: {parts}")
     if est.pipeline_transfer:
-        nodes = -(-est.plan.world // est.plan.gpus_per_node)
         lines.append(f"  each pipeline transfer across nodes takes {_ms(est.pipeline_transfer)} beyond its bytes at "
-                     f"{nodes} nodes (the profile's pipeline_transfer_seconds_by_nodes, read from measured runs)")
+                     f"{est.plan.nodes} nodes (the profile's pipeline_transfer_seconds_by_nodes, read from measured runs)")
     lines.append(f"  {est.tokens_per_second:,.0f} tokens/s, MFU {est.mfu:.1%}; memory per rank "
                  f"{human_bytes(est.memory_total)} (largest: {est.largest_memory_term})")
     return lines

@@ -63,7 +63,7 @@ def test_the_floor_is_under_every_plan_of_its_shape(profile, gpus, seq, batch, h
         if problem:
             continue
         base = state.base(sizes)
-        floor = state.floor(sizes)
+        floor = state.floor(sizes, base)
         assert floor > 0
         steps = [estimate(profile, point, hw).time["step"] for point in _points(base, sizes, target)]
         assert min(steps) >= floor * (1 - 1e-12), (sizes, min(steps), floor)
