@@ -25,6 +25,7 @@ from .batch_outer import batch_outer_pass
 from .compute_dtype import compute_dtype_pass
 from .grad_sync import grad_sync_pass
 from .layouts import batch_layouts, merge_layouts, tp_layouts
+from .local_draws import local_draws_pass
 from .localize import localize_pass
 from .loss_count import expose_loss_count_pass
 from .pipeline_split import pipeline_split_pass
@@ -43,7 +44,8 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
     """The ordered pass list. Order matters:
     random_ops and batch_coupling read the traced graph (no layouts yet): random draws first, so the
     microbatch analysis sees them as draws and can give each its batch dim;
-    propagate first (every later pass reads layouts); grad_sync needs the final layouts and the
+    propagate first (every later pass reads layouts); local_draws then folds the slices a draw's
+    readers take into the draw; grad_sync needs the final layouts and the
     inserted redistributions (an AllGather can absorb an f); localize then rewrites shapes for one
     rank, so nothing after it reasons about global shapes in arguments; expose_loss_count and
     zero3 edit the finished per-rank program; pipeline_split cuts it last."""
@@ -65,6 +67,8 @@ def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
                  annotated=False),
         PassSpec("compute_dtype", compute_dtype_pass, {"params": frozenset(params)}, annotated=False),
         PassSpec("propagate", propagate_pass, {"input_layouts": input_layouts, "grad_inputs": grad_inputs}),
+        # right after propagate: a draw its readers slice draws only the slice
+        PassSpec("local_draws", local_draws_pass),
         PassSpec("grad_sync", grad_sync_pass, {"params": params}),
         PassSpec("localize", localize_pass),
         PassSpec("expose_loss_count", expose_loss_count_pass),

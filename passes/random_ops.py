@@ -58,7 +58,7 @@ class _Rewriter:
             if not hasattr(self.gm, name):
                 self.gm.add_submodule(name, RandomKey(self.seed))
             # the traced device (meta for a model built there): the runtime makes both on the program's
-            device = val(self.node).device if isinstance(val(self.node), torch.Tensor) else None
+            device = _device_of(val(like) if like is not None else val(self.node))
             key = self._meta(graph.call_module(name, ()),
                              self._fake(lambda: torch.zeros(3, dtype=torch.int64, device=device)))
             new = graph.call_function(DRAW, (key, list(shape), self.op, -1, 1, dtype, distribution, float(a),
@@ -72,6 +72,13 @@ class _Rewriter:
             new = self.gm.graph.call_function(target, args, kwargs)
         values = [val(a) if isinstance(a, fx.Node) else a for a in args]
         return self._meta(new, self._fake(lambda: target(*values, **kwargs)))
+
+
+def _device_of(value) -> torch.device | None:
+    """The device of a node's value (of its first tensor, for a tuple such as native_dropout's)."""
+    if isinstance(value, (tuple, list)):
+        value = next((v for v in value if isinstance(v, torch.Tensor)), None)
+    return value.device if isinstance(value, torch.Tensor) else None
 
 
 def _fake_mode(gm: fx.GraphModule):

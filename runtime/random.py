@@ -18,7 +18,7 @@ before each forward: (seed, step, microbatch).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -65,24 +65,46 @@ def words(index: torch.Tensor, key: int | torch.Tensor, count: int) -> list[torc
 
 
 def global_index(shape: Sequence[int], batch_dim: int | None, microbatch: int | torch.Tensor, microbatches: int,
-                 device) -> torch.Tensor:
+                 device, *, local: Sequence[int] | None = None,
+                 offset: Sequence[int | torch.Tensor] | None = None) -> torch.Tensor:
     """The flat index of every element in the one-device tensor. Under microbatching the program
     sees one microbatch's tensor; along its batch dim microbatch m holds rows m*n .. m*n + n - 1
-    of the full batch's tensor (rows are split along dim 0 of the inputs, in order)."""
+    of the full batch's tensor (rows are split along dim 0 of the inputs, in order).
+    ``local``/``offset``: only the block of ``shape`` (the microbatch's whole tensor) of that size
+    starting at that offset per dim (a rank's shard); default the whole tensor."""
     full = list(shape)
     if batch_dim is not None:
         full[batch_dim] *= microbatches
+    local = list(shape) if local is None else list(local)
+    offset = [0] * len(shape) if offset is None else list(offset)
     index = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
     for dim in reversed(range(len(shape))):
-        coord = torch.arange(shape[dim], dtype=torch.int64, device=device)
+        coord = torch.arange(local[dim], dtype=torch.int64, device=device) + offset[dim]
         if dim == batch_dim:
             coord = coord + microbatch * shape[dim]
         view = [1] * len(shape)
-        view[dim] = shape[dim]
+        view[dim] = local[dim]
         index = index + coord.view(view) * stride
         stride *= full[dim]
-    return index.expand(tuple(shape)) if len(shape) else index
+    return index.expand(tuple(local)) if len(shape) else index
+
+
+def shard_block(shape: Sequence[int], shards: Sequence[int], coords: Sequence[int | torch.Tensor] = ()
+                ) -> tuple[list[int], list[int | torch.Tensor]]:
+    """(local shape, offset per dim) of the block a rank holds of a tensor of ``shape`` split by
+    ``shards`` = (dim, parts, dim, parts, ...), in the order the splits apply (each a contiguous
+    chunk of what the previous ones left), the rank's chunk of split i being ``coords[i]`` (0 for
+    every split when ``coords`` is empty: the shape alone)."""
+    local, offset = list(shape), [0] * len(shape)
+    for i in range(0, len(shards), 2):
+        dim, parts = shards[i], shards[i + 1]
+        if local[dim] % parts:
+            raise ValueError(f"a draw of shape {tuple(shape)} cannot split dim {dim} ({local[dim]}) into {parts}")
+        local[dim] //= parts
+        if coords:
+            offset[dim] = offset[dim] + coords[i // 2] * local[dim]
+    return local, offset
 
 
 def uniform_from(ws: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -118,36 +140,51 @@ def draw_values(index: torch.Tensor, key: int | torch.Tensor, dtype: torch.dtype
 
 @torch.library.custom_op("usc::draw", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def draw(key: torch.Tensor, shape: Sequence[int], op: int, batch_dim: int, microbatches: int,
-         dtype: torch.dtype, distribution: str, a: float, b: float) -> torch.Tensor:
-    """One op's draw over the (microbatch's) whole tensor. key = [seed, step, microbatch];
-    batch_dim -1: the tensor does not depend on the batch (every microbatch draws the same)."""
-    seed, step, microbatch = key.unbind()  # 0-dim views: the key is never read on the host
-    index = global_index(shape, batch_dim if batch_dim >= 0 else None, microbatch, microbatches, key.device)
+         dtype: torch.dtype, distribution: str, a: float, b: float, shards: Optional[Sequence[int]] = None
+         ) -> torch.Tensor:
+    """One op's draw over the (microbatch's) whole tensor of ``shape``. key = [seed, step, microbatch,
+    coordinates...]; batch_dim -1: the tensor does not depend on the batch (every microbatch draws the
+    same). ``shards`` = (dim, parts, ...): draw only this rank's block, its chunk of split i at
+    key[3 + i] (``RandomKey.axes``): the values are those of the whole draw there, the others are
+    never made."""
+    seed, step, microbatch = key[:3].unbind()  # 0-dim views: the key is never read on the host
+    shards = shards or ()
+    local, offset = shard_block(shape, shards, key[3:].unbind() if shards else ())
+    index = global_index(shape, batch_dim if batch_dim >= 0 else None, microbatch, microbatches, key.device,
+                         local=local, offset=offset)
     return draw_values(index, op_key(seed, step, op), dtype, distribution, a, b).contiguous()
 
 
 @draw.register_fake
-def _(key, shape, op, batch_dim, microbatches, dtype, distribution, a, b):
-    return torch.empty(tuple(shape), dtype=dtype, device=key.device)
+def _(key, shape, op, batch_dim, microbatches, dtype, distribution, a, b, shards=None):
+    return torch.empty(tuple(shard_block(shape, shards or ())[0]), dtype=dtype, device=key.device)
 
 
 class RandomKey(nn.Module):
     """(seed, step, microbatch) as a tensor on the program's device; the executor sets step and
-    microbatch before each forward (``set_random_keys``)."""
+    microbatch before each forward (``set_random_keys``). ``axes``: the mesh axes its draw is split
+    over (``usc.passes.local_draws``), whose coordinates of this rank follow in the key."""
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
         self.seed, self.step, self.microbatch = seed, 0, 0
         self.device = torch.device("cpu")
+        self.axes: tuple[str, ...] = ()
+        self.coords: tuple[int, ...] = ()
 
     def bind(self, mesh) -> None:
         self.device = mesh.device
+        self.coords = tuple(mesh.comm(axis).rank for axis in self.axes)
 
     def forward(self) -> torch.Tensor:
         # filled on the device (fill_ takes the number as a kernel argument): torch.tensor(list,
         # device=cuda), or key[i] = number, copy host memory to the device and wait for it
-        key = torch.empty(3, dtype=torch.int64, device=self.device)
-        for i, value in enumerate((self.seed, self.step, self.microbatch)):
+        values = (self.seed, self.step, self.microbatch, *self.coords)
+        if len(self.coords) != len(self.axes):
+            raise RuntimeError(f"{type(self).__name__} drawing over mesh axes {self.axes} is not bound to a "
+                               "mesh: call bind(mesh) with this rank's Mesh first (the executor binds every module)")
+        key = torch.empty(len(values), dtype=torch.int64, device=self.device)
+        for i, value in enumerate(values):
             key.select(0, i).fill_(value)
         return key
 
@@ -162,4 +199,4 @@ def set_random_keys(module: nn.Module, *, step: int | None = None, microbatch: i
                 part.microbatch = microbatch
 
 
-__all__ = ["draw", "RandomKey", "set_random_keys", "global_index", "draw_values", "op_key", "DISTRIBUTIONS"]
+__all__ = ["draw", "RandomKey", "set_random_keys", "global_index", "shard_block", "draw_values", "op_key", "DISTRIBUTIONS"]

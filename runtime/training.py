@@ -28,6 +28,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from .random import draw as _registers_the_draw_op  # noqa: F401 - torch.ops.usc.draw exists from here on
+from .random import shard_block
 
 DRAW = torch.ops.usc.draw.default
 
@@ -128,11 +129,11 @@ def clip_(pieces: Sequence[GradPiece], norm: float, max_norm: float) -> float:
     return coef
 
 
-def _eval_draw(func, key, shape, op, batch_dim, microbatches, dtype, distribution, a, b):
+def _eval_draw(func, key, shape, op, batch_dim, microbatches, dtype, distribution, a, b, shards=None):
     """Dropout is ``x * keep`` (passes/random_ops.py): in evaluation every element is kept, unscaled."""
     if distribution == "keep":
-        return torch.ones(tuple(shape), dtype=dtype, device=key.device)
-    return func(key, shape, op, batch_dim, microbatches, dtype, distribution, a, b)
+        return torch.ones(tuple(shard_block(shape, shards or ())[0]), dtype=dtype, device=key.device)
+    return func(key, shape, op, batch_dim, microbatches, dtype, distribution, a, b, shards)
 
 
 # Ops whose behaviour depends on the module mode, and their evaluation form.
