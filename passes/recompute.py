@@ -24,8 +24,11 @@ Activation Recomputation in Large Transformer Models") and the Ultra-Scale Playb
   are recomputed. A collective that communicates in forward is a boundary: its output is saved
   and it is never re-issued (cheaper than communicating again; ring attention already keeps only
   q, k, v, its output and the LSE, and recomputes block scores in its own backward).
-- both: random ops (dropout) are boundaries, so they are never drawn twice and recompute sees
-  exactly the forward's numbers on any rank and any thread; ZeRO-3's gathers and in-place ops
+- both: usc's counter-based draws (every dropout mask, rand, router noise: random_ops) are
+  recomputed like any op -- a draw is a function of its key (seed, step, microbatch) and the
+  element's index, so drawing it again gives the forward's numbers on any rank and any thread --
+  while their keys, which read the executor's step and microbatch, are boundaries made once; a
+  random op drawing from torch's generator (none is left after random_ops) would be a boundary; ZeRO-3's gathers and in-place ops
   (which could write a region's input that recomputation reads) are boundaries.
 """
 
@@ -44,12 +47,14 @@ from usc.compiler.ir import META, NodeAnn
 from usc.compiler.pass_runner import pipeline_stages
 from usc.compiler.trace import module_path
 from usc.runtime.op_classes import MATMULS
+from usc.runtime.random import RandomKey, draw as _registers_the_draw_op  # noqa: F401
 from usc.runtime.recompute import Recompute
 from usc.runtime.zero3 import ZeroFetch, ZeroGather
 
 from .saved_values import saved_values
 
 aten = torch.ops.aten
+DRAW = torch.ops.usc.draw.default
 KEPT, RECOMPUTED, BOUNDARY = "kept", "recomputed", "boundary"
 
 
@@ -92,8 +97,12 @@ def _is_zero3(w: Where) -> bool:
 
 
 def _is_random(w: Where) -> bool:
-    """Draws random numbers: a seeded op, except dropout that is off (p=0 or not training)."""
+    """Draws random numbers from a generator: a seeded op, except dropout that is off (p=0 or not
+    training), and except usc's counter-based draw, a function of its key: drawn again from the
+    same key it gives the same numbers, so a region may recompute it (its key stays outside)."""
     target, args = w.node.target, w.node.args
+    if target is DRAW:
+        return False
     if target is aten.scaled_dot_product_attention.default:
         return bool(args[4] if len(args) > 4 else w.node.kwargs.get("dropout_p", 0.0))
     if target in (aten.dropout.default, aten.native_dropout.default):
@@ -124,8 +133,11 @@ RULES = [
     DecisionRule(lambda w: w.node.op not in ("call_function", "call_module"), None, "not computed"),
     # gathered parameters enter regions as inputs; ZeRO-3's hook re-gathers them in backward
     DecisionRule(_is_zero3, BOUNDARY, "ZeRO-3 gather"),
-    # drawn once: a region never re-draws random numbers (see the module docstring)
+    # drawn once: a region never re-draws from a generator (see the module docstring)
     DecisionRule(_is_random, BOUNDARY, "random op: output kept"),
+    # a draw's key reads the step and microbatch the executor set for this forward: made once and
+    # kept, so a recomputed draw hashes the forward's key whatever microbatch runs meanwhile
+    DecisionRule(lambda w: isinstance(w.module, RandomKey), BOUNDARY, "random key: made once, kept"),
     # an in-place op may write a region's input, which a recomputation would then read changed
     DecisionRule(_mutates, BOUNDARY, "in-place op: runs once"),
     DecisionRule(lambda w: w.marked, RECOMPUTED, "a recompute rule marks its module"),

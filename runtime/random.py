@@ -10,8 +10,9 @@ batch's tensor, and drawing again gives the same numbers. The hash is Wellons' "
 (three rounds per word), written with int64 torch ops on 32-bit values so CPU and CUDA agree bitwise;
 the key is mixed on the device, so a draw never waits for the host.
 
-``usc::draw`` is a custom op tagged ``nondeterministic_seeded`` so passes treat it as a random op
-(recompute keeps its output). Its key comes from a :class:`RandomKey` node the executor sets
+``usc::draw`` is a custom op tagged ``nondeterministic_seeded``, so no generic sharding rule places it
+(a shard would draw its own numbers) and local_draws gives each rank its block; recompute draws it
+again from its key, which is made once per forward and kept. Its key comes from a :class:`RandomKey` node the executor sets
 before each forward: (seed, step, microbatch).
 """
 

@@ -12,9 +12,10 @@ matmul kernels (mm/addmm/bmm) issued while a kept node runs, and hands them back
 is recomputed, so norms, rotary embeddings, activations and attention are recomputed from them.
 
 What the compiler guarantees (so the runtime needs no special cases):
-- no random op is inside a region (dropout's outputs are kept, never drawn twice), so the RNG
-  state need not be saved and restored — which the simulator's threads, sharing one generator,
-  could not do safely;
+- no op drawing from torch's generator is inside a region, so the RNG state need not be saved
+  and restored -- which the simulator's threads, sharing one generator, could not do safely; usc's
+  counter-based draws (every dropout mask) may be: a draw recomputed from its key, which enters the
+  region as an input, gives the forward's numbers;
 - ZeRO-3's gathers are outside: gathered parameters enter as region inputs, are saved through the
   executor's saved-tensor hooks (dropped, re-gathered in backward) like any saved parameter;
 - collectives inside a region are re-issued when backward recomputes it (recompute=full), in the
@@ -93,7 +94,7 @@ class Recompute(nn.Module):
         if not torch.is_grad_enabled():  # evaluation: nothing is saved, so nothing to recompute
             return self.body(*args)
         context = self._selective_contexts if self.kept else _no_contexts
-        # preserve_rng_state=False: the compiler keeps random ops out of regions (module docstring)
+        # preserve_rng_state=False: no region draws from torch's generator (module docstring)
         return checkpoint(self._run, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context)
 
     def _run(self, *args):

@@ -109,6 +109,21 @@ def test_dropout_activations_predicted_within_5_percent_of_an_independent_count(
     assert predicted == pytest.approx(max(peaks), rel=0.05), (predicted, peaks)
 
 
+def test_recompute_draws_the_masks_again_instead_of_holding_them(monkeypatch):
+    """Under recompute=full every block's draws run twice (forward, and backward's recomputation from
+    the kept key), and a rank holds less than when the masks were kept: the counter that shares
+    nothing with usc sees it."""
+    plain = drawn_per_rank(monkeypatch, gpt2, "dp=2", batch())
+    again = drawn_per_rank(monkeypatch, gpt2, "dp=2 recompute=full", batch())
+    outside = 1 * (BATCH // 2) * SEQ * 48  # the embedding dropout, outside every block: drawn once
+    assert again == 2 * plain - outside
+    sims = {plan: usc.simulate(gpt2(), plan, example_inputs=batch()) for plan in ("dp=2", "dp=2 recompute=full")}
+    for sim in sims.values():
+        sim.step(*batch())
+    held = {plan: max(count_peaks(sim, batch())) for plan, sim in sims.items()}
+    assert held["dp=2 recompute=full"] < 0.4 * held["dp=2"], held
+
+
 def test_the_planners_dropout_memory_follows_the_rows_a_rank_holds():
     """On meta at the planner's scale: twice the rows per rank, twice the activations (the masks are
     the rank's rows; in float32 every activation of GPT-2 but its four 512 x 512 causal masks is per

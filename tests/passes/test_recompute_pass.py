@@ -125,16 +125,24 @@ def test_pipeline_stages_get_their_own_regions():
     assert all(regions(stage) for stage in stages)
 
 
-def test_random_ops_are_never_inside_a_region():
+def test_draws_are_recomputed_from_a_key_made_once():
+    """usc's counter-based draws (dropout is a draw times the input, passes/random_ops.py) are inside
+    the regions, recomputed like any op; their keys, which read the executor's step and microbatch,
+    stay outside, made once and kept, so a recomputed draw hashes the forward's key."""
+    from usc.runtime.random import RandomKey
+
     batch = (torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8)))
     gm = program("recompute=full", DropoutNet(p=0.3), batch).gm
     found = regions(gm)
     assert found
-    draw = torch.ops.usc.draw.default  # dropout is a counter-based draw times the input (passes/random_ops.py)
+    draw = torch.ops.usc.draw.default
+    inside = [n for region in found for n in region.body.graph.nodes if n.target is draw]
+    assert len(inside) == 2
+    keys = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), RandomKey)]
+    assert len(keys) == 2 and all(n.meta[META].extra["recompute"] == "boundary" for n in keys)
     for region in found:
-        assert not any(n.target is draw for n in region.body.graph.nodes)
-    draws = [n for n in gm.graph.nodes if n.target is draw]
-    assert len(draws) == 2 and all(n.meta[META].extra["recompute"] == "boundary" for n in draws)
+        assert not any(n.op == "call_module" and isinstance(region.body.get_submodule(n.target), RandomKey)
+                       for n in region.body.graph.nodes)
 
 
 def test_report_lists_saved_and_recomputed_tensors_with_bytes():
