@@ -214,6 +214,12 @@ def test_fused_attention_dropout_draws_counter_based(plan):
     assert_equivalent(gpt2_sdpa, plan, batches(2), **FLOAT64)
 
 
+@pytest.mark.parametrize("plan", ["dp=2 tp=2 sp=on mb=2", "cp=2 tp=2 sp=on", "dp=2 cp=2 recompute=full"])
+def test_dropout_drawn_by_sequence_shards_equals_usc_one_device(plan):
+    """sp and cp split the residual stream's sequence: each rank draws its positions of the masks."""
+    assert_equivalent(gpt2_sdpa, plan, batches(2, seq=12), **FLOAT64)
+
+
 def test_fused_attention_dropout_is_on():
     one = usc_reference_run(gpt2_sdpa(), batches(1), SGD["optimizer"], seed=0)[0]
     other = usc_reference_run(gpt2_sdpa(), batches(1), SGD["optimizer"], seed=1)[0]
