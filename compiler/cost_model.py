@@ -252,15 +252,15 @@ def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], 
         biggest = max((_params(u, plan) / u.blocks for u in units), default=0.0)
         gathered = 2 * biggest
     return {"params": held, "grads": grads, "optimizer": optimizer,
-            "activations": stage_activations(profile, plan, units, params, sharded, stage) + p2p,
+            "activations": stage_activations(profile, plan, units, params, sharded, stage, p2p),
             "gathered": gathered}
 
 
 def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], params: float,
-                      sharded: float | None = None, stage: int = 0) -> float:
-    """Peak bytes saved for backward: one microbatch's worth times the microbatches in flight.
-    ``params``: fp32 bytes of the stage's parameters one rank holds before ZeRO, ``sharded``: after
-    (stage_memory's; None: as ``params``)."""
+                      sharded: float | None = None, stage: int = 0, p2p: float = 0.0) -> float:
+    """Peak bytes saved for backward: one microbatch's worth times the microbatches in flight, and
+    the transfer buffers ``p2p`` (``p2p_buffers``). ``params``: fp32 bytes of the stage's parameters
+    one rank holds before ZeRO, ``sharded``: after (stage_memory's; None: as ``params``)."""
     how = (plan.recompute, plan.cp > 1, plan.sp and plan.tp > 1)
     per_mb, live = cached(profile, ("activations", how, _scale_of(plan)), units,
                           lambda: _microbatch_activations(profile, plan, units, how))
@@ -272,7 +272,14 @@ def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
         # 4-layer Llama dp=2 bf16 zero=3: 1467620 bytes alive when backward begins, the shards'
         # copies included; without them the estimate was 10.9% under)
         copies = (sharded if plan.zero >= 3 and plan.dp > 1 and sharded is not None else params) / 2
-    return per_mb * in_flight(plan, stage) + live + copies
+    held = per_mb * in_flight(plan, stage) + copies
+    if not live:
+        return held + p2p
+    # Under recompute the peak is a recomputation in backward, when a cut holds the one buffer its
+    # gradient arrived in, not forward's P2P_BUFFERS_PER_CUT (an independent count, 4-layer Llama
+    # pp=2 mb=2 recompute=full, first stage: 2 x 0.078 MB held + 0.593 recomputing a layer + one
+    # 0.033 buffer = 0.783 MB, 0.792 counted; with three buffers the estimate was 7.1% over)
+    return held + max(p2p, live + p2p / P2P_BUFFERS_PER_CUT)
 
 
 def _microbatch_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost],

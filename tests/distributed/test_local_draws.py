@@ -96,7 +96,8 @@ def test_a_tensor_parallel_rank_draws_its_heads_of_the_attention_dropout(monkeyp
     assert split == whole - weights / 2
 
 
-@pytest.mark.parametrize("plan", ["dp=2", "dp=4", "dp=3 mb=2", "pp=2 mb=2", "dp=2 recompute=full", "dp=2 dtype=bf16"])
+@pytest.mark.parametrize("plan", ["dp=2", "dp=4", "dp=3 mb=2", "pp=2 mb=2", "dp=2 recompute=full", "dp=2 dtype=bf16",
+                                  "pp=2 mb=2 recompute=full"])
 def test_dropout_activations_predicted_within_5_percent_of_an_independent_count(plan):
     """The cost model's activations per rank against the most bytes any rank held at once (a
     dispatch-mode counter of live storages): before, the masks' bytes did not scale with the
