@@ -8,10 +8,11 @@ uses are the same as before (the equivalence tests in test_random_ops.py hold th
 here the elements each rank draws are counted, and the cost model's activations are held to a
 counter that shares nothing with usc (usc.testing.memory_counters)."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import usc
 import usc.runtime.random as random_runtime
@@ -23,17 +24,10 @@ from usc.testing.memory_counters import count_peaks
 
 transformers = pytest.importorskip("transformers")
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_random_ops import LossOf  # noqa: E402 - the causal-LM loss in the model's dtype
+
 BATCH, SEQ = 12, 40  # odd sizes: 12 rows split 2, 3, 4 and 6 ways; 40 positions
-
-
-class LossOf(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.m = model
-
-    def forward(self, ids, labels):
-        logits = self.m(input_ids=ids).logits
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
 
 
 def gpt2():
