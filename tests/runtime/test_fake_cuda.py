@@ -64,7 +64,8 @@ PLANS = [
     ("dp=4 ep=2", "moe"),
     ("dp=2 ep=2", "moe"),
     ("dp=2 pp=2 mb=2 schedule=gpipe", "llama"),  # the dp reduction overlapping the pipeline's backward
-    ("dp=2 mb=2", "dropout"),  # random draws keyed on the device, per microbatch
+    ("dp=2 mb=2", "dropout"),  # random draws keyed on the device, per microbatch, each rank its rows
+    ("dp=2 recompute=full", "dropout"),  # the masks drawn again in backward from the kept key
     ("dp=2 mb=2", "z_loss"),  # the step's token count, summed on the device before the first microbatch
     ("pp=2 mb=2", "z_loss"),
 ]
