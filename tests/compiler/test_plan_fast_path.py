@@ -7,6 +7,7 @@ The Hugging Face model and Llama-3-8B's shapes (32 layers on the meta device) ru
 """
 
 import os
+import sys
 from dataclasses import replace
 
 import pytest
@@ -186,6 +187,30 @@ def test_hugging_face_models_whose_blocks_differ_quietly_profile_as_their_whole_
     tokens, labels = token_batch(VOCAB, 6, 12)
     batch = net.flatten({"input_ids": tokens, "labels": labels})
     assert profile_model(net, batch) == profile_model(net, batch, traced=trace(net, batch))
+
+
+@pytest.mark.parametrize("layers, traced", [(12, 6), pytest.param(13, 7, marks=pytest.mark.skipif(
+    not DEEP, reason="a second length traced whole: the deep tier (USC_DEEP_TIER=1)"))])
+def test_two_kinds_of_block_alternating_are_stamped_as_their_whole_trace(layers, traced, monkeypatch):
+    """transformers' Gemma 2 alternates sliding and full attention: six or seven of its blocks are
+    traced (each kind three times, the last one of the kind the stack ends on), the rest stamped by
+    kind, and the profile is the whole trace's, field for field. It used to be traced whole (20 s
+    to plan 26 layers at the 2B shape on meta, 4 s now)."""
+    monkeypatch.setattr(sys.modules[__name__], "LAYERS", layers)
+    counted = []
+
+    def counting(model, example_inputs, **options):
+        counted.append(max(len(m) for m in model.modules() if isinstance(m, nn.ModuleList)))
+        return trace(model, example_inputs, **options)
+
+    torch.manual_seed(0)
+    net = trainable(hf_causal_lm("Gemma2Config", "Gemma2ForCausalLM"), None)
+    batch = net.flatten(dict(zip(("input_ids", "labels"), token_batch(VOCAB, 6, 12))))
+    monkeypatch.setattr(cost_profile, "trace", counting)
+    fast = profile_model(net, batch)
+    assert counted == [traced]
+    monkeypatch.undo()
+    assert fast.layers == layers and fast == profile_model(net, batch, traced=trace(net, batch))
 
 
 def _uncached(profile, key, units, compute):
