@@ -37,6 +37,14 @@ def is_float(node: fx.Node) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype.is_floating_point
 
 
+def erase_node(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Erase ``node`` (it has no users), and its submodule when no other node calls it."""
+    target = node.target if node.op == "call_module" else None
+    gm.graph.erase_node(node)
+    if target is not None and not any(n.op == "call_module" and n.target == target for n in gm.graph.nodes):
+        gm.delete_submodule(target)
+
+
 def reads_placeholders(node: fx.Node, names) -> bool:
     """Whether ``node`` is computed from any of the placeholders named ``names``."""
     seen, stack = set(), [node]

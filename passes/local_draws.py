@@ -26,9 +26,8 @@ from usc.compiler.ir import META, set_ann
 from usc.runtime.collectives import LocalShard
 from usc.runtime.random import RandomKey
 
-from .random_ops import DRAW
-
-SHARDS = 9  # the draw's argument position of ``shards``
+from .graph_edit import erase_node
+from .random_ops import DRAW, DRAW_SHARDS as SHARDS
 
 
 def local_draws_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -63,10 +62,7 @@ def _fold(gm: fx.GraphModule, draw: fx.Node, mesh) -> bool:
         layout = readers[0].meta[META].layout
         for reader in readers:
             reader.replace_all_uses_with(draw)
-            target = reader.target
-            gm.graph.erase_node(reader)
-            if not any(n.op == "call_module" and n.target == target for n in gm.graph.nodes):
-                gm.delete_submodule(target)
+            erase_node(gm, reader)
         shards += [dim, mesh.size(axis)]
         axes.append(axis)
         set_ann(draw, layout=layout)

@@ -34,7 +34,7 @@ from usc.compiler.ir import META
 from usc.runtime.collectives import AllReduce, CollectiveNode
 from usc.runtime.loss_value import StepCounts, StepDivisor
 
-from .graph_edit import GraphEditor, val
+from .graph_edit import GraphEditor, erase_node, val
 
 aten = torch.ops.aten
 
@@ -149,10 +149,7 @@ def _drop_dead(gm: fx.GraphModule, roots: list[fx.Node]) -> None:
             stack.extend(node.all_input_nodes)
     for node in reversed(list(gm.graph.nodes)):
         if node in ancestors and node.op != "placeholder" and not node.users:
-            target = node.target if node.op == "call_module" else None
-            gm.graph.erase_node(node)
-            if target is not None and not any(n.op == "call_module" and n.target == target for n in gm.graph.nodes):
-                gm.delete_submodule(target)
+            erase_node(gm, node)
 
 
 def _numerator_if_empty(gm: fx.GraphModule, ctx, output: fx.Node, loss: fx.Node, nums: list, count) -> fx.Node:

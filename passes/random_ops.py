@@ -29,6 +29,7 @@ aten = torch.ops.aten
 KEY_MODULE = "usc_random_key"
 DRAW = torch.ops.usc.draw.default
 DRAW_DTYPE = 5  # the draw's dtype argument: (key, shape, op, batch_dim, microbatches, dtype, ...)
+DRAW_SHARDS = 9  # ... and its shards, last: (..., distribution, a, b, shards)
 
 
 class _Rewriter:
