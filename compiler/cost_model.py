@@ -261,7 +261,7 @@ def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
     """Peak bytes saved for backward: one microbatch's worth times the microbatches in flight, and
     the transfer buffers ``p2p`` (``p2p_buffers``). ``params``: fp32 bytes of the stage's parameters
     one rank holds before ZeRO, ``sharded``: after (stage_memory's; None: as ``params``)."""
-    how = (plan.recompute, plan.cp > 1, plan.sp and plan.tp > 1)
+    how = (plan.recompute, plan.cp > 1, plan.tp > 1, plan.sp and plan.tp > 1)
     per_mb, live = cached(profile, ("activations", how, _scale_of(plan)), units,
                           lambda: _microbatch_activations(profile, plan, units, how))
     copies = 0.0
@@ -286,7 +286,7 @@ def _microbatch_activations(profile: ModelProfile, plan: PlanPoint, units: list[
                             how: tuple) -> tuple[float, float]:
     """(bytes one microbatch saves for backward, the most recomputing a unit adds in backward)."""
     if plan.recompute == "none":
-        return sum(_acts(u.acts.get(how[2], {}), profile, plan) for u in units), 0.0
+        return sum(_acts(u.acts.get(how[3], {}), profile, plan) for u in units), 0.0
     # what forward holds (region inputs, kept matmul outputs, all outside the blocks), and in
     # backward the tensors of the one unit being recomputed
     per_mb = sum(_acts(u.held.get(how, {}), profile, plan) for u in units)

@@ -38,13 +38,14 @@ from usc.dsl import PlanError, parse_plan
 from usc.passes import parallelize
 from usc.passes.compute_dtype import CASTS
 from usc.passes.pipeline_split import constant_nodes, expert_flops, node_flops, routed_expert_products
-from usc.passes.recompute import (KEEP_COLLECTIVE, KEPT, RECOMPUTED, RULES, DecisionRule, recompute_regions,
-                                  reissued_in_backward)
+from usc.passes.recompute import (KEEP_COLLECTIVE, KEPT, RECOMPUTED, RULES, DecisionRule, communicates_forward,
+                                  recompute_regions, records_saved_tensor, reissued_in_backward)
+from usc.runtime.collectives import AllGather, AllReduce, AllToAll, ReduceScatter
 from usc.runtime.ring_attention import GRAD_BLOCKS, RingAttention
 from usc.passes.saved_values import base_of, saves_for_backward
 from usc.passes.zero3 import layer_key
 from usc.runtime.moe import ExpertParallelMoE
-from usc.runtime.op_classes import ATTENTION, MATMULS, is_grouped_matmul, is_routed_experts
+from usc.runtime.op_classes import ATTENTION, MATMULS, VIEWS, is_grouped_matmul, is_routed_experts
 from usc.runtime.sizes import shape_bytes
 
 aten = torch.ops.aten
@@ -54,6 +55,41 @@ RECOMPUTE_MODES = ("selective", "full")
 _LOCAL_ATTENTION = DecisionRule(lambda w: isinstance(w.module, RingAttention) and w.block is not None
                                 and w.mode == "selective", RECOMPUTED, "attention of a plan without cp")
 RULES_WITHOUT_CP = RULES[:RULES.index(KEEP_COLLECTIVE)] + [_LOCAL_ATTENTION] + RULES[RULES.index(KEEP_COLLECTIVE):]
+
+
+# collectives that are the identity on a mesh axis of size 1 (ring attention is read as local
+# attention by its own rule)
+_MOVES = (AllGather, AllReduce, AllToAll, ReduceScatter)
+
+
+def _identity_without(node: fx.Node, axes: frozenset) -> bool:
+    """A collective of one of the probe's ``axes`` that moves data in forward: in a plan without
+    those axes it is not there (its output is its input)."""
+    if not axes or node.op != "call_module":
+        return False
+    module = node.graph.owning_module.get_submodule(node.target)
+    return isinstance(module, _MOVES) and module.axis in axes and communicates_forward(module)
+
+
+def _without(axes: frozenset, rules: list) -> list:
+    """``rules`` for a plan without ``axes``: selective recompute neither keeps the outputs of the
+    probe's collectives over them nor ends a region there -- the plan has no such collective -- so
+    they read as recomputed (each is its input, ``_through``)."""
+    if not axes:
+        return rules
+    absent = DecisionRule(lambda w: w.block is not None and w.mode == "selective" and _identity_without(w.node, axes),
+                          RECOMPUTED, f"{'/'.join(sorted(axes))} collective: the identity of a plan without it")
+    at = rules.index(KEEP_COLLECTIVE)
+    return rules[:at] + [absent] + rules[at:]
+
+
+def _through(node: fx.Node, axes: frozenset, moved: dict[str, str], nodes: dict[str, fx.Node]) -> fx.Node:
+    """The node that makes ``node``'s storage in a plan without ``axes``: through the probe's
+    collectives over them (each the identity there) to the maker of their input's storage (``moved``,
+    from the fake run: a reshape may copy or not)."""
+    while _identity_without(node, axes) and moved.get(node.name):
+        node = nodes[moved[node.name]]
+    return node
 
 
 def batch_and_sequence(example_inputs: tuple) -> tuple[int, int]:
@@ -510,7 +546,7 @@ def _probe_costs(program, units: list[str]):
     autograd saves, pipeline-cut crossings and, per recompute mode, what forward holds and what
     backward recomputes; unsplit."""
     where = _units_by_node(program.gm, units)
-    saved, saved_params = _saved_tensors(program)
+    saved, saved_params, moved = _saved_tensors(program)
     acts: dict[str, dict] = {}
     nodes = {n.name: n for n in program.gm.graph.nodes}
     for name, nbytes, is_float, bf16_only in saved:
@@ -518,13 +554,27 @@ def _probe_costs(program, units: list[str]):
         key, factor = _key(node, program.mesh, is_float=is_float, bf16_only=bf16_only)
         bucket = acts.setdefault(where[name], {})
         bucket[key] = bucket.get(key, 0) + nbytes * factor
-    under_recompute = {(mode, cp): _under_recompute(program, mode, where, saved, RULES if cp else RULES_WITHOUT_CP)
-                       for mode in RECOMPUTE_MODES for cp in (True, False)}
+    # per (mode, cp, tp): under selective, a plan without cp reads the probe's ring attention as
+    # local attention and its cp collectives as identities, one without tp its tp collectives; full
+    # recompute keeps no collective's output and reads the same for every plan (measured: reading
+    # its collectives as identities too changes no estimate of the validation models)
+    present = {n.graph.owning_module.get_submodule(n.target).axis for n in program.gm.graph.nodes
+               if _identity_without(n, frozenset({"cp", "tp"}))}
+    under_recompute, readings = {}, {}
+    for mode, cp, tp in [(mode, cp, tp) for mode in RECOMPUTE_MODES for cp in (True, False) for tp in (True, False)]:
+        absent = frozenset(axis for axis, there in (("cp", cp), ("tp", tp)) if not there) & present \
+            if mode == "selective" else frozenset()
+        reading = (mode, cp or mode == "full", absent)
+        if reading not in readings:
+            rules = _without(absent, RULES if reading[1] else RULES_WITHOUT_CP)
+            readings[reading] = _under_recompute(program, mode, where, saved, rules, absent=absent, moved=moved)
+        under_recompute[mode, cp, tp] = readings[reading]
     return acts, _unit_inputs(program, where), _collectives(program, where, nodes), saved_params, \
         _boundaries(program, where, units), under_recompute
 
 
-def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rules: list) -> tuple[dict, dict]:
+def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rules: list, *,
+                     absent: frozenset = frozenset(), moved: dict[str, str] | None = None) -> tuple[dict, dict]:
     """Per unit under ``recompute=mode``: ({ScaleKey: bytes} forward holds for backward, and the
     unit's steps in program order, each ({ScaleKey: bytes} backward makes again when it recomputes
     the step, {ScaleKey: bytes} the step holds from forward) -- a step is one recompute region, or a
@@ -537,22 +587,31 @@ def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rul
     the unit that made it (the RoPE tables every block reads), as a step where it is made; one a
     single region reads, by that region's unit and step. Backward recomputes what the region's other
     nodes would have saved, one region at a time (``cost_model._recompute_peak``)."""
-    gm, mesh = program.gm, program.mesh
+    gm, mesh, moved = program.gm, program.mesh, moved or {}
     regions, decisions, _ = recompute_regions(gm, mode, lambda path: False, rules=rules)
     region_of = {n.name: i for i, run in enumerate(regions) for n in run}
     nodes = {n.name: n for n in gm.graph.nodes}
     position = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     start = [position[run[0].name] for run in regions]
-    held: dict[str, tuple[str, ScaleKey, float, int]] = {}  # value -> (unit, key, bytes, step), each value once
+    held: dict[str, list[tuple[str, ScaleKey, float, int]]] = {}  # value -> [(unit, key, bytes, step)], each once
     again: dict[tuple[str, int], dict] = {}  # (unit, step) -> what backward makes again there
+    made_again: set[str] = set()
     for name, nbytes, is_float, bf16_only in saved:
         key, factor = _key(nodes[name], mesh, is_float=is_float, bf16_only=bf16_only)
+        aliased = _through(nodes[name], absent, moved, nodes) if absent else nodes[name]
+        if aliased.name != name:  # an absent collective's output is its input's storage: counted once
+            if aliased.name in made_again or aliased.name in held or not _local_bytes(aliased, mesh):
+                continue
+            name, ((key, nbytes), factor) = aliased.name, (_local_bytes(aliased, mesh), 1)
         if name not in region_of or _saved_outside_regions(gm, nodes[name], region_of):
-            held[name] = (where[name], key, nbytes * factor, position[name])
+            # a node may own several saved storages (attention's output and its log-sum-exp)
+            held.setdefault(name, []).append((where[name], key, nbytes * factor, position[name]))
         elif decisions[nodes[name]] != KEPT:
+            made_again.add(name)
             bucket = again.setdefault((where[name], start[region_of[name]]), {})
             bucket[key] = bucket.get(key, 0) + nbytes * factor
-    entering = [{_held_value(x, mesh) for n in run for x in n.all_input_nodes if x not in inside}
+    value_of = (lambda x: _through(_held_value(x, mesh), absent, moved, nodes)) if absent else (lambda x: _held_value(x, mesh))
+    entering = [{value_of(x) for n in run for x in n.all_input_nodes if x not in inside}
                  for run, inside in ((run, set(run)) for run in regions)]
     readers = Counter(value for values in entering for value in values)
     for index, (run, values) in enumerate(zip(regions, entering)):
@@ -561,15 +620,46 @@ def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rul
             if value.op != "placeholder" and value.name not in held and _local_bytes(value, mesh):
                 shared = readers[value] > 1 and value not in kept
                 unit = where[value.name] if shared else where[run[0].name]
-                held[value.name] = (unit, *_local_bytes(value, mesh), position[value.name] if shared else start[index])
+                held[value.name] = [(unit, *_local_bytes(value, mesh), position[value.name] if shared else start[index])]
+    if mode == "selective":
+        _release_kept(gm, mesh, regions, decisions, where, start, again, position,
+                      {(_through(nodes[name], absent, moved, nodes) if absent else nodes[name]).name for name, *_ in saved}, absent)
     steps: dict[str, dict[int, tuple[dict, dict]]] = {}
-    for unit, key, amount, step in held.values():
+    for unit, key, amount, step in (entry for entries in held.values() for entry in entries):
         bucket = steps.setdefault(unit, {}).setdefault(step, ({}, {}))[1]
         bucket[key] = bucket.get(key, 0) + amount
     for (unit, step), bucket in again.items():
         steps.setdefault(unit, {}).setdefault(step, ({}, {}))[0].update(bucket)
     ordered = {unit: tuple(by_step[k] for k in sorted(by_step)) for unit, by_step in steps.items()}
-    return _sum_by_unit(entry[:3] for entry in held.values()), ordered
+    return _sum_by_unit(entry[:3] for entries in held.values() for entry in entries), ordered
+
+
+def _release_kept(gm, mesh, regions, decisions, where, start, again, position, saved: set[str], absent) -> None:
+    """Under selective, a kept matmul output that no op saves and that recomputation reads is let go
+    when its region is recomputed: the checkpoint's cache hands it to the recomputed op that reads
+    it and keeps no reference (Llama's q, k, v and attention output projections; the gate and up
+    projections stay, saved by the activation and the product). Recomputation stops at the region's
+    last op that saves a tensor, so an output read only after it (the down projection's, by the
+    residual add) is not read again and stays. Counted as negative bytes of the step's recomputation."""
+    for index, run in enumerate(regions):
+        savers = [position[n.name] for n in run if records_saved_tensor(gm, n)]
+        if not savers:
+            continue
+        inside = set(run)
+        for node in run:
+            if decisions[node] != KEPT or node.name in saved:
+                continue
+            readers, frontier = [], list(node.users)
+            while frontier:  # through views and the collectives the plan does not have
+                user = frontier.pop()
+                if user.op == "call_function" and user.target in VIEWS or _identity_without(user, absent):
+                    frontier.extend(user.users)
+                else:
+                    readers.append(user)
+            if any(r in inside and decisions.get(r) == RECOMPUTED and position[r.name] < max(savers) for r in readers):
+                key, amount = _local_bytes(node, mesh)
+                bucket = again.setdefault((where[node.name], start[index]), {})
+                bucket[key] = bucket.get(key, 0) - amount
 
 
 def _held_value(node: fx.Node, mesh) -> fx.Node:
@@ -840,10 +930,11 @@ def _tp_divides(program, batch: int, seq: int) -> int:
 
 # ------------------------------------------------------------------------------- fake execution
 
-def _saved_tensors(program) -> tuple[list[tuple[str, int, bool, bool]], set[str]]:
+def _saved_tensors(program) -> tuple[list[tuple[str, int, bool, bool]], set[str], dict[str, str]]:
     """(node, bytes, is_float, bf16_only) of every storage rank 0 saves for backward in one forward,
     on fake tensors (a storage made inside a node, e.g. ring attention's blocks, belongs to that
-    node), and the names of the parameters autograd saves. A storage an op saves through a cast into
+    node), the names of the parameters autograd saves, and for each collective that moves data the
+    node that made its input's storage (``_through``). A storage an op saves through a cast into
     or out of a float32 island (``h.to(torch.float32)`` of the bf16 stream, and its cast back) is the
     value itself in this float32 probe but a copy of the cast's dtype under bf16: it is counted as
     the cast's, and where the value is saved itself too, the cast's copy exists only under bf16."""
@@ -876,12 +967,18 @@ def _saved_tensors(program) -> tuple[list[tuple[str, int, bool, bool]], set[str]
         micro = rank._split(batch)
         rank._set_step_divisors(micro)  # a loss dividing by the step's count
         rank._loss(micro[0])
+        moved = {}  # a collective that moves data -> the node that made its input's storage
+        for node in rank.gm.graph.nodes:
+            value = recorder.env.get(node.args[0]) if node.op == "call_module" and node.args \
+                and isinstance(node.args[0], fx.Node) else None
+            if isinstance(value, torch.Tensor) and _identity_without(node, frozenset(program.mesh.axes)):
+                moved[node.name] = recorder.owner.get(value.untyped_storage()._cdata)
     out = []
     for cdata, through in seen.items():
         direct = owners[cdata] in through
         for k, (name, (nbytes, is_float)) in enumerate(through.items()):
             out.append((name, nbytes, is_float, name != owners[cdata] and (direct or k > 0)))
-    return out, saved_params
+    return out, saved_params, moved
 
 
 def _island_cast(running: fx.Node, owner: fx.Node | None, storage: int, recorder) -> str | None:

@@ -227,13 +227,13 @@ def reissued_in_backward(gm: fx.GraphModule, run: list[fx.Node]) -> list[fx.Node
     block before its residual add; the all-reduce after attention, the sp all-gathers and the cp ring
     (which saves its own q, k, v) run again. Selective regions hold no collective that communicates
     in forward (they are boundaries), so nothing is re-issued there."""
-    saving = [i for i, node in enumerate(run) if _saves_for_backward(gm, node)]
+    saving = [i for i, node in enumerate(run) if records_saved_tensor(gm, node)]
     last = saving[-1] if saving else -1
     return [node for node in run[:last + 1]
             if node.op == "call_module" and communicates_forward(gm.get_submodule(node.target))]
 
 
-def _saves_for_backward(gm: fx.GraphModule, node: fx.Node) -> bool:
+def records_saved_tensor(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether autograd records ``node`` with a saved tensor: it has a gradient and its op keeps
     something (``saved_values``, by op class)."""
     ann = node.meta.get(META)

@@ -51,6 +51,19 @@ def test_hf_gpt2_matches_one_device(plan):
     assert result.max_param_diff <= 1e-5
 
 
+def test_hf_gpt2_under_cp_keeps_the_sequence_split_through_its_conv1d():
+    """GPT-2's Conv1D flattens [batch, seq, in] to [batch*seq, in] for ``addmm``: under cp alone the
+    sequence shard is the inner factor of those rows, and the projections ran on the gathered whole
+    sequence (every cp rank computing and holding all of it). Read as a linear on [batch, seq, in],
+    the shard passes: no all-gather over cp in a block, a rank holds its half, and it trains as one
+    device does."""
+    report = usc.lint(gpt2(), "cp=2", example_inputs=batch(0))
+    assert report.count("all-gather", axis="cp", direction="forward", module_prefix="m.transformer.h.") == 0
+    assert report.count("send/recv", axis="cp", direction="forward", module_prefix="m.transformer.h.0.") == 1
+    result = assert_equivalent(gpt2, "cp=2", [batch(s) for s in range(2)])
+    assert result.max_param_diff <= 1e-5
+
+
 def test_hf_attention_mask_under_cp_is_proven_causal():
     """The mask Llama builds from positions is evaluated at compile time and found causal: ring
     attention runs causal (rank 1 attends two blocks, rank 0 one; an explicit mask costs both two)."""
