@@ -8,6 +8,7 @@ uses are the same as before (the equivalence tests in test_random_ops.py hold th
 here the elements each rank draws are counted, and the cost model's activations are held to a
 counter that shares nothing with usc (usc.testing.memory_counters)."""
 
+import functools
 import sys
 from pathlib import Path
 
@@ -58,6 +59,12 @@ def bert_batch():
     return {"input_ids": ids, "labels": ids}
 
 
+@functools.cache
+def profile_of(factory):
+    """The cost profile of ``factory()``'s model at ``batch()``, made once per module run."""
+    return profile_model(factory(), batch())
+
+
 def drawn_per_rank(monkeypatch, factory, plan: str, example) -> float:
     """Elements hashed by usc's draws in one step, per rank (every rank of the plan)."""
     counts = []
@@ -98,7 +105,7 @@ def test_dropout_activations_predicted_within_5_percent_of_an_independent_count(
     dispatch-mode counter of live storages): before, the masks' bytes did not scale with the
     batch and the estimate missed by up to 19% (the runtime by then held the whole batch's masks).
     Selective recompute on a plan without tp read the probe's tp collectives as boundaries (+11.6%)."""
-    profile = profile_model(gpt2(), batch())
+    profile = profile_of(gpt2)
     sim = usc.simulate(gpt2(), plan, example_inputs=batch())
     sim.step(*batch())
     peaks = count_peaks(sim, batch())
@@ -121,7 +128,7 @@ def test_gpt2_selective_and_cp_activations_within_5_percent_of_an_independent_co
     without tp was +22% (the probe's gathered q/k/v and all-reduced outputs held as if the plan had
     them), and cp without tp -43% (its Conv1D flatten then gathered the whole sequence before every
     projection, which the profile, compiled with tp, never saw)."""
-    profile = profile_model(gpt2_without_dropout(), batch())
+    profile = profile_of(gpt2_without_dropout)
     sim = usc.simulate(gpt2_without_dropout(), plan, example_inputs=batch())
     sim.step(*batch())
     peaks = count_peaks(sim, batch())
