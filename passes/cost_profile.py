@@ -610,7 +610,10 @@ def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rul
             made_again.add(name)
             bucket = again.setdefault((where[name], start[region_of[name]]), {})
             bucket[key] = bucket.get(key, 0) + nbytes * factor
-    value_of = (lambda x: _through(_held_value(x, mesh), absent, moved, nodes)) if absent else (lambda x: _held_value(x, mesh))
+
+    def value_of(x: fx.Node) -> fx.Node:
+        return _through(_held_value(x, mesh), absent, moved, nodes) if absent else _held_value(x, mesh)
+
     entering = [{value_of(x) for n in run for x in n.all_input_nodes if x not in inside}
                  for run, inside in ((run, set(run)) for run in regions)]
     readers = Counter(value for values in entering for value in values)
@@ -620,10 +623,12 @@ def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rul
             if value.op != "placeholder" and value.name not in held and _local_bytes(value, mesh):
                 shared = readers[value] > 1 and value not in kept
                 unit = where[value.name] if shared else where[run[0].name]
-                held[value.name] = [(unit, *_local_bytes(value, mesh), position[value.name] if shared else start[index])]
+                step = position[value.name] if shared else start[index]
+                held[value.name] = [(unit, *_local_bytes(value, mesh), step)]
     if mode == "selective":
-        _release_kept(gm, mesh, regions, decisions, where, start, again, position,
-                      {(_through(nodes[name], absent, moved, nodes) if absent else nodes[name]).name for name, *_ in saved}, absent)
+        saved_names = {(_through(nodes[name], absent, moved, nodes) if absent else nodes[name]).name
+                       for name, *_ in saved}
+        _release_kept(gm, mesh, regions, decisions, where, start, again, position, saved_names, absent)
     steps: dict[str, dict[int, tuple[dict, dict]]] = {}
     for unit, key, amount, step in (entry for entries in held.values() for entry in entries):
         bucket = steps.setdefault(unit, {}).setdefault(step, ({}, {}))[1]
@@ -656,7 +661,8 @@ def _release_kept(gm, mesh, regions, decisions, where, start, again, position, s
                     frontier.extend(user.users)
                 else:
                     readers.append(user)
-            if any(r in inside and decisions.get(r) == RECOMPUTED and position[r.name] < max(savers) for r in readers):
+            last = max(savers)
+            if any(r in inside and decisions.get(r) == RECOMPUTED and position[r.name] < last for r in readers):
                 key, amount = _local_bytes(node, mesh)
                 bucket = again.setdefault((where[node.name], start[index]), {})
                 bucket[key] = bucket.get(key, 0) - amount
