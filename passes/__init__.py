@@ -35,6 +35,7 @@ from .random_ops import random_ops_pass
 from .recompute import recompute_pass
 from .row_index import row_index_pass
 from .state_writes import state_writes_pass
+from .tensor_parallel import conv1d_as_linear
 from .zero3 import zero3_pass
 
 def build_pipeline(*, input_layouts, grad_inputs: set[str], params: set[str],
@@ -92,6 +93,9 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
     params = {s.placeholder for s in traced.state if s.trainable}
     replicated: dict[int, str] = {}
     replicated_cols: dict[str, str] = {}
+    # under every plan, before any layout is read: GPT-2's Conv1D as the linear it computes (its
+    # flatten would merge a cp or sp shard of the sequence into the rows, gathering it whole)
+    conv1d_as_linear(traced.gm, {s.placeholder for s in traced.state if s.kind == "param"})
     while True:
         tp = tp_layouts(traced, plan, mesh, replicated, replicated_cols)
         layouts = merge_layouts(mesh, batch_layouts(traced, plan, mesh), tp.layouts,

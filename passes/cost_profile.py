@@ -598,7 +598,7 @@ def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rul
     made_again: set[str] = set()
     for name, nbytes, is_float, bf16_only in saved:
         key, factor = _key(nodes[name], mesh, is_float=is_float, bf16_only=bf16_only)
-        aliased = _through(nodes[name], absent, moved, nodes) if absent else nodes[name]
+        aliased = _through(nodes[name], absent, moved, nodes)  # itself where nothing is absent
         if aliased.name != name:  # an absent collective's output is its input's storage: counted once
             if aliased.name in made_again or aliased.name in held or not _local_bytes(aliased, mesh):
                 continue
@@ -612,7 +612,7 @@ def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rul
             bucket[key] = bucket.get(key, 0) + nbytes * factor
 
     def value_of(x: fx.Node) -> fx.Node:
-        return _through(_held_value(x, mesh), absent, moved, nodes) if absent else _held_value(x, mesh)
+        return _through(_held_value(x, mesh), absent, moved, nodes)
 
     entering = [{value_of(x) for n in run for x in n.all_input_nodes if x not in inside}
                  for run, inside in ((run, set(run)) for run in regions)]
@@ -626,8 +626,7 @@ def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rul
                 step = position[value.name] if shared else start[index]
                 held[value.name] = [(unit, *_local_bytes(value, mesh), step)]
     if mode == "selective":
-        saved_names = {(_through(nodes[name], absent, moved, nodes) if absent else nodes[name]).name
-                       for name, *_ in saved}
+        saved_names = {_through(nodes[name], absent, moved, nodes).name for name, *_ in saved}
         _release_kept(gm, mesh, regions, decisions, where, start, again, position, saved_names, absent)
     steps: dict[str, dict[int, tuple[dict, dict]]] = {}
     for unit, key, amount, step in (entry for entries in held.values() for entry in entries):

@@ -15,7 +15,7 @@ from torch.distributed.tensor import Replicate, Shard
 from usc.compiler.ir import Layout, MeshSpec
 from usc.compiler.trace import Traced, module_path
 
-from .tensor_parallel import (PairGroup, TPChoice, conv1d_as_linear, find_pairs, is_token_embedding, style_layouts,
+from .tensor_parallel import (PairGroup, TPChoice, find_pairs, is_token_embedding, style_layouts,
                               weight_param)
 
 aten = torch.ops.aten
@@ -101,13 +101,10 @@ def tp_layouts(traced: Traced, plan, mesh: MeshSpec, replicated: dict[int, str],
     replicated_cols = replicated_cols or {}
     tp = mesh.size("tp")
     result = LayoutChoice({})
-    params = {s.placeholder for s in traced.state if s.kind == "param"}
-    gm = traced.gm
-    # under every plan: a Conv1D's flatten merges the sequence inside the rows, which a cp or sp
-    # shard cannot pass (the sequence would be gathered whole before every projection)
-    conv1d_as_linear(gm, params)
     if tp == 1:
         return result
+    params = {s.placeholder for s in traced.state if s.kind == "param"}
+    gm = traced.gm
     groups, heads = find_pairs(gm, params)
     result.groups = groups
     auto: dict[fx.Node, tuple[str, str]] = {}

@@ -108,7 +108,7 @@ def weight_param(node: fx.Node) -> tuple[fx.Node, bool]:
 def conv1d_as_linear(gm: fx.GraphModule, params: set[str]) -> None:
     """GPT-2's ``Conv1D`` computes ``addmm(bias, x, W)`` with ``W`` stored [in, out]; rewritten as the
     same value ``linear(x, W.t(), bias)`` so pairs are found through it and a row-parallel bias is
-    split off by the propagation pass like any linear's. Run under every plan (``tp_layouts``): the
+    split off by the propagation pass like any linear's. Run under every plan (``parallelize``): the
     flatten it drops would merge a cp or sp shard of the sequence into the rows. Idempotent."""
     changed = False
     for node in list(gm.graph.nodes):
