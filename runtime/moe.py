@@ -292,6 +292,7 @@ class ExpertParallelMoE(CollectiveNode):
             if y is None:
                 y = out.new_empty(grouped.shape[0], out.shape[-1])
             y.index_put_((where,), out)  # saves the index only (index_copy_ would save ``out``)
+            del out  # before the next expert's output exists
         return y if y is not None else grouped
 
     def _weights(self, experts, e: int) -> tuple[torch.Tensor, ...]:

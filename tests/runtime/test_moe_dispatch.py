@@ -118,3 +118,62 @@ def test_an_expert_with_no_token_still_gets_a_zero_gradient_on_every_rank():
         assert all(g is not None for g in grads)
     assert results[1][4] == [0] and results[0][4] == [4]
     assert all(float(g.abs().sum()) == 0.0 for g in results[1][3][1::2])  # expert 1's weights
+
+
+def _saved_and_recompute_peak(mesh, indices, experts):
+    """(bytes of the float tensors the layer's forward saves for backward that it made itself, the most
+    bytes backward holds at once of the tensors it recomputes under non-reentrant checkpointing)."""
+    from types import SimpleNamespace
+
+    from torch.utils.checkpoint import checkpoint
+
+    from usc.testing.memory_counters import count_step_activations
+
+    tokens, k = indices.shape
+    x, weights, full = _tensors(experts, tokens, k, 3)
+    ep = mesh.size("ep")
+    rows = slice(mesh.coord_of("ep") * tokens // ep, (mesh.coord_of("ep") + 1) * tokens // ep)
+    local = experts // ep
+    params = [_leaf(w[mesh.coord_of("ep") * local:(mesh.coord_of("ep") + 1) * local]) for w in full]
+    moe = ExpertParallelMoE("ep", num_experts=experts, top_k=k, stacked=True).bind(mesh)
+    xs, ws, chosen = _leaf(x[rows]), _leaf(weights[rows]), indices[rows].clone()
+    inputs = {t.untyped_storage()._cdata for t in (xs, ws, chosen, *params)}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage._cdata not in inputs:
+            saved[storage._cdata] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        moe(xs, ws, chosen, *params).sum().backward()
+    received = sum(moe.load)
+    step = SimpleNamespace(state={i: t for i, t in enumerate((xs, ws, chosen, *params))},
+                           step=lambda _: checkpoint(moe, xs, ws, chosen, *params,
+                                                     use_reentrant=False).sum().backward())
+    return sum(saved.values()), count_step_activations(step, ()).peak_in_backward, received
+
+
+def test_the_layer_saves_only_what_its_gradients_read_and_recomputation_holds_no_more():
+    """Per rank (ep=2, 7 tokens of 2 slots each on each rank, uneven routing): forward saves the
+    received rows grouped by expert, four [rows, F] tensors per expert row (the two projections,
+    the activation, their product: each read by a gradient), the combined [T*k, H] slots the
+    router weights multiply and the three index tensors the gradients are gathered by -- no copy
+    of the exchanged rows (the combine's ``index_add`` saved its source, a third [T*k, H] buffer). Under recompute=full, non-reentrant checkpointing stops
+    at the last tensor backward needs, inside the layer's forward: backward then holds what forward
+    saves and the one [T*k, H] product being made, not every buffer the forward had named
+    (dispatch send and receive, expert outputs: four more)."""
+    experts, k = 4, 2
+    indices = torch.tensor([[0, 2], [1, 0], [0, 3], [1, 2], [0, 1], [3, 0], [2, 1]] * 2)  # 18 rows to ep rank 0, 10 to 1
+    meshes = simulated_meshes(("ep",), (2,), timeout=20.0)
+    results = run_in_threads(meshes, lambda m: _saved_and_recompute_peak(m, indices, experts), timeout=60.0)
+    assert [r[2] for r in results] == [18, 10]
+    for saved, peak, received in results:
+        slots = 7 * k
+        floats = received * HIDDEN + received * 4 * FFN + slots * HIDDEN  # float64
+        indices_saved = 2 * slots + received  # each assignment's row and slot, each received row's place
+        expected = 8 * (floats + indices_saved)
+        assert saved == expected, (saved, expected)
+        # beyond what forward saves: one [T*k, H] buffer and the routing's few small index tensors
+        assert saved <= peak < saved + 1.5 * 8 * slots * HIDDEN, (peak, saved)
