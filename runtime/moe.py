@@ -282,7 +282,8 @@ class ExpertParallelMoE(CollectiveNode):
         self.load = [a + b for a, b in zip(self.load, sizes)] if self.load else sizes
         return torch.argsort(segment, stable=True), sizes
 
-    def _run_experts(self, grouped: torch.Tensor, perm: torch.Tensor, sizes: list[int], experts) -> torch.Tensor:
+    def _run_experts(self, grouped: torch.Tensor, perm: torch.Tensor, sizes: list[int],
+                     experts) -> torch.Tensor:
         """Run each local expert on its rows of ``grouped`` and write its output straight to the rows'
         received order (``y[perm[j]]`` is row j's output): one output buffer, not a concatenation of
         the experts' outputs and then a permuted copy of it."""

@@ -121,8 +121,9 @@ def test_an_expert_with_no_token_still_gets_a_zero_gradient_on_every_rank():
 
 
 def _saved_and_recompute_peak(mesh, indices, experts):
-    """(bytes of the float tensors the layer's forward saves for backward that it made itself, the most
-    bytes backward holds at once of the tensors it recomputes under non-reentrant checkpointing)."""
+    """(bytes of the tensors the layer's forward saves for backward that it made itself, the most bytes
+    backward holds at once of the tensors it recomputes under non-reentrant checkpointing, the rows
+    this rank's experts received)."""
     from types import SimpleNamespace
 
     from torch.utils.checkpoint import checkpoint
@@ -160,12 +161,14 @@ def test_the_layer_saves_only_what_its_gradients_read_and_recomputation_holds_no
     received rows grouped by expert, four [rows, F] tensors per expert row (the two projections,
     the activation, their product: each read by a gradient), the combined [T*k, H] slots the
     router weights multiply and the three index tensors the gradients are gathered by -- no copy
-    of the exchanged rows (the combine's ``index_add`` saved its source, a third [T*k, H] buffer). Under recompute=full, non-reentrant checkpointing stops
-    at the last tensor backward needs, inside the layer's forward: backward then holds what forward
-    saves and the one [T*k, H] product being made, not every buffer the forward had named
-    (dispatch send and receive, expert outputs: four more)."""
+    of the exchanged rows (the combine's ``index_add`` saved its source, a third [T*k, H] buffer).
+    Under recompute=full, non-reentrant checkpointing stops at the last tensor backward needs,
+    inside the layer's forward: backward then holds what forward saves and at most one [T*k, H]
+    buffer more (the combined rows while they are placed), not every buffer the forward had named
+    (dispatch send and receive, the experts' outputs and their permuted copy)."""
     experts, k = 4, 2
-    indices = torch.tensor([[0, 2], [1, 0], [0, 3], [1, 2], [0, 1], [3, 0], [2, 1]] * 2)  # 18 rows to ep rank 0, 10 to 1
+    # 18 assignments to the experts of ep rank 0, 10 to those of ep rank 1
+    indices = torch.tensor([[0, 2], [1, 0], [0, 3], [1, 2], [0, 1], [3, 0], [2, 1]] * 2)
     meshes = simulated_meshes(("ep",), (2,), timeout=20.0)
     results = run_in_threads(meshes, lambda m: _saved_and_recompute_peak(m, indices, experts), timeout=60.0)
     assert [r[2] for r in results] == [18, 10]
