@@ -1,6 +1,6 @@
 """The planner's activation estimate against an independent count, on every model family users bring.
 
-    python benchmarks/planner_memory_families.py                                  # dp=2 selective, cp=2 selective
+    python benchmarks/planner_memory_families.py                  # every recompute mode at dp=2, selective at cp=2
     python benchmarks/planner_memory_families.py "dp=2 recompute=full,dp=2" llama mixtral
 
 For each family of tests/distributed/users_models.py (transformers' models from tiny configs, a
@@ -26,7 +26,7 @@ import users_models  # noqa: E402
 import usc  # noqa: E402
 from usc.testing.memory_counters import count_peaks  # noqa: E402
 
-PLANS = ["dp=2 recompute=selective", "cp=2 recompute=selective"]
+PLANS = ["dp=2", "dp=2 recompute=selective", "dp=2 recompute=full", "cp=2 recompute=selective"]
 
 
 def measure(name: str, plan: str) -> str:
