@@ -4,11 +4,11 @@
     python benchmarks/planner_memory_families.py "dp=2 recompute=full,dp=2" llama mixtral
 
 For each family of tests/distributed/users_models.py (transformers' models from tiny configs, a
-torchtitan-style Llama, a nanoGPT-style GPT) and each plan: ``usc.plan`` pinned to the plan on 2
-GPUs (6 sequences of 10 tokens, float32), its activations per rank against
-``usc.testing.memory_counters.count_peaks`` over one real step of the same plan in the simulator
-(every storage the step's forwards and recomputations touch, by weak reference, the most alive at
-once -- nothing of the cost model's). A mixture-of-experts family may get ep=2 beside the pinned
+torchtitan-style Llama, a nanoGPT-style GPT) and each plan, ``users_models.planned_and_counted``:
+``usc.plan`` pinned to the plan on 2 GPUs (6 sequences of 10 tokens, float32), its activations per
+rank against ``usc.testing.memory_counters.count_peaks`` over one real step of the same plan in the
+simulator (every storage the step's forwards and recomputations touch, by weak reference, the most
+alive at once -- nothing of the cost model's). A mixture-of-experts family may get ep=2 beside the pinned
 axis; a line says ERROR where no plan of that kind fits.
 """
 
@@ -24,25 +24,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "distr
 import users_models  # noqa: E402
 
 import usc  # noqa: E402
-from usc.testing.memory_counters import count_peaks  # noqa: E402
 
 PLANS = ["dp=2", "dp=2 recompute=selective", "dp=2 recompute=full", "cp=2 recompute=selective"]
 
 
 def measure(name: str, plan: str) -> str:
-    spec = users_models.FAMILIES[name]
     start = time.process_time()
-    torch.manual_seed(0)
-    batch = spec.batch(0, 6)
     try:
-        chosen = usc.plan(spec.build(), f"gpus=2 {plan} seq=10 global_batch=6 dtype=fp32 fuse=off",
-                          example_inputs=batch, loss_fn=spec.loss_fn)
+        chosen, estimated, counted = users_models.planned_and_counted(name, plan)
     except usc.PlanError as error:
         return f"{name:18s} {plan:34s} ERROR {str(error).splitlines()[0][:90]}"
-    torch.manual_seed(0)
-    sim = usc.simulate(spec.build(), chosen, example_inputs=batch, loss_fn=spec.loss_fn)
-    counted = max(count_peaks(sim, sim.flat_batch((batch,))))
-    estimated = chosen.search.best.estimate.memory["activations"]
     return (f"{name:18s} {str(chosen):48s} estimated {estimated / 1e3:8.1f} KB  counted {counted / 1e3:8.1f} KB  "
             f"{estimated / counted - 1:+6.1%}  ({time.process_time() - start:.0f} s CPU)")
 

@@ -13,7 +13,7 @@ import usc
 pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
 
-from users_models import FAMILIES  # noqa: E402
+from users_models import FAMILIES, planned_and_counted  # noqa: E402
 
 
 def on_meta(family: str) -> torch.nn.Module:
@@ -282,18 +282,9 @@ def test_the_planners_selective_recompute_memory_is_the_plans_not_the_probes(fam
     these were -59% (Mixtral), +31% (Phi-3), -42% (GPT-2, whose cp also gathered the sequence) and
     -66% (OLMoE) off what a rank holds; now within 10% of the independent counter (every storage a
     real step touches, the most alive at once)."""
-    from usc.testing.memory_counters import count_peaks
-
-    torch.manual_seed(0)
-    spec = FAMILIES[family]
-    batch = spec.batch(0, 6)
-    chosen = usc.plan(spec.build(), f"gpus=2 {plan} seq=10 global_batch=6 dtype=fp32 fuse=off", example_inputs=batch,
-                      loss_fn=spec.loss_fn)
+    chosen, estimated, counted = planned_and_counted(family, plan)
     assert chosen.size("tp") == 1 and chosen.get("recompute") == "selective", chosen  # Mixtral's adds ep=2
-    torch.manual_seed(0)
-    sim = usc.simulate(spec.build(), chosen, example_inputs=batch, loss_fn=spec.loss_fn)
-    peak = max(count_peaks(sim, sim.flat_batch((batch,))))
-    assert chosen.search.best.estimate.memory["activations"] == pytest.approx(peak, rel=0.10)
+    assert estimated == pytest.approx(counted, rel=0.10)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
@@ -306,15 +297,6 @@ def test_a_mixture_of_experts_block_under_full_recompute_holds_what_the_planner_
     exists: within 15% of the independent counter, the bound the planner's memory model is held
     to under each recompute mode (the rest is routing: the counted rank receives more rows than the
     balanced share the estimate plans for)."""
-    from usc.testing.memory_counters import count_peaks
-
-    torch.manual_seed(0)
-    spec = FAMILIES[family]
-    batch = spec.batch(0, 6)
-    chosen = usc.plan(spec.build(), "gpus=2 dp=2 recompute=full seq=10 global_batch=6 dtype=fp32 fuse=off",
-                      example_inputs=batch, loss_fn=spec.loss_fn)
+    chosen, estimated, counted = planned_and_counted(family, "dp=2 recompute=full")
     assert chosen.size("ep") == 2 and chosen.get("recompute") == "full", chosen
-    torch.manual_seed(0)
-    sim = usc.simulate(spec.build(), chosen, example_inputs=batch, loss_fn=spec.loss_fn)
-    peak = max(count_peaks(sim, sim.flat_batch((batch,))))
-    assert chosen.search.best.estimate.memory["activations"] == pytest.approx(peak, rel=0.15)
+    assert estimated == pytest.approx(counted, rel=0.15)

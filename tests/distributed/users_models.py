@@ -376,3 +376,21 @@ def traced_ops(family: str) -> frozenset:
     graph = trace(model, model.flatten(fam.batch(0, BATCH))).gm.graph
     return frozenset(n.target for n in graph.nodes
                      if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload))
+
+
+def planned_and_counted(family: str, plan: str):
+    """(``usc.plan`` pinned to ``plan`` on 2 GPUs for 6 sequences of 10 tokens in float32, its
+    activations per rank, the most bytes a rank of that plan holds at once over one real step in
+    the simulator by ``usc.testing.memory_counters.count_peaks`` -- nothing of the cost model's)."""
+    import usc
+    from usc.testing.memory_counters import count_peaks
+
+    fam = FAMILIES[family]
+    torch.manual_seed(0)
+    batch = fam.batch(0, BATCH)
+    chosen = usc.plan(fam.build(), f"gpus=2 {plan} seq={SEQ} global_batch={BATCH} dtype=fp32 fuse=off",
+                      example_inputs=batch, loss_fn=fam.loss_fn)
+    torch.manual_seed(0)
+    sim = usc.simulate(fam.build(), chosen, example_inputs=batch, loss_fn=fam.loss_fn)
+    counted = max(count_peaks(sim, sim.flat_batch((batch,))))
+    return chosen, chosen.search.best.estimate.memory["activations"], counted
