@@ -294,7 +294,7 @@ class ExpertParallelMoE(CollectiveNode):
                 y = out.new_empty(grouped.shape[0], out.shape[-1])
             y.index_put_((where,), out)  # saves the index only (index_copy_ would save ``out``)
             del out  # before the next expert's output exists
-        return y if y is not None else grouped
+        return y  # every rank holds one local expert at least (ep divides the experts)
 
     def _weights(self, experts, e: int) -> tuple[torch.Tensor, ...]:
         """Local expert e's weights as its form takes them (stacked: row e of each [E_local, ...] tensor)."""
