@@ -125,7 +125,9 @@ def _trace_error(exc: BaseException, model: nn.Module) -> TraceError:
     else:
         fix = "make forward traceable by torch.export (no data-dependent Python control flow, no .item())"
     at = f" in module '{where}' ({line})" if where else ""
-    error = TraceError(f"usc could not trace {type(model).__name__}{at}: {reason}\n  fix: {fix}")
+    hint = getattr(model, "batch_hint", lambda: "")()  # a dict passed where forward may want its keys
+    error = TraceError(f"usc could not trace {type(model).__name__}{at}: {reason}\n  fix: {fix}"
+                       + (f"\n  note: {hint}" if hint else ""))
     error.__cause__ = exc
     return error
 

@@ -97,7 +97,10 @@ def batch_and_sequence(example_inputs: tuple) -> tuple[int, int]:
     for value in example_inputs:
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
             return int(value.shape[0]), int(value.shape[1])
-    raise CompileError("the planner needs an example input shaped [batch, sequence, ...] (token ids)")
+    held = ", ".join(f"Tensor{list(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+                     for v in example_inputs) or "nothing"
+    raise CompileError(f"the planner needs an example input shaped [batch, sequence, ...] (token ids), but the "
+                       f"example holds {held}: pass a batch of the model's inputs with the batch and sequence dims")
 
 
 def at_sequence(example_inputs: tuple, seq: int) -> tuple:

@@ -200,11 +200,11 @@ class _Compiled:
         if mb == 1:
             return batch
         first = next((v for v in batch if isinstance(v, torch.Tensor) and v.dim() > 0), None)
-        if first is None:  # the batch, not the plan: nothing at its top level has a dim to split
+        if first is None:  # the batch, not the plan: nothing in it has a dim to split
             raise BatchError(
-                f"mb={mb} splits dim 0 of the batch's tensors, but the batch holds none with a batch dim at its "
-                f"top level (it holds {', '.join(type(v).__name__ for v in batch) or 'nothing'}): pass a mapping "
-                "as the batch itself (example_inputs=batch, step(batch)), not inside a tuple")
+                f"mb={mb} splits dim 0 of the batch's tensors, but the batch holds none with a batch dim (it holds "
+                f"{', '.join(type(v).__name__ for v in batch) or 'nothing'}): pass the batch's tensors, [batch, ...] "
+                "each, in example_inputs and every step")
         if first.shape[0] % mb:
             raise self.plan.error_at("mb", f"mb={mb} microbatches do not divide the global batch of {first.shape[0]}",
                                      hint=f"use a batch that is a multiple of {mb}")
@@ -226,8 +226,8 @@ class _Compiled:
     def _input_names(self) -> dict[str, str]:
         """Each program input as the user names it in errors: 'input_ids' (a mapping's key) or batch[i]."""
         layout = self.model.layout
-        keys = layout.keys if layout is not None and layout.kind == "mapping" else ()
-        return {spec.placeholder: repr(keys[i]) if i < len(keys) else f"batch[{i}]"
+        names = layout.input_names() if layout is not None else ()
+        return {spec.placeholder: names[i] if i < len(names) else f"batch[{i}]"
                 for i, spec in enumerate(self._program.inputs)}
 
     def _executor_options(self) -> dict:

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler
+from torch.utils._pytree import tree_map
 
 from usc.runtime.training import data_shard
 
@@ -75,4 +76,4 @@ def local_slice(step, *batch, coord: tuple | None = None):
             else v
     if len(batch) == 1 and isinstance(batch[0], Mapping):
         return {k: rows(v) for k, v in batch[0].items()}
-    return tuple(rows(v) for v in batch)
+    return tree_map(rows, tuple(batch))  # a dict or list inside the tuple: each of its tensors

@@ -1,9 +1,10 @@
 """Models as people call them: the batch as they hold it, the loss where the model puts it.
 
 A batch is a tuple (``model(*batch)``), a mapping (``model(**batch)``, a Hugging Face collator's
-``{"input_ids", "attention_mask", "labels"}``) or one tensor. The compiled program takes a flat tuple
-of tensors (what dp slices along dim 0, mb chunks, cp splits along dim 1): ``BatchLayout`` maps one
-to the other. ``Trainable`` is the module usc traces: it calls the user's model the way its batch
+``{"input_ids", "attention_mask", "labels"}``) or one tensor; a tuple's elements may themselves be
+dicts, lists or tuples of tensors (``forward(self, batch)`` taking a dict as one argument). The
+compiled program takes a flat tuple of tensors (what dp slices along dim 0, mb chunks, cp splits
+along dim 1): ``BatchLayout`` maps one to the other. ``Trainable`` is the module usc traces: it calls the user's model the way its batch
 says, with the training defaults (no KV cache), and returns the one scalar loss found in the output
 by ``LOSS_RULES`` — so logits, router logits and caches are never graph outputs and are neither kept
 alive nor communicated.
@@ -25,6 +26,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from usc.compiler.errors import TraceError
 
@@ -46,23 +48,39 @@ class BatchLayout:
 
     kind: "tuple" (positional), "mapping" (keyword) or "tensor" (one positional input);
     keys: the mapping's keys in order (their values are the flat tuple, tensors or not);
-    dropped: keys left out because their value is an all-ones attention mask."""
+    dropped: keys left out because their value is an all-ones attention mask;
+    tree: a tuple whose elements hold containers (a dict forward takes as one argument): its
+    structure (a pytree spec), the flat tuple being its leaves, each named in ``paths``
+    (``[0]['input_ids']``); None for a flat tuple."""
 
     kind: str
     keys: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
+    tree: object = None
+    paths: tuple[str, ...] = ()
 
     @staticmethod
     def of(batch) -> "BatchLayout":
         if isinstance(batch, Mapping):
             dropped = tuple(k for k in batch if k in DROPPABLE_MASKS and _all_ones(batch[k]))
             return BatchLayout("mapping", tuple(k for k in batch if k not in dropped), dropped)
-        return BatchLayout("tensor" if isinstance(batch, torch.Tensor) else "tuple")
+        if isinstance(batch, torch.Tensor):
+            return BatchLayout("tensor")
+        if any(isinstance(v, (Mapping, tuple, list)) for v in batch):
+            leaves, tree = tree_flatten_with_path(tuple(batch))
+            return BatchLayout("tuple", tree=tree, paths=tuple(keystr(path) for path, _ in leaves))
+        return BatchLayout("tuple")
+
+    @property
+    def nested(self) -> bool:
+        return self.tree is not None
 
     def flatten(self, batch) -> tuple:
         """The flat tuple for ``batch``; a batch of another structure is a BatchError naming the difference."""
         if self.kind == "mapping":
             return self._flatten_mapping(batch)
+        if self.nested:
+            return self._flatten_nested(batch)
         if isinstance(batch, Mapping):
             raise BatchError(f"the program was compiled for a {self.kind} batch but got a mapping with keys "
                              f"{sorted(batch)}: pass batches of one structure")
@@ -82,11 +100,31 @@ class BatchLayout:
                                  "example batch that pads")
         return tuple(batch[k] for k in self.keys)
 
+    def _flatten_nested(self, batch) -> tuple:
+        if isinstance(batch, Mapping) and self.tree.num_children == 1 and self.tree.child(0).type is not None \
+                and issubclass(self.tree.child(0).type, Mapping):
+            batch = (batch,)  # step(batch) for a forward taking the one dict: the compiled layout says which
+        batch = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+        leaves, tree = tree_flatten(batch)
+        if tree != self.tree:
+            got = tuple(keystr(path) for path, _ in tree_flatten_with_path(batch)[0])
+            raise BatchError(f"the program was compiled for a batch holding {', '.join(self.paths)} but this batch "
+                             f"holds {', '.join(got) or 'nothing'}: pass batches of one structure")
+        return tuple(leaves)
+
     def arguments(self, flat: tuple, extra: dict) -> tuple[tuple, dict]:
         """(positional, keyword) arguments of the model's call on ``flat``."""
         if self.kind == "mapping":  # the batch's own keys win over the training defaults
             return (), {**extra, **dict(zip(self.keys, flat))}
+        if self.nested:
+            return tuple(tree_unflatten(list(flat), self.tree)), dict(extra)
         return tuple(flat), dict(extra)
+
+    def input_names(self) -> tuple[str, ...]:
+        """Each flat input as the user names it: 'input_ids' (a mapping's key), batch[0]['tokens'], batch[i]."""
+        if self.kind == "mapping":
+            return tuple(repr(k) for k in self.keys)
+        return tuple(f"batch{p}" for p in self.paths)
 
     def call(self, model: nn.Module, flat: tuple, extra: dict):
         args, kwargs = self.arguments(flat, extra)
@@ -198,16 +236,43 @@ class Trainable(nn.Module):
             what = "the batch less its target (loss_fn= takes the last element, or 'labels')"
         args, kwargs = called.arguments(flat, self._extra)
         given = ("keys " + ", ".join(repr(k) for k in called.keys) if called.kind == "mapping"
-                 else f"{len(flat)} positional value{'s' * (len(flat) != 1)}")
+                 else f"{len(args)} positional value{'s' * (len(args) != 1)}")
+        name = type(model).__name__
+        shown = ", ".join(str(p.replace(annotation=p.empty, default=p.empty) if p.default is p.empty
+                              else p.replace(annotation=p.empty)) for p in signature.parameters.values())
         try:
-            signature.bind(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
         except TypeError as err:
-            name = type(model).__name__
-            shown = ", ".join(str(p.replace(annotation=p.empty, default=p.empty) if p.default is p.empty
-                                  else p.replace(annotation=p.empty)) for p in signature.parameters.values())
+            one = ("; a forward that takes the dict as one argument gets it inside a tuple (example_inputs=(batch,))"
+                   if called.kind == "mapping" and _positional(signature) == 1 else "")
             raise BatchError(f"{name}.forward({shown}) cannot take {what} ({given}): {err}; pass example_inputs "
                              f"(and each step's batch) as {name}'s forward takes them: a tuple for its "
-                             "positional arguments, a dict for keyword arguments") from None
+                             f"positional arguments, a dict for keyword arguments{one}") from None
+        for param, value in bound.arguments.items():
+            if isinstance(value, Mapping) and value and set(value) <= set(signature.parameters) \
+                    and any(isinstance(v, torch.Tensor) for v in value.values()):
+                keys = ", ".join(repr(k) for k in value)
+                raise BatchError(f"{name}.forward({shown}) takes {keys} as arguments of their own, but {what} "
+                                 f"passes a dict of them as forward's '{param}': pass the dict itself "
+                                 "(example_inputs=batch, step(batch)), which usc calls as model(**batch)")
+
+    def batch_hint(self) -> str:
+        """For a trace error: the forward arguments the batch fills with a whole dict (a collator's
+        batch passed inside a tuple, where forward may take its keys as arguments of their own)."""
+        layout = self.layout
+        if layout is None or not layout.nested:
+            return ""
+        try:
+            names = list(inspect.signature(self.user_model.forward).parameters)
+        except (TypeError, ValueError):
+            names = []
+        given = [names[i] if i < len(names) else f"batch[{i}]" for i, child in enumerate(layout.tree.children())
+                 if child.type is not None and issubclass(child.type, Mapping)]
+        if not given:
+            return ""
+        return (f"the batch passes a dict as forward's {', '.join(repr(g) for g in given)}; if forward takes the "
+                "dict's keys as arguments of their own, pass the dict itself (example_inputs=batch, step(batch)), "
+                "which usc calls as model(**batch)")
 
     def forward(self, *flat):
         model, layout = self.user_model, self.layout or BatchLayout("tuple")
@@ -216,6 +281,14 @@ class Trainable(nn.Module):
                 return loss_of(layout.call(model, flat, self._extra), type(model).__name__)
             inputs, target = _split_target(layout, flat)
             return self._loss_fn(inputs.call(model, inputs.flat, self._extra), target)
+
+
+def _positional(signature: inspect.Signature) -> int:
+    """How many positional parameters a forward has (any number for ``*args``)."""
+    kinds = [p.kind for p in signature.parameters.values()]
+    if inspect.Parameter.VAR_POSITIONAL in kinds:
+        return -1
+    return sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds)
 
 
 @contextlib.contextmanager
@@ -249,6 +322,10 @@ def _split_target(layout: BatchLayout, flat: tuple) -> tuple[_Inputs, object]:
         i = layout.keys.index("labels")
         keys = layout.keys[:i] + layout.keys[i + 1:]
         return _Inputs(BatchLayout("mapping", keys), flat[:i] + flat[i + 1:]), flat[i]
+    if layout.nested:  # the last positional argument, whatever it holds
+        args = tree_unflatten(list(flat), layout.tree)
+        inputs = BatchLayout.of(args[:-1])
+        return _Inputs(inputs, inputs.flatten(args[:-1])), args[-1]
     return _Inputs(BatchLayout("tuple"), flat[:-1]), flat[-1]
 
 

@@ -150,10 +150,15 @@ def test_a_batch_forward_cannot_take_is_a_batch_error_with_the_signature():
         usc.lint(GPT(GPTConfig()), "dp=2", example_inputs={"tokens": ids})
     with pytest.raises(BatchError, match="cannot take the batch less its target"):
         usc.lint(GPT(GPTConfig()), "dp=2", example_inputs=(ids,), loss_fn=lambda logits, target: logits.sum())
-    # a collator's dict inside a tuple under microbatches: the batch is named, not the plan's mb
-    with pytest.raises(BatchError, match=r"mb=2 splits dim 0 of the batch's tensors, but the batch holds none "
-                                         r"with a batch dim at its top level \(it holds dict\): pass a mapping"):
+    # a collator's dict inside a tuple, for a forward that takes other names: the model fails on
+    # it, and the error says which argument got the dict and how to pass its keys instead
+    with pytest.raises(usc.CompileError, match=r"note: the batch passes a dict as forward's 'idx'; if forward takes "
+                                               r"the dict's keys as arguments of their own, pass the dict itself"):
         usc.lint(GPT(GPTConfig()), "mb=2", example_inputs=(collated(0),))
+    # nothing in the batch has a dim for microbatches to split: the batch is named, not the plan's mb
+    with pytest.raises(BatchError, match=r"mb=2 splits dim 0 of the batch's tensors, but the batch holds none "
+                                         r"with a batch dim \(it holds Tensor, int\)"):
+        usc.lint(GPT(GPTConfig()), "mb=2", example_inputs=(torch.tensor(3), 4))
 
 
 def padded(seed: int) -> dict:
@@ -390,3 +395,94 @@ def test_local_slice_of_a_dict_batch():
     second = usc.data.local_slice(step, batch, coord=(1,))
     assert sorted(second) == sorted(batch)
     assert all(torch.equal(second[k], batch[k][2:]) for k in batch)
+
+
+class LitLlama(nn.Module):
+    """A training module in Lightning's style: forward takes the whole batch dict as one argument
+    and wraps a Hugging Face model."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = FAMILIES["llama"]()
+
+    def forward(self, batch):
+        return self.lm(input_ids=batch["tokens"], labels=batch["labels"]).loss
+
+
+def dict_argument(seed: int, rows: int = 6, seq: int = 7) -> tuple:
+    ids = torch.randint(0, VOCAB, (rows, seq), generator=torch.Generator().manual_seed(seed))
+    return ({"tokens": ids, "labels": ids.clone()},)
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "tp=2", "pp=2 mb=2", "dp=2 zero=3"])
+def test_a_forward_taking_the_batch_dict_as_one_argument_equals_one_device(plan):
+    """A tuple batch whose element is a dict: the program's inputs are its tensors (dp slices,
+    mb chunks each), the model is called with the dict rebuilt."""
+    result = assert_equivalent(LitLlama, plan, [dict_argument(s) for s in range(2)], optimizer=sgd)
+    assert result.max_param_diff <= 1e-6
+
+
+def test_a_forward_taking_the_batch_dict_steps_on_the_dict_itself_and_names_its_inputs():
+    torch.manual_seed(0)
+    model = LitLlama()
+    (batch,) = dict_argument(0)
+    expected = model(batch).item()
+    sim = usc.simulate(model, "dp=2", example_inputs=(batch,))
+    assert abs(sim(batch) - expected) <= 1e-6  # step(batch) for the one dict forward takes
+    assert abs(sim((batch,)) - expected) <= 1e-6
+    with pytest.raises(usc.BadInput, match=r"input batch\[0\]\['labels'\] has shape \[6, 6\] but the global "
+                                           r"batch was compiled as \[6, 7\]"):
+        sim.step(({"tokens": batch["tokens"], "labels": batch["labels"][:, :6]},))
+    with pytest.raises(BatchError, match=r"compiled for a batch holding \[0\]\['tokens'\], \[0\]\['labels'\] but "
+                                         r"this batch holds \[0\]\['tokens'\]: pass batches of one structure"):
+        sim.step(({"tokens": batch["tokens"]},))
+
+
+def test_loss_fn_with_a_dict_argument_takes_the_last_element():
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = FAMILIES["llama"]()
+
+        def forward(self, inputs):
+            return self.lm(input_ids=inputs["tokens"]).logits
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.reshape(-1, VOCAB), target["next"].reshape(-1))
+
+    ids = torch.randint(0, VOCAB, (6, 7), generator=torch.Generator().manual_seed(1))
+    batch = ({"tokens": ids}, {"next": torch.roll(ids, -1, 1)})
+    torch.manual_seed(0)
+    model = Logits()
+    expected = loss_fn(model(batch[0]), batch[1]).item()
+    for plan in ("dp=2", "tp=2"):
+        sim = usc.simulate(model, plan, example_inputs=batch, loss_fn=loss_fn)
+        assert abs(sim(batch) - expected) <= 1e-6, plan
+
+
+def test_a_collators_dict_inside_a_tuple_is_a_batch_error_naming_the_fix():
+    """model(batch_dict) where forward takes the dict's keys as its own arguments: the batch is
+    wrong, not the model (before, the trace failed inside the embedding)."""
+    with pytest.raises(BatchError, match=r"LlamaForCausalLM\.forward\(.*\) takes 'input_ids', 'attention_mask', "
+                                         r"'labels' as arguments of their own, but the batch passes a dict of them "
+                                         r"as forward's 'input_ids': pass the dict itself \(example_inputs=batch"):
+        usc.lint(FAMILIES["llama"](), "dp=2", example_inputs=(collated(0),))
+    with pytest.raises(BatchError, match="takes 'input_ids', 'attention_mask', 'labels' as arguments of their own"):
+        usc.plan(FAMILIES["llama"](), "gpus=2", example_inputs=(collated(0),))
+    # and the other way round: the dict as keywords for a forward that takes it as one argument
+    with pytest.raises(BatchError, match=r"LitLlama\.forward\(batch\) cannot take the batch \(keys 'tokens', "
+                                         r"'labels'\).*gets it inside a tuple \(example_inputs=\(batch,\)\)"):
+        usc.lint(LitLlama(), "dp=2", example_inputs=dict_argument(0)[0])
+
+
+def test_local_slice_and_the_planner_read_a_dict_argument():
+    ids = torch.randint(0, VOCAB, (8, 7), generator=torch.Generator().manual_seed(2))
+    inputs, target = {"tokens": ids}, {"next": torch.roll(ids, -1, 1)}
+    step = usc.compile(LitLlama(), "dp=2", example_inputs=dict_argument(0, rows=8))  # compiles in one process
+    first, second = usc.data.local_slice(step, inputs, target, coord=(1,))
+    assert torch.equal(first["tokens"], ids[4:]) and torch.equal(second["next"], target["next"][4:])
+    chosen = usc.plan(LitLlama(), "gpus=2 dtype=fp32", example_inputs=dict_argument(0))
+    assert chosen.world_size == 2 and chosen.search.best.estimate.memory["activations"] > 0
+    with pytest.raises(usc.CompileError, match=r"the planner needs an example input shaped \[batch, sequence, \.\.\.\] "
+                                               r"\(token ids\), but the example holds Tensor\[6\]"):
+        usc.plan(nn.Linear(6, 1), "gpus=2", example_inputs=(torch.randn(6),), loss_fn=lambda out, t: out.sum())

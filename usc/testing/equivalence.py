@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 # (model, batches) -> (per-step losses, full state dict): one way of training on the mesh
@@ -67,9 +68,9 @@ def microbatch_mean_loss(model: nn.Module, batch, microbatches: int) -> torch.Te
         pieces = {k: v.chunk(microbatches, 0) if isinstance(v, torch.Tensor) else [v] * microbatches
                   for k, v in batch.items()}
         parts = [{k: p[m] for k, p in pieces.items()} for m in range(microbatches)]
-    else:
-        pieces = [v.chunk(microbatches, 0) if isinstance(v, torch.Tensor) else [v] * microbatches for v in batch]
-        parts = [tuple(p[m] for p in pieces) for m in range(microbatches)]
+    else:  # a tuple, its elements tensors or dicts/lists of them (forward(self, batch) taking a dict)
+        parts = [tree_map(lambda v, m=m: v.chunk(microbatches, 0)[m] if isinstance(v, torch.Tensor) else v,
+                          tuple(batch)) for m in range(microbatches)]
     return sum(reference_loss(model, part) for part in parts) / microbatches
 
 
@@ -120,7 +121,7 @@ def as_float64(batch):
     """The batch with its floating-point tensors in float64 (token ids stay integers)."""
     if isinstance(batch, Mapping):
         return {k: as_float64((v,))[0] for k, v in batch.items()}
-    return tuple(v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in batch)
+    return tree_map(lambda v: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v, tuple(batch))
 
 
 # (model, batches, optimizer) -> (per-step losses, final state dict): one definition of one device
