@@ -85,6 +85,20 @@ def stage_flops(program) -> tuple[float, ...]:
                  for stage in pipeline_stages(program.gm))
 
 
+def _within_the_batch(bubble_at, program, plan: Plan):
+    """``bubble_at`` for the microbatch counts this batch allows (the global batch's rows split
+    into that many microbatches, each divided among the dp x ep data shards); others raise."""
+    rows = next((int(spec.global_shape[0]) for spec in program.inputs if len(spec.global_shape)), 0) \
+        * int(plan.get("mb"))
+    shards = plan.size("dp") * plan.size("ep")
+
+    def allowed(m: int) -> float:
+        if rows and (rows % m or (rows // m) % shards):
+            raise ValueError(f"mb={m} does not split the global batch of {rows} among {shards} data shards")
+        return bubble_at(m)
+    return allowed
+
+
 def _as_error(plan: Plan, err: Exception, item: str) -> PlanError:
     return err if isinstance(err, PlanError) else plan.error_at(item, str(err))
 
@@ -97,6 +111,8 @@ def _compiled_input(plan: Plan, compiled: _Compiled, facts, hardware) -> tuple[L
             schedule, metrics, bubble_at, picture = pipeline_schedule(plan)
         except (PlanError, ValueError, ScheduleError) as err:
             errors.append(_as_error(plan, err, "schedule"))
+    if bubble_at is not None:
+        bubble_at = _within_the_batch(bubble_at, program, plan)
     problems = []
     if plan.size("pp") == 1 or schedule is not None:
         mb = int(plan.get("mb")) if plan.size("pp") == 1 else 1  # a pipeline's microbatches are its actions

@@ -153,7 +153,12 @@ def test_messages_point_at_the_plan_item():
 
 def test_pipeline_findings_say_what_to_change():
     bubble = finding(lint("pp=2 mb=2"), "USC206")
-    assert "idles 33% of the step" in bubble.message and bubble.hint.startswith("mb=3 brings it to 25%")
+    # 8 rows: mb=3 would not divide them
+    assert "idles 33% of the step" in bubble.message and bubble.hint.startswith("mb=4 brings it to 20%")
+    # 10 rows over dp=2: mb=2 leaves 5 rows a microbatch, which dp cannot split, and 3 does not
+    # divide 10 -- the hint names the first count the batch allows
+    bubble = finding(lint("dp=2 pp=2", batch=(10, 32)), "USC206")
+    assert "idles 50% of the step" in bubble.message and bubble.hint.startswith("mb=5 brings it to 17%")
     imbalance = finding(lint("pp=2 mb=2", "llama-big-vocab"), "USC205")
     assert imbalance.message.startswith("pipeline stage 1 has ")
 
