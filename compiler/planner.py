@@ -213,8 +213,13 @@ def _schedules(pp: int) -> list[tuple[str, int]]:
     return [(s, 1) for s in SCHEDULES if s != "interleaved"] + [("interleaved", v) for v in INTERLEAVED_V]
 
 
-def _microbatches(per_replica: int, pp: int) -> list[int]:
-    options = [m for m in _powers_of_two(min(per_replica, MAX_MICROBATCHES)) if per_replica % m == 0]
+def _microbatches(per_replica: int, pp: int, fixed: int | None = None) -> list[int]:
+    """The microbatch counts to try for a replica's ``per_replica`` sequences: every count that
+    divides them (a batch of 6 runs as 1, 2, 3 or 6), up to MAX_MICROBATCHES and at least ``pp``
+    where one is; ``fixed``: the count the spec writes, alone (none where it does not divide)."""
+    if fixed is not None:
+        return [fixed] if per_replica % fixed == 0 else []
+    options = [m for m in divisors(per_replica) if m <= MAX_MICROBATCHES]
     return [m for m in options if m >= pp] or options[-1:]
 
 
@@ -326,7 +331,9 @@ class _Search:
 
     def floor(self, sizes: dict, base: PlanPoint) -> float:
         """The step no plan ``shape(sizes, base)`` walks can beat (``cost_model.step_floor``)."""
-        counts = _microbatches(self.target.global_batch // sizes["dp"], sizes["pp"])
+        counts = _microbatches(self.target.global_batch // sizes["dp"], sizes["pp"], self.fixed.get("mb"))
+        if not counts:
+            return 0.0  # walked, to say why nothing runs (``shape``)
         return step_floor(self.profile, base, self.hw, counts, _schedules(sizes["pp"]))
 
     def walk(self, sizes: dict, base: PlanPoint) -> tuple[list[Candidate], PlanSearch]:
@@ -344,7 +351,12 @@ class _Search:
         time stops improving (pp>1)."""
         per_replica = self.target.global_batch // sizes["dp"]
         found = []
-        counts = _microbatches(per_replica, sizes["pp"])
+        counts = _microbatches(per_replica, sizes["pp"], self.fixed.get("mb"))
+        if not counts:
+            mb = self.fixed["mb"]
+            _reject(self.result, f"mb={mb} does not divide the sequences each dp replica takes",
+                    lambda: f"{base.with_(mb=mb).text()}: {per_replica} sequences a replica")
+            return found
         for zero in ((0, 1, 2, 3) if sizes["dp"] > 1 else (0,)):
             for schedule, v in _schedules(sizes["pp"]):
                 previous = None

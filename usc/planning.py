@@ -103,6 +103,10 @@ def choose(model, spec: "str | Plan", example_inputs: tuple, *, hardware=None, k
                 target = replace(target, assumption="\n  ".join(filter(None, (target.assumption, scaled))))
         _refuse_dim0_split(plan, profile)
         result = search(profile, target, hw, supported=refusal, keep=keep)
+    if result.best is None and not result.evaluated:  # nothing reached the memory check: the spec's words
+        raise plan.error_at("auto", f"no plan for {target.gpus} GPUs runs what the spec writes:\n{result}",
+                            hint="change what the reasons above name (an axis, mb, a schedule), or leave it "
+                                 "to the planner")
     if result.best is None:
         raise plan.error_at("auto", f"no plan for {target.gpus} GPUs fits this model:\n{result}",
                             hint="add GPUs, lower global_batch or seq, or write options that save memory")

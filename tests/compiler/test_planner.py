@@ -8,7 +8,7 @@ import torch
 import usc
 from usc.compiler.cost_model import PlanPoint, bubble_units, crosses_node, estimate, in_flight
 from usc.compiler.hardware import H100
-from usc.compiler.planner import TIE, PlanTarget, search, simplicity
+from usc.compiler.planner import TIE, PlanTarget, _microbatches, search, simplicity
 from usc.passes.pipeline_schedule import build_schedule
 from usc.passes.pipeline_schedule_check import check_schedule
 from usc.passes.plan_checks import check_supported
@@ -92,6 +92,21 @@ def test_no_plan_fits_is_a_plan_error():
     with pytest.raises(usc.PlanError, match="no plan for 2 GPUs fits"):
         usc.plan(TinyLlama(CONFIG), "gpus=2", example_inputs=token_batch(CONFIG.vocab, 8, 32),
                  hardware=replace(H100, name="none", hbm_bytes=1000))
+
+
+def test_microbatch_counts_are_the_batchs_divisors_and_a_written_one_is_kept_or_refused_by_name(profile):
+    """A replica's 6 sequences run as 1, 2, 3 or 6 microbatches, not only powers of two; a written
+    mb is the one count tried, and one that does not divide the batch says so (before, a written
+    mb=3 found nothing and printed an empty reason)."""
+    target = PlanTarget(gpus=2, seq=32, global_batch=6, fixed=(("pp", 2), ("mb", 3), ("schedule", "1f1b")))
+    result = search(profile, target, H100, supported=refusal)
+    assert result.best.plan.mb == 3 and result.best.plan.pp == 2
+    assert _microbatches(6, 2) == [2, 3, 6] and _microbatches(96, 1)[:6] == [1, 2, 3, 4, 6, 8]
+    assert _microbatches(6, 2, fixed=4) == []
+    with pytest.raises(usc.PlanError, match=r"(?s)no plan for 2 GPUs runs what the spec writes:.*mb=4 does not "
+                                            r"divide the sequences each dp replica takes \(e\.g\. pp=2 mb=4 .*: 6 "
+                                            r"sequences a replica\).*hint: change what the reasons above name"):
+        usc.plan(TinyLlama(CONFIG), "gpus=2 pp=2 mb=4", example_inputs=token_batch(CONFIG.vocab, 6, 32))
 
 
 def test_auto_in_simulate_runs_the_chosen_plan():
