@@ -83,6 +83,9 @@ class UnitCost:
     # device a fixed time beside its FLOPs (the hardware profile's matmul_half_work)
     matmul_calls: int = 0
     expert_calls: int = 0  # of matmul_calls, the routed experts' products: an ep rank runs its E/ep share
+    # sp -> {ScaleKey: bytes} of the output gradients schedule=zb records where each weight's branch
+    # meets the activations, held from a microbatch's input-gradient pass to its weight-gradient pass
+    weight_joins: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,7 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
     flops, calls, expert_calls = _flops_by_unit(traced.gm, units)
     routed = _routed_expert_weights(traced.gm)
     per_sp = {sp: _probe_costs(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
+    joins = {sp: _weight_joins(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
     whole = _tp_whole(traced, probe_sp, probe_plain, sp_possible, units)
     params = _param_bytes(probe_sp, units, routed)  # with sp, replicated norm weights also get their tp sum
     saved = _regathered_params(probe_sp, units, per_sp[False][3], routed)
@@ -185,7 +186,8 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
                               params_unreduced=unreduced.get(name, (0, 0)), tied=tied.get(name, ()),
                               boundary={sp: per_sp[sp][4][name][0] for sp in per_sp},
                               boundary_grad={sp: per_sp[sp][4][name][1] for sp in per_sp},
-                              matmul_calls=calls.get(name, 0), expert_calls=expert_calls.get(name, 0)))
+                              matmul_calls=calls.get(name, 0), expert_calls=expert_calls.get(name, 0),
+                              weight_joins={sp: joins[sp].get(name, {}) for sp in joins}))
     layers = sum(1 for u in units if u.rsplit(".", 1)[-1].isdigit())
     return ModelProfile(traced.model_name, batch, seq, tuple(built), tp_divides=_tp_divides(probe_plain, batch, seq),
                         cp_possible="cp" in probe_plain.mesh.axes, sp_possible=sp_possible, layers=layers, experts=experts,
@@ -692,6 +694,33 @@ def _local_bytes(node: fx.Node, mesh) -> tuple[ScaleKey, float] | None:
     key, factor = _key(node, mesh)
     local = math.prod(node.meta[META].layout.local_shape(tuple(value.shape), mesh)) * value.element_size()
     return key, local * factor
+
+
+def _weight_joins(program, units: list[str]) -> dict[str, dict]:
+    """Per unit, {ScaleKey: bytes} of the gradients schedule=zb's input pass records for its weight
+    pass (runtime/pipeline_backward.py): one at each op where a trainable parameter's branch meets
+    the batch's (a linear's product, a norm's scale) -- the gradient of that op's output, held from
+    the microbatch's input-gradient pass to its weight-gradient pass."""
+    gm, mesh = program.gm, program.mesh
+    where = _units_by_node(gm, units)
+    params = {s.placeholder for s in program.state if s.kind == "param" and s.trainable}
+    batch = {spec.placeholder for spec in program.inputs}
+    weights, data, out = set(), set(), []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            (weights if node.name in params else data if node.name in batch else set()).add(node)
+            continue
+        inputs = node.all_input_nodes
+        from_data, from_weights = any(x in data for x in inputs), any(x in weights for x in inputs)
+        if from_data:
+            data.add(node)
+        elif from_weights:
+            weights.add(node)  # a cast, view or gather of parameters alone: still the weight's branch
+        if from_data and from_weights and node.name in where:
+            amount = _local_bytes(node, mesh)
+            if amount is not None:
+                out.append((where[node.name], *amount))
+    return _sum_by_unit(out)
 
 
 def _sum_by_unit(entries) -> dict[str, dict]:

@@ -22,7 +22,8 @@ def memory_table(result: LintResult) -> list[str]:
     lines = [f"memory per rank (predicted, zero={report.zero_stage}):"]
     lines += [f"  {name:<16} {human_bytes(nbytes):>11}" for name, nbytes in terms]
     if report.activation_bytes is None:
-        lines.append(f"  {'activations':<16} {'n/a':>11}  (not estimated for pipeline stages)")
+        lines.append(f"  {'activations':<16} {'n/a':>11}  (pipeline stages: not in this table; with --hardware the "
+                     "cost model's memory per rank (time breakdown) counts them)")
     capacity = ""
     if result.hardware is not None:
         capacity = f"  ({total / result.hardware.hbm_bytes:.0%} of the {result.hardware.name}'s " \

@@ -102,36 +102,63 @@ class _ComputeSpans:
 
     def __init__(self) -> None:
         self.depth = 0
+        self.input_pass = False  # inside a zero-bubble input-gradient pass (``I3``)
+        self.after_input_pass = lambda: None
 
     @contextlib.contextmanager
     def span(self, name: str, category: str, **_):
         compute = name in ("forward", "backward") or (name[:1] in "FBIW" and name[1:].isdigit())
         self.depth += compute
+        self.input_pass = compute and name[:1] == "I"
         try:
             yield
         finally:
             self.depth -= compute
+            if compute and name[:1] == "I":
+                self.input_pass = False
+                self.after_input_pass()
 
 
 class _WholeStepWatch(TorchDispatchMode):
     """Records the storages the step's forwards (and backward's recomputation) touch, any schedule,
-    and the most of them alive at once."""
+    and the most of them alive at once. A zero-bubble input-gradient pass (``I``) also keeps what it
+    makes for the weight pass (the output gradients it records): its outputs are recorded, and the
+    peak is read when it ends -- its own working set is backward's, as a plain backward's is not
+    counted. The parameters' gradients the weight pass accumulates (``.grad.add_``, run with grad
+    mode on) are state, not activations."""
 
-    def __init__(self, excluded: set[int], spans: _ComputeSpans) -> None:
+    def __init__(self, excluded: set[int], spans: _ComputeSpans, params=()) -> None:
         super().__init__()
-        self.excluded, self.spans = excluded, spans
+        self.excluded, self.spans, self.params = excluded, spans, list(params)
         self.live = _LiveStorages()
         self.peak = 0
+        spans.after_input_pass = self._read_peak
+
+    def _read_peak(self) -> None:
+        self.peak = max(self.peak, self.live.total)
+
+    def _into_a_gradient(self, func, args) -> bool:
+        if not func._schema.is_mutable or not args or not isinstance(args[0], torch.Tensor):
+            return False
+        target = args[0].untyped_storage()._cdata
+        return any(p.grad is not None and p.grad.untyped_storage()._cdata == target for p in self.params)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.spans.depth and torch.is_grad_enabled():  # backward formulas run with grad mode off
+            if self._into_a_gradient(func, args):
+                return out
             for value in tree_flatten((args, kwargs, out))[0]:
                 if isinstance(value, torch.Tensor) and value.device.type != "meta":
                     storage = value.untyped_storage()
                     if storage._cdata not in self.excluded:
                         self.live.add(storage)
             self.peak = max(self.peak, self.live.total)
+        elif self.spans.input_pass:
+            for value in tree_flatten(out)[0]:
+                if isinstance(value, torch.Tensor) and value.device.type != "meta" \
+                        and value.untyped_storage()._cdata not in self.excluded:
+                    self.live.add(value.untyped_storage())
         return out
 
 
@@ -172,7 +199,7 @@ def count_step_peak(rank, batch: tuple) -> int:
     state = [*rank.state.values(), *batch, *(p.grad for p in rank.params if p.grad is not None)]
     excluded = {t.untyped_storage()._cdata for t in state if isinstance(t, torch.Tensor)}
     spans, timeline = _ComputeSpans(), rank.timeline
-    watch = _WholeStepWatch(excluded, spans)
+    watch = _WholeStepWatch(excluded, spans, rank.params)
     rank.timeline = spans
     try:
         with watch:
