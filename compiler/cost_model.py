@@ -11,7 +11,8 @@ sequence S (split over cp), and whether tp splits it. The formulas (docs/cost_mo
     parameters                       P  = P_rep + P_tp/tp       (fp32; the stage's layers)
     gradients / AdamW state          P, 2P                      (ZeRO: /dp from stage 2 / 1)
     activations (one microbatch)     A  = sum_k a_k * B^[b_k]/(dp*mb)^[b_k] * S^[s_k]/cp^[s_k] / tp^[t_k]
-    peak activations, pp rank k      A * in_flight(schedule, pp, mb, k)   (1F1B: min(pp - k, mb))
+    peak activations, pp rank k      A * in_flight(schedule, pp, mb, k)   (1F1B: min(pp - k, mb));
+                                     zb: max over its actions of A * (F..W held) + J * (I..W held)
     FLOPs (forward)                  F  = f_mm * t / tp + f_attn * t * S/cp / tp;  backward 2F
     collective time (ring)           all-reduce 2(n-1)/n * bytes/bw, all-gather (n-1) * bytes/bw, ...
     step                             mb * (compute + tp + cp + pp) + bubble + exposed dp + optimizer
@@ -183,7 +184,7 @@ def in_flight(plan: PlanPoint, stage: int = 0) -> float:
         return float(m)
     if plan.schedule == "interleaved":  # each chunk holds 1/v of the stage; p*v + p - 1 - 2k chunk-mbs
         return min(float(m), (p * plan.v + p - 1 - 2 * stage) / plan.v)
-    return float(min(p - stage, m))  # 1f1b, zb (ZB-H1 keeps 1F1B's memory), dualpipe ~ 1f1b
+    return float(min(p - stage, m))  # 1f1b (zb's activations are read off its schedule: zb_holding)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -191,9 +192,10 @@ def zb_holding(pp: int, mb: int, stage: int) -> tuple[tuple[int, int], ...]:
     """The (microbatches, of them past their input-gradient pass) pipeline rank ``stage`` holds
     after each action of schedule=zb, for the peaks worth comparing: a microbatch's graph lives from
     its forward to its weight-gradient pass (the input pass keeps it for the weights), and once
-    past the input pass it also holds the output gradients recorded for the weight pass. Measured on
-    transformers' Llama and Qwen2 (pp=2, mb=2-6, an independent count): the last rank holds two
-    microbatches and their recorded gradients where 1F1B holds one."""
+    past the input pass it also holds the output gradients recorded for the weight pass (the first
+    rank records none: its inputs need no gradient, so its weight pass is a plain backward). The
+    last rank, which 1F1B leaves one microbatch, holds two at pp=2 and four at pp=4 mb=8 (counted
+    independently on usc's and transformers' Llama: tests/distributed/test_cost_model_validation.py)."""
     from usc.passes.pipeline_schedule import build_schedule
 
     held, past, states = set(), set(), set()
@@ -301,6 +303,7 @@ def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
         joins = cached(profile, ("joins", _scale_of(plan), plan.sp and plan.tp > 1), units,
                        lambda: sum(_acts(u.weight_joins.get(plan.sp and plan.tp > 1, {}), profile, plan)
                                    for u in units))
+        joins = joins if stage > 0 else 0.0  # the first stage's weight pass is a plain backward
         held = max(f * per_mb + i * joins for f, i in zb_holding(plan.pp, plan.mb, stage)) + copies
     else:
         held = per_mb * in_flight(plan, stage) + copies

@@ -109,7 +109,8 @@ class _ComputeSpans:
     def span(self, name: str, category: str, **_):
         compute = name in ("forward", "backward") or (name[:1] in "FBIW" and name[1:].isdigit())
         self.depth += compute
-        self.input_pass = compute and name[:1] == "I"
+        if compute:  # a span inside one (a send) leaves it as it is
+            self.input_pass = name[:1] == "I"
         try:
             yield
         finally:
