@@ -187,27 +187,40 @@ def in_flight(plan: PlanPoint, stage: int = 0) -> float:
     return float(min(p - stage, m))  # 1f1b (zb's activations are read off its schedule: zb_holding)
 
 
+def zb_program(pp: int, mb: int, stage: int) -> list[tuple[str, int]]:
+    """Stage ``stage``'s actions under ZB-H1, in order: ("F"|"I"|"W", microbatch). Written out here
+    as ``shared_cores`` writes 1F1B (the compiler does not read the runtime's passes); equal to the
+    runtime's schedule builder on every rank (tests/compiler/test_planner.py): 1F1B's order of F and
+    I, rank r's first r steady steps without W, then one W per step and the rest at the end."""
+    warmup = min(pp - stage - 1, mb)
+    out, done = [("F", i) for i in range(warmup)], 0
+    for i in range(mb):
+        out += [] if warmup + i >= mb else [("F", warmup + i)]
+        out.append(("I", i))
+        if warmup + i >= mb or i >= stage:
+            out.append(("W", done))
+            done += 1
+    return out + [("W", m) for m in range(done, mb)]
+
+
 @functools.lru_cache(maxsize=4096)
 def zb_holding(pp: int, mb: int, stage: int) -> tuple[tuple[int, int], ...]:
     """The (microbatches, of them past their input-gradient pass) pipeline rank ``stage`` holds
-    after each action of schedule=zb, for the peaks worth comparing: a microbatch's graph lives from
-    its forward to its weight-gradient pass (the input pass keeps it for the weights), and once
-    past the input pass it also holds the output gradients recorded for the weight pass (the first
-    rank records none: its inputs need no gradient, so its weight pass is a plain backward). The
-    last rank, which 1F1B leaves one microbatch, holds two at pp=2 and four at pp=4 mb=8 (counted
+    after each action of schedule=zb (``zb_program``): a microbatch's graph lives from its forward
+    to its weight-gradient pass (the input pass keeps it for the weights), and once past the input
+    pass it also holds the output gradients recorded for the weight pass (the first rank records
+    none: its inputs need no gradient, so its weight pass is a plain backward). The last rank,
+    which 1F1B leaves one microbatch, holds two at pp=2 and four at pp=4 mb=8 (counted
     independently on usc's and transformers' Llama: tests/distributed/test_cost_model_validation.py)."""
-    from usc.passes.pipeline_schedule import build_schedule
-
     held, past, states = set(), set(), set()
-    for action in build_schedule("zb", pp, 1, mb).actions[stage]:
-        op = action.op.value
+    for op, m in zb_program(pp, mb, stage):
         if op == "F":
-            held.add(action.mb)
-        elif op in ("I", "B"):
-            past.add(action.mb)
-        elif op == "W":
-            held.discard(action.mb)
-            past.discard(action.mb)
+            held.add(m)
+        elif op == "I":
+            past.add(m)
+        else:
+            held.discard(m)
+            past.discard(m)
         states.add((len(held), len(past & held)))
     return tuple(sorted(states)) or ((0, 0),)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import usc
-from usc.compiler.cost_model import PlanPoint, bubble_units, crosses_node, estimate, in_flight
+from usc.compiler.cost_model import PlanPoint, bubble_units, crosses_node, estimate, in_flight, zb_program
 from usc.compiler.hardware import H100
 from usc.compiler.planner import TIE, PlanTarget, _microbatches, search, simplicity
 from usc.passes.pipeline_schedule import build_schedule
@@ -107,6 +107,16 @@ def test_microbatch_counts_are_the_batchs_divisors_and_a_written_one_is_kept_or_
                                             r"divide the sequences each dp replica takes \(e\.g\. pp=2 mb=4 .*: 6 "
                                             r"sequences a replica\).*hint: change what the reasons above name"):
         usc.plan(TinyLlama(CONFIG), "gpus=2 pp=2 mb=4", example_inputs=token_batch(CONFIG.vocab, 6, 32))
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 5])
+def test_the_cost_models_zero_bubble_order_is_the_runtimes(pp):
+    """The cost model reads zb's memory off its own writing of ZB-H1 (the compiler does not import
+    the runtime's passes): the same actions, in the same order, on every rank, as the builder's."""
+    for mb in range(1, 10):
+        schedule = build_schedule("zb", pp, 1, mb)
+        for rank in range(pp):
+            assert zb_program(pp, mb, rank) == [(a.op.value, a.mb) for a in schedule.actions[rank]], (mb, rank)
 
 
 def test_auto_in_simulate_runs_the_chosen_plan():
