@@ -36,3 +36,25 @@ def test_a_pipelines_first_rank_holds_what_its_schedule_keeps_in_flight():
     one_f_one_b = count_peaks(_sim("pp=2 mb=4", batch), batch)
     assert gpipe[0] > 1.5 * one_f_one_b[0]
     assert one_f_one_b[1] < one_f_one_b[0]
+
+
+def test_the_whole_step_counter_keeps_what_an_input_pass_records_and_not_accumulated_gradients():
+    """Zero-bubble's passes, by hand: what an input pass makes and still holds when it ends (the
+    gradients recorded for the weight pass) is counted though made with grad mode off, its
+    transients are not; a weight pass's ``.grad.add_`` (grad mode on) is the parameter's state."""
+    from usc.testing.memory_counters import _ComputeSpans, _WholeStepWatch
+
+    param = torch.nn.Parameter(torch.zeros(1000))
+    param.grad = torch.zeros(1000)
+    spans = _ComputeSpans()
+    watch = _WholeStepWatch(set(), spans, [param])
+    with watch:
+        with spans.span("I0", "compute"), torch.no_grad():
+            scratch = torch.ones(5000)  # the pass's working set: gone before it ends
+            kept = torch.ones(500) * 2  # recorded for the weight pass
+            del scratch
+        assert watch.peak == kept.untyped_storage().nbytes() == 2000
+        with spans.span("W0", "compute"):
+            param.grad.add_(kept.sum())
+    del kept
+    assert watch.live.total == 0  # the accumulated gradient is not an activation
