@@ -99,6 +99,19 @@ def _params(u: UnitCost, plan: PlanPoint) -> float:
             + u.params_expert_tp / (plan.ep * plan.tp))
 
 
+def _frozen(u: UnitCost, plan: PlanPoint) -> float:
+    """Bytes of the unit's frozen parameters one rank holds (no ZeRO stage shards them)."""
+    rep, split, expert, _ = u.params_frozen
+    return rep + split / plan.tp + expert / plan.ep
+
+
+def _frozen_copy(u: UnitCost, plan: PlanPoint) -> float:
+    """Bytes of the step's bf16 copy of the unit's float32 frozen parameters (a bf16 plan casts all
+    float state once per step; parameters frozen in bf16 need no copy)."""
+    total, fp32 = sum(u.params_frozen[:3]), u.params_frozen[3]
+    return _frozen(u, plan) * fp32 / total / 2 if total and plan.dtype == "bf16" else 0.0
+
+
 def _unreduced(u: UnitCost, plan: PlanPoint) -> float:
     """fp32 bytes of those whose gradient the graph sums over dp (no bucket: ZeRO does not shard them)."""
     return u.params_unreduced[0] + u.params_unreduced[1] / plan.tp
@@ -169,6 +182,7 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
                     params_saved=(sum(u.params_saved[0] for u in units), sum(u.params_saved[1] for u in units)),
                     boundary=units[-1].boundary, boundary_grad=units[-1].boundary_grad,
                     params_unreduced=tuple(map(sum, zip(*(u.params_unreduced for u in units)))), tied=tied,
+                    params_frozen=tuple(map(sum, zip(*(u.params_frozen for u in units)))),
                     matmul_calls=sum(u.matmul_calls for u in units),
                     expert_calls=sum(u.expert_calls for u in units))
 
@@ -291,7 +305,7 @@ def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], 
     if plan.zero >= 3 and plan.dp > 1:  # two layers whole at once (the current one, one prefetched)
         biggest = max((_params(u, plan) / u.blocks for u in units), default=0.0)
         gathered = 2 * biggest
-    return {"params": held, "grads": grads, "optimizer": optimizer,
+    return {"params": held, "frozen": sum(_frozen(u, plan) for u in units), "grads": grads, "optimizer": optimizer,
             "activations": stage_activations(profile, plan, units, params, sharded, stage, p2p),
             "gathered": gathered}
 
@@ -311,12 +325,15 @@ def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
         # bf16 weights go with the gather and are gathered again in backward (an independent count,
         # 4-layer Llama dp=2 bf16 zero=3: 1467620 bytes alive when backward begins, the shards'
         # copies included; without them the estimate was 10.9% under)
-        copies = (sharded if plan.zero >= 3 and plan.dp > 1 and sharded is not None else params) / 2
+        copies = (sharded if plan.zero >= 3 and plan.dp > 1 and sharded is not None else params) / 2 \
+            + sum(_frozen_copy(u, plan) for u in units)
     if plan.schedule == "zb" and plan.pp > 1:
         joins = cached(profile, ("joins", _scale_of(plan), plan.sp and plan.tp > 1), units,
                        lambda: sum(_acts(u.weight_joins.get(plan.sp and plan.tp > 1, {}), profile, plan)
                                    for u in units))
-        joins = joins if stage > 0 else 0.0  # the first stage's weight pass is a plain backward
+        # a stage whose inputs carry no gradient (the first; one behind frozen layers) records nothing
+        # in its input pass: its weight pass is a plain backward
+        joins = joins if stage > 0 and _input_has_gradient(profile, units) else 0.0
         held = max(f * per_mb + i * joins for f, i in zb_holding(plan.pp, plan.mb, stage)) + copies
     else:
         held = per_mb * in_flight(plan, stage) + copies
@@ -327,6 +344,14 @@ def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
     # pp=2 mb=2 recompute=full, first stage: 2 x 0.078 MB held + 0.593 recomputing a layer + one
     # 0.033 buffer = 0.783 MB, 0.792 counted; with three buffers the estimate was 7.1% over)
     return held + max(p2p, live + p2p / P2P_BUFFERS_PER_CUT)
+
+
+def _input_has_gradient(profile: ModelProfile, units: list[UnitCost]) -> bool:
+    """Whether a value crossing the pipeline cut into this stage (``units``) carries a gradient: not
+    when every layer before the stage is frozen."""
+    first = units[0].parts[0] if units[0].parts else units[0]
+    before = next((k for k, u in enumerate(profile.units) if u is first), 0) - 1
+    return before >= 0 and any(sum(d.values()) for d in profile.units[before].boundary_grad.values())
 
 
 def _microbatch_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost],

@@ -76,6 +76,10 @@ class UnitCost:
     parts: tuple = ()  # the units merged into this one, in order (empty: a unit of its own)
     # (replicated, tp-split) bytes of parameters whose gradient the graph sums over dp, not a bucket
     params_unreduced: tuple = (0, 0)
+    # (replicated, tp-split, ep-split, of all three the float32) bytes of frozen parameters
+    # (requires_grad off) in their own dtype: held whole by every dp rank, with no gradient or
+    # optimizer state (not in params_rep/params_tp/params_expert)
+    params_frozen: tuple = (0, 0, 0, 0)
     # (name, replicated, tp-split bytes) of parameters other units also use (tied embedding / lm
     # head): in params_rep/params_tp of each user, once per merged stage
     tied: tuple = ()

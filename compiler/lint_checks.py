@@ -164,10 +164,13 @@ def batch_not_divisible(inp: LintInput) -> Iterator[Finding]:
 
 
 def memory_terms(report) -> list[tuple[str, int]]:
-    """Predicted bytes per rank: parameters, gradients, optimizer state, activations (when known)."""
+    """Predicted bytes per rank: parameters (frozen ones apart), gradients, optimizer state, activations
+    (when known)."""
     m = report.memory.get(report.zero_stage, {})
     terms = [("parameters", m.get("params", 0)), ("gradients", m.get("grads", 0)),
              ("optimizer state", m.get("optimizer", 0))]
+    if m.get("frozen"):
+        terms.insert(1, ("frozen parameters", m["frozen"]))
     if report.activation_bytes is not None:
         terms.append(("activations", report.activation_bytes))
     return terms
@@ -187,7 +190,8 @@ def out_of_memory(inp: LintInput) -> Iterator[Finding]:
     if total <= inp.hardware.hbm_bytes:
         return
     name, largest = max(terms, key=lambda t: t[1])
-    fixes = {"parameters": "raise tp or pp, or zero=3", "gradients": "zero=2 or more tp/pp",
+    fixes = {"parameters": "raise tp or pp, or zero=3", "frozen parameters": "raise tp or pp (zero= shards only "
+             "what trains)", "gradients": "zero=2 or more tp/pp",
              "optimizer state": "zero=1 (or 2/3) shards it over dp", "activations": "raise cp/tp with sp=on, or mb"}
     yield Finding("USC106", f"{human_bytes(total)} per rank does not fit the {inp.hardware.name}'s "
                             f"{human_bytes(inp.hardware.hbm_bytes)}; the largest term is {name} "

@@ -418,7 +418,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_states: int = 2,
                          microbatches: int = 1, group_of: Callable[[str], int] | None = None) -> dict[int, dict]:
-    """Predicted bytes per rank in parameters, gradients and optimizer state for ZeRO stages 0-3.
+    """Predicted bytes per rank in parameters, frozen parameters, gradients and optimizer state for
+    ZeRO stages 0-3.
 
     Rajbhandari et al. 2020: stage 1 shards the optimizer state over dp, stage 2 also the
     gradients, stage 3 also the parameters. Sharded buffers are the gradient buckets reduced over
@@ -428,8 +429,10 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
     always has several); with one, each bucket's whole gradient is dropped once it is
     reduce-scattered, as stage 2's are.
     """
-    params = sum(shape_bytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
-                 for s in state_of_pp_rank(program) if s.kind == "param" and s.trainable)
+    held = [s for s in state_of_pp_rank(program) if s.kind == "param"]
+    params = sum(shape_bytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype) for s in held if s.trainable)
+    # frozen parameters: no gradient, no optimizer state, nothing for ZeRO to shard
+    frozen = sum(shape_bytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype) for s in held if not s.trainable)
     dp = program.mesh.size("dp")
     buckets = [(axes, nbytes, late, _padded(nbytes, dtype, dp) // dp * dtype.itemsize) for axes, _, nbytes, late, dtype
                in _pack_buckets(program, bucket_bytes, graph_reduces_zero3=False, group_of=group_of)]
@@ -441,11 +444,13 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
     whole, part = params - sharded, padded_slice
     accumulates = microbatches > 1 or program.mesh.size("pp") > 1
     return {
-        0: {"params": params, "grads": params, "optimizer": optimizer_states * params},
-        1: {"params": params, "grads": params if accumulates else whole + part,
+        0: {"params": params, "frozen": frozen, "grads": params, "optimizer": optimizer_states * params},
+        1: {"params": params, "frozen": frozen, "grads": params if accumulates else whole + part,
             "optimizer": optimizer_states * (whole + part)},
-        2: {"params": params, "grads": whole + part + late, "optimizer": optimizer_states * (whole + part)},
-        3: {"params": whole + part, "grads": whole + part, "optimizer": optimizer_states * (whole + part)},
+        2: {"params": params, "frozen": frozen, "grads": whole + part + late,
+            "optimizer": optimizer_states * (whole + part)},
+        3: {"params": whole + part, "frozen": frozen, "grads": whole + part,
+            "optimizer": optimizer_states * (whole + part)},
     }
 
 

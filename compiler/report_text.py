@@ -71,9 +71,10 @@ def render(report) -> str:
         lines.append("predicted bytes per rank (params + grads + AdamW state), by ZeRO stage:")
         for stage, m in report.memory.items():
             mark = "  <- this plan" if stage == report.zero_stage else ""
-            lines.append(f"  zero={stage}: params {human_bytes(m['params'])}, grads {human_bytes(m['grads'])}, "
+            frozen = f"frozen params {human_bytes(m['frozen'])}, " if m.get("frozen") else ""
+            lines.append(f"  zero={stage}: params {human_bytes(m['params'])}, {frozen}grads {human_bytes(m['grads'])}, "
                          f"optimizer {human_bytes(m['optimizer'])}, total "
-                         f"{human_bytes(m['params'] + m['grads'] + m['optimizer'])}{mark}")
+                         f"{human_bytes(m['params'] + m.get('frozen', 0) + m['grads'] + m['optimizer'])}{mark}")
     if report.activation_bytes is not None:
         lines.append(f"activations saved for backward per rank (one microbatch, estimated on fake tensors): "
                      f"{human_bytes(report.activation_bytes)}")

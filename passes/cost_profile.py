@@ -164,6 +164,7 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
     params = _param_bytes(probe_sp, units, routed)  # with sp, replicated norm weights also get their tp sum
     saved = _regathered_params(probe_sp, units, per_sp[False][3], routed)
     unreduced, tied = _unreduced_params(probe_sp, units, routed), _tied_params(probe_sp, units, routed)
+    frozen = _frozen_params(probe_sp, units, routed)
     expert_bytes, experts = _experts(probe_plain, units, routed)
     moe_units = _moe_units(traced.gm, probe_plain, units)
     built = []
@@ -184,6 +185,7 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
                               moe_layers=int(name in moe_units),
                               params_saved=saved.get(name, (0, 0)),
                               params_unreduced=unreduced.get(name, (0, 0)), tied=tied.get(name, ()),
+                              params_frozen=frozen.get(name, (0, 0, 0, 0)),
                               boundary={sp: per_sp[sp][4][name][0] for sp in per_sp},
                               boundary_grad={sp: per_sp[sp][4][name][1] for sp in per_sp},
                               matmul_calls=calls.get(name, 0), expert_calls=expert_calls.get(name, 0),
@@ -886,6 +888,29 @@ def _param_bytes(program, units: list[str], routed: RoutedExperts) -> dict[str, 
     return {u: tuple(v) for u, v in out.items()}
 
 
+def _frozen_params(program, units: list[str], routed: RoutedExperts) -> dict[str, tuple[int, int, int, int]]:
+    """Per unit: (replicated, tp-split, ep-split, float32) bytes of its frozen parameters
+    (``requires_grad`` off) in their own dtype, the last of all three kinds. A rank holds them whole
+    whatever the ZeRO stage (they have no gradient for dp to reduce, so nothing shards them) and keeps
+    neither gradients nor optimizer state for them."""
+    out: dict[str, list[int]] = {}
+
+    def add(unit: str, kind: int, spec) -> None:
+        row = out.setdefault(unit, [0, 0, 0, 0])
+        nbytes = shape_bytes(spec.global_shape, spec.dtype)
+        row[kind] += nbytes
+        row[3] += nbytes if spec.dtype == torch.float32 else 0
+
+    for spec, held_by in _dense_params(program, units, routed, trainable=False):
+        split = any(isinstance(p, Shard) for a, p in zip(program.mesh.axes, spec.layout.placements) if a == "tp")
+        for unit in held_by:
+            add(unit, 1 if split else 0, spec)
+    for spec in program.state:
+        if spec.kind == "param" and not spec.trainable and _is_expert(spec, routed):
+            add(_param_unit(spec.name, units), 2, spec)
+    return {unit: tuple(row) for unit, row in out.items()}
+
+
 def _regathered_params(program, units: list[str], saved: set[str], routed: RoutedExperts
                        ) -> dict[str, tuple[int, int]]:
     """Per unit: (replicated, tp-split) bytes ZeRO-3 gathers again in backward. ZeRO-3 gathers the
@@ -903,15 +928,16 @@ def _regathered_params(program, units: list[str], saved: set[str], routed: Route
             for unit, members in groups.items() if any(s.name in saved for s in members)}
 
 
-def _dense_params(program, units: list[str], routed: RoutedExperts) -> list[tuple]:
-    """(spec, units that hold it) of every trainable dense parameter: the unit its name says, or every
-    unit that reads it when several do (a tied embedding / lm head); none for one the graph never
-    reads (export passes the second name of a tied weight as an unused input)."""
+def _dense_params(program, units: list[str], routed: RoutedExperts, *, trainable: bool = True) -> list[tuple]:
+    """(spec, units that hold it) of every trainable dense parameter (``trainable=False``: every frozen
+    one): the unit its name says, or every unit that reads it when several do (a tied embedding / lm
+    head); none for one the graph never reads (export passes the second name of a tied weight as an
+    unused input)."""
     where = _units_by_node(program.gm, units)
     placeholders = {n.name: n for n in program.gm.graph.nodes if n.op == "placeholder"}
     out = []
     for spec in program.state:
-        if spec.kind != "param" or not spec.trainable or _is_expert(spec, routed):
+        if spec.kind != "param" or spec.trainable != trainable or _is_expert(spec, routed):
             continue
         users = placeholders[spec.placeholder].users
         readers = list(dict.fromkeys(where[u.name] for u in users if u.name in where))
@@ -980,16 +1006,20 @@ def _saved_tensors(program) -> tuple[list[tuple[str, int, bool, bool]], set[str]
     with fake_rank_zero(program) as (rank, batch):
         recorder = _Recorder(rank.gm)
         rank.gm = recorder
+        # a parameter autograd saves is not an activation: a trainable one ZeRO-3 gathers again in
+        # backward, a frozen one (a plain tensor here) is held all step anyway
         params = {rank.state[s.placeholder].untyped_storage()._cdata: s.name for s in program.state
-                  if isinstance(rank.state[s.placeholder], torch.nn.Parameter)}
+                  if s.kind == "param"}
+        trainable = {s.name for s in program.state if isinstance(rank.state[s.placeholder], torch.nn.Parameter)}
         seen: dict[int, dict[str, tuple[int, bool]]] = {}  # storage -> {value saved through: (bytes, float)}
         owners: dict[int, str] = {}
         saved_params: set[str] = set()
 
         def measure(t: torch.Tensor) -> None:
             storage = t.untyped_storage()
-            if storage._cdata in params:  # ZeRO-3 gathers these again in backward
-                saved_params.add(params[storage._cdata])
+            if storage._cdata in params:
+                if params[storage._cdata] in trainable:  # ZeRO-3 gathers these again in backward
+                    saved_params.add(params[storage._cdata])
                 return
             if storage._cdata not in owners:
                 owner = recorder.owner.get(storage._cdata)

@@ -596,7 +596,8 @@ class RankExecutor(ShardedCheckpoint):
         return unshard(value, spec.layout.local_shape(spec.global_shape, self.program.mesh), self.mesh.comm("dp"))
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds now in parameters, gradients and optimizer state (unique storages)."""
+        """Bytes this rank holds now in parameters (trainable; frozen ones apart), gradients and
+        optimizer state (unique storages)."""
         def nbytes(tensors) -> int:
             seen = {}
             for t in tensors:
@@ -610,7 +611,9 @@ class RankExecutor(ShardedCheckpoint):
             states = self.optimizer.inner.state.values()
         else:
             states = self.optimizer.state.values()
-        return {"params": nbytes(self.params), "grads": nbytes(grads),
+        frozen = [self.state[s.placeholder] for s in self.program.state
+                  if s.kind == "param" and not s.trainable and s.placeholder in self.state]
+        return {"params": nbytes(self.params), "frozen": nbytes(frozen), "grads": nbytes(grads),
                 "optimizer": nbytes(t for state in states for t in state.values())}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
