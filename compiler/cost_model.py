@@ -184,7 +184,8 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
                     params_unreduced=tuple(map(sum, zip(*(u.params_unreduced for u in units)))), tied=tied,
                     params_frozen=tuple(map(sum, zip(*(u.params_frozen for u in units)))),
                     matmul_calls=sum(u.matmul_calls for u in units),
-                    expert_calls=sum(u.expert_calls for u in units))
+                    expert_calls=sum(u.expert_calls for u in units),
+                    flops_backward=sum(u.backward_ratio * (u.flops_matmul + u.flops_attention) for u in units))
 
 
 def in_flight(plan: PlanPoint, stage: int = 0) -> float:
@@ -746,14 +747,25 @@ def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile, *, mem
                                                 state=memory if len(stages) == 1 else None)
     if memory is None:
         memory = peak_memory(profile, plan) if plan.pp > 1 else state
-    model_flops = 3 * profile.forward_flops_per_token * plan.global_batch * plan.seq * (
-        1 + _attention_growth(profile, plan))
+    # forward and backward as the step runs them: 3x forward where everything trains (6N per token),
+    # less where frozen weights take no gradient
+    model_flops = (1 + _model_backward_ratio(profile)) * profile.forward_flops_per_token * plan.global_batch * \
+        plan.seq * (1 + _attention_growth(profile, plan))
     step = time["step"]
     peak = hw.peak_flops(plan.dtype) * plan.world
     comms += loss_value_collectives(profile, plan)
     return Estimate(plan, memory, flops, model_flops, tuple(comms), time, plan.global_batch * plan.seq / step,
                     model_flops / (step * peak), hw.name, traffic_estimate=partial(step_traffic, profile, plan, hw),
                     pipeline_transfer=_pipeline_transfer_seconds(plan, hw))
+
+
+def _model_backward_ratio(profile: ModelProfile) -> float:
+    """Backward FLOPs per forward FLOP of the whole model (2 where every product takes both gradients)."""
+    def compute():
+        forward = sum(u.flops_matmul + u.flops_attention for u in profile.units)
+        return sum(u.backward_ratio * (u.flops_matmul + u.flops_attention) for u in profile.units) / forward \
+            if forward > 0 else 2.0
+    return memo(profile, ("backward ratio",), compute)
 
 
 def step_traffic(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile) -> dict[str, float]:
@@ -819,9 +831,10 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
                     hw: HardwareProfile, *, state: dict | None = None):
     units = [stages[k]]
     fwd_flops, compute, pointwise = _stage_compute(profile, plan, units[0], hw)
-    extra = {"full": 1.0, "selective": 0.0}.get(plan.recompute, 0.0)  # selective: pointwise only
+    ratio, backs = _backward_shares(units[0])
+    extra = {"full": 1.0, "selective": 0.0}.get(plan.recompute, 0.0) * backs  # selective: pointwise only
     forward = compute + pointwise / 3
-    backward = (2 + extra) * compute + 2 * pointwise / 3
+    backward = (ratio + extra) * compute + backs * 2 * pointwise / 3
     per_mb_comms = _stage_microbatch_collectives(profile, plan, k, hw)
     per_mb_comm = sum(c.exposed_seconds for c in per_mb_comms)
     # launches and Python, per layer whatever its size: where the host queues kernels ahead of the
@@ -845,8 +858,16 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     time = {"compute": plan.mb * (forward + backward - waits), "host": plan.mb * waits, "exposed_comm": exposed,
             "bubble": bubble, "optimizer": optimizer}
     time["step"] = sum(time.values())
-    flops = plan.mb * (3 + extra) * fwd_flops
+    flops = plan.mb * (1 + ratio + extra) * fwd_flops
     return state, flops, time, comms
+
+
+def _backward_shares(unit: UnitCost) -> tuple[float, float]:
+    """(backward FLOPs per forward FLOP, the share of forward's pointwise work backward repeats) of a
+    stage: 2 and 1 where everything trains; behind frozen weights only input gradients (1 and 1);
+    a stage before anything that trains runs no backward (0 and 0)."""
+    ratio = unit.backward_ratio
+    return ratio, min(1.0, ratio)
 
 
 def _stage_compute(profile: ModelProfile, plan: PlanPoint, unit: UnitCost, hw: HardwareProfile
@@ -878,7 +899,8 @@ def step_floor(profile: ModelProfile, base: PlanPoint, hw: HardwareProfile, micr
     k = _busiest(profile, point, stages)
     _, compute, pointwise = _stage_compute(profile, point, stages[k], hw)
     comm = sum(c.exposed_seconds for c in _stage_microbatch_collectives(profile, point, k, hw))
-    floor = 3 * compute + pointwise + comm
+    ratio, backs = _backward_shares(stages[k])
+    floor = (1 + ratio) * compute + pointwise * (1 + 2 * backs) / 3 + comm
     if point.pp == 1:
         return floor
     # each microbatch's forward and backward take at least floor / mb, and the bubble is units of them
@@ -887,11 +909,13 @@ def step_floor(profile: ModelProfile, base: PlanPoint, hw: HardwareProfile, micr
 
 
 def _busiest(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost]) -> int:
-    """The stage with the most FLOPs at the plan's sequence (attention grows as S^2), kept in the
-    profile's cache: every stage's FLOPs scale alike with the microbatch's tokens."""
+    """The stage with the most FLOPs forward and backward at the plan's sequence (attention grows as
+    S^2; a stage of frozen layers runs less backward), kept in the profile's cache: every stage's
+    FLOPs scale alike with the microbatch's tokens."""
     return memo(profile, ("busiest", id(stages), tokens_per_microbatch(profile, plan), plan.seq, plan.tp,
                           plan.sp, plan.cp > 1),
-                lambda: max(range(len(stages)), key=lambda k: stage_flops(profile, plan, [stages[k]])))
+                lambda: max(range(len(stages)), key=lambda k: stage_flops(profile, plan, [stages[k]])
+                            * (1 + stages[k].backward_ratio)))
 
 
 def _stage_microbatch_collectives(profile: ModelProfile, plan: PlanPoint, k: int, hw: HardwareProfile

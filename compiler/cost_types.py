@@ -90,6 +90,16 @@ class UnitCost:
     # sp -> {ScaleKey: bytes} of the output gradients schedule=zb records where each weight's branch
     # meets the activations, held from a microbatch's input-gradient pass to its weight-gradient pass
     weight_joins: dict = field(default_factory=dict)
+    # backward FLOPs of the unit's products and attention at the profile's shapes: 2 x (flops_matmul +
+    # flops_attention) where everything trains, less behind frozen weights (no weight gradient) and
+    # none where nothing before the unit trains; -1: not measured (read as twice the forward's)
+    flops_backward: float = -1.0
+
+    @property
+    def backward_ratio(self) -> float:
+        """Backward FLOPs per forward FLOP (2 where every product takes both gradients)."""
+        forward = self.flops_matmul + self.flops_attention
+        return 2.0 if self.flops_backward < 0 or forward <= 0 else self.flops_backward / forward
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from usc.runtime.ring_attention import GRAD_BLOCKS, RingAttention
 from usc.passes.saved_values import base_of, saves_for_backward
 from usc.passes.zero3 import layer_key
 from usc.runtime.moe import ExpertParallelMoE
-from usc.runtime.op_classes import ATTENTION, MATMULS, VIEWS, is_grouped_matmul, is_routed_experts
+from usc.runtime.op_classes import ATTENTION, MATMUL_OPERANDS, MATMULS, VIEWS, is_grouped_matmul, is_routed_experts
 from usc.runtime.sizes import shape_bytes
 
 aten = torch.ops.aten
@@ -157,6 +157,7 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
                for block in blocks):
         return None
     flops, calls, expert_calls = _flops_by_unit(traced.gm, units)
+    backward = _backward_flops_by_unit(traced, units)
     routed = _routed_expert_weights(traced.gm)
     per_sp = {sp: _probe_costs(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
     joins = {sp: _weight_joins(program, units) for sp, program in ((True, probe_sp), (False, probe_plain))}
@@ -189,6 +190,7 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
                               boundary={sp: per_sp[sp][4][name][0] for sp in per_sp},
                               boundary_grad={sp: per_sp[sp][4][name][1] for sp in per_sp},
                               matmul_calls=calls.get(name, 0), expert_calls=expert_calls.get(name, 0),
+                              flops_backward=backward.get(name, 0.0),
                               weight_joins={sp: joins[sp].get(name, {}) for sp in joins}))
     layers = sum(1 for u in units if u.rsplit(".", 1)[-1].isdigit())
     return ModelProfile(traced.model_name, batch, seq, tuple(built), tp_divides=_tp_divides(probe_plain, batch, seq),
@@ -493,6 +495,45 @@ def _flops_by_unit(gm: fx.GraphModule, units: list[str]
         elif node.target in ATTENTION:
             unit[2] += cost
     return {u: tuple(v) for u, v in out.items()}, calls, experts
+
+
+def _needs_gradient(traced: Traced) -> set[str]:
+    """The nodes of the trace autograd gives a gradient: those a trainable parameter reaches through
+    floating-point values (a frozen weight, a buffer or the batch starts no gradient)."""
+    trainable = {s.placeholder for s in traced.state if s.kind == "param" and s.trainable}
+    out: set[str] = set()
+    for node in traced.gm.graph.nodes:
+        if node.op == "placeholder":
+            if node.name in trainable:
+                out.add(node.name)
+            continue
+        values = [v for v in tree_flatten(node.meta.get("val"))[0] if isinstance(v, torch.Tensor)]
+        if any(v.is_floating_point() for v in values) and any(a.name in out for a in node.all_input_nodes):
+            out.add(node.name)
+    return out
+
+
+def _backward_flops_by_unit(traced: Traced, units: list[str]) -> dict[str, float]:
+    """Backward FLOPs of the matrix products and attention per unit, at the example's shapes: a
+    product computes one gradient per operand that needs one (the input's and the weight's: twice
+    its forward when both do, once behind a frozen weight or on the batch itself, none where
+    nothing before it trains); attention twice its forward when its inputs need a gradient."""
+    gm = traced.gm
+    where = _units_by_node(gm, units)
+    needs = _needs_gradient(traced)
+    out: dict[str, float] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not (node.target in MATMULS or node.target in ATTENTION
+                                               or is_grouped_matmul(node.target) or is_routed_experts(node.target)):
+            continue
+        if node.target in MATMUL_OPERANDS:
+            left, right, _ = MATMUL_OPERANDS[node.target]
+            operands = [node.args[left], node.args[right]]
+            factor = sum(isinstance(a, fx.Node) and a.name in needs for a in operands)
+        else:  # einsum, attention, expert products: twice when anything they read needs a gradient
+            factor = 2 * any(a.name in needs for a in node.all_input_nodes)
+        out[where[node.name]] = out.get(where[node.name], 0.0) + factor * node_flops(node)
+    return out
 
 
 def _tp_whole(traced: Traced, probe_sp, probe_plain, sp_possible: bool, units: list[str]) -> dict[tuple, dict]:

@@ -241,3 +241,76 @@ def test_the_activation_estimate_of_a_partly_frozen_model_against_an_independent
     sim = usc.simulate(build(), chosen, example_inputs=batch)
     counted = max(count_peaks(sim, sim.flat_batch((batch,))))
     assert estimated == pytest.approx(counted, rel=0.10), (estimated, counted)
+
+
+# ------------------------------------------------------------------ what the step computes
+
+class _FrozenPrefix(nn.Module):
+    """Four linears, the first two frozen: their products need no gradient at all (nothing before
+    them trains), the third takes only its weight's (its input carries none), the last both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in ((11, 23), (23, 17), (17, 19), (19, 5)))
+        for layer in self.layers[:2]:
+            layer.requires_grad_(False)
+
+    def forward(self, x, y):
+        for layer in self.layers[:-1]:
+            x = torch.tanh(layer(x))
+        return F.mse_loss(self.layers[-1](x), y)
+
+
+def _lora_with_batch():
+    torch.manual_seed(0)
+    return LoRANet(), _tokens(1, batch=6)[0]
+
+
+def _prefix_with_batch():
+    torch.manual_seed(0)
+    return _FrozenPrefix(), (torch.randn(6, 7, 11), torch.randn(6, 7, 5))
+
+
+@pytest.mark.parametrize("make", [_lora_with_batch, _prefix_with_batch])
+def test_the_backward_flops_the_profile_counts_are_what_autograd_runs(make):
+    """A frozen weight takes no gradient, and a product nothing trainable reaches takes none at all:
+    the profile's backward FLOPs (what the step-time estimate charges) against torch's own FLOP
+    counter over the model's real backward, which reads nothing of usc's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from usc.passes.cost_profile import profile_model
+
+    model, batch = make()
+    profile = profile_model(model, batch)
+    forward = sum(u.flops_matmul + u.flops_attention for u in profile.units)
+    backward = sum(u.backward_ratio * (u.flops_matmul + u.flops_attention) for u in profile.units)
+    with FlopCounterMode(display=False) as counted_forward:
+        loss = model(*batch)
+    with FlopCounterMode(display=False) as counted_backward:
+        loss.backward()
+    assert forward == counted_forward.get_total_flops()
+    assert backward == counted_backward.get_total_flops()
+    assert backward < 2 * forward  # the case is one where freezing changes something
+
+
+def test_a_stage_of_frozen_layers_is_estimated_at_its_forward_and_the_plan_at_the_work_it_does():
+    """Under pp=2 the frozen prefix's stage runs forward only: the busiest stage is the one that trains,
+    and the model FLOPs (MFU's numerator) are the step's forward and backward, not 3x forward."""
+    from usc.compiler.cost_model import _busiest, estimate, merged_stages
+    from usc.compiler.hardware import H100
+    from usc.dsl import parse_plan
+    from usc.passes.cost_profile import profile_model
+    from usc.planning import point_of
+
+    model, batch = _prefix_with_batch()
+    profile = profile_model(model, batch)
+    ratios = [stage.backward_ratio for stage in merged_stages(profile, 2, ("layers.2",))]
+    assert ratios[0] == 0.0 and 1.0 < ratios[1] < 2.0
+    plan = parse_plan("pp=2 mb=2 split=layers.2")
+    point = point_of(plan, global_batch=6, seq=7)
+    # the frozen stage has more forward FLOPs (644 to 418 per token) and less work: it is not the busiest
+    assert _busiest(profile, point, merged_stages(profile, 2, ("layers.2",))) == 1
+    est = estimate(profile, point, H100)
+    forward = sum(u.flops_matmul + u.flops_attention for u in profile.units)
+    backward = sum(u.backward_ratio * (u.flops_matmul + u.flops_attention) for u in profile.units)
+    assert est.model_flops == pytest.approx(forward + backward)
