@@ -936,19 +936,18 @@ def _frozen_params(program, units: list[str], routed: RoutedExperts) -> dict[str
     neither gradients nor optimizer state for them."""
     out: dict[str, list[int]] = {}
 
-    def add(unit: str, kind: int, spec) -> None:
+    def add(unit: str, rep: int, split: int, expert: int, spec) -> None:
         row = out.setdefault(unit, [0, 0, 0, 0])
-        nbytes = shape_bytes(spec.global_shape, spec.dtype)
-        row[kind] += nbytes
-        row[3] += nbytes if spec.dtype == torch.float32 else 0
+        for k, nbytes in enumerate((rep, split, expert)):
+            row[k] += nbytes
+        row[3] += rep + split + expert if spec.dtype == torch.float32 else 0
 
     for spec, held_by in _dense_params(program, units, routed, trainable=False):
-        split = any(isinstance(p, Shard) for a, p in zip(program.mesh.axes, spec.layout.placements) if a == "tp")
         for unit in held_by:
-            add(unit, 1 if split else 0, spec)
+            add(unit, *_split_bytes(program, spec), 0, spec)
     for spec in program.state:
         if spec.kind == "param" and not spec.trainable and _is_expert(spec, routed):
-            add(_param_unit(spec.name, units), 2, spec)
+            add(_param_unit(spec.name, units), 0, 0, shape_bytes(spec.global_shape, spec.dtype), spec)
     return {unit: tuple(row) for unit, row in out.items()}
 
 
