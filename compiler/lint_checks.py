@@ -12,11 +12,13 @@ import re
 from collections import defaultdict
 from typing import Iterable, Iterator
 
+import torch
+
 from usc.dsl import PlanError
 
 from .ir import META
 from .lint_rules import Finding, LintInput, rule
-from usc.runtime.sizes import human_bytes
+from usc.runtime.sizes import human_bytes, shape_bytes
 
 # Narayanan et al. 2021 (Megatron-LM at scale) keep the pipeline bubble (p-1)/m small by taking
 # m >> p; a quarter of the step idle is where more microbatches or interleaving clearly pay.
@@ -522,3 +524,22 @@ def fusable_collectives(inp: LintInput) -> Iterator[Finding]:
     for (kind, axis, a, b), n in grouped.items():
         yield Finding("USC302", f"the {kind}s on {axis} of '{a}' and '{b}' are independent and adjacent"
                                 + (f" ({n} times)" if n > 1 else "") + ": one call would do", module=a)
+
+
+@rule("USC303", "frozen-float32-weights", "note", """
+    Under dtype=bf16 each step computes with a bf16 copy of every float32 weight, made once per step.
+    A frozen parameter (requires_grad off) never changes, so in float32 it is held twice -- its float32
+    value and the step's copy -- for nothing: the step only reads the copy. Cast the frozen weights
+    to bf16 before compiling (for each frozen p: p.data = p.data.to(torch.bfloat16)); the step
+    computes the same numbers (the copy was that rounding) and they take a third of the bytes. A
+    checkpoint then holds them in bf16.""")
+def frozen_float32_weights(inp: LintInput) -> Iterator[Finding]:
+    if inp.program is None or inp.plan is None or inp.plan.get("dtype") != "bf16":
+        return
+    frozen = [s for s in inp.program.state if s.kind == "param" and not s.trainable and s.dtype == torch.float32]
+    if frozen:
+        nbytes = sum(shape_bytes(s.global_shape, s.dtype) for s in frozen)
+        yield Finding("USC303", f"{len(frozen)} frozen parameters are float32 ({human_bytes(nbytes)} for the model) "
+                                "under dtype=bf16: each rank holds them and a bf16 copy each step", "dtype",
+                      hint="cast the frozen parameters to bf16 before compiling (p.data = p.data.to(torch.bfloat16)): "
+                           "the same numbers, a third of the bytes")

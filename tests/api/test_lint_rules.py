@@ -49,8 +49,22 @@ def llama(**changes):
     return lambda: TinyLlama(dataclasses.replace(LlamaConfig(), **changes))
 
 
+def frozen_llama(dtype: torch.dtype):
+    """The embedding and first layer frozen, held in ``dtype`` (a fine-tuning setup)."""
+    def build():
+        model = TinyLlama(LlamaConfig())
+        for name, param in model.named_parameters():
+            if name.startswith(("embed", "layers.0.")):
+                param.requires_grad_(False)
+                param.data = param.data.to(dtype)
+        return model
+    return build
+
+
 MODELS = {
     "llama": llama(),
+    "llama-frozen": frozen_llama(torch.float32),
+    "llama-frozen-bf16": frozen_llama(torch.bfloat16),
     "llama-4-layers": llama(layers=4),
     "llama-vocab-130": llama(vocab=130),
     "llama-6-heads": llama(heads=6, kv_heads=2, hidden=96),
@@ -112,6 +126,7 @@ CASES = [
     ("USC211", ("dp=2", "sequence-first"), ("dp=2",)),
     ("USC301", ("dp=2 bucket_mb=0.01",), ("dp=2",)),
     ("USC302", ("tp=2",), ("dp=2",)),
+    ("USC303", ("dp=2 dtype=bf16", "llama-frozen"), ("dp=2 dtype=bf16", "llama-frozen-bf16")),
 ]
 
 

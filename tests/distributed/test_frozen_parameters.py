@@ -314,3 +314,33 @@ def test_a_stage_of_frozen_layers_is_estimated_at_its_forward_and_the_plan_at_th
     forward = sum(u.flops_matmul + u.flops_attention for u in profile.units)
     backward = sum(u.backward_ratio * (u.flops_matmul + u.flops_attention) for u in profile.units)
     assert est.model_flops == pytest.approx(forward + backward)
+
+
+@pytest.mark.parametrize("plan", ["dp=2 dtype=bf16", "pp=2 mb=3 dtype=bf16"])
+def test_frozen_weights_cast_to_bf16_train_the_same_model_in_half_the_bytes(plan):
+    """What usc-lint's USC303 advises: under dtype=bf16 the step computes with a bf16 copy of each
+    float32 weight, so casting the frozen ones to bf16 before compiling changes no number the step
+    computes -- losses and trained parameters bitwise equal over three SGD steps on transformers'
+    Llama -- while the frozen weights take half the bytes (and, bf16 already, get no per-step copy:
+    the planner's activation estimate for this model falls by about the copy's 44,928 bytes)."""
+    pytest.importorskip("transformers")
+    from users_models import causal_lm_batch
+
+    def build(cast: bool):
+        model = _hf_llama_frozen(("embed_tokens", "layers.1."))()
+        for param in model.parameters():
+            if not param.requires_grad and cast:
+                param.data = param.data.to(torch.bfloat16)
+        return model
+
+    batches = [causal_lm_batch(seed, 6) for seed in range(3)]
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    runs = []
+    for cast in (False, True):
+        sim = usc.simulate(build(cast), plan, example_inputs=batches[0], optimizer=sgd)
+        runs.append(([sim.step(b) for b in batches], sim.full_state_dict(), sim.memory_bytes()))
+    (losses, state, held), (cast_losses, cast_state, cast_held) = runs
+    assert cast_losses == losses
+    trained = {n for n, p in build(False).named_parameters() if p.requires_grad}
+    assert trained and all(torch.equal(state[n], cast_state[n]) for n in trained)
+    assert [h["frozen"] for h in cast_held] == [h["frozen"] // 2 for h in held]
