@@ -429,10 +429,12 @@ def memory_by_zero_stage(program: Program, bucket_bytes: int, *, optimizer_state
     always has several); with one, each bucket's whole gradient is dropped once it is
     reduce-scattered, as stage 2's are.
     """
-    held = [s for s in state_of_pp_rank(program) if s.kind == "param"]
-    params = sum(shape_bytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype) for s in held if s.trainable)
+    local = {s.name: shape_bytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype)
+             for s in state_of_pp_rank(program) if s.kind == "param"}
+    trainable = {s.name for s in program.state if s.trainable}
+    params = sum(b for name, b in local.items() if name in trainable)
     # frozen parameters: no gradient, no optimizer state, nothing for ZeRO to shard
-    frozen = sum(shape_bytes(s.layout.local_shape(s.global_shape, program.mesh), s.dtype) for s in held if not s.trainable)
+    frozen = sum(local.values()) - params
     dp = program.mesh.size("dp")
     buckets = [(axes, nbytes, late, _padded(nbytes, dtype, dp) // dp * dtype.itemsize) for axes, _, nbytes, late, dtype
                in _pack_buckets(program, bucket_bytes, graph_reduces_zero3=False, group_of=group_of)]
