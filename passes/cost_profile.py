@@ -1113,6 +1113,32 @@ def _same_size(node: fx.Node, numel: int, mesh) -> str:
     return node.name
 
 
+def _copies_unsplit(node: fx.Node, out, env: dict) -> bool:
+    """Whether ``node``, a reshape that is a view of its input on this rank, copies on the whole
+    (unsplit) value: a reshape merging a repeated dim with a split one (Hugging Face's ``repeat_kv``:
+    the key/value heads expanded and merged) is a view where tp leaves one head a rank and a copy
+    where it leaves more, as on every plan without tp. The probe runs with tp, so its rank would
+    save the expanded view where a plan without tp saves a copy of every repeated head: the fake run
+    makes that copy, the larger of the two (a plan whose tp leaves one head a rank is counted over)."""
+    if node.target is not torch.ops.aten.reshape.default or not isinstance(out, torch.Tensor) \
+            or not isinstance(node.args[0], fx.Node):
+        return False
+    given, whole = env.get(node.args[0]), node.args[0].meta.get("val")
+    if not isinstance(given, torch.Tensor) or not isinstance(whole, torch.Tensor) \
+            or out.untyped_storage()._cdata != given.untyped_storage()._cdata \
+            or any(isinstance(x, torch.SymInt) for x in (*whole.shape, *whole.stride())) \
+            or not any(stride == 0 and size > 1 for size, stride in zip(whole.shape, whole.stride())):
+        return False  # only a repeated (expanded) value: other layouts are the traced kernels' own
+    shape = node.meta["val"].shape if isinstance(node.meta.get("val"), torch.Tensor) else None
+    if shape is None:
+        return False
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        unsplit = torch.empty_strided(tuple(whole.shape), tuple(whole.stride()), dtype=whole.dtype, device="meta")
+        return not unsplit.reshape(tuple(shape))._is_view()
+
+
 class _Recorder(fx.Interpreter):
     """Runs the rank's program node by node, remembering which node made each storage."""
 
@@ -1129,6 +1155,8 @@ class _Recorder(fx.Interpreter):
     def run_node(self, n: fx.Node):
         self.current = n.name
         out = super().run_node(n)
+        if _copies_unsplit(n, out, self.env):
+            out = out.clone(memory_format=torch.contiguous_format)
         for value in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(value, torch.Tensor):
                 self.owner.setdefault(value.untyped_storage()._cdata, n.name)
