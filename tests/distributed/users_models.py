@@ -96,8 +96,8 @@ def _no_dropout(cfg):
     return cfg
 
 
-def _decoder_config(name: str, **extra):
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+def _decoder_config(name: str, layers: int = LAYERS, **extra):
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers,
                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
                   tie_word_embeddings=False)
     common.update(extra)
@@ -108,13 +108,18 @@ def _hf(model_name: str, config: Callable):
     return lambda: getattr(_tf(), model_name)(config())
 
 
+def _hf_decoder(model_name: str, config_name: str, **extra):
+    """A build that also takes ``layers`` (LAYERS unless given): the op-coverage trace builds one."""
+    return lambda layers=LAYERS: getattr(_tf(), model_name)(_decoder_config(config_name, layers, **extra))
+
+
 def causal_lm(config_name: str, model_name: str, **extra) -> Family:
-    return Family(_hf(model_name, lambda: _decoder_config(config_name, **extra)), causal_lm_batch)
+    return Family(_hf_decoder(model_name, config_name, **extra), causal_lm_batch)
 
 
 def moe(config_name: str, model_name: str, **extra) -> Family:
     """Mixture-of-experts families: 4 experts, top-2, at the dense tier's sizes, HF's own init."""
-    return Family(_hf(model_name, lambda: _decoder_config(config_name, **extra)), causal_lm_batch, moe=True)
+    return Family(_hf_decoder(model_name, config_name, **extra), causal_lm_batch, moe=True)
 
 
 def _config(name: str, **values):
@@ -364,15 +369,17 @@ def build(family: str) -> nn.Module:
 
 
 @lru_cache(maxsize=None)
-def traced_ops(family: str) -> frozenset:
+def traced_ops(family: str, layers: int | None = None) -> frozenset:
     """The ops of the family's traced training program (the model called as its batch says, its
-    mixture-of-experts layers as plain ops): aten ops and the custom ops a library registers."""
+    mixture-of-experts layers as plain ops): aten ops and the custom ops a library registers.
+    ``layers``: that many decoder layers instead of LAYERS (Hugging Face decoders from
+    ``causal_lm`` / ``moe`` only)."""
     from usc.compiler.trace import trace
     from usc.model_call import trainable
 
     fam = FAMILIES[family]
     torch.manual_seed(0)
-    model = trainable(fam.build(), fam.loss_fn)
+    model = trainable(fam.build() if layers is None else fam.build(layers=layers), fam.loss_fn)
     graph = trace(model, model.flatten(fam.batch(0, BATCH))).gm.graph
     return frozenset(n.target for n in graph.nodes
                      if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload))
