@@ -16,7 +16,7 @@ from usc.passes.sharding_rules import OpView
 pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
 
-from users_models import FAMILIES, traced_ops  # noqa: E402
+from users_models import ALIKE_LAYERS, FAMILIES, traced_ops  # noqa: E402
 
 aten = torch.ops.aten
 # Ops the tier's traces hold that no rule places, each with the family that brings it and why usc
@@ -28,14 +28,10 @@ NO_BATCH_INPUT = {aten._assert_tensor_metadata.default, aten.arange.default, ate
                   aten.arange.start_step, aten.full.default, aten.ones.default, aten.zeros.default}
 
 
-# Hugging Face decoders whose layers are all alike at LAYERS (one attention kind, the same MLP or MoE
-# block in each): one layer traces the ops two do, in about 60% of the time. Traced at LAYERS: those
-# whose layers differ -- DeepSeek V2/V3 and GLM-4-MoE (a dense first layer, MoE after), Gemma 2 and
-# GPT-OSS (sliding and full attention by turns) -- and the families not built from a decoder config.
-# test_one_layer_traces_the_ops_of_two (deep tier) holds the claim for each family named here.
-ONE_LAYER = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "phi3", "olmo", "olmo2", "granite", "cohere",
-             "starcoder2", "stablelm", "smollm3", "helium", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-             "granitemoe", "phimoe")
+# Hugging Face decoders whose layers are all alike (users_models.ALIKE_LAYERS): one layer traces the
+# ops two do, in about 60% of the time. Traced at LAYERS: the others.
+# test_one_layer_traces_the_ops_of_two (deep tier) holds the claim for each family named there.
+ONE_LAYER = ALIKE_LAYERS
 
 
 @pytest.fixture(scope="module")
