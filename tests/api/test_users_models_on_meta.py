@@ -122,7 +122,8 @@ def moe_models():
     """name -> (batch, traced, profile) of the three MoE models below, traced and profiled once for the
     two tests that hold the cost model against their compiled programs (each already compiles one
     trace under several plans: a plan's passes work on a copy of the trace's graph)."""
-    return {name: (batch, *_traced_and_profile(model, batch)) for name, (model, batch) in _moe_models().items()}
+    return {name: (batch, *_traced_and_profile(model, batch))
+            for name, (model, batch) in _moe_models().items()}
 
 
 def test_every_tp_rank_runs_the_products_tp_keeps_whole(moe_models):

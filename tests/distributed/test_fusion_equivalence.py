@@ -103,7 +103,12 @@ def test_bf16_compute_runs_the_kernels_within_bf16_rounding(monkeypatch):
     factory, batch = MODELS["llama"]
     sims = []
     simulate = usc.simulate
-    monkeypatch.setattr(usc, "simulate", lambda *args, **kwargs: sims.append(simulate(*args, **kwargs)) or sims[-1])
+
+    def kept(*args, **kwargs):
+        sims.append(simulate(*args, **kwargs))
+        return sims[-1]
+
+    monkeypatch.setattr(usc, "simulate", kept)
     result = assert_bf16_close(factory, "dtype=bf16 fuse=on", batch(0))
     monkeypatch.undo()
     assert result.losses != pytest.approx(result.reference_losses, rel=1e-6)

@@ -360,9 +360,9 @@ FAMILIES: dict[str, Family] = {**DENSE_DECODERS, **ENCODERS, **WRITTEN_HERE, **M
 # attention kind, the same MLP or MoE block in each. A check of what each layer computes holds on one
 # of them (``build(layers=1)``) as on two, in about 60% of the tracing. Not here: DeepSeek V2/V3 and
 # GLM-4-MoE (a dense first layer, MoE after), Gemma 2 and GPT-OSS (sliding and full attention by turns).
-ALIKE_LAYERS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "phi3", "olmo", "olmo2", "granite", "cohere",
-                "starcoder2", "stablelm", "smollm3", "helium", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                "granitemoe", "phimoe")
+ALIKE_LAYERS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "phi3", "olmo", "olmo2", "granite",
+                "cohere", "starcoder2", "stablelm", "smollm3", "helium", "glm4", "mixtral", "qwen2_moe",
+                "qwen3_moe", "olmoe", "granitemoe", "phimoe")
 HF_DECODERS = [name for name in FAMILIES if name not in ENCODERS and name not in WRITTEN_HERE]
 
 
