@@ -14,18 +14,27 @@ ROOT = Path(__file__).resolve().parents[2]
 FACTORY = f"{ROOT / 'examples' / 'tiny_llama.py'}:factory"
 
 
+def llama(cfg: LlamaConfig = LlamaConfig()) -> TinyLlama:
+    """TinyLlama(cfg) from seed 0, the global RNG left as it was: the same weights on every call, so
+    the trace memo (tests/conftest.py) traces the model a test lints or compiles under two plans once
+    (what these tests read are regions, collectives and bytes, not values)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return TinyLlama(cfg)
+
+
 def region_ops(compiled) -> list[tuple[str, ...]]:
     return [tuple(str(n.target).split(".")[1] for n in m.eager.graph.nodes if n.op == "call_function")
             for m in compiled.program.gm.modules() if isinstance(m, FusedRegion)]
 
 
 def test_vocab_parallel_cross_entropy_fuses_around_its_all_reduces():
-    compiled = usc.compile(TinyLlama(LlamaConfig(layers=1)), "tp=2 fuse=on", example_inputs=token_batch(128, 4, 16))
+    compiled = usc.compile(llama(LlamaConfig(layers=1)), "tp=2 fuse=on", example_inputs=token_batch(128, 4, 16))
     ops = region_ops(compiled)
     assert ("sub", "exp", "sum") in ops and ("log", "sub", "mul") in ops
     graph = compiled.program.gm.graph
     fused = [n for n in graph.nodes if n.op == "call_module" and n.target.startswith("usc_fused_")]
-    plain = usc.lint(TinyLlama(LlamaConfig(layers=1)), "tp=2", example_inputs=token_batch(128, 4, 16))
+    plain = usc.lint(llama(LlamaConfig(layers=1)), "tp=2", example_inputs=token_batch(128, 4, 16))
     assert [c.kind for c in compiled.report.collectives] == [c.kind for c in plain.collectives]  # all kept
     for node in fused:  # no fused region hides a collective: its eager ops are all ATen calls
         module = compiled.program.gm.get_submodule(node.target)
@@ -33,13 +42,13 @@ def test_vocab_parallel_cross_entropy_fuses_around_its_all_reduces():
 
 
 def test_report_counts_kernels_and_bytes_for_the_llama_block():
-    report = usc.lint(TinyLlama(), "fuse=on", example_inputs=token_batch(128, 4, 16))
+    report = usc.lint(llama(), "fuse=on", example_inputs=token_batch(128, 4, 16))
     f = report.fusion
     assert f["regions"] == 12  # per layer: 2 norms (+ residual add), RoPE q and k, SwiGLU; final norm, loss
     assert f["kernels_eager"] >= 3 * f["kernels_fused"]
     assert f["bytes_eager"] >= 2 * f["bytes_fused"]
     assert "fused regions: 12" in str(report)
-    assert usc.lint(TinyLlama(), "dp=1", example_inputs=token_batch(128, 4, 16)).fusion == {}
+    assert usc.lint(llama(), "dp=1", example_inputs=token_batch(128, 4, 16)).fusion == {}
 
 
 def test_gpt2_fuses_each_residual_add_with_its_layernorm():
@@ -71,7 +80,6 @@ def _factory():
 def test_fused_program_estimates_fewer_saved_activation_bytes():
     """A fused node saves only its inputs for backward, not its intermediates."""
     batch = token_batch(128, 4, 16)
-    torch.manual_seed(0)
-    eager = usc.lint(TinyLlama(), "dp=1", example_inputs=batch).activation_bytes
-    fused = usc.lint(TinyLlama(), "fuse=on", example_inputs=batch).activation_bytes
+    eager = usc.lint(llama(), "dp=1", example_inputs=batch).activation_bytes
+    fused = usc.lint(llama(), "fuse=on", example_inputs=batch).activation_bytes
     assert fused < eager

@@ -9,6 +9,15 @@ import usc
 from usc.testing.models import LLAMA3_8B, GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
 
 
+def llama(cfg: LlamaConfig = LlamaConfig()) -> TinyLlama:
+    """TinyLlama(cfg) from seed 0, the global RNG left as it was: the same weights on every call, so
+    the trace memo (tests/conftest.py) traces the model a test lints or compiles under two plans once
+    (what these tests read are regions, collectives and bytes, not values)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return TinyLlama(cfg)
+
+
 @pytest.fixture(scope="module")
 def llama_tp2():
     return usc.lint(TinyLlama(LlamaConfig(layers=3)), "tp=2", example_inputs=token_batch(128, 4, 16))
@@ -50,8 +59,8 @@ def test_bytes_per_call_are_local_activation_bytes(llama_tp2):
 
 
 def test_data_parallel_reduces_gradients_in_buckets():
-    small = usc.lint(TinyLlama(), "dp=2 bucket_mb=0.05", example_inputs=token_batch(128, 4, 16))
-    big = usc.lint(TinyLlama(), "dp=2", example_inputs=token_batch(128, 4, 16))
+    small = usc.lint(llama(), "dp=2 bucket_mb=0.05", example_inputs=token_batch(128, 4, 16))
+    big = usc.lint(llama(), "dp=2", example_inputs=token_batch(128, 4, 16))
     buckets = lambda r: [c for c in r.collectives if c.source == "gradient bucket"]  # noqa: E731
     assert len(buckets(big)) == 1 and len(buckets(small)) > 3
     param_bytes = sum(p.numel() * 4 for p in TinyLlama().parameters())
