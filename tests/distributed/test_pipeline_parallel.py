@@ -8,7 +8,8 @@ import torch
 import usc
 from gloo_cases import MODELS, optimizer_for
 from usc.testing import assert_equivalent
-from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
+from usc.testing.models import (
+    GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, seeded, shifted_batch, token_batch)
 
 SCHEDULES = ["schedule=gpipe", "schedule=1f1b", "schedule=interleaved v=2", "schedule=zb"]
 
@@ -260,10 +261,7 @@ def _eight_layer_lint(plan: str):
     """Lint the 8-layer model in float64, its weights from seed 0 (as assert_equivalent builds it) and
     the global RNG left as it was: the same model every call, so the trace memo (tests/conftest.py)
     traces it once for this file's lints and equivalence runs; the split reads sizes, not values."""
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = TinyLlama(EIGHT).double()
-    return usc.lint(model, plan, example_inputs=token_batch(EIGHT.vocab, 8, 32))
+    return usc.lint(seeded(TinyLlama, EIGHT).double(), plan, example_inputs=token_batch(EIGHT.vocab, 8, 32))
 
 
 def test_split_memory_estimate_matches_what_the_ranks_hold():

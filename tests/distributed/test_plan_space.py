@@ -2,12 +2,11 @@
 PlanError that points at the plan — never another exception from deep inside."""
 
 import pytest
-import torch
 from hypothesis import find, given, settings
 from hypothesis.errors import NoSuchExample
 
 import usc
-from usc.testing.models import LlamaConfig, TinyLlama, token_batch
+from usc.testing.models import LlamaConfig, TinyLlama, seeded, token_batch
 from usc.testing.strategies import plans
 
 MODEL = LlamaConfig(layers=4)
@@ -16,9 +15,7 @@ MODEL = LlamaConfig(layers=4)
 def _model() -> TinyLlama:
     """The same weights every example (the global RNG left as it was): the plans differ, the model
     does not, so the trace memo (tests/conftest.py) traces it once instead of once per example."""
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return TinyLlama(MODEL)
+    return seeded(TinyLlama, MODEL)
 
 
 @given(plan=plans(max_ranks=16, fuse=True, dtype=True))  # compile only: fusion's kernels never run here

@@ -9,7 +9,8 @@ import usc
 from usc.runtime.mesh import run_in_threads
 from gloo_cases import MODELS, optimizer_for
 from usc.testing import assert_equivalent
-from usc.testing.models import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
+from usc.testing.models import (
+    GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, seeded, shifted_batch, token_batch)
 
 PLANS = ["tp=2 sp=on", "dp=2 tp=2 sp=on", "cp=2", "cp=4", "cp=2 cp_mode=zigzag", "cp=4 cp_mode=zigzag",
          "cp=2 cp_mode=ulysses", "tp=2 cp=2 sp=on", "cp=2 tp=2 sp=on", "dp=2 cp=2"]
@@ -21,15 +22,6 @@ def test_three_steps_match_one_device(model, plan):
     factory, batch = MODELS[model]
     result = assert_equivalent(factory, plan, [batch(seed) for seed in range(3)], optimizer=optimizer_for(model))
     assert result.max_param_diff <= 1e-5
-
-
-def _seeded(factory, *args):
-    """The model from seed 0, the global RNG left as it was: the same weights on every call, so the
-    trace memo (tests/conftest.py) traces a model these tests lint or run under several plans once
-    (what they check are sizes, collectives and bytes, not values)."""
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return factory(*args)
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +60,8 @@ def test_sequence_parallel_norm_weights_are_reduced_over_tp(llama_sp):
 
 def test_zigzag_balances_causal_attention_work():
     batch = token_batch(128, 2, 64)
-    ring = usc.lint(_seeded(TinyLlama), "cp=4", example_inputs=batch).attention_flops["cp"]
-    zigzag = usc.lint(_seeded(TinyLlama), "cp=4 cp_mode=zigzag", example_inputs=batch).attention_flops["cp"]
+    ring = usc.lint(seeded(TinyLlama), "cp=4", example_inputs=batch).attention_flops["cp"]
+    zigzag = usc.lint(seeded(TinyLlama), "cp=4 cp_mode=zigzag", example_inputs=batch).attention_flops["cp"]
     spread = lambda flops: (max(flops) - min(flops)) / max(flops)  # noqa: E731
     assert spread(zigzag) < 0.10
     assert spread(ring) > 0.5
@@ -116,8 +108,8 @@ def test_sequence_parallel_needs_tp():
 
 def test_tp_outside_cp_with_sp_is_correct_but_warned():
     batch = token_batch(128, 4, 16)
-    outer = usc.lint(_seeded(TinyLlama), "tp=2 cp=2 sp=on", example_inputs=batch)
-    inner = usc.lint(_seeded(TinyLlama), "cp=2 tp=2 sp=on", example_inputs=batch)
+    outer = usc.lint(seeded(TinyLlama), "tp=2 cp=2 sp=on", example_inputs=batch)
+    inner = usc.lint(seeded(TinyLlama), "cp=2 tp=2 sp=on", example_inputs=batch)
     assert any("write cp before tp" in w for w in outer.warnings)
     assert not any("write cp before tp" in w for w in inner.warnings)
     assert inner.totals_by_axis()["cp"]["calls"] < outer.totals_by_axis()["cp"]["calls"]
@@ -154,15 +146,15 @@ def test_report_estimates_the_activation_bytes_an_independent_counter_sees(plan)
     tensors are counted by hooks of this test's own."""
     cfg = GPT2Config(vocab=64, hidden=64, heads=4, layers=2, max_seq=64)
     batch = shifted_batch(64, 2, 64)
-    estimated = usc.lint(_seeded(TinyGPT2, cfg), plan, example_inputs=batch).activation_bytes
-    sim = usc.simulate(_seeded(TinyGPT2, cfg), plan, example_inputs=batch)
+    estimated = usc.lint(seeded(TinyGPT2, cfg), plan, example_inputs=batch).activation_bytes
+    sim = usc.simulate(seeded(TinyGPT2, cfg), plan, example_inputs=batch)
     counted = saved_bytes_counted_by_hooks(sim, batch)
     assert estimated == counted[0]
 
 
 def test_activation_estimate_works_for_a_mesh_larger_than_the_machine():
-    report = usc.lint(_seeded(TinyLlama), "dp=8 cp=4 tp=4 sp=on", example_inputs=token_batch(128, 8, 32))
-    single = usc.lint(_seeded(TinyLlama), "dp=8", example_inputs=token_batch(128, 8, 32))
+    report = usc.lint(seeded(TinyLlama), "dp=8 cp=4 tp=4 sp=on", example_inputs=token_batch(128, 8, 32))
+    single = usc.lint(seeded(TinyLlama), "dp=8", example_inputs=token_batch(128, 8, 32))
     assert 0 < report.activation_bytes < single.activation_bytes / 4  # cp=4 alone gives 1/4; tp=4 sp=on more
 
 

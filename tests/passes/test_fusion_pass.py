@@ -3,24 +3,18 @@ them, the report's kernel and traffic counts, and usc-lint --kernels."""
 
 from pathlib import Path
 
-import torch
-
 import usc
 import usc.cli
 from usc.runtime.fused import FusedRegion
-from usc.testing.models import LlamaConfig, TinyGPT2, TinyLlama, token_batch
+from usc.testing.models import LlamaConfig, TinyGPT2, TinyLlama, seeded, token_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 FACTORY = f"{ROOT / 'examples' / 'tiny_llama.py'}:factory"
 
 
 def llama(cfg: LlamaConfig = LlamaConfig()) -> TinyLlama:
-    """TinyLlama(cfg) from seed 0, the global RNG left as it was: the same weights on every call, so
-    the trace memo (tests/conftest.py) traces the model a test lints or compiles under two plans once
-    (what these tests read are regions, collectives and bytes, not values)."""
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return TinyLlama(cfg)
+    """TinyLlama(cfg) from seed 0: one trace for the plans a test lints or compiles it under."""
+    return seeded(TinyLlama, cfg)
 
 
 def region_ops(compiled) -> list[tuple[str, ...]]:

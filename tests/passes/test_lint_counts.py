@@ -6,16 +6,13 @@ import pytest
 import torch
 
 import usc
-from usc.testing.models import LLAMA3_8B, GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
+from usc.testing.models import (
+    LLAMA3_8B, GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, seeded, shifted_batch, token_batch)
 
 
 def llama(cfg: LlamaConfig = LlamaConfig()) -> TinyLlama:
-    """TinyLlama(cfg) from seed 0, the global RNG left as it was: the same weights on every call, so
-    the trace memo (tests/conftest.py) traces the model a test lints or compiles under two plans once
-    (what these tests read are regions, collectives and bytes, not values)."""
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return TinyLlama(cfg)
+    """TinyLlama(cfg) from seed 0: one trace for the plans a test lints or compiles it under."""
+    return seeded(TinyLlama, cfg)
 
 
 @pytest.fixture(scope="module")

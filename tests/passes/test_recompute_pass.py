@@ -12,7 +12,8 @@ from usc.compiler.ir import META
 from usc.compiler.trace import trace
 from usc.runtime.collectives import AllReduce, GradAllReduce
 from usc.runtime.recompute import Recompute
-from usc.testing.models import DropoutNet, LlamaConfig, TinyGPT2, TinyLlama, shifted_batch, token_batch
+from usc.testing.models import (
+    DropoutNet, LlamaConfig, TinyGPT2, TinyLlama, seeded, shifted_batch, token_batch)
 
 aten = torch.ops.aten
 BATCH = token_batch(128, 4, 16)
@@ -27,9 +28,7 @@ def llama() -> TinyLlama:
     """TinyLlama() from seed 0 (as ``program`` builds it), the global RNG left as it was: the same
     weights on every call, so the trace memo (tests/conftest.py) traces the model these tests lint
     under several plans once (the report's collectives, bytes and regions read no values)."""
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return TinyLlama()
+    return seeded(TinyLlama)
 
 
 def regions(gm: fx.GraphModule) -> list[Recompute]:

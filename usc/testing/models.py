@@ -396,6 +396,16 @@ class TorchEncoderLM(nn.Module):
         return F.cross_entropy(self.head(hidden).flatten(0, 1), labels.flatten())
 
 
+def seeded(factory, *args, seed: int = 0, **kwargs):
+    """``factory(*args, **kwargs)`` built from ``seed``, the global RNG left as it was: the same
+    weights on every call, so a test that lints or compiles one model under several plans gets one
+    trace from the trace memo (tests/conftest.py) where what it checks (sizes, collectives, bytes,
+    regions) reads no values."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return factory(*args, **kwargs)
+
+
 def token_batch(vocab: int, batch: int, seq: int, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A deterministic (tokens, labels) batch of random ids; labels equal tokens (the model shifts)."""
     gen = torch.Generator().manual_seed(seed)
