@@ -28,21 +28,17 @@ NO_BATCH_INPUT = {aten._assert_tensor_metadata.default, aten.arange.default, ate
                   aten.arange.start_step, aten.full.default, aten.ones.default, aten.zeros.default}
 
 
-# Hugging Face decoders whose layers are all alike (users_models.ALIKE_LAYERS): one layer traces the
-# ops two do, in about 60% of the time. Traced at LAYERS: the others.
-# test_one_layer_traces_the_ops_of_two (deep tier) holds the claim for each family named there.
-ONE_LAYER = ALIKE_LAYERS
-
-
 @pytest.fixture(scope="module")
 def ops_by_family() -> dict[str, frozenset]:
-    return {family: traced_ops(family, 1 if family in ONE_LAYER else None) for family in FAMILIES}
+    # the decoders whose layers are all alike (users_models.ALIKE_LAYERS) at one layer, which traces
+    # the ops two do in about 60% of the time (test_one_layer_traces_the_ops_of_two, deep tier)
+    return {family: traced_ops(family, 1 if family in ALIKE_LAYERS else None) for family in FAMILIES}
 
 
 @pytest.mark.skipif(os.environ.get("USC_DEEP_TIER") != "1", reason="deep tier: set USC_DEEP_TIER=1 (each "
-                    "family of ONE_LAYER traced again at LAYERS; test_every_op_of_the_tier_has_a_rule covers "
+                    "family of ALIKE_LAYERS traced again at LAYERS; test_every_op_of_the_tier_has_a_rule covers "
                     "their ops in CI)")
-@pytest.mark.parametrize("family", ONE_LAYER)
+@pytest.mark.parametrize("family", ALIKE_LAYERS)
 def test_one_layer_traces_the_ops_of_two(family):
     assert traced_ops(family, 1) == traced_ops(family)
 
