@@ -610,8 +610,7 @@ def _probe_costs(program, units: list[str]):
                if _identity_without(n, frozenset({"cp", "tp"}))}
     under_recompute, readings = {}, {}
     for mode, cp, tp in [(mode, cp, tp) for mode in RECOMPUTE_MODES for cp in (True, False) for tp in (True, False)]:
-        absent = frozenset(axis for axis, there in (("cp", cp), ("tp", tp)) if not there) & present \
-            if mode == "selective" else frozenset()
+        absent = frozenset(axis for axis, there in (("cp", cp), ("tp", tp)) if not there) & present
         reading = (mode, cp or mode == "full", absent)
         if reading not in readings:
             rules = _without(absent, RULES if reading[1] else RULES_WITHOUT_CP)
@@ -1044,7 +1043,7 @@ def _saved_tensors(program) -> tuple[list[tuple[str, int, bool, bool]], set[str]
     from usc.runtime.executor import fake_rank_zero
 
     with fake_rank_zero(program) as (rank, batch):
-        recorder = _Recorder(rank.gm)
+        recorder = _Recorder(rank.gm, frozenset(program.mesh.axes))
         rank.gm = recorder
         # a parameter autograd saves is not an activation: a trainable one ZeRO-3 gathers again in
         # backward, a frozen one (a plain tensor here) is held all step anyway
@@ -1074,12 +1073,7 @@ def _saved_tensors(program) -> tuple[list[tuple[str, int, bool, bool]], set[str]
         micro = rank._split(batch)
         rank._set_step_divisors(micro)  # a loss dividing by the step's count
         rank._loss(micro[0])
-        moved = {}  # a collective that moves data -> the node that made its input's storage
-        for node in rank.gm.graph.nodes:
-            value = recorder.env.get(node.args[0]) if node.op == "call_module" and node.args \
-                and isinstance(node.args[0], fx.Node) else None
-            if isinstance(value, torch.Tensor) and _identity_without(node, frozenset(program.mesh.axes)):
-                moved[node.name] = recorder.owner.get(value.untyped_storage()._cdata)
+        moved = recorder.moved
     out = []
     for cdata, through in seen.items():
         direct = owners[cdata] in through
@@ -1142,18 +1136,25 @@ def _copies_unsplit(node: fx.Node, out, env: dict) -> bool:
 class _Recorder(fx.Interpreter):
     """Runs the rank's program node by node, remembering which node made each storage."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, axes: frozenset = frozenset()) -> None:
         super().__init__(gm)
         self.owner: dict[int, str] = {}
         self.current = ""
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.alive: list[torch.Tensor] = []
+        self.axes = axes
+        self.moved: dict[str, str] = {}  # a collective that moves data -> the node that made its input's storage
 
     def __call__(self, *args):
         return self.run(*args)
 
     def run_node(self, n: fx.Node):
         self.current = n.name
+        if n.op == "call_module" and n.args and isinstance(n.args[0], fx.Node) and _identity_without(n, self.axes):
+            # read before the node runs: the interpreter frees a value after its last reader
+            value = self.env.get(n.args[0])
+            if isinstance(value, torch.Tensor) and value.untyped_storage()._cdata in self.owner:
+                self.moved[n.name] = self.owner[value.untyped_storage()._cdata]
         out = super().run_node(n)
         if _copies_unsplit(n, out, self.env):
             out = out.clone(memory_format=torch.contiguous_format)

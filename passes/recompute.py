@@ -69,6 +69,22 @@ def node_module(node: fx.Node) -> str:
     return (ann.module if ann is not None and ann.module else "") or module_path(node)
 
 
+def node_block(node: fx.Node) -> str | None:
+    """The block ``node`` is recomputed with: its module's. A collective usc placed between two ops
+    of one block -- its input made there, every user there -- is that block's, whatever module it
+    is reported under: a reduction of partial sums is attributed to the op that made them (the
+    embedding's, deferred into the first block's projections when a model normalizes q and k
+    whole), and outside every block it would cut the block's region in pieces, each holding its
+    own inputs."""
+    block = block_of(node_module(node))
+    if block is None and node.op == "call_module" and node.all_input_nodes and node.users:
+        around = {block_of(node_module(x)) for x in node.all_input_nodes} | \
+            {block_of(node_module(u)) for u in node.users}
+        if len(around) == 1:
+            return around.pop()
+    return block
+
+
 @dataclass(frozen=True)
 class Where:
     """What a decision rule may read about one node."""
@@ -155,7 +171,7 @@ def decide(node: fx.Node, gm: fx.GraphModule, mode: str, marked: Callable[[str],
     """The first rule of ``rules`` that applies to ``node`` (the last one always does)."""
     module = gm.get_submodule(node.target) if node.op == "call_module" else None
     path = node_module(node)
-    where = Where(node, gm, module, mode, marked(path), block_of(path))
+    where = Where(node, gm, module, mode, marked(path), node_block(node))
     return next(rule for rule in rules if rule.applies(where))
 
 
@@ -264,7 +280,7 @@ def convex_runs(gm: fx.GraphModule, decisions: dict) -> list[list[fx.Node]]:
 
     for node in gm.graph.nodes:
         inside = decisions.get(node) in (KEPT, RECOMPUTED)
-        key = block_of(node_module(node)) or node_module(node) if inside else None
+        key = node_block(node) or node_module(node) if inside else None
         for source in sorted({run_of[x] for x in node.all_input_nodes if x in run_of} - {key}):
             close(source)
         if inside:
