@@ -330,10 +330,11 @@ def test_a_model_that_normalizes_q_and_k_whole_holds_one_input_per_block_under_r
     and, outside every block, cut the first block's recompute region in three, each holding its own
     inputs. The probe also never read its collectives as the identities a plan without tp has
     (their inputs' makers were looked up after the fake run had freed them). The planner's
-    activations were 16.2% (full) and 8.5% (selective) over the independent counter."""
+    activations were 16.2% (full) and 8.5% (selective) over the independent counter; with the
+    block's region whole but the collectives not read as identities, +4.9% and +3.7%; now +0.1%."""
     chosen, estimated, counted = planned_and_counted("olmo2", plan)
     assert chosen.size("tp") == 1, chosen
-    assert estimated == pytest.approx(counted, rel=0.05)
+    assert estimated == pytest.approx(counted, rel=0.02)
 
 
 def test_a_reduction_placed_between_two_ops_of_a_block_is_recomputed_with_the_block():
