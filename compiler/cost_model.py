@@ -181,6 +181,7 @@ def merge_units(units: list[UnitCost]) -> UnitCost:
                     moe_layers=sum(u.moe_layers for u in units),
                     params_saved=(sum(u.params_saved[0] for u in units), sum(u.params_saved[1] for u in units)),
                     boundary=units[-1].boundary, boundary_grad=units[-1].boundary_grad,
+                    boundary_unsaved=units[-1].boundary_unsaved,
                     params_unreduced=tuple(map(sum, zip(*(u.params_unreduced for u in units)))), tied=tied,
                     params_frozen=tuple(map(sum, zip(*(u.params_frozen for u in units)))),
                     matmul_calls=sum(u.matmul_calls for u in units),
@@ -328,6 +329,14 @@ def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCo
         # copies included; without them the estimate was 10.9% under)
         copies = (sharded if plan.zero >= 3 and plan.dp > 1 and sharded is not None else params) / 2 \
             + sum(_frozen_copy(u, plan) for u in units)
+    if plan.pp > 1 and plan.recompute == "none":
+        # a stage keeps each microbatch's outputs -- what it sent on -- until that microbatch's
+        # backward starts from them; those no op of the stage saves are counted here (an independent
+        # count, transformers' Llama pp=2 mb=3, whose next stage's RMSNorm saves the stream through
+        # its float32 cast: the first rank's two in-flight residual streams, without which the
+        # estimate was 8.1% under). With v chunks a rank sends v a microbatch. (Under recompute a
+        # region's input is counted where it is read and the estimate holds within 5% as it is.)
+        per_mb += _acts(units[-1].boundary_unsaved.get(plan.sp and plan.tp > 1, {}), profile, plan) * plan.v
     if plan.schedule == "zb" and plan.pp > 1:
         joins = cached(profile, ("joins", _scale_of(plan), plan.sp and plan.tp > 1), units,
                        lambda: sum(_acts(u.weight_joins.get(plan.sp and plan.tp > 1, {}), profile, plan)

@@ -66,6 +66,9 @@ class UnitCost:
     params_saved: tuple = (0, 0)  # (replicated, tp-split) bytes of parameters autograd saves (ZeRO-3 re-gathers)
     boundary: dict = field(default_factory=dict)  # sp -> {ScaleKey: bytes} crossing a pipeline cut after this unit
     boundary_grad: dict = field(default_factory=dict)  # sp -> ... of those values that have a gradient
+    # sp -> ... of those values no op before the cut saves: the sending stage holds them for each
+    # microbatch in flight (until its backward starts from them) beside what it saves
+    boundary_unsaved: dict = field(default_factory=dict)
     largest_acts: dict = field(default_factory=dict)  # sp -> acts of the largest merged unit
     # (recompute mode, cp > 1, sp) -> {ScaleKey: bytes} forward holds for backward under that mode; and
     # the unit's steps in program order, each ({ScaleKey: bytes} backward makes again when it recomputes

@@ -189,6 +189,7 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
                               params_frozen=frozen.get(name, (0, 0, 0, 0)),
                               boundary={sp: per_sp[sp][4][name][0] for sp in per_sp},
                               boundary_grad={sp: per_sp[sp][4][name][1] for sp in per_sp},
+                              boundary_unsaved={sp: per_sp[sp][4][name][2] for sp in per_sp},
                               matmul_calls=calls.get(name, 0), expert_calls=expert_calls.get(name, 0),
                               flops_backward=backward.get(name, 0.0),
                               weight_joins={sp: joins[sp].get(name, {}) for sp in joins}))
@@ -617,7 +618,7 @@ def _probe_costs(program, units: list[str]):
             readings[reading] = _under_recompute(program, mode, where, saved, rules, absent=absent, moved=moved)
         under_recompute[mode, cp, tp] = readings[reading]
     return acts, _unit_inputs(program, where), _collectives(program, where, nodes), saved_params, \
-        _boundaries(program, where, units), under_recompute
+        _boundaries(program, where, units, {name for name, *_ in saved}), under_recompute
 
 
 def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rules: list, *,
@@ -773,11 +774,17 @@ def _sum_by_unit(entries) -> dict[str, dict]:
     return out
 
 
-def _boundaries(program, where: dict[str, str], units: list[str]) -> dict[str, tuple[dict, dict]]:
+def _boundaries(program, where: dict[str, str], units: list[str], saved: set[str]
+                ) -> dict[str, tuple[dict, dict, dict]]:
     """Per unit: ({ScaleKey: bytes} of the values made at or before it and used after it -- what a
-    pipeline cut after the unit sends forward --, the same for those with a gradient, sent back)."""
+    pipeline cut after the unit sends forward --, the same for those with a gradient, sent back, and
+    for those whose storage no saved tensor of a unit before the cut accounts for). A stage keeps
+    what it sent until the microbatch's backward starts from it; ``saved`` (the nodes saved storages
+    are counted under) tells where that is already counted: a value an op after the cut saves
+    through a cast into a float32 island (transformers' RMSNorm, ``h.to(torch.float32)``) is counted
+    under the cast, in the receiving stage's unit."""
     order = {u: i for i, u in enumerate(units)}
-    out = {u: ({}, {}) for u in units}
+    out = {u: ({}, {}, {}) for u in units}
     # values computed from buffers alone (RoPE tables, and the probe's cp pieces of them: LocalShard
     # nodes) are recomputed on each stage, never sent: the split's own rule
     recomputed = constant_nodes(program.gm, {s.placeholder for s in program.state if not s.trainable})
@@ -792,8 +799,10 @@ def _boundaries(program, where: dict[str, str], units: list[str]) -> dict[str, t
             continue
         key, factor = _key(node, program.mesh)
         local = math.prod(node.meta[META].layout.local_shape(tuple(value.shape), program.mesh)) * value.element_size()
+        unsaved = node.name not in saved and base_of(node).name not in saved
         for unit in units[first:last_use]:
-            for crossing in out[unit][:1] + (out[unit][1:] if node.meta[META].needs_grad else ()):
+            for crossing in out[unit][:1] + (out[unit][1:2] if node.meta[META].needs_grad else ()) \
+                    + (out[unit][2:] if unsaved else ()):
                 crossing[key] = crossing.get(key, 0) + local * factor
     return out
 
