@@ -656,6 +656,8 @@ def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rul
             held.setdefault(name, []).append((where[name], key, nbytes * factor, position[name]))
         elif decisions[nodes[name]] != KEPT:
             made_again.add(name)
+            if _casts_held_input(nodes[name], region_of):
+                key = key._replace(bf16_only=True)
             bucket = again.setdefault((where[name], start[region_of[name]]), {})
             bucket[key] = bucket.get(key, 0) + nbytes * factor
 
@@ -684,6 +686,15 @@ def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rul
         steps.setdefault(unit, {}).setdefault(step, ({}, {}))[0].update(bucket)
     ordered = {unit: tuple(by_step[k] for k in sorted(by_step)) for unit, by_step in steps.items()}
     return _sum_by_unit(entry[:3] for entries in held.values() for entry in entries), ordered
+
+
+def _casts_held_input(node: fx.Node, region_of: dict[str, int]) -> bool:
+    """Whether ``node`` is a cast whose input comes from outside its recompute region (the region's
+    input, which forward holds): a storage saved through it (transformers' RMSNorm,
+    ``h.to(torch.float32)`` of the block's input) is that input itself in float32 and a float32 copy
+    the recomputation makes only under bf16."""
+    source = node.args[0] if node.target in CASTS and node.args else None
+    return isinstance(source, fx.Node) and region_of.get(source.name) != region_of.get(node.name)
 
 
 def _release_kept(gm, mesh, regions, decisions, where, start, again, position, saved: set[str], absent) -> None:
