@@ -392,8 +392,8 @@ def traced_ops(family: str, layers: int | None = None) -> frozenset:
                      if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload))
 
 
-def planned_and_counted(family: str, plan: str):
-    """(``usc.plan`` pinned to ``plan`` on 2 GPUs for 6 sequences of 10 tokens in float32, its
+def planned_and_counted(family: str, plan: str, dtype: str = "fp32"):
+    """(``usc.plan`` pinned to ``plan`` on 2 GPUs for 6 sequences of 10 tokens in ``dtype``, its
     activations per rank, the most bytes a rank of that plan holds at once over one real step in
     the simulator by ``usc.testing.memory_counters.count_peaks`` -- nothing of the cost model's)."""
     import usc
@@ -402,7 +402,7 @@ def planned_and_counted(family: str, plan: str):
     fam = FAMILIES[family]
     torch.manual_seed(0)
     batch = fam.batch(0, BATCH)
-    chosen = usc.plan(fam.build(), f"gpus=2 {plan} seq={SEQ} global_batch={BATCH} dtype=fp32 fuse=off",
+    chosen = usc.plan(fam.build(), f"gpus=2 {plan} seq={SEQ} global_batch={BATCH} dtype={dtype} fuse=off",
                       example_inputs=batch, loss_fn=fam.loss_fn)
     torch.manual_seed(0)
     sim = usc.simulate(fam.build(), chosen, example_inputs=batch, loss_fn=fam.loss_fn)
