@@ -77,7 +77,8 @@ def node_block(node: fx.Node) -> str | None:
     whole), and outside every block it would cut the block's region in pieces, each holding its
     own inputs."""
     block = block_of(node_module(node))
-    if block is None and node.op == "call_module" and node.all_input_nodes and node.users:
+    if block is None and node.op == "call_module" and node.all_input_nodes and node.users \
+            and hasattr(node.graph.owning_module.get_submodule(node.target), "forward_collective"):
         around = {block_of(node_module(x)) for x in node.all_input_nodes} | \
             {block_of(node_module(u)) for u in node.users}
         if len(around) == 1:
