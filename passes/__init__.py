@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 from torch.distributed.tensor import Shard
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from usc.compiler.errors import ShardingError, UnsupportedOpError
 from usc.compiler.functional import input_write_warnings
@@ -109,7 +110,10 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
                                 resized_probe=traced.resized_probe, constant_values=lifted_constants(traced),
                                 doubled_probe=traced.doubled_probe)
         try:
-            gm = run_pipeline(copy_graph_module(traced.gm), ctx, passes, verify=verify)
+            # the passes' graphs as lazy modules: a pass's recompile only marks its Python stale,
+            # generated once when the program first runs (each rank shares it: runtime/executor.py)
+            with _use_lazy_graph_module(True):
+                gm = run_pipeline(copy_graph_module(traced.gm), ctx, passes, verify=verify)
             break
         except ShardingError as err:
             index = _group_of(err, tp.groups, replicated)

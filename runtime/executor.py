@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.distributed.tensor import Shard
 
 from .layout import gather_full, local_chunk, zigzag_permute
@@ -53,21 +54,42 @@ def build_optimizer(factory: OptimizerFactory, params: list[torch.nn.Parameter])
 
 def bind_graph(gm: fx.GraphModule, mesh) -> fx.GraphModule:
     """A rank's copy of the program: its own collective modules bound to its mesh, graph shared
-    (copied when its factory calls must move to the mesh's device)."""
-    modules = {}
+    (copied when its factory calls must move to the mesh's device). A pipeline's stages are rank
+    copies of their own, one level down."""
+    return _rank_copy(gm, mesh, {}, "RankProgram")
+
+
+def _rank_copy(gm: fx.GraphModule, mesh, memo: dict, class_name: str) -> fx.GraphModule:
+    children = {}
     for name, module in gm.named_children():
-        mine = copy.deepcopy(module)
-        for part in mine.modules():  # pipeline stages nest their collectives one level down
+        if isinstance(module, fx.GraphModule):
+            children[name] = _rank_copy(module, mesh, memo, type(module).__name__)
+            continue
+        mine = copy.deepcopy(module, memo)  # one memo a rank: a module two stages share stays shared
+        for part in mine.modules():  # a recompute region holds its graph inside a module
             if hasattr(part, "bind") and not isinstance(part, fx.GraphModule):
                 part.bind(mesh)
             elif isinstance(part, fx.GraphModule) and _move_factories(part.graph, mesh.device):
                 part.recompile()
-        modules[name] = mine
-    graph = gm.graph
-    if _factory_devices(graph, mesh.device):
-        graph = copy.deepcopy(graph)
+        children[name] = mine
+    if _factory_devices(gm.graph, mesh.device):
+        graph = copy.deepcopy(gm.graph)
         _move_factories(graph, mesh.device)
-    return fx.GraphModule(modules, graph, class_name="RankProgram")
+        return fx.GraphModule(children, graph, class_name=class_name)
+    return _sharing_code(gm, children)
+
+
+def _sharing_code(gm: fx.GraphModule, children: dict) -> fx.GraphModule:
+    """A module running ``gm``'s graph over ``children``: an instance of ``gm``'s own class, whose
+    generated ``forward`` reads submodules by name, so every rank shares the Python torch.fx
+    generated for the graph once (generating it is most of the cost of a copy)."""
+    if isinstance(gm, _LazyGraphModule):
+        gm.real_recompile()
+    shell = object.__new__(type(gm))
+    shell.__dict__.update({k: v.copy() if isinstance(v, (dict, set, list)) else v for k, v in gm.__dict__.items()})
+    shell._modules.clear()
+    shell._modules.update(children)
+    return shell
 
 
 def _factory_devices(graph: fx.Graph, device: torch.device) -> list[fx.Node]:
