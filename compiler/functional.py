@@ -158,11 +158,13 @@ def _offsets(t: torch.Tensor) -> torch.Tensor:
     return index.reshape(-1)
 
 
-def differentiable_copies(gm: fx.GraphModule) -> None:
+def differentiable_copies(gm: fx.GraphModule) -> bool:
     """``aten.copy(self, src)`` (a functionalized ``copy_``) has no derivative in eager autograd:
-    write it as what it computes, ``src`` cast to self's dtype and broadcast to self's shape."""
+    write it as what it computes, ``src`` cast to self's dtype and broadcast to self's shape.
+    True when the graph changed."""
     aten = torch.ops.aten
-    for node in [n for n in gm.graph.nodes if n.target is aten.copy.default]:
+    copies = [n for n in gm.graph.nodes if n.target is aten.copy.default]
+    for node in copies:
         target, src = node.args[0], node.args[1]
         want, have = target.meta["val"], src.meta["val"]
         with gm.graph.inserting_before(node):
@@ -175,6 +177,7 @@ def differentiable_copies(gm: fx.GraphModule) -> None:
             value = _like(gm.graph.call_function(aten.clone.default, (value,)), node, want)
         node.replace_all_uses_with(value)
         gm.graph.erase_node(node)
+    return bool(copies)
 
 
 def _like(new: fx.Node, old: fx.Node, val) -> fx.Node:
@@ -194,10 +197,11 @@ def explicit_writes(exported) -> fx.GraphModule:
     from usc.runtime.state_write import StateWrite
 
     gm = exported.graph_module
-    differentiable_copies(gm)
+    changed = differentiable_copies(gm)
     specs = exported.graph_signature.output_specs
     if not any(o.kind in WRITE_KINDS for o in specs):
-        gm.recompile()
+        if changed:  # the Python torch.export generated is the graph's otherwise
+            gm.recompile()
         return gm
     output = next(n for n in gm.graph.nodes if n.op == "output")
     values = list(output.args[0])
@@ -262,6 +266,7 @@ def masked_writes_as_where(gm: fx.GraphModule) -> fx.GraphModule:
     that broadcasts over the dims after the mask) as ``torch.where(mask, value, x)``: the same values
     and gradients, but element-wise, so every plan's rules read it as such -- as ``index_put`` it
     reads as a gather of the whole tensor (under ``mb=`` a refusal: it seemed to mix samples)."""
+    changed = False
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.index_put.default:
             continue
@@ -288,8 +293,10 @@ def masked_writes_as_where(gm: fx.GraphModule) -> fx.GraphModule:
             where = _call(gm, aten.where.self, (m, v, x), node)
         node.replace_all_uses_with(where)
         gm.graph.erase_node(node)
-    gm.graph.lint()
-    gm.recompile()
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
     return gm
 
 

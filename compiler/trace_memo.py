@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from .ir import copy_graph_module
 
@@ -190,7 +191,8 @@ def store(k, traced, printed: str, caught: list) -> None:
 def fresh(traced):
     """A record of ``traced`` over a copy of its graph (the submodules and constants shared): whoever
     receives it may edit the graph or the record without reaching the memo or another compile."""
-    gm = copy_graph_module(traced.gm)
+    with _use_lazy_graph_module(True):  # its Python generated on first call only (most are never called)
+        gm = copy_graph_module(traced.gm)
     gm.meta = dict(getattr(traced.gm, "meta", {}))
     return dataclasses.replace(traced, gm=gm)
 
