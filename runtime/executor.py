@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import operator
 import weakref
 from typing import Callable, Iterable, Mapping
 
@@ -75,7 +76,10 @@ def _rank_copy(gm: fx.GraphModule, mesh, memo: dict, class_name: str) -> fx.Grap
     if _factory_devices(gm.graph, mesh.device):
         graph = copy.deepcopy(gm.graph)
         _move_factories(graph, mesh.device)
-        return fx.GraphModule(children, graph, class_name=class_name)
+        # the attributes the graph reads beside the children (a constant kept on the module)
+        attrs = {n.target: operator.attrgetter(n.target)(gm) for n in graph.nodes
+                 if n.op == "get_attr" and n.target.split(".")[0] not in children}
+        return fx.GraphModule({**children, **attrs}, graph, class_name=class_name)
     return _sharing_code(gm, children)
 
 
