@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from math import prod
 
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _make_graph_module
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -131,10 +131,16 @@ def layout_of(node: fx.Node) -> Layout:
     return node.meta[META].layout
 
 
+def lazy_graph_modules():
+    """A context in which the graph modules torch.fx makes (``copy_graph_module``, ``split_module``)
+    generate their Python on first call only: a pass's ``recompile`` marks it stale, so graphs that
+    never run (plan-only lint, the planner's probes, each pass's intermediate graph) cost none."""
+    return _use_lazy_graph_module(True)
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A fresh graph over the same (shared) submodules: cheap, and safe to mutate. Under
-    ``_use_lazy_graph_module(True)`` (plan-only lint) its Python code is generated on first call
-    only, so the passes' recompiles cost nothing when nothing runs."""
+    ``lazy_graph_modules()`` its Python code is generated on first call only."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)

@@ -34,9 +34,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
-from .ir import copy_graph_module
+from .ir import copy_graph_module, lazy_graph_modules
 
 _MEMO: OrderedDict | None = None
 _ENTRIES = 48  # the most recent traces kept (a test file reuses its own; older ones only hold memory)
@@ -191,7 +190,7 @@ def store(k, traced, printed: str, caught: list) -> None:
 def fresh(traced):
     """A record of ``traced`` over a copy of its graph (the submodules and constants shared): whoever
     receives it may edit the graph or the record without reaching the memo or another compile."""
-    with _use_lazy_graph_module(True):  # its Python generated on first call only (most are never called)
+    with lazy_graph_modules():  # its Python generated on first call only (most are never called)
         gm = copy_graph_module(traced.gm)
     gm.meta = dict(getattr(traced.gm, "meta", {}))
     return dataclasses.replace(traced, gm=gm)

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 from torch.distributed.tensor import Shard
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from usc.compiler.errors import ShardingError, UnsupportedOpError
 from usc.compiler.functional import input_write_warnings
-from usc.compiler.ir import MeshSpec, copy_graph_module
+from usc.compiler.ir import MeshSpec, copy_graph_module, lazy_graph_modules
 from usc.compiler.pass_runner import CompileContext, PassSpec, run_pipeline
 from usc.compiler.program import Program, build_program
 from usc.compiler.trace import Traced, lifted_constants
@@ -112,7 +111,7 @@ def parallelize(traced: Traced, plan, *, verify=None) -> Program:
         try:
             # the passes' graphs as lazy modules: a pass's recompile only marks its Python stale,
             # generated once when the program first runs (each rank shares it: runtime/executor.py)
-            with _use_lazy_graph_module(True):
+            with lazy_graph_modules():
                 gm = run_pipeline(copy_graph_module(traced.gm), ctx, passes, verify=verify)
             break
         except ShardingError as err:

@@ -24,12 +24,11 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.utils._pytree import tree_flatten
 
 from usc.compiler.cost_model import CollectiveCost, ModelProfile, ScaleKey, UnitCost
 from usc.compiler.errors import CompileError
-from usc.compiler.ir import META
+from usc.compiler.ir import META, lazy_graph_modules
 from usc.compiler.moe import traced_blocks
 from usc.compiler.report import graph_collectives, in_float32_island
 from usc.compiler.stamp import block_signature, value_signature
@@ -148,7 +147,7 @@ def _profile(traced: Traced, example_inputs: tuple, *, blocks: tuple[str, ...] =
     """The profile of ``traced``; None when one of ``blocks`` (the blocks to be stamped) does not keep
     its own nodes in the probes (``_block_keeps_its_nodes``)."""
     batch, seq = batch_and_sequence(example_inputs)
-    with _use_lazy_graph_module(True):  # the probes run node by node on fake tensors: no Python for them
+    with lazy_graph_modules():  # the probes run node by node on fake tensors: no Python for them
         probe_sp, probe_plain = _probe_programs(traced, batch, seq)
     sp_possible = probe_sp is not None
     probe_sp = probe_sp or probe_plain

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from usc.compiler import lint_checks  # noqa: F401 - registers the rules
 from usc.compiler.errors import CompileError
+from usc.compiler.ir import lazy_graph_modules
 from usc.compiler.hardware import HardwareProfile, hardware_profile, with_plan_memory
 from usc.compiler.lint_facts import ModelFacts, model_facts
 from usc.compiler.lint_rules import Finding, LintInput, counts, run_rules
@@ -158,7 +158,7 @@ def lint_plan(model, plan, *, example_inputs, loss_fn=None, hardware: str | Hard
     if counts(found)["error"]:
         return LintResult(text, plan, None, found, profile, facts=facts, traced=traced)
     try:
-        with _use_lazy_graph_module(True):  # nothing runs: generate no Python for the passes' graphs
+        with lazy_graph_modules():  # nothing runs: generate no Python for the passes' graphs
             compiled._build(batch, traced=traced)
     except (PlanError, CompileError) as err:
         return LintResult(text, plan, None, run_rules(replace(before, errors=(err,))), profile, facts=facts,
