@@ -289,6 +289,19 @@ def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], 
                  p2p: float = 0.0) -> dict[str, float]:
     """Bytes one rank of pipeline stage ``stage`` (made of ``units``) holds at the step's peak;
     ``p2p``: its pipeline transfer buffers (``p2p_buffers``), counted with the activations."""
+    held, grads, optimizer, params, sharded = _state_bytes(plan, units)
+    gathered = 0.0
+    if plan.zero >= 3 and plan.dp > 1:  # two layers whole at once (the current one, one prefetched)
+        biggest = max((_params(u, plan) / u.blocks for u in units), default=0.0)
+        gathered = 2 * biggest
+    return {"params": held, "frozen": sum(_frozen(u, plan) for u in units), "grads": grads, "optimizer": optimizer,
+            "activations": stage_activations(profile, plan, units, params, sharded, stage, p2p),
+            "gathered": gathered}
+
+
+def _state_bytes(plan: PlanPoint, units: list[UnitCost]) -> tuple[float, float, float, float, float]:
+    """(parameters held, gradients, optimizer state, parameters before ZeRO, after) of one rank of
+    the stage ``units``, in bytes (``stage_memory``'s)."""
     params = unreduced = 0
     for u in units:
         params += _params(u, plan)
@@ -303,13 +316,7 @@ def stage_memory(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], 
         grads += sum(tied.values()) * (1 - 1 / plan.dp)
     optimizer = 2 * (sharded if plan.zero >= 1 else params)
     held = sharded if plan.zero >= 3 else params
-    gathered = 0.0
-    if plan.zero >= 3 and plan.dp > 1:  # two layers whole at once (the current one, one prefetched)
-        biggest = max((_params(u, plan) / u.blocks for u in units), default=0.0)
-        gathered = 2 * biggest
-    return {"params": held, "frozen": sum(_frozen(u, plan) for u in units), "grads": grads, "optimizer": optimizer,
-            "activations": stage_activations(profile, plan, units, params, sharded, stage, p2p),
-            "gathered": gathered}
+    return held, grads, optimizer, params, sharded
 
 
 def stage_activations(profile: ModelProfile, plan: PlanPoint, units: list[UnitCost], params: float,
@@ -910,11 +917,41 @@ def step_floor(profile: ModelProfile, base: PlanPoint, hw: HardwareProfile, micr
     comm = sum(c.exposed_seconds for c in _stage_microbatch_collectives(profile, point, k, hw))
     ratio, backs = _backward_shares(stages[k])
     floor = (1 + ratio) * compute + pointwise * (1 + 2 * backs) / 3 + comm
-    if point.pp == 1:
-        return floor
-    # each microbatch's forward and backward take at least floor / mb, and the bubble is units of them
-    return floor * (1 + min(pipeline_bubble_units(base.with_(schedule=s, v=v, mb=m), hw) / m
-                            for s, v in schedules for m in microbatches))
+    if point.pp > 1:
+        # each microbatch's forward and backward take at least floor / mb, and the bubble is units of them
+        floor *= 1 + min(pipeline_bubble_units(base.with_(schedule=s, v=v, mb=m), hw) / m
+                         for s, v in schedules for m in microbatches)
+    return floor
+
+
+def gradient_floor(profile: ModelProfile, base: PlanPoint, hw: HardwareProfile, microbatches: list[int]
+                   ) -> dict[int, float]:
+    """Per ZeRO stage, the seconds no plan of ``base``'s mesh shape at that stage adds at the step's end
+    on top of ``step_floor``, whatever its recompute and schedule, the least over the microbatch
+    counts (of ``microbatches``): the exposed part of the gradient sums and ZeRO's gathers
+    (``gradient_collectives``) and the optimizer's memory traffic, on the stage ``step_floor`` reads.
+    A sum hides behind one microbatch's backward, ZeRO-3's gathers behind the microbatches' forwards
+    and backwards (``_stage_estimate``): at their longest under full recompute with every launch
+    counted, so what shows is the least any plan of the shape shows. Dearer than ``step_floor`` (a
+    ZeRO stage and microbatch count at a time): the planner asks it only of a shape it would walk."""
+    point = base.with_(mb=1, zero=0, recompute="none", schedule="1f1b", v=1)
+    stages = merged_stages(profile, point.pp, point.split)
+    unit = stages[_busiest(profile, point, stages)]
+    ratio, backs = _backward_shares(unit)
+    launches = hw.unit_overhead * unit.blocks
+    least = {zero: math.inf for zero in ((0, 1, 2, 3) if point.dp > 1 else (0,))}
+    for m in microbatches:
+        _, compute, pointwise = _stage_compute(profile, point.with_(mb=m), unit, hw)
+        backward = (ratio + backs) * compute + backs * 2 * pointwise / 3 + 2 * launches / 3
+        both = compute + pointwise / 3 + launches / 3 + backward
+        for zero in least:
+            plan = point.with_(zero=zero, mb=m)
+            comms = gradient_collectives(plan, [unit], hw, backward)
+            exposed = sum(c.exposed_seconds for c in comms if c.direction != "forward+backward")
+            exposed += _zero3_exposed(comms, hw.comm_overlap * m * both)
+            held, grads, optimizer = _state_bytes(plan, [unit])[:3]
+            least[zero] = min(least[zero], exposed + OPTIMIZER_TRAFFIC * (held + grads + optimizer) / hw.hbm_bandwidth)
+    return least
 
 
 def _busiest(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost]) -> int:
@@ -988,5 +1025,5 @@ def _zero3_exposed(grads: list[CollectiveEstimate], compute: float) -> float:
 
 __all__ = ["ScaleKey", "CollectiveCost", "UnitCost", "ModelProfile", "PlanPoint", "Estimate",
            "CollectiveEstimate", "estimate", "step_floor", "scale", "stage_units", "in_flight", "bubble_units",
-           "pipeline_bubble_units",
+           "pipeline_bubble_units", "gradient_floor",
            "crosses_node", "collective_seconds", "peak_memory", "shared_gradient_collectives", "Link"]

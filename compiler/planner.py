@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 from .cost_model import (TIME_TERMS, Estimate, ModelProfile, PlanPoint, crosses_node, estimate, peak_memory,
-                         step_floor)
+                         step_floor, gradient_floor)
 from .cost_types import written_sizes
 from .hardware import HardwareProfile
 
@@ -239,10 +239,17 @@ def search(profile: ModelProfile, target: PlanTarget, hw: HardwareProfile, *,
     found: dict[int, tuple[list[Candidate], PlanSearch]] = {}
     shown = _Shown(keep + 1, hw.measured_nodes)
     for i in sorted(bases, key=floors.__getitem__):
-        if floors[i] > shown.bar(bases[i]):
+        bar = shown.bar(bases[i])
+        zeros = None  # every ZeRO stage
+        if skip and floors[i] <= bar:
+            # the step's end (gradient sums, the optimizer) per ZeRO stage, only for a shape under the
+            # bar without it: the stages whose floor is over it are left out
+            ends = search_state.gradient_floor(shapes[i][0], bases[i])
+            zeros = tuple(zero for zero, end in ends.items() if floors[i] + end <= bar)
+        if floors[i] > bar or zeros == ():
             result.skipped_shapes += 1
             continue
-        found[i] = search_state.walk(shapes[i][0], bases[i])
+        found[i] = search_state.walk(shapes[i][0], bases[i], zeros)
         shown.add(found[i][0])
     # the plans and rejections in the enumeration's order (a tie of steps keeps it, each reason's
     # example is its first), whatever order the walk took
@@ -336,19 +343,29 @@ class _Search:
             return 0.0  # walked, to say why nothing runs (``shape``)
         return step_floor(self.profile, base, self.hw, counts, _schedules(sizes["pp"]))
 
-    def walk(self, sizes: dict, base: PlanPoint) -> tuple[list[Candidate], PlanSearch]:
-        """``shape(sizes, base)``, and what it rejected and estimated, kept apart (``_merge_rejections``)."""
+    def gradient_floor(self, sizes: dict, base: PlanPoint) -> dict[int, float]:
+        """Per ZeRO stage, what every plan ``shape(sizes, base)`` walks at it adds at the step's end
+        beyond ``floor`` (``cost_model.gradient_floor``)."""
+        counts = _microbatches(self.target.global_batch // sizes["dp"], sizes["pp"], self.fixed.get("mb"))
+        if not counts:
+            return {zero: 0.0 for zero in _zero_stages(sizes)}
+        return gradient_floor(self.profile, base, self.hw, counts)
+
+    def walk(self, sizes: dict, base: PlanPoint, zeros: tuple[int, ...] | None = None
+             ) -> tuple[list[Candidate], PlanSearch]:
+        """``shape(sizes, base, zeros)``, and what it rejected and estimated, kept apart
+        (``_merge_rejections``)."""
         kept, self.result = self.result, PlanSearch(self.target, self.hw.name, None, [])
         try:
-            return self.shape(sizes, base), self.result
+            return self.shape(sizes, base, zeros), self.result
         finally:
             self.result = kept
 
-    def shape(self, sizes: dict, base: PlanPoint) -> list[Candidate]:
-        """For each ZeRO stage and schedule from ``base`` (``base(sizes)``), microbatch counts in
-        increasing order: more microbatches save activation memory and shrink the bubble but make each
-        matmul smaller, so the walk stops once a plan fits without recompute (pp=1) or once the step
-        time stops improving (pp>1)."""
+    def shape(self, sizes: dict, base: PlanPoint, zeros: tuple[int, ...] | None = None) -> list[Candidate]:
+        """For each ZeRO stage (of ``zeros``; None: every one) and schedule from ``base``
+        (``base(sizes)``), microbatch counts in increasing order: more microbatches save activation
+        memory and shrink the bubble but make each matmul smaller, so the walk stops once a plan fits
+        without recompute (pp=1) or once the step time stops improving (pp>1)."""
         per_replica = self.target.global_batch // sizes["dp"]
         found = []
         counts = _microbatches(per_replica, sizes["pp"], self.fixed.get("mb"))
@@ -357,7 +374,7 @@ class _Search:
             _reject(self.result, f"mb={mb} does not divide the sequences each dp replica takes",
                     lambda: f"{base.with_(mb=mb).text()}: {per_replica} sequences a replica")
             return found
-        for zero in ((0, 1, 2, 3) if sizes["dp"] > 1 else (0,)):
+        for zero in (_zero_stages(sizes) if zeros is None else zeros):
             for schedule, v in _schedules(sizes["pp"]):
                 previous = None
                 for mb in counts:
@@ -429,6 +446,11 @@ class _Search:
         if key not in self.cache:
             self.cache[key] = self.supported(point)
         return self.cache[key]
+
+
+def _zero_stages(sizes: dict) -> tuple[int, ...]:
+    """The ZeRO stages a mesh shape's walk tries: all four where dp shards, else none."""
+    return (0, 1, 2, 3) if sizes["dp"] > 1 else (0,)
 
 
 def _support_key(p: PlanPoint) -> tuple:
