@@ -128,6 +128,7 @@ class PlanSearch:
     rejected_examples: dict[str, str] = field(default_factory=dict)  # reason -> one plan and why
     evaluated: int = 0
     skipped_shapes: int = 0  # mesh shapes whose step floor was over every plan the answer could show
+    skipped_zero_stages: int = 0  # ZeRO stages of the shapes walked whose floor was over them too
     seconds: float = 0.0
     families: dict = field(default_factory=dict)  # family -> its best Candidate, or why none fits
     best_checked: Candidate | None = None  # the best plan whose estimate rests on no unchecked term
@@ -249,6 +250,7 @@ def search(profile: ModelProfile, target: PlanTarget, hw: HardwareProfile, *,
         if floors[i] > bar or zeros == ():
             result.skipped_shapes += 1
             continue
+        result.skipped_zero_stages += len(_zero_stages(shapes[i][0])) - len(zeros) if zeros is not None else 0
         found[i] = search_state.walk(shapes[i][0], bases[i], zeros)
         shown.add(found[i][0])
     # the plans and rejections in the enumeration's order (a tie of steps keeps it, each reason's

@@ -29,7 +29,7 @@ def cost_dict(report) -> dict:
                           "alternatives": [{"plan": c.plan.text(), "why_lost": s.why_lost(c),
                                             **estimate_dict(c.estimate)} for c in s.alternatives],
                           "rejected": dict(s.rejected), "evaluated": s.evaluated,
-                          "skipped_shapes": s.skipped_shapes,
+                          "skipped_shapes": s.skipped_shapes, "skipped_zero_stages": s.skipped_zero_stages,
                           "families": {name: best if isinstance(best, str) else
                                        {"plan": best.plan.text(), **estimate_dict(best.estimate)}
                                        for name, best in s.families.items()},
@@ -77,8 +77,9 @@ def render_search(search) -> str:
     t = search.target
     head = (f"planner: {t.gpus} GPUs ({t.gpus_per_node} per node, {search.hardware}), seq {t.seq}, "
             f"global batch {t.global_batch}; {search.evaluated} plans estimated in {search.seconds:.2f} s"
-            + (f" ({search.skipped_shapes} mesh shapes skipped: their step floor is over every plan shown)"
-               if search.skipped_shapes else ""))
+            + (f" ({search.skipped_shapes} mesh shapes skipped: their step floor is over every plan shown"
+               + (f"; also {search.skipped_zero_stages} ZeRO stages of the shapes walked" if search.skipped_zero_stages
+                  else "") + ")" if search.skipped_shapes else ""))
     lines = [head] + ([f"  {t.assumption}"] if t.assumption else [])
     if search.best is None:
         lines.append("  no plan fits: " + "; ".join(f"{n} x {r} (e.g. {search.rejected_examples[r]})"
