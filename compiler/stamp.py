@@ -25,10 +25,10 @@ import re
 from dataclasses import replace
 
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch import nn
 
 from .errors import CompileError
+from .ir import lazy_graph_module
 from .trace import StateInput, Traced, module_path, trace
 
 MIN_LAYERS = 4  # below this, stamping saves nothing
@@ -127,7 +127,7 @@ def stamp(traced: Traced, prefix: str, layers: int, model: nn.Module) -> Traced:
                               dict(node.meta))
         if node is region[-1]:
             last = _stamp_layers(graph, region, previous, prefix, layers, env)
-    gm = _LazyGraphModule(traced.gm, graph)  # Python code generated on first call only
+    gm = lazy_graph_module(traced.gm, graph)  # Python code generated on first call only
     types = {name: type(m).__name__ for name, m in model.named_modules()}
     return replace(traced, gm=gm, state=new_state, module_types=types)
 

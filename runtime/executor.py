@@ -17,8 +17,9 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.distributed.tensor import Shard
+
+from usc.compiler.ir import generate_code
 
 from .layout import gather_full, local_chunk, zigzag_permute
 from .moe import rank_stats
@@ -87,8 +88,7 @@ def _sharing_code(gm: fx.GraphModule, children: dict) -> fx.GraphModule:
     """A module running ``gm``'s graph over ``children``: an instance of ``gm``'s own class, whose
     generated ``forward`` reads submodules by name, so every rank shares the Python torch.fx
     generated for the graph once (generating it is most of the cost of a copy)."""
-    if isinstance(gm, _LazyGraphModule):
-        gm.real_recompile()
+    generate_code(gm)
     shell = object.__new__(type(gm))
     shell.__dict__.update({k: v.copy() if isinstance(v, (dict, set, list)) else v for k, v in gm.__dict__.items()})
     shell._modules.clear()
