@@ -451,7 +451,7 @@ class _Search:
 
 
 def _zero_stages(sizes: dict) -> tuple[int, ...]:
-    """The ZeRO stages a mesh shape's walk tries: all four where dp shards, else none."""
+    """The ZeRO stages a mesh shape's walk tries: all four where there is dp to shard over, else 0."""
     return (0, 1, 2, 3) if sizes["dp"] > 1 else (0,)
 
 

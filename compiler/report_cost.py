@@ -77,9 +77,9 @@ def render_search(search) -> str:
     t = search.target
     head = (f"planner: {t.gpus} GPUs ({t.gpus_per_node} per node, {search.hardware}), seq {t.seq}, "
             f"global batch {t.global_batch}; {search.evaluated} plans estimated in {search.seconds:.2f} s"
-            + (f" ({search.skipped_shapes} mesh shapes skipped: their step floor is over every plan shown"
-               + (f"; also {search.skipped_zero_stages} ZeRO stages of the shapes walked" if search.skipped_zero_stages
-                  else "") + ")" if search.skipped_shapes else ""))
+            + (f" ({search.skipped_shapes} mesh shapes and {search.skipped_zero_stages} ZeRO stages of the others "
+               "skipped: their step floor is over every plan shown)"
+               if search.skipped_shapes or search.skipped_zero_stages else ""))
     lines = [head] + ([f"  {t.assumption}"] if t.assumption else [])
     if search.best is None:
         lines.append("  no plan fits: " + "; ".join(f"{n} x {r} (e.g. {search.rejected_examples[r]})"

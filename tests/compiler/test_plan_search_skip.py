@@ -120,7 +120,8 @@ def test_the_skip_leaves_out_shapes_on_a_cluster():
         patch.setattr("usc.planning.search", both)
         result = usc.plan(model, spec, example_inputs={"input_ids": tokens, "labels": tokens}, hardware="h100").search
     assert result.best is not None and result.skipped_shapes > 40 and result.skipped_zero_stages > 0
-    assert f"{result.skipped_shapes} mesh shapes skipped" in str(result).split("\n")[0]
+    assert f"{result.skipped_shapes} mesh shapes and {result.skipped_zero_stages} ZeRO stages of the others skipped" \
+        in str(result).split("\n")[0]
     assert result.best.plan == seen["every"].best.plan and _shown(result) == _shown(seen["every"])
 
 
