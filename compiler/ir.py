@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from math import prod
 
-import torch
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module, _use_lazy_graph_module
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
+
+from usc.runtime.graph_code import graph_module
 
 META = "usc"
 R = Replicate()
@@ -132,29 +132,10 @@ def layout_of(node: fx.Node) -> Layout:
     return node.meta[META].layout
 
 
-def lazy_graph_modules():
-    """A context in which the graph modules torch.fx makes (``copy_graph_module``, ``split_module``)
-    generate their Python on first call only: a pass's ``recompile`` marks it stale, so graphs that
-    never run (plan-only lint, the planner's probes, each pass's intermediate graph) cost none."""
-    return _use_lazy_graph_module(True)
-
-
-def lazy_graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
-    """A graph module of ``graph`` over ``root``'s submodules whose Python is generated on first call."""
-    return _LazyGraphModule(root, graph)
-
-
-def generate_code(gm: fx.GraphModule) -> None:
-    """Generate ``gm``'s Python now where a lazy graph module deferred it (copies of ``gm``'s instance
-    then share it, not each generating its own)."""
-    if isinstance(gm, _LazyGraphModule):
-        gm.real_recompile()
-
-
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A fresh graph over the same (shared) submodules: cheap, and safe to mutate. Under
     ``lazy_graph_modules()`` its Python code is generated on first call only."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    return _make_graph_module(gm, graph)
+    return graph_module(gm, graph)

@@ -27,8 +27,9 @@ from dataclasses import replace
 import torch.fx as fx
 from torch import nn
 
+from usc.runtime.graph_code import lazy_graph_module
+
 from .errors import CompileError
-from .ir import lazy_graph_module
 from .trace import StateInput, Traced, module_path, trace
 
 MIN_LAYERS = 4  # below this, stamping saves nothing

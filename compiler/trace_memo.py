@@ -35,7 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .ir import copy_graph_module, lazy_graph_modules
+from usc.runtime.graph_code import lazy_graph_modules
+
+from .ir import copy_graph_module
 
 _MEMO: OrderedDict | None = None
 _ENTRIES = 48  # the most recent traces kept (a test file reuses its own; older ones only hold memory)

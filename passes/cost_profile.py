@@ -28,7 +28,8 @@ from torch.utils._pytree import tree_flatten
 
 from usc.compiler.cost_model import CollectiveCost, ModelProfile, ScaleKey, UnitCost
 from usc.compiler.errors import CompileError
-from usc.compiler.ir import META, lazy_graph_modules
+from usc.compiler.ir import META
+from usc.runtime.graph_code import lazy_graph_modules
 from usc.compiler.moe import traced_blocks
 from usc.compiler.report import graph_collectives, in_float32_island
 from usc.compiler.stamp import block_signature, value_signature

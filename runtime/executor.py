@@ -19,8 +19,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
-from usc.compiler.ir import generate_code
-
+from .graph_code import generate_code
 from .layout import gather_full, local_chunk, zigzag_permute
 from .moe import rank_stats
 from .optimizer_contract import check_optimizer

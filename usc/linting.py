@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from usc.compiler import lint_checks  # noqa: F401 - registers the rules
 from usc.compiler.errors import CompileError
-from usc.compiler.ir import lazy_graph_modules
+from usc.runtime.graph_code import lazy_graph_modules
 from usc.compiler.hardware import HardwareProfile, hardware_profile, with_plan_memory
 from usc.compiler.lint_facts import ModelFacts, model_facts
 from usc.compiler.lint_rules import Finding, LintInput, counts, run_rules
