@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch.fx as fx
 from torch import nn
 
-from usc.runtime.graph_code import lazy_graph_module
+from usc.runtime.graph_code import graph_module, lazy_graph_modules
 
 from .errors import CompileError
 from .trace import StateInput, Traced, module_path, trace
@@ -128,7 +128,8 @@ def stamp(traced: Traced, prefix: str, layers: int, model: nn.Module) -> Traced:
                               dict(node.meta))
         if node is region[-1]:
             last = _stamp_layers(graph, region, previous, prefix, layers, env)
-    gm = lazy_graph_module(traced.gm, graph)  # Python code generated on first call only
+    with lazy_graph_modules():  # Python code generated on first call only
+        gm = graph_module(traced.gm, graph)
     types = {name: type(m).__name__ for name, m in model.named_modules()}
     return replace(traced, gm=gm, state=new_state, module_types=types)
 

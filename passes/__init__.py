@@ -12,10 +12,10 @@ from torch.distributed.tensor import Shard
 from usc.compiler.errors import ShardingError, UnsupportedOpError
 from usc.compiler.functional import input_write_warnings
 from usc.compiler.ir import MeshSpec, copy_graph_module
-from usc.runtime.graph_code import lazy_graph_modules
 from usc.compiler.pass_runner import CompileContext, PassSpec, run_pipeline
 from usc.compiler.program import Program, build_program
 from usc.compiler.trace import Traced, lifted_constants
+from usc.runtime.graph_code import lazy_graph_modules
 
 from . import functional_rules  # noqa: F401 - registers the rules of functionalized writes
 from .fusion import fusion_pass

@@ -29,7 +29,6 @@ from torch.utils._pytree import tree_flatten
 from usc.compiler.cost_model import CollectiveCost, ModelProfile, ScaleKey, UnitCost
 from usc.compiler.errors import CompileError
 from usc.compiler.ir import META
-from usc.runtime.graph_code import lazy_graph_modules
 from usc.compiler.moe import traced_blocks
 from usc.compiler.report import graph_collectives, in_float32_island
 from usc.compiler.stamp import block_signature, value_signature
@@ -47,6 +46,7 @@ from usc.passes.zero3 import layer_key
 from usc.runtime.moe import ExpertParallelMoE
 from usc.runtime.op_classes import ATTENTION, MATMUL_OPERANDS, MATMULS, VIEWS, is_grouped_matmul, is_routed_experts
 from usc.runtime.sizes import shape_bytes
+from usc.runtime.graph_code import lazy_graph_modules
 
 aten = torch.ops.aten
 RECOMPUTE_MODES = ("selective", "full")

@@ -1,8 +1,7 @@
 """When torch.fx generates a graph module's Python. Generating it is most of what copying or
 recompiling a graph costs, and most graphs usc makes never run (plan-only lint, the planner's
 probes, each pass's intermediate graph), so they are lazy: the Python is generated on first call.
-The one module that names torch's lazy graph module, a private API; the compiler reaches it
-through ``compiler/ir``."""
+The one module that names torch's lazy graph module, a private API."""
 
 from __future__ import annotations
 
@@ -16,11 +15,6 @@ def lazy_graph_modules():
     generate their Python on first call only: a pass's ``recompile`` marks it stale, so graphs that
     never run (plan-only lint, the planner's probes, each pass's intermediate graph) cost none."""
     return _use_lazy_graph_module(True)
-
-
-def lazy_graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
-    """A graph module of ``graph`` over ``root``'s submodules whose Python is generated on first call."""
-    return _LazyGraphModule(root, graph)
 
 
 def graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-
 from usc.compiler import lint_checks  # noqa: F401 - registers the rules
 from usc.compiler.errors import CompileError
-from usc.runtime.graph_code import lazy_graph_modules
 from usc.compiler.hardware import HardwareProfile, hardware_profile, with_plan_memory
 from usc.compiler.lint_facts import ModelFacts, model_facts
 from usc.compiler.lint_rules import Finding, LintInput, counts, run_rules
@@ -26,6 +24,7 @@ from usc.passes.mesh_order_check import check_mesh_order, rank_programs
 from usc.passes.pipeline_schedule import build_schedule, refuse_unimplemented
 from usc.passes.pipeline_schedule_check import ScheduleError, check_schedule, render_timeline
 from usc.passes.pipeline_split import node_flops
+from usc.runtime.graph_code import lazy_graph_modules
 
 from .build import _as_plan, _Compiled, _resolve_auto
 from .model_call import trainable
