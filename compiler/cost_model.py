@@ -849,8 +849,7 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     fwd_flops, compute, pointwise = _stage_compute(profile, plan, units[0], hw)
     ratio, backs = _backward_shares(units[0])
     extra = {"full": 1.0, "selective": 0.0}.get(plan.recompute, 0.0) * backs  # selective: pointwise only
-    forward = compute + pointwise / 3
-    backward = (ratio + extra) * compute + backs * 2 * pointwise / 3
+    forward, backward = _passes(compute, pointwise, ratio, backs, extra)
     per_mb_comms = _stage_microbatch_collectives(profile, plan, k, hw)
     per_mb_comm = sum(c.exposed_seconds for c in per_mb_comms)
     # launches and Python, per layer whatever its size: where the host queues kernels ahead of the
@@ -876,6 +875,14 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     time["step"] = sum(time.values())
     flops = plan.mb * (1 + ratio + extra) * fwd_flops
     return state, flops, time, comms
+
+
+def _passes(compute: float, pointwise: float, ratio: float, backs: float, extra: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one microbatch on a stage, launches aside: its matmul and
+    attention seconds ``compute`` (backward ``ratio`` of them, ``extra`` more recomputed) and the
+    pointwise traffic of forward and backward ``pointwise`` (a third forward, ``backs`` of two thirds
+    backward; ``_backward_shares``)."""
+    return compute + pointwise / 3, (ratio + extra) * compute + backs * 2 * pointwise / 3
 
 
 def _backward_shares(unit: UnitCost) -> tuple[float, float]:
@@ -915,8 +922,7 @@ def step_floor(profile: ModelProfile, base: PlanPoint, hw: HardwareProfile, micr
     k = _busiest(profile, point, stages)
     _, compute, pointwise = _stage_compute(profile, point, stages[k], hw)
     comm = sum(c.exposed_seconds for c in _stage_microbatch_collectives(profile, point, k, hw))
-    ratio, backs = _backward_shares(stages[k])
-    floor = (1 + ratio) * compute + pointwise * (1 + 2 * backs) / 3 + comm
+    floor = sum(_passes(compute, pointwise, *_backward_shares(stages[k]), 0.0)) + comm
     if point.pp > 1:
         # each microbatch's forward and backward take at least floor / mb, and the bubble is units of them
         floor *= 1 + min(pipeline_bubble_units(base.with_(schedule=s, v=v, mb=m), hw) / m
@@ -924,11 +930,11 @@ def step_floor(profile: ModelProfile, base: PlanPoint, hw: HardwareProfile, micr
     return floor
 
 
-def gradient_floor(profile: ModelProfile, base: PlanPoint, hw: HardwareProfile, microbatches: list[int]
-                   ) -> dict[int, float]:
-    """Per ZeRO stage, the seconds no plan of ``base``'s mesh shape at that stage adds at the step's end
-    on top of ``step_floor``, whatever its recompute and schedule, the least over the microbatch
-    counts (of ``microbatches``): the exposed part of the gradient sums and ZeRO's gathers
+def gradient_floor(profile: ModelProfile, base: PlanPoint, hw: HardwareProfile, microbatches: list[int],
+                   zeros: tuple[int, ...]) -> dict[int, float]:
+    """Per ZeRO stage of ``zeros`` (the walk's), the seconds no plan of ``base``'s mesh shape at that
+    stage adds at the step's end on top of ``step_floor``, whatever its recompute and schedule, the
+    least over the microbatch counts (of ``microbatches``): the exposed part of the gradient sums and ZeRO's gathers
     (``gradient_collectives``) and the optimizer's memory traffic, on the stage ``step_floor`` reads.
     A sum hides behind one microbatch's backward, ZeRO-3's gathers behind the microbatches' forwards
     and backwards (``_stage_estimate``): at their longest under full recompute with every launch
@@ -939,11 +945,12 @@ def gradient_floor(profile: ModelProfile, base: PlanPoint, hw: HardwareProfile, 
     unit = stages[_busiest(profile, point, stages)]
     ratio, backs = _backward_shares(unit)
     launches = hw.unit_overhead * unit.blocks
-    least = {zero: math.inf for zero in ((0, 1, 2, 3) if point.dp > 1 else (0,))}
+    least = {zero: math.inf for zero in zeros}
     for m in microbatches:
         _, compute, pointwise = _stage_compute(profile, point.with_(mb=m), unit, hw)
-        backward = (ratio + backs) * compute + backs * 2 * pointwise / 3 + 2 * launches / 3
-        both = compute + pointwise / 3 + launches / 3 + backward
+        forward, backward = _passes(compute, pointwise, ratio, backs, backs)  # full recompute's extra pass
+        forward, backward = forward + launches / 3, backward + 2 * launches / 3
+        both = forward + backward
         for zero in least:
             plan = point.with_(zero=zero, mb=m)
             comms = gradient_collectives(plan, [unit], hw, backward)

@@ -351,7 +351,7 @@ class _Search:
         counts = _microbatches(self.target.global_batch // sizes["dp"], sizes["pp"], self.fixed.get("mb"))
         if not counts:
             return {zero: 0.0 for zero in _zero_stages(sizes)}
-        return gradient_floor(self.profile, base, self.hw, counts)
+        return gradient_floor(self.profile, base, self.hw, counts, _zero_stages(sizes))
 
     def walk(self, sizes: dict, base: PlanPoint, zeros: tuple[int, ...] | None = None
              ) -> tuple[list[Candidate], PlanSearch]:
