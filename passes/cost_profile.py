@@ -609,26 +609,32 @@ def _probe_costs(program, units: list[str]):
     # its collectives as identities too changes no estimate of the validation models)
     present = {n.graph.owning_module.get_submodule(n.target).axis for n in program.gm.graph.nodes
                if _identity_without(n, frozenset({"cp", "tp"}))}
-    under_recompute, readings = {}, {}
+    under_recompute, readings, asked = {}, {}, {}
     for mode, cp, tp in [(mode, cp, tp) for mode in RECOMPUTE_MODES for cp in (True, False) for tp in (True, False)]:
         absent = frozenset(axis for axis, there in (("cp", cp), ("tp", tp)) if not there) & present
         reading = (mode, cp or mode == "full", absent)
         if reading not in readings:
-            rules = _without(absent, RULES if reading[1] else RULES_WITHOUT_CP)
-            readings[reading] = _under_recompute(program, mode, where, saved, rules, absent=absent, moved=moved)
+            # the rules a plan without cp or tp adds sit after recompute=full's own rule, which
+            # decides every node they could: under full one set of regions serves every reading
+            question = reading if mode == "selective" else (mode,)
+            if question not in asked:
+                rules = _without(absent, RULES if reading[1] else RULES_WITHOUT_CP)
+                asked[question] = recompute_regions(program.gm, mode, lambda path: False, rules=rules)
+            readings[reading] = _under_recompute(program, mode, where, saved, asked[question], absent=absent,
+                                                 moved=moved)
         under_recompute[mode, cp, tp] = readings[reading]
     return acts, _unit_inputs(program, where), _collectives(program, where, nodes), saved_params, \
         _boundaries(program, where, units, {name for name, *_ in saved}), under_recompute
 
 
-def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rules: list, *,
+def _under_recompute(program, mode: str, where: dict[str, str], saved: list, asked: tuple, *,
                      absent: frozenset = frozenset(), moved: dict[str, str] | None = None) -> tuple[dict, dict]:
     """Per unit under ``recompute=mode``: ({ScaleKey: bytes} forward holds for backward, and the
     unit's steps in program order, each ({ScaleKey: bytes} backward makes again when it recomputes
     the step, {ScaleKey: bytes} the step holds from forward) -- a step is one recompute region, or a
-    value saved outside every region). The regions are the recompute pass's own
-    (``recompute_regions``, asked of the probe without cutting). Forward holds what autograd saves
-    for nodes outside the regions (the fake run's storages), each region's inputs (activation
+    value saved outside every region). The regions are the recompute pass's own (``asked``: what
+    ``recompute_regions`` answered of the probe, which cuts nothing). Forward holds what autograd
+    saves for nodes outside the regions (the fake run's storages), each region's inputs (activation
     checkpointing keeps them; state and the batch are not activations) and, under selective, the
     outputs of the region's kept matmuls (the selective policy stores them); a region's output
     that an op outside every region saves stays too; a value several regions read is held once, by
@@ -636,7 +642,7 @@ def _under_recompute(program, mode: str, where: dict[str, str], saved: list, rul
     single region reads, by that region's unit and step. Backward recomputes what the region's other
     nodes would have saved, one region at a time (``cost_model._recompute_peak``)."""
     gm, mesh, moved = program.gm, program.mesh, moved or {}
-    regions, decisions, _ = recompute_regions(gm, mode, lambda path: False, rules=rules)
+    regions, decisions, _ = asked
     region_of = {n.name: i for i, run in enumerate(regions) for n in run}
     nodes = {n.name: n for n in gm.graph.nodes}
     position = {n.name: i for i, n in enumerate(gm.graph.nodes)}

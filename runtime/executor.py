@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from .graph_code import generate_code
-from .layout import gather_full, local_chunk, zigzag_permute
+from .layout import gather_full, local_chunk, local_shape, zigzag_permute
 from .moe import rank_stats
 from .optimizer_contract import check_optimizer
 from .pipeline import PipelineMixin, deferred_inputs, held_inputs
@@ -53,18 +53,20 @@ def build_optimizer(factory: OptimizerFactory, params: list[torch.nn.Parameter])
     return factory(params if params else NamedParameters([torch.nn.Parameter(torch.zeros(0))], [()]))
 
 
-def bind_graph(gm: fx.GraphModule, mesh) -> fx.GraphModule:
+def bind_graph(gm: fx.GraphModule, mesh, *, share_code: bool = True) -> fx.GraphModule:
     """A rank's copy of the program: its own collective modules bound to its mesh, graph shared
     (copied when its factory calls must move to the mesh's device). A pipeline's stages are rank
-    copies of their own, one level down."""
-    return _rank_copy(gm, mesh, {}, "RankProgram")
+    copies of their own, one level down. ``share_code``: generate the graph's Python now, once for
+    every copy; without, a lazy graph's copy generates its own on first call, and a copy run node
+    by node (the planner's fake runs, under torch.fx's Interpreter) generates none."""
+    return _rank_copy(gm, mesh, {}, "RankProgram", share_code)
 
 
-def _rank_copy(gm: fx.GraphModule, mesh, memo: dict, class_name: str) -> fx.GraphModule:
+def _rank_copy(gm: fx.GraphModule, mesh, memo: dict, class_name: str, share_code: bool) -> fx.GraphModule:
     children = {}
     for name, module in gm.named_children():
         if isinstance(module, fx.GraphModule):
-            children[name] = _rank_copy(module, mesh, memo, type(module).__name__)
+            children[name] = _rank_copy(module, mesh, memo, type(module).__name__, share_code)
             continue
         mine = copy.deepcopy(module, memo)  # one memo a rank: a module two stages share stays shared
         for part in mine.modules():  # a recompute region holds its graph inside a module
@@ -80,14 +82,15 @@ def _rank_copy(gm: fx.GraphModule, mesh, memo: dict, class_name: str) -> fx.Grap
         attrs = {n.target: operator.attrgetter(n.target)(gm) for n in graph.nodes
                  if n.op == "get_attr" and n.target.split(".")[0] not in children}
         return fx.GraphModule({**children, **attrs}, graph, class_name=class_name)
-    return _sharing_code(gm, children)
+    return _sharing_code(gm, children, share_code)
 
 
-def _sharing_code(gm: fx.GraphModule, children: dict) -> fx.GraphModule:
+def _sharing_code(gm: fx.GraphModule, children: dict, share_code: bool = True) -> fx.GraphModule:
     """A module running ``gm``'s graph over ``children``: an instance of ``gm``'s own class, whose
     generated ``forward`` reads submodules by name, so every rank shares the Python torch.fx
     generated for the graph once (generating it is most of the cost of a copy)."""
-    generate_code(gm)
+    if share_code:
+        generate_code(gm)
     shell = object.__new__(type(gm))
     shell.__dict__.update({k: v.copy() if isinstance(v, (dict, set, list)) else v for k, v in gm.__dict__.items()})
     shell._modules.clear()
@@ -120,16 +123,18 @@ class RankExecutor(ShardedCheckpoint):
     """One rank: local shards of the state, the bound program, the optimizer and the grad reducer."""
 
     _deferred: frozenset = frozenset()  # inputs whose dp sum waits for the step's end (pipelines set it)
+    _share_code = True  # bind_graph's: generate the program's Python once, at bind
 
     def __init__(self, program, mesh, full_state: Mapping[str, torch.Tensor], *,
                  optimizer: OptimizerFactory | None = None, bucket_bytes: int = 25 * 2**20,
                  zero: int = 0, microbatches: int = 1, compute_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, replica_check: int = 0) -> None:
         self.program, self.mesh = program, mesh
-        self.gm = bind_graph(program.gm, mesh)
+        self.gm = bind_graph(program.gm, mesh, share_code=self._share_code)
         # a loss dividing by the step's count: the program that counts, bound like the step's
         counts = program.step_counts
-        self._count_program = bind_graph(counts.program, mesh) if counts is not None else None
+        self._count_program = bind_graph(counts.program, mesh, share_code=self._share_code) \
+            if counts is not None else None
         self.pending_writes: dict[str, torch.Tensor] = {}  # buffers the forward wrote (StateWrite)
         for module in self.gm.modules():
             if isinstance(module, StateWrite):
@@ -206,10 +211,14 @@ class RankExecutor(ShardedCheckpoint):
         """The program's device (the mesh's): state, batches and every tensor the runtime makes."""
         return self.mesh.device
 
+    def _local_piece(self, spec, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a state entry on the device: cut first, then moved, so only this
+        rank's slice ever reaches the device."""
+        return _to_device(local_chunk(full.detach(), spec.layout.placements, self.mesh.shape, self.mesh.coord),
+                          self.device)
+
     def _local_state(self, spec, full: torch.Tensor) -> torch.Tensor:
-        # cut first, then move: only this rank's slice ever reaches the device
-        local = _to_device(local_chunk(full.detach(), spec.layout.placements, self.mesh.shape, self.mesh.coord),
-                           self.device)
+        local = self._local_piece(spec, full)
         if spec.zero3:
             local = shard_of(local, self.mesh.comm("dp"))
         if spec.kind == "param" and full.requires_grad:
@@ -701,14 +710,27 @@ def fake_rank_zero(program, **options):
     device = traced_device(program.gm)
     mesh = shape_mesh(program.mesh.axes, program.mesh.shape, 0, device)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        state = {}
-        for spec in program.state:
-            tensor = torch.zeros(spec.global_shape, dtype=spec.dtype, device=device)
-            state[spec.name] = torch.nn.Parameter(tensor) if spec.kind == "param" and spec.trainable else tensor
+        # the state's values are never read: each entry says only whether it trains
+        # (_FakeRank._local_piece makes rank 0's piece of its local shape directly)
+        state = {spec.name: torch.nn.Parameter(torch.zeros(0, device=device))
+                 if spec.kind == "param" and spec.trainable else torch.zeros(0, device=device)
+                 for spec in program.state}
         batch = tuple(spec.constant if spec.dtype is None else torch.zeros(spec.global_shape, dtype=spec.dtype,
                                                                              device=device)
                       for spec in program.inputs)
-        yield RankExecutor(program, mesh, state, microbatches=1, **options), batch
+        yield _FakeRank(program, mesh, state, microbatches=1, **options), batch
+
+
+class _FakeRank(RankExecutor):
+    """Rank 0 on fake tensors (``fake_rank_zero``): its state made at its local shapes, and its
+    program bound without generating Python (the planner runs it node by node; a direct call
+    generates it then)."""
+
+    _share_code = False
+
+    def _local_piece(self, spec, full: torch.Tensor) -> torch.Tensor:
+        shape = local_shape(spec.global_shape, spec.layout.placements, self.mesh.shape)
+        return torch.zeros(shape, dtype=spec.dtype, device=self.device)
 
 
 def estimate_activation_bytes(program, **options) -> int:

@@ -36,3 +36,33 @@ def test_each_rank_runs_the_one_program_over_collectives_bound_to_its_own_mesh()
     # and the ranks run it: equal to one device is the equivalence suite's; here it runs at all
     loss = sim.step(*batch)
     assert torch.isfinite(torch.tensor(loss))
+
+
+def test_the_planners_fake_rank_holds_the_pieces_a_rank_holds():
+    """``fake_rank_zero`` (the planner's probes) makes rank 0's state at its local shapes directly and
+    binds its program without generating Python: each entry is what a rank built from the full
+    state holds (shape, dtype, trainable or not, ZeRO-3's flat slice included), and the program runs."""
+    from usc.compiler.trace import trace
+    from usc.dsl import parse_plan
+    from usc.passes import parallelize
+    from usc.runtime.executor import RankExecutor, fake_rank_zero
+    from usc.runtime.mesh import shape_mesh
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab=66, hidden=36, heads=6, kv_heads=2, mlp=42, layers=2, max_seq=16)
+    batch = token_batch(66, 6, 10)
+    for text in ("dp=3 tp=2 zero=3", "tp=2 sp=on", "dp=3 zero=1", "cp=2"):
+        program = parallelize(trace(TinyLlama(config), batch), parse_plan(text))
+        full = {s.name: torch.nn.Parameter(torch.zeros(s.global_shape, dtype=s.dtype))
+                if s.kind == "param" and s.trainable else torch.zeros(s.global_shape, dtype=s.dtype)
+                for s in program.state}
+        real = RankExecutor(program, shape_mesh(program.mesh.axes, program.mesh.shape, 0, torch.device("cpu")), full)
+        with fake_rank_zero(program) as (rank, inputs):
+            assert rank.state.keys() == real.state.keys()
+            for name, tensor in rank.state.items():
+                mine = real.state[name]
+                trains = isinstance(tensor, torch.nn.Parameter), isinstance(mine, torch.nn.Parameter)
+                assert (tensor.shape, tensor.dtype, trains[0]) == (mine.shape, mine.dtype, trains[1]), (text, name)
+            assert [p.shape for p in rank.params] == [p.shape for p in real.params]
+            loss, _, _ = rank._loss(rank._split(inputs)[0])
+            assert loss.shape == ()
