@@ -13,7 +13,8 @@ from usc.compiler.trace import trace
 from usc.runtime.collectives import AllReduce, GradAllReduce
 from usc.runtime.recompute import Recompute
 from usc.testing.models import (
-    DropoutNet, LlamaConfig, TinyGPT2, TinyLlama, seeded, shifted_batch, token_batch)
+    DropoutNet, LlamaConfig, MoEConfig, TinyGPT2, TinyLlama, TinyMixtral, seeded, shifted_batch,
+    token_batch)
 
 aten = torch.ops.aten
 BATCH = token_batch(128, 4, 16)
@@ -209,3 +210,33 @@ def test_in_place_ops_are_dataflow_and_recompute_safely():
     assert regions(gm)
     from usc.testing import assert_equivalent
     assert_equivalent(InPlaceNet, "recompute=full", [batch], steps=2)
+
+
+def test_under_full_recompute_the_rules_of_a_plan_without_cp_or_tp_decide_nothing():
+    """The planner's profile asks the recompute pass once per probe under full recompute and reads
+    that answer for plans with and without cp and tp: the rules those plans add (ring attention read
+    as local attention, an absent axis's collectives as identities) sit after full's own rule. Held
+    here against asking with each set of rules, on the probe of a Llama and of a mixture of experts."""
+    from usc.compiler.moe import traced_blocks
+    from usc.passes.cost_profile import RULES_WITHOUT_CP, _probe_programs, _without
+    from usc.passes.recompute import RULES, recompute_regions
+
+    torch.manual_seed(0)
+    llama = TinyLlama(LlamaConfig(vocab=66, hidden=36, heads=6, kv_heads=2, mlp=42, layers=2, max_seq=16))
+    moe = TinyMixtral(), token_batch(MoEConfig().vocab, 2, 8)
+    for model, batch in ((llama, token_batch(66, 2, 10)), moe):
+        traced = trace(model, batch, moe_blocks=traced_blocks(model))
+        _, probe = _probe_programs(traced, 2, batch[0].shape[1])
+        assert {"cp", "tp"} <= set(probe.mesh.axes)
+
+        def asked(rules, mode="full"):
+            regions, decisions, _ = recompute_regions(probe.gm, mode, lambda path: False, rules=rules)
+            return [[n.name for n in run] for run in regions], {n.name: d for n, d in decisions.items()}
+
+        once = asked(RULES)
+        for absent in (frozenset(), frozenset({"cp"}), frozenset({"tp"}), frozenset({"cp", "tp"})):
+            for rules in (RULES, RULES_WITHOUT_CP):
+                assert asked(_without(absent, rules)) == once
+        # and under selective they do decide: the answers differ, so the comparison above can fail
+        without = _without(frozenset({"cp", "tp"}), RULES_WITHOUT_CP)
+        assert asked(without, "selective") != asked(RULES, "selective")
