@@ -858,8 +858,7 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     waits = 0.0  # what of it the device waits for, per microbatch: the step's "host" term
     if hw.host_launch == "async":
         overhead = waits = max(0.0, overhead - (forward + backward + per_mb_comm))
-    forward += overhead / 3
-    backward += 2 * overhead / 3
+    forward, backward = _with_launches(forward, backward, overhead)
     per_mb = forward + backward + per_mb_comm
     comms = (_per_step(per_mb_comms, plan.mb) + gradient_collectives(plan, units, hw, backward)
              + shared_gradient_collectives(profile, plan, hw))
@@ -875,6 +874,12 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     time["step"] = sum(time.values())
     flops = plan.mb * (1 + ratio + extra) * fwd_flops
     return state, flops, time, comms
+
+
+def _with_launches(forward: float, backward: float, seconds: float) -> tuple[float, float]:
+    """A microbatch's forward and backward seconds with ``seconds`` of launches and Python added: a
+    third to forward, two thirds to backward (which launches about twice forward's kernels)."""
+    return forward + seconds / 3, backward + 2 * seconds / 3
 
 
 def _passes(compute: float, pointwise: float, ratio: float, backs: float, extra: float) -> tuple[float, float]:
@@ -949,7 +954,7 @@ def gradient_floor(profile: ModelProfile, base: PlanPoint, hw: HardwareProfile, 
     for m in microbatches:
         _, compute, pointwise = _stage_compute(profile, point.with_(mb=m), unit, hw)
         forward, backward = _passes(compute, pointwise, ratio, backs, backs)  # full recompute's extra pass
-        forward, backward = forward + launches / 3, backward + 2 * launches / 3
+        forward, backward = _with_launches(forward, backward, launches)
         both = forward + backward
         for zero in least:
             plan = point.with_(zero=zero, mb=m)
