@@ -57,8 +57,9 @@ def bind_graph(gm: fx.GraphModule, mesh, *, share_code: bool = True) -> fx.Graph
     """A rank's copy of the program: its own collective modules bound to its mesh, graph shared
     (copied when its factory calls must move to the mesh's device). A pipeline's stages are rank
     copies of their own, one level down. ``share_code``: generate the graph's Python now, once for
-    every copy; without, a lazy graph's copy generates its own on first call, and a copy run node
-    by node (the planner's fake runs, under torch.fx's Interpreter) generates none."""
+    every copy; without, a lazy graph's Python waits for the first call of any copy (the class is
+    shared), and a program only run node by node (the planner's fake runs, under torch.fx's
+    Interpreter) never has it generated."""
     return _rank_copy(gm, mesh, {}, "RankProgram", share_code)
 
 
