@@ -37,8 +37,9 @@ from usc.dsl import PlanError, parse_plan
 from usc.passes import parallelize
 from usc.passes.compute_dtype import CASTS
 from usc.passes.pipeline_split import constant_nodes, expert_flops, node_flops, routed_expert_products
-from usc.passes.recompute import (KEEP_COLLECTIVE, KEPT, RECOMPUTED, RULES, DecisionRule, communicates_forward,
-                                  recompute_regions, records_saved_tensor, reissued_in_backward)
+from usc.passes.recompute import (KEEP_COLLECTIVE, KEPT, RECOMPUTE_ALL, RECOMPUTED, RULES, DecisionRule,
+                                  communicates_forward, recompute_regions, records_saved_tensor,
+                                  reissued_in_backward)
 from usc.runtime.collectives import AllGather, AllReduce, AllToAll, ReduceScatter
 from usc.runtime.ring_attention import GRAD_BLOCKS, RingAttention
 from usc.passes.saved_values import base_of, saves_for_backward
@@ -614,11 +615,11 @@ def _probe_costs(program, units: list[str]):
         absent = frozenset(axis for axis, there in (("cp", cp), ("tp", tp)) if not there) & present
         reading = (mode, cp or mode == "full", absent)
         if reading not in readings:
-            # the rules a plan without cp or tp adds sit after recompute=full's own rule, which
-            # decides every node they could: under full one set of regions serves every reading
-            question = reading if mode == "selective" else (mode,)
+            rules = _without(absent, RULES if reading[1] else RULES_WITHOUT_CP)
+            # under full no rule after full recompute's own decides a node: the rules up to it are the
+            # question (the same for every reading, as the rules a plan without cp or tp adds come after)
+            question = (mode, tuple(rules[:rules.index(RECOMPUTE_ALL) + 1])) if mode == "full" else reading
             if question not in asked:
-                rules = _without(absent, RULES if reading[1] else RULES_WITHOUT_CP)
                 asked[question] = recompute_regions(program.gm, mode, lambda path: False, rules=rules)
             readings[reading] = _under_recompute(program, mode, where, saved, asked[question], absent=absent,
                                                  moved=moved)

@@ -70,7 +70,10 @@ def _partial_grad_edges(gm: fx.GraphModule) -> dict[fx.Node, dict[fx.Node, tuple
         if not _is_compute(gm, node):
             continue
         result = node.meta[META].layout.placements
-        for x in set(flat_inputs(node)):
+        # each input once, in argument order: the producers' order here is the order the f operators
+        # are inserted in, so a set (ordered by the nodes' addresses) would give each process its own
+        # program -- and ranks whose backward all-reduces run in different orders
+        for x in dict.fromkeys(flat_inputs(node)):
             meta = x.meta[META]
             if not meta.needs_grad:
                 continue

@@ -124,7 +124,7 @@ def _apply_rules(state: Propagation, node: fx.Node) -> None:
 def _use_reduced_copies(state: Propagation, node: fx.Node) -> None:
     """A partial value already reduced for another consumer is used reduced here too: keeping the
     partial would only be correct, and costs a second reduction further down."""
-    for x in set(flat_inputs(node)):
+    for x in dict.fromkeys(flat_inputs(node)):
         if x in state.reduced:
             node.replace_input_with(x, state.reduced[x])
 

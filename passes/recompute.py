@@ -145,6 +145,8 @@ def communicates_forward(module) -> bool:
 
 # selective: communicate once, keep the result (cheaper than re-issuing it in backward)
 KEEP_COLLECTIVE = DecisionRule(_communicates_forward, BOUNDARY, "collective: output kept, not re-issued")
+# full: every node of a block that reaches it is recomputed; no rule after it decides a node under full
+RECOMPUTE_ALL = DecisionRule(lambda w: w.mode == "full", RECOMPUTED, "recompute=full")
 RULES = [
     # placeholders and the output are the region's edges, never inside one
     DecisionRule(lambda w: w.node.op not in ("call_function", "call_module"), None, "not computed"),
@@ -159,7 +161,7 @@ RULES = [
     DecisionRule(_mutates, BOUNDARY, "in-place op: runs once"),
     DecisionRule(lambda w: w.marked, RECOMPUTED, "a recompute rule marks its module"),
     DecisionRule(lambda w: w.block is None, None, "outside the transformer blocks"),
-    DecisionRule(lambda w: w.mode == "full", RECOMPUTED, "recompute=full"),
+    RECOMPUTE_ALL,
     DecisionRule(lambda w: w.mode != "selective", None, "recompute=none"),
     KEEP_COLLECTIVE,
     DecisionRule(lambda w: w.node.target in MATMULS, KEPT, "matmul output kept"),

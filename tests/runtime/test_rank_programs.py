@@ -66,3 +66,27 @@ def test_the_planners_fake_rank_holds_the_pieces_a_rank_holds():
             assert [p.shape for p in rank.params] == [p.shape for p in real.params]
             loss, _, _ = rank._loss(rank._split(inputs)[0])
             assert loss.shape == ()
+
+
+def test_every_process_compiles_the_same_program():
+    """Each rank of a torchrun job compiles its own program, so the compile must not depend on
+    anything that differs between processes (set order over graph nodes follows their addresses).
+    The f operators a mixture-of-experts block's inputs get (a value replicated on tp feeding a
+    computation split on it) were inserted in such an order: compiled four times, the graphs must
+    be the same, and the f operators before one consumer in the order of its arguments."""
+    from usc.build import _Compiled
+    from usc.runtime.collectives import GradAllReduce
+    from usc.testing.models import MoEConfig, TinyMixtral
+
+    batch = token_batch(MoEConfig().vocab, 4, 8)
+    texts = set()
+    for _ in range(4):
+        torch.manual_seed(0)
+        gm = _Compiled(TinyMixtral(), "dp=2 ep=2 tp=2", example_inputs=batch).program.gm
+        texts.add(str(gm.graph))
+        fs = [n for n in gm.graph.nodes
+              if n.op == "call_module" and isinstance(gm.get_submodule(n.target), GradAllReduce)]
+        for consumer in {u for f in fs for u in f.users}:
+            mine = [a for a in consumer.all_input_nodes if a in fs]
+            assert mine == sorted(mine, key=list(gm.graph.nodes).index), consumer.name
+    assert len(texts) == 1
