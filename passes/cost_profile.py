@@ -624,7 +624,8 @@ def _probe_costs(program, units: list[str]):
             readings[reading] = _under_recompute(program, mode, where, saved, asked[question], absent=absent,
                                                  moved=moved)
         under_recompute[mode, cp, tp] = readings[reading]
-    return acts, _unit_inputs(program, where), _collectives(program, where, nodes), saved_params, \
+    full = next(answer for question, answer in asked.items() if question[0] == "full")
+    return acts, _unit_inputs(program, where), _collectives(program, where, nodes, full[0]), saved_params, \
         _boundaries(program, where, units, {name for name, *_ in saved}), under_recompute
 
 
@@ -852,9 +853,13 @@ def _sum_keys(pairs) -> dict:
     return total
 
 
-def _collectives(program, where: dict[str, str], nodes: dict[str, fx.Node]) -> dict[str, list[CollectiveCost]]:
+def _collectives(program, where: dict[str, str], nodes: dict[str, fx.Node], full_regions: list
+                 ) -> dict[str, list[CollectiveCost]]:
+    """Per unit, the probe's collectives; ``full_regions``: the regions recompute=full would cut
+    (``recompute_regions``' answer, asked once a probe by ``_probe_costs``), whose collectives before
+    the last saving op backward issues again."""
     out: dict[str, list[CollectiveCost]] = {}
-    reissued = _reissued_by_full_recompute(program.gm)
+    reissued = {node.name for run in full_regions for node in reissued_in_backward(program.gm, run)}
     for record in graph_collectives(program.gm, program.mesh):
         node = nodes.get(record.node)
         if node is None or record.axis not in ("tp", "cp", "dp"):
@@ -870,13 +875,6 @@ def _collectives(program, where: dict[str, str], nodes: dict[str, fx.Node]) -> d
             CollectiveCost(record.axis, record.kind, record.direction, key, record.bytes_per_call * factor,
                            ring, ring_steps=0 if grads else -1, reissued=again))
     return out
-
-
-def _reissued_by_full_recompute(gm: fx.GraphModule) -> set[str]:
-    """Collectives of the probe that recompute=full would issue again in backward: the regions the
-    recompute pass would cut (it runs last, on the program the probe is), asked without cutting."""
-    regions, _, _ = recompute_regions(gm, "full", lambda path: False)
-    return {node.name for run in regions for node in reissued_in_backward(gm, run)}
 
 
 EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")  # MoE experts in a ModuleList named `experts`
