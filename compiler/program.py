@@ -66,6 +66,10 @@ class Program:
     # token means divided by the step's count, summed before the first microbatch (passes/loss_count.py)
     step_counts: StepCounts | None = None
 
+    def listing(self) -> str:
+        """This program as text, alike on two processes exactly when their programs are (``program_listing``)."""
+        return program_listing(self)
+
     @property
     def loss_partial_axes(self) -> tuple[str, ...]:
         return tuple(a for a, p in zip(self.mesh.axes, self.loss_layout.placements) if isinstance(p, Partial))
@@ -108,3 +112,55 @@ def inner_node(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
     stage = gm.get_submodule(node.target)
     out = next(n for n in stage.graph.nodes if n.op == "output").args[0]
     return out[index] if index is not None else (out[0] if isinstance(out, (tuple, list)) else out)
+
+
+def program_listing(program: Program) -> str:
+    """The program as text that two processes write alike when, and only when, they hold the same
+    program: every graph's nodes in order (op, target, arguments, the output's layout), every other
+    module with its settings (a collective's axis), the mesh, and each state tensor's and input's
+    layout. Nothing in it depends on the process: no addresses, devices by type only (cuda:3 and
+    cuda:0 read 'cuda'). The ranks of a job compare its hash before they train (runtime/agreement.py)."""
+    mesh = program.mesh
+    lines = [f"mesh {mesh.axes} {mesh.shape} zigzag={mesh.zigzag}"]
+    lines += [f"state {s.placeholder} {s.name} {s.kind} {s.layout} {s.global_shape} {s.dtype} grad_axes={s.grad_axes} "
+              f"trainable={s.trainable} zero3={s.zero3}" for s in program.state]
+    lines += [f"input {i.placeholder} {i.layout} {i.global_shape} {i.dtype} {_text(i.constant)}" for i in program.inputs]
+    lines.append(f"loss {program.loss_layout} {program.loss_dtype} counted={program.loss_counted} "
+                 f"{_text(program.count_transform)}")
+    for name, module in program.gm.named_modules():
+        if isinstance(module, fx.GraphModule):
+            lines.append(f"graph {name or '(top)'}")
+            for node in module.graph.nodes:
+                ann = node.meta.get(META)
+                layout = f" -> {ann.layout}" if ann is not None and getattr(ann, "layout", None) is not None else ""
+                target = node.target if isinstance(node.target, str) else _text(node.target)
+                lines.append(f"  {node.name} = {node.op} {target} {_text(node.args)} {_text(node.kwargs)}{layout}")
+        else:
+            lines.append(f"module {name} {type(module).__module__}.{type(module).__qualname__}({module.extra_repr()})")
+        for attr, value in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            lines.append(f"  tensor {name}.{attr} {tuple(value.shape)} {value.dtype}")
+    return "\n".join(lines)
+
+
+def _text(value) -> str:
+    """An argument as process-independent text (``program_listing``)."""
+    if isinstance(value, fx.Node):
+        return f"%{value.name}"
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(_text(v) for v in value)
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_text(k)}: {_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, torch.device):
+        return f"device({value.type!r})"
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)} {value.dtype}"
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.memory_format, torch.layout,
+                                           slice, type(Ellipsis))):
+        return repr(value)
+    if isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+        return str(value)
+    if callable(value):
+        return f"{getattr(value, '__module__', None)}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    text = repr(value)
+    return type(value).__qualname__ if " at 0x" in text else text

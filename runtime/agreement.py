@@ -4,10 +4,16 @@ Ranks that were launched differently train silently wrong: another seed (dp repl
 which a save keeps rank 0's), a plan with dtype=bf16 on one rank only, other batch shapes, another
 torch, or a rank of another job that found this one's port. Each rank therefore hashes what it was
 built from (``fingerprint``: the job id, the plan, the model's structure and a bit-exact checksum of
-its parameters and buffers, the dtypes, the batch shapes, the versions) into one int64 per field, and
+its parameters and buffers, the dtypes, the batch shapes, the versions, and the program it compiled)
+into one int64 per field, and
 ``agree`` gathers every rank's row with one all-gather per mesh axis (the rows gathered on one axis
 travel on along the next, so every rank ends with all of them). Every rank then holds the same table
 and raises the same ``RanksDisagree``, naming the fields that differ and which ranks hold which value.
+
+Each rank compiles its own program, so two ranks built alike must also have compiled alike: a compile
+that read something differing between processes (an order over objects' addresses, an environment
+variable) would otherwise leave ranks issuing their collectives in different orders -- a hang, or a
+sum of the wrong tensors. The program's hash (``Program.listing``, compiler/program.py) is a field too.
 """
 
 from __future__ import annotations
@@ -27,10 +33,19 @@ JOB_ID_VARIABLES = ("USC_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
 # Fields whose readable value the error shows (a checksum's text says nothing to a reader).
 SHOWN = ("job", "plan", "batch shapes", "versions")
 
+# The program is the one field that can differ between ranks launched alike: the trace or the compile
+# read something that differs between processes, which a relaunch does not mend.
+PROGRAM = "compiled program"
+PROGRAM_FIX = ("fix: the same plan, model and batch compiled to different programs on these ranks: the model's "
+               "forward or the compile read something that differs between processes (the rank, an environment "
+               "variable, an order of objects by address; within usc's passes, a defect to report). To find it, "
+               "write each rank's `step.program.listing()` to a file and compare them: the first line that "
+               "differs names the node")
+
 
 class RanksDisagree(RuntimeError):
     """The ranks of one mesh were built from different jobs, plans, models, weights, dtypes, batch shapes or
-    versions. Every rank raises it at the first step, before anything trains."""
+    versions, or compiled different programs. Every rank raises it at the first step, before anything trains."""
 
     def __init__(self, message: str, differing: dict[str, list[list[int]]]) -> None:
         super().__init__(message)
@@ -53,9 +68,11 @@ def job_id() -> str:
     return next((os.environ[v] for v in JOB_ID_VARIABLES if os.environ.get(v) not in (None, "", "none")), "")
 
 
-def fingerprint(*, plan: str, state: Mapping[str, torch.Tensor], inputs: Sequence, versions: str) -> Fingerprint:
+def fingerprint(*, plan: str, state: Mapping[str, torch.Tensor], inputs: Sequence, versions: str,
+                program: str = "") -> Fingerprint:
     """This rank's fingerprint; `state` is the full model state it was materialised from, `inputs` the
-    program's input specs (global shapes and dtypes), `versions` the software it runs."""
+    program's input specs (global shapes and dtypes), `versions` the software it runs, `program` the
+    compiled program as ``Program.listing`` writes it."""
     structure = ";".join(f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in sorted(state.items()))
     shapes = ", ".join(f"{list(s.global_shape)} {s.dtype}" for s in inputs)
     return Fingerprint({
@@ -65,6 +82,7 @@ def fingerprint(*, plan: str, state: Mapping[str, torch.Tensor], inputs: Sequenc
         "parameter checksum": "".join(_checksum(t) for _, t in sorted(state.items())),
         "batch shapes": shapes,
         "versions": f"{versions}, torch {torch.__version__}, python {platform.python_version()}",
+        PROGRAM: hashlib.sha256(program.encode()).hexdigest()[:16],
     })
 
 
@@ -115,7 +133,12 @@ def _message(rank: int, mine: Fingerprint, differing: dict[str, list[list[int]]]
     for field, groups in differing.items():
         split = " vs ".join(f"ranks {g}" for g in groups)
         shown = f" (rank {rank} has: {mine.fields[field]})" if field in SHOWN else ""
+        if field == PROGRAM and len(differing) > 1:
+            shown = " (which the fields above may explain)"
         lines.append(f"  {field} differs: {split}{shown}")
-    lines.append("fix: launch every rank from the same script, plan, seed and environment (one job id, "
-                 f"set in {JOB_ID_VARIABLES[0]} when your launcher names none)")
+    if list(differing) == [PROGRAM]:
+        lines.append(PROGRAM_FIX)
+    else:
+        lines.append("fix: launch every rank from the same script, plan, seed and environment (one job id, "
+                     f"set in {JOB_ID_VARIABLES[0]} when your launcher names none)")
     return "\n".join(lines)

@@ -192,7 +192,8 @@ class Compiled(_TrainingLoop, _Compiled):
             mesh = self._mesh()
             if mesh.world_size > 1:  # from the model as built (a meta model: its structure only)
                 self._fingerprint = fingerprint(plan=str(self.plan), state=_full_state(self.model, self._traced),
-                                                inputs=self._program.inputs, versions=f"usc {__version__}")
+                                                inputs=self._program.inputs, versions=f"usc {__version__}",
+                                                program=self._program.listing())
             fills = [p for p in (self.init_checkpoint, loading) if p is not None]
             executor = self._make_executor(mesh, self._state_source(mesh.device, empty=bool(fills)), self._optimizer)
             schedulers = self._schedulers_for([executor])

@@ -174,6 +174,48 @@ def test_ranks_built_differently_are_named_by_every_rank():
     assert run_in_threads(meshes, lambda m: agree(m, same), timeout=10.0) == [None] * 4
 
 
+def test_ranks_that_compiled_different_programs_are_told_the_compile_differed():
+    """Ranks launched alike whose programs differ (the trace or the compile read something of its
+    process) are refused like ranks launched differently; alone, the program's field names the way to
+    find the node, since relaunching alike would not mend it. Beside another differing field, it
+    defers to that field."""
+    from usc.runtime.agreement import PROGRAM, PROGRAM_FIX
+
+    same = _fingerprints(0)
+    other_program = Fingerprint({**same.fields, PROGRAM: "0" * 16})
+    other_plan_too = Fingerprint({**other_program.fields, "plan": "dp=2 dtype=bf16"})
+    meshes = simulated_meshes(("dp",), (4,), timeout=10.0)
+
+    def each(mine):
+        def run(mesh):
+            try:
+                agree(mesh, mine[mesh.rank])
+            except RanksDisagree as err:
+                return err
+            return None
+        return run_in_threads(meshes, run, timeout=10.0)
+
+    alone = each([same, same, other_program, same])
+    assert all(e.differing == {PROGRAM: [[0, 1, 3], [2]]} for e in alone)
+    assert f"{PROGRAM} differs: ranks [0, 1, 3] vs ranks [2]" in str(alone[0])
+    assert str(alone[0]).endswith(PROGRAM_FIX) and "launch every rank" not in str(alone[0])
+    beside = each([same, same, other_plan_too, same])
+    assert list(beside[1].differing) == ["plan", PROGRAM]
+    assert "(which the fields above may explain)" in str(beside[1]) and PROGRAM_FIX not in str(beside[1])
+
+
+@pytest.mark.distributed
+def test_gloo_ranks_whose_programs_differ_are_refused_before_training():
+    """Two gloo processes, rank 1's program holding one more (harmless) node: both refuse at the
+    first step, naming the program and how to find where it differs."""
+    from usc.runtime.agreement import PROGRAM, PROGRAM_FIX
+
+    results = run_world(fault_world, 2, "dp=2 timeout=20", "other program", timeout=240)
+    assert [r["error"] for r in results] == ["RanksDisagree"] * 2, [r["message"] for r in results]
+    for r in results:
+        assert f"{PROGRAM} differs: ranks [0] vs ranks [1]" in r["message"] and PROGRAM_FIX in r["message"]
+
+
 # ------------------------------------------------------------------------------------ gloo
 GLOO_BOUND_S = 10.0  # refused or failed steps on gloo (a stuck rank: its plan's timeout=2 s)
 FAULTS = {  # row -> (error of rank 0, error of rank 1: the faulty one, which may die)
@@ -182,6 +224,7 @@ FAULTS = {  # row -> (error of rank 0, error of rank 1: the faulty one, which ma
     "other seed": ("RanksDisagree", "RanksDisagree"),
     "other plan": ("RanksDisagree", "RanksDisagree"),
     "other batch shape": ("RanksDisagree", "RanksDisagree"),
+    "other program": ("RanksDisagree", "RanksDisagree"),
     "killed rank": ("CollectiveError", None),  # rank 1 is killed with SIGKILL
     "stuck rank": ("CollectiveTimeout", "CollectiveError"),  # rank 1 wakes after rank 0 left
     "Ctrl-C while blocked": ("KeyboardInterrupt", "CollectiveError"),  # rank 1 is late, rank 0 interrupted

@@ -82,11 +82,67 @@ def test_every_process_compiles_the_same_program():
     texts = set()
     for _ in range(4):
         torch.manual_seed(0)
-        gm = _Compiled(TinyMixtral(), "dp=2 ep=2 tp=2", example_inputs=batch).program.gm
-        texts.add(str(gm.graph))
+        program = _Compiled(TinyMixtral(), "dp=2 ep=2 tp=2", example_inputs=batch).program
+        gm = program.gm
+        texts.add(program.listing())
         fs = [n for n in gm.graph.nodes
               if n.op == "call_module" and isinstance(gm.get_submodule(n.target), GradAllReduce)]
         for consumer in {u for f in fs for u in f.users}:
             mine = [a for a in consumer.all_input_nodes if a in fs]
             assert mine == sorted(mine, key=list(gm.graph.nodes).index), consumer.name
     assert len(texts) == 1
+
+
+_LISTINGS = """
+import hashlib, torch
+from usc.build import _Compiled
+from usc.testing.models import MoEConfig, TinyLlama, TinyMixtral, token_batch
+for make, plan, vocab in [(TinyMixtral, "dp=2 ep=2 tp=2", MoEConfig().vocab), (TinyLlama, "pp=2 mb=2 tp=2 sp=on", 256)]:
+    torch.manual_seed(0)
+    listing = _Compiled(make(), plan, example_inputs=token_batch(vocab, 4, 8)).program.listing()
+    print(hashlib.sha256(listing.encode()).hexdigest())
+"""
+
+
+def test_a_programs_listing_is_the_same_in_every_process_and_tells_programs_apart():
+    """The ranks compare their programs by ``Program.listing``'s hash (runtime/agreement.py): two
+    processes (other hash seeds, other addresses) write the same listing of the same compile, and a
+    listing changes with what a rank would run differently -- the order of two collectives, a
+    collective's axis, an argument -- but not with the index of a device."""
+    import os
+    import subprocess
+    import sys
+
+    from usc.build import _Compiled
+    from usc.runtime.collectives import GradAllReduce
+    from usc.testing.models import MoEConfig, TinyMixtral
+
+    procs = [subprocess.Popen([sys.executable, "-c", _LISTINGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONHASHSEED": seed, "OMP_NUM_THREADS": "1"})
+             for seed in ("1", "3")]
+    runs = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    assert [r[2] for r in runs] == [0, 0], [r[1][-2000:] for r in runs]
+    assert runs[0][0] == runs[1][0] and len(runs[0][0].split()) == 2
+
+    torch.manual_seed(0)
+    program = _Compiled(TinyMixtral(), "dp=2 ep=2 tp=2", example_inputs=token_batch(MoEConfig().vocab, 4, 8)).program
+    gm, before = program.gm, program.listing()
+    assert " at 0x" not in before and "<" not in before, "an address or a default repr in the listing"
+    fs = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), GradAllReduce)]
+    a, b = next((x, y) for x, y in zip(fs, fs[1:]) if x.next is y)  # two f operators side by side
+    a.prepend(b)
+    swapped = program.listing()
+    assert swapped != before
+    b.prepend(a)
+    assert program.listing() == before
+    gm.get_submodule(a.target).axis = "dp"
+    assert program.listing() != before
+    gm.get_submodule(a.target).axis = "tp"
+    assert program.listing() == before
+    scale = next(n for n in gm.graph.nodes if n.op == "call_function" and any(type(x) is float for x in n.args))
+    scale.args = tuple(x * 2 if type(x) is float else x for x in scale.args)
+    assert program.listing() != before
+
+    from usc.compiler.program import _text
+
+    assert _text(torch.device("cuda", 3)) == _text(torch.device("cuda", 0)) != _text(torch.device("cpu"))
