@@ -253,12 +253,22 @@ def bubble_units(plan: PlanPoint) -> float:
     return float(p - 1)
 
 
-def pipeline_bubble_units(plan: PlanPoint, hw: HardwareProfile) -> float:
+def _simulates_shared_cores(plan: PlanPoint, hw: HardwareProfile) -> bool:
+    """Whether the plan's ranks share fewer cores than they are and its bubble is simulated so."""
+    return plan.pp > 1 and 0 < hw.host_cores < min(plan.world, plan.gpus_per_node) and plan.v == 1 \
+        and plan.schedule in SIMULATED
+
+
+def pipeline_bubble_units(plan: PlanPoint, hw: HardwareProfile, costs: tuple[tuple[float, float], ...] | None = None,
+                          unit: float = 3.0) -> float:
     """``bubble_units``, or on a host whose ranks share fewer cores (``host_cores``) the bubble left
-    once idle ranks hand their cores to the busy ones (compiler/shared_cores.py; 1F1B and GPipe)."""
-    ranks = min(plan.world, plan.gpus_per_node)
-    if plan.pp > 1 and 0 < hw.host_cores < ranks and plan.v == 1 and plan.schedule in SIMULATED:
-        return shared_bubble_units(plan.schedule, plan.pp, plan.mb, ranks, hw.host_cores)
+    once idle ranks hand their cores to the busy ones (compiler/shared_cores.py; 1F1B and GPipe);
+    ``costs``: there, each stage's (forward, backward) in the units of ``unit`` (None: alike)."""
+    if _simulates_shared_cores(plan, hw):
+        ranks = min(plan.world, plan.gpus_per_node)
+        if costs is None:
+            return shared_bubble_units(plan.schedule, plan.pp, plan.mb, ranks, hw.host_cores)
+        return shared_bubble_units(plan.schedule, plan.pp, plan.mb, ranks, hw.host_cores, costs, unit)
     return bubble_units(plan)
 
 
@@ -843,33 +853,61 @@ def _attention_growth(profile: ModelProfile, plan: PlanPoint) -> float:
     return attn / total * (plan.seq / profile.seq - 1) if total else 0.0
 
 
-def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], k: int,
-                    hw: HardwareProfile, *, state: dict | None = None):
-    units = [stages[k]]
-    fwd_flops, compute, pointwise = _stage_compute(profile, plan, units[0], hw)
-    ratio, backs = _backward_shares(units[0])
+def _microbatch_passes(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], k: int,
+                       hw: HardwareProfile):
+    """Stage k's one microbatch: (forward FLOPs, forward seconds, backward seconds, of them the host's
+    waits, its per-microbatch collectives, the backward's FLOP ratio, recompute's extra share), the
+    launches included."""
+    unit = stages[k]
+    fwd_flops, compute, pointwise = _stage_compute(profile, plan, unit, hw)
+    ratio, backs = _backward_shares(unit)
     extra = {"full": 1.0, "selective": 0.0}.get(plan.recompute, 0.0) * backs  # selective: pointwise only
     forward, backward = _passes(compute, pointwise, ratio, backs, extra)
     per_mb_comms = _stage_microbatch_collectives(profile, plan, k, hw)
     per_mb_comm = sum(c.exposed_seconds for c in per_mb_comms)
     # launches and Python, per layer whatever its size: where the host queues kernels ahead of the
     # device only what exceeds the device's own time for the microbatch shows; else all of it adds
-    overhead = hw.unit_overhead * units[0].blocks
+    overhead = hw.unit_overhead * unit.blocks
     waits = 0.0  # what of it the device waits for, per microbatch: the step's "host" term
     if hw.host_launch == "async":
         overhead = waits = max(0.0, overhead - (forward + backward + per_mb_comm))
     forward, backward = _with_launches(forward, backward, overhead)
-    per_mb = forward + backward + per_mb_comm
+    return fwd_flops, forward, backward, waits, per_mb_comms, ratio, extra
+
+
+def _shared_stage_costs(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], hw: HardwareProfile
+                        ) -> tuple[tuple[float, float], ...] | None:
+    """Every stage's (forward, backward + its collectives) seconds of one microbatch where the ranks
+    share the host's cores and the bubble is simulated (``pipeline_bubble_units``), else None: there a
+    light stage's idle time speeds the others, so each stage's own cost matters, not only the busiest's."""
+    if not _simulates_shared_cores(plan, hw):
+        return None
+    out = []
+    for s in range(len(stages)):
+        _, forward, backward, _, comms, _, _ = _microbatch_passes(profile, plan, stages, s, hw)
+        out.append((forward, backward + sum(c.exposed_seconds for c in comms)))
+    return tuple(out)
+
+
+def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], k: int,
+                    hw: HardwareProfile, *, state: dict | None = None):
+    units = [stages[k]]
+    fwd_flops, forward, backward, waits, per_mb_comms, ratio, extra = _microbatch_passes(profile, plan, stages, k, hw)
+    per_mb = forward + backward + sum(c.exposed_seconds for c in per_mb_comms)
     comms = (_per_step(per_mb_comms, plan.mb) + gradient_collectives(plan, units, hw, backward)
              + shared_gradient_collectives(profile, plan, hw))
     if state is None:
         state = stage_memory(profile, plan, units, k, p2p_buffers(profile, plan, stages)[k])
     optimizer = OPTIMIZER_TRAFFIC * (state["params"] + state["grads"] + state["optimizer"]) / hw.hbm_bandwidth
-    bubble = pipeline_bubble_units(plan, hw) * per_mb
+    bubble = pipeline_bubble_units(plan, hw, _shared_stage_costs(profile, plan, stages, hw), per_mb) * per_mb
+    # where the ranks share cores, the stage counted on may have run faster than its contended rate
+    # while lighter stages waited: the timeline's end is the step, taken off its compute
+    sped = min(0.0, bubble)
+    bubble -= sped
     zero3_exposed = _zero3_exposed(comms, hw.comm_overlap * plan.mb * (forward + backward))
     comms = [_with_exposed(c, zero3_exposed) if c.direction == "forward+backward" else c for c in comms]
     exposed = sum(c.exposed_seconds for c in comms)
-    time = {"compute": plan.mb * (forward + backward - waits), "host": plan.mb * waits, "exposed_comm": exposed,
+    time = {"compute": plan.mb * (forward + backward - waits) + sped, "host": plan.mb * waits, "exposed_comm": exposed,
             "bubble": bubble, "optimizer": optimizer}
     time["step"] = sum(time.values())
     flops = plan.mb * (1 + ratio + extra) * fwd_flops
@@ -932,6 +970,11 @@ def step_floor(profile: ModelProfile, base: PlanPoint, hw: HardwareProfile, micr
         # each microbatch's forward and backward take at least floor / mb, and the bubble is units of them
         floor *= 1 + min(pipeline_bubble_units(base.with_(schedule=s, v=v, mb=m), hw) / m
                          for s, v in schedules for m in microbatches)
+        if any(_simulates_shared_cores(base.with_(schedule=s, v=v), hw) for s, v in schedules):
+            # ranks sharing cores: a stage heavier than the rest runs alone at up to a core while the
+            # others wait (``_shared_stage_costs``), no faster: the floor is its work at that rate
+            ranks = min(base.world, base.gpus_per_node)
+            floor = min(floor, floor / max(1.0, ranks / hw.host_cores))
     return floor
 
 

@@ -10,7 +10,10 @@ at ``min(R/C, R/k)`` times their contended rate).
 
 The pipeline's replicas (dp, tp, cp ranks) on the node run the same timeline at the same moments,
 so ``k`` busy stages of one pipeline are ``k * R / p`` busy ranks. Simulated for 1F1B and GPipe with
-``v = 1`` (F costs 1, B costs 2, the time model's split); other schedules keep their GPU bubble.
+``v = 1``; other schedules keep their GPU bubble. Each stage runs at its own cost (the time model's
+forward and backward of each stage): the last stage, with the head and the loss, is heavier than
+the others, and the time a lighter stage idles goes to it. Counted as copies of the heaviest stage,
+a 4-stage pipeline on 2 cores was predicted 20-40% slower than measured (docs/cost_model.md).
 
     >>> round(shared_bubble_units("1f1b", pp=4, mb=4, ranks=4, cores=4), 9)  # own cores: p - 1
     3.0
@@ -38,11 +41,20 @@ def _program(schedule: str, pp: int, mb: int, stage: int) -> list[tuple[str, int
 
 
 @functools.lru_cache(maxsize=1024)
-def shared_bubble_units(schedule: str, pp: int, mb: int, ranks: int, cores: float) -> float:
+def shared_bubble_units(schedule: str, pp: int, mb: int, ranks: int, cores: float,
+                        costs: tuple[tuple[float, float], ...] | None = None, unit: float = F_COST + B_COST) -> float:
     """Idle time in units of one microbatch's forward + backward on a stage (as ``bubble_units``) of
-    a ``pp``-stage pipeline whose node runs ``ranks`` ranks on ``cores`` cores; 0 for pp = 1."""
+    a ``pp``-stage pipeline whose node runs ``ranks`` ranks on ``cores`` cores; 0 for pp = 1.
+
+    ``costs``: per stage, its (forward, backward) of one microbatch at the contended rate, in the
+    units of ``unit``, the forward + backward of the stage the bubble is counted on (None: every
+    stage alike, F_COST and B_COST). Stages of unequal cost (the last one's head and loss) leave the
+    lighter ranks idle sooner, and their cores go to the busy ones: the step is the timeline's end,
+    ``(mb + units) * unit``, which may be under ``mb * unit`` (negative units) when the stage
+    counted on ran faster than its contended rate while the others waited."""
     if pp <= 1:
         return 0.0
+    costs = costs or ((F_COST, B_COST),) * pp
     alone = max(1.0, ranks / cores) if cores > 0 else 1.0  # a rank alone on a core vs its contended share
     programs = [_program(schedule, pp, mb, s) for s in range(pp)]
     position = [0] * pp
@@ -65,17 +77,17 @@ def shared_bubble_units(schedule: str, pp: int, mb: int, ranks: int, cores: floa
         speed = min(alone, pp / len(busy))  # k busy stages are k * ranks / pp busy ranks
         for s in busy:
             if left[s] == 0.0:
-                left[s] = F_COST if programs[s][position[s]][0] == "F" else B_COST
+                left[s] = costs[s][0] if programs[s][position[s]][0] == "F" else costs[s][1]
         step = min(left[s] for s in busy) / speed
         now += step
         for s in busy:
             left[s] -= step * speed
-            if left[s] <= 1e-12:
+            if left[s] <= 1e-12 * unit:
                 op, i = programs[s][position[s]]
                 done.add((op, s, i))
                 position[s] += 1
                 left[s] = 0.0
-    return now / (F_COST + B_COST) - mb
+    return now / unit - mb
 
 
 __all__ = ["shared_bubble_units", "SIMULATED"]

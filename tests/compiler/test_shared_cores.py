@@ -17,10 +17,11 @@ from usc.passes.pipeline_schedule_check import check_schedule, produces, require
 DT = 1 / 512
 
 
-def time_stepped_bubble(name: str, pp: int, mb: int, ranks: int, cores: float) -> float:
+def time_stepped_bubble(name: str, pp: int, mb: int, ranks: int, cores: float, costs=None, unit: float = 3.0) -> float:
     schedule = build_schedule(name, pp, 1, mb)
     programs = {r: [a for a in acts if isinstance(a, Compute)] for r, acts in schedule.actions.items()}
-    cost = {ComputeOp.FORWARD: 1.0, ComputeOp.BACKWARD: 2.0}
+    costs = costs or [(1.0, 2.0)] * pp
+    stage_of = {r: next(a.stage for a in p) for r, p in programs.items()}
     position, left, finished, now = {r: 0 for r in programs}, {}, set(), 0.0
     while any(position[r] < len(p) for r, p in programs.items()):
         ready = [r for r, p in programs.items()
@@ -30,14 +31,14 @@ def time_stepped_bubble(name: str, pp: int, mb: int, ranks: int, cores: float) -
         speed = min(1.0, cores / busy_processes) * ranks / cores if ranks > cores else 1.0
         for r in ready:
             act = programs[r][position[r]]
-            left.setdefault(r, cost[act.op])
+            left.setdefault(r, costs[stage_of[r]][act.op is ComputeOp.BACKWARD])
             left[r] -= speed * DT
             if left[r] <= 1e-9:
                 finished.update(produces(act))
                 position[r] += 1
                 del left[r]
         now += DT
-    return now / 3.0 - mb
+    return now / unit - mb
 
 
 CASES = [("1f1b", 4, 4), ("1f1b", 2, 4), ("1f1b", 4, 8), ("1f1b", 3, 5), ("gpipe", 4, 4), ("gpipe", 3, 5),
@@ -53,6 +54,35 @@ SHARING = [(pp * k, cores) for pp in (2, 3, 4, 5) for k, cores in ((1, 2), (2, 3
 def test_bubble_matches_a_time_stepped_run_of_the_runtime_schedules(name, pp, mb, ranks, cores):
     expected = time_stepped_bubble(name, pp, mb, ranks, cores)
     assert shared_bubble_units(name, pp, mb, ranks, cores) == pytest.approx(expected, abs=4 * DT * mb * pp)
+
+
+# stages of unequal cost (a last stage with the head and the loss, a light first one); the bubble is
+# counted in units of the last stage's forward + backward
+UNEQUAL = [((1.0, 2.0), (1.0, 2.0), (1.0, 2.0), (1.5, 2.5)), ((0.4, 0.8), (1.0, 2.0), (1.0, 2.0), (1.0, 2.0)),
+           ((1.0, 2.0), (2.0, 3.0))]
+
+
+@pytest.mark.parametrize("name, mb, costs, ranks, cores",
+                         [(n, m, c, r, k) for n in ("1f1b", "gpipe") for m in (3, 4) for c in UNEQUAL
+                          for r, k in ((len(c), 2), (2 * len(c), 3), (len(c), len(c)))])
+def test_unequal_stages_match_a_time_stepped_run_of_the_runtime_schedules(name, mb, costs, ranks, cores):
+    """Where a light stage idles, its core speeds the heavy ones: the simulation with each stage's own
+    cost against the time-stepped reference, and with a core per rank the timeline a GPU would run."""
+    pp, unit = len(costs), sum(costs[-1])
+    expected = time_stepped_bubble(name, pp, mb, ranks, cores, costs, unit)
+    got = shared_bubble_units(name, pp, mb, ranks, cores, costs, unit)
+    assert got == pytest.approx(expected, abs=4 * DT * mb * pp * max(map(sum, costs)) / unit)
+    assert got >= mb / max(1.0, ranks / cores) - mb - 1e-9  # the last stage's work at a core at most
+
+
+def test_a_heavier_last_stage_costs_a_pipeline_less_where_ranks_share_cores():
+    """On 4 ranks over 2 cores the other stages' idle time goes to the heavier last stage: the
+    timeline's end is under the same stages counted as four copies of the last one, and over what the
+    last stage's work takes on a core of its own."""
+    light, heavy = (1.0, 2.0), (1.4, 2.6)
+    mixed = shared_bubble_units("1f1b", 4, 4, 4, 2, (light, light, light, heavy), 4.0)
+    alike = shared_bubble_units("1f1b", 4, 4, 4, 2, (heavy,) * 4, 4.0)
+    assert 4 / 2 - 4 < mixed < alike
 
 
 @pytest.mark.parametrize("name, pp, mb", CASES)
@@ -103,3 +133,37 @@ def test_a_kinds_factor_scales_only_that_kind():
                          ("send/recv", 1.0)):
         expected = factor * collective_seconds(kind, 5e6, 4, *plain)
         assert collective_seconds(kind, 5e6, 4, *scaled) == pytest.approx(expected)
+
+
+def test_the_time_model_runs_each_stage_at_its_own_cost_where_ranks_share_cores(monkeypatch):
+    """A Llama cut into 4 unequal stages (one of two layers; the head alone), `pp=4 mb=4` on 4 ranks over 2
+    cores: the step is the timeline of each stage at its own cost -- under the same stages counted
+    as copies of the heaviest, and over both things no timeline beats (the heaviest stage's work at
+    a core of its own; all stages' work on every rank's contended share at once)."""
+    import torch
+
+    from usc.compiler import cost_model
+    from usc.passes.cost_profile import profile_model
+    from usc.testing.models import LlamaConfig, TinyLlama, token_batch
+
+    torch.manual_seed(0)
+    profile = profile_model(TinyLlama(LlamaConfig(vocab=1999, hidden=48, heads=4, kv_heads=2, mlp=96, layers=4,
+                                                  max_seq=64)), token_batch(1999, 4, 24))
+    # no per-layer host time: the stage with the most FLOPs, which the estimate counts on, is the slowest
+    cpu = HardwareProfile(**{**H100.to_dict(), "name": "cpu", "host_cores": 2.0, "host_launch": "sync",
+                             "unit_overhead": 0.0})
+    point = PlanPoint(64, 2048, pp=4, mb=4, gpus_per_node=4)
+    stages = cost_model.merged_stages(profile, point.pp, point.split)
+    costs = cost_model._shared_stage_costs(profile, point, stages, cpu)
+    per_stage = [f + b for f, b in costs]
+    assert max(per_stage) > 1.2 * min(per_stage)  # unequal stages
+    k = cost_model._busiest(profile, point, stages)  # the stage the estimate counts on
+    assert per_stage[k] == max(per_stage)
+    step = cost_model.estimate(profile, point, cpu).time["step"]
+    rest = sum(v for k, v in cost_model.estimate(profile, point, cpu).time.items() if k not in ("compute", "bubble", "step"))
+    transfers = point.mb * sum(c.exposed_seconds for c in cost_model._stage_microbatch_collectives(profile, point, k, cpu))
+    line = step - rest + transfers  # the pipeline's timeline (its transfers are the comm term's)
+    assert line == pytest.approx(point.mb + shared_bubble_units("1f1b", 4, 4, 4, 2.0, costs, 1.0), rel=1e-9)
+    assert line > point.mb * max(per_stage) / 2 and line >= point.mb * sum(per_stage) / 4
+    monkeypatch.setattr(cost_model, "_shared_stage_costs", lambda *a: None)  # every stage as the heaviest
+    assert cost_model.estimate(profile, point, cpu).time["step"] > step
