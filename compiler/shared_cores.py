@@ -11,8 +11,8 @@ at ``min(R/C, R/k)`` times their contended rate).
 The pipeline's replicas (dp, tp, cp ranks) on the node run the same timeline at the same moments,
 so ``k`` busy stages of one pipeline are ``k * R / p`` busy ranks. Simulated for 1F1B and GPipe with
 ``v = 1``; other schedules keep their GPU bubble. Each stage runs at its own cost (the time model's
-forward and backward of each stage): the last stage, with the head and the loss, is heavier than
-the others, and the time a lighter stage idles goes to it. Counted as copies of the heaviest stage,
+forward and backward of each stage): the last stage, with the head and the loss, is often heavier
+than the others, and the time a lighter stage idles goes to it. Counted as copies of the heaviest stage,
 a 4-stage pipeline on 2 cores was predicted 20-40% slower than measured (docs/cost_model.md).
 
     >>> round(shared_bubble_units("1f1b", pp=4, mb=4, ranks=4, cores=4), 9)  # own cores: p - 1

@@ -153,21 +153,24 @@ def _fingerprints(model_seed: int, plan: str = "dp=2") -> Fingerprint:
     return fingerprint(plan=plan, state=TinyLlama().state_dict(), inputs=inputs, versions="usc test")
 
 
-def test_ranks_built_differently_are_named_by_every_rank():
-    same, other_seed = _fingerprints(0), _fingerprints(1)
-    assert same.fields == _fingerprints(0).fields  # deterministic: the same model hashes the same
-    other_plan = Fingerprint({**same.fields, "plan": "dp=2 dtype=bf16"})
-    mine = [same, other_seed, same, other_plan]
-    meshes = simulated_meshes(("dp", "tp"), (2, 2), timeout=10.0)
-
+def _agree_on_every_rank(meshes, mine: list) -> list:
+    """Each simulated rank's RanksDisagree (None where it agreed) when rank r brings ``mine[r]``."""
     def each(mesh):
         try:
             agree(mesh, mine[mesh.rank])
         except RanksDisagree as err:
             return err
         return None
+    return run_in_threads(meshes, each, timeout=10.0)
 
-    errors = run_in_threads(meshes, each, timeout=10.0)
+
+def test_ranks_built_differently_are_named_by_every_rank():
+    same, other_seed = _fingerprints(0), _fingerprints(1)
+    assert same.fields == _fingerprints(0).fields  # deterministic: the same model hashes the same
+    other_plan = Fingerprint({**same.fields, "plan": "dp=2 dtype=bf16"})
+    mine = [same, other_seed, same, other_plan]
+    meshes = simulated_meshes(("dp", "tp"), (2, 2), timeout=10.0)
+    errors = _agree_on_every_rank(meshes, mine)
     assert all(isinstance(e, RanksDisagree) for e in errors)  # every rank, not only the odd ones
     assert errors[0].differing == {"plan": [[0, 1, 2], [3]], "parameter checksum": [[0, 2, 3], [1]]}
     assert "plan differs: ranks [0, 1, 2] vs ranks [3] (rank 3 has: dp=2 dtype=bf16)" in str(errors[3])
@@ -185,21 +188,11 @@ def test_ranks_that_compiled_different_programs_are_told_the_compile_differed():
     other_program = Fingerprint({**same.fields, PROGRAM: "0" * 16})
     other_plan_too = Fingerprint({**other_program.fields, "plan": "dp=2 dtype=bf16"})
     meshes = simulated_meshes(("dp",), (4,), timeout=10.0)
-
-    def each(mine):
-        def run(mesh):
-            try:
-                agree(mesh, mine[mesh.rank])
-            except RanksDisagree as err:
-                return err
-            return None
-        return run_in_threads(meshes, run, timeout=10.0)
-
-    alone = each([same, same, other_program, same])
+    alone = _agree_on_every_rank(meshes, [same, same, other_program, same])
     assert all(e.differing == {PROGRAM: [[0, 1, 3], [2]]} for e in alone)
     assert f"{PROGRAM} differs: ranks [0, 1, 3] vs ranks [2]" in str(alone[0])
     assert str(alone[0]).endswith(PROGRAM_FIX) and "launch every rank" not in str(alone[0])
-    beside = each([same, same, other_plan_too, same])
+    beside = _agree_on_every_rank(meshes, [same, same, other_plan_too, same])
     assert list(beside[1].differing) == ["plan", PROGRAM]
     assert "(which the fields above may explain)" in str(beside[1]) and PROGRAM_FIX not in str(beside[1])
 
