@@ -6,9 +6,9 @@
 usc.plan profiles the model once (a trace of three of its identical blocks, two probe compiles run
 on fake tensors, the steady block stamped for the rest) and then scores the plans analytically,
 skipping the mesh shapes whose step floor is over every plan its answer could show.
-Measured 2026-12-02 on 2 shared cores, eight fresh processes: first call in the process 1.52-1.99 s
-CPU (median 1.72; 2.24-3.23 s before the skip, interleaved with these), a second call 1.04-1.97 s
-(docs/cost_model.md, "Speed", with the history).
+Measured 2026-12-03 on 2 shared cores in a calm phase, twelve fresh processes: first call in the
+process 0.85-1.08 s CPU (median 0.92), a second call 0.57-0.67 s; in slower phases of the machine
+1.6-2.9 s (docs/cost_model.md, "Speed", with the history).
 """
 
 import argparse
