@@ -23,6 +23,16 @@ from usc.testing.models import TinyLlama, token_batch
 VOCAB = 128
 
 
+class RankReadingLlama(TinyLlama):
+    """A forward that reads its process's rank, as a debugging line left in a model might: rank 0
+    doubles its loss. Each rank traces its own forward, so rank 0 compiles a program with one more
+    multiply; trained, rank 0's gradients would count twice in every dp sum."""
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = super().forward(tokens, labels)
+        return loss * 2.0 if os.environ.get("RANK") == "0" else loss
+
+
 def sgd(params):
     # SGD with momentum: a step that wrongly went through changes parameters and optimizer state alike
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
@@ -132,7 +142,8 @@ def fault_world(rank: int, world_size: int, plan: str, fault: str) -> dict:
 
         compile_alike = build.parallelize
         build.parallelize = lambda *a, **k: _add_a_harmless_node(compile_alike(*a, **k))
-    step = usc.compile(TinyLlama(), plan, example_inputs=example, optimizer=sgd)
+    model = RankReadingLlama() if fault == "forward reads the rank" else TinyLlama()
+    step = usc.compile(model, plan, example_inputs=example, optimizer=sgd)
     good = batches()
     first = _timed(lambda: step.step(*good[0]))
     if first[0] is not None:  # refused before training (ranks launched differently)

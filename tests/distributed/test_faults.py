@@ -209,6 +209,18 @@ def test_gloo_ranks_whose_programs_differ_are_refused_before_training():
         assert f"{PROGRAM} differs: ranks [0] vs ranks [1]" in r["message"] and PROGRAM_FIX in r["message"]
 
 
+@pytest.mark.distributed
+def test_gloo_ranks_whose_forward_reads_the_rank_are_refused_before_training():
+    """A model whose forward reads RANK (rank 0 doubles its loss): each rank traces its own forward,
+    so the two compile different programs, which would train rank 0's gradients twice over. Both
+    ranks refuse at the first step and name the program."""
+    from usc.runtime.agreement import PROGRAM, PROGRAM_FIX
+
+    results = run_world(fault_world, 2, "dp=2 timeout=20", "forward reads the rank", timeout=240)
+    assert [r["error"] for r in results] == ["RanksDisagree"] * 2, [r["message"] for r in results]
+    assert all(PROGRAM_FIX in r["message"] and f"{PROGRAM} differs" in r["message"] for r in results)
+
+
 # ------------------------------------------------------------------------------------ gloo
 GLOO_BOUND_S = 10.0  # refused or failed steps on gloo (a stuck rank: its plan's timeout=2 s)
 FAULTS = {  # row -> (error of rank 0, error of rank 1: the faulty one, which may die)
@@ -218,6 +230,7 @@ FAULTS = {  # row -> (error of rank 0, error of rank 1: the faulty one, which ma
     "other plan": ("RanksDisagree", "RanksDisagree"),
     "other batch shape": ("RanksDisagree", "RanksDisagree"),
     "other program": ("RanksDisagree", "RanksDisagree"),
+    "forward reads the rank": ("RanksDisagree", "RanksDisagree"),
     "killed rank": ("CollectiveError", None),  # rank 1 is killed with SIGKILL
     "stuck rank": ("CollectiveTimeout", "CollectiveError"),  # rank 1 wakes after rank 0 left
     "Ctrl-C while blocked": ("KeyboardInterrupt", "CollectiveError"),  # rank 1 is late, rank 0 interrupted
