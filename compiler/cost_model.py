@@ -266,8 +266,6 @@ def pipeline_bubble_units(plan: PlanPoint, hw: HardwareProfile, costs: tuple[tup
     ``costs``: there, each stage's (forward, backward) in the units of ``unit`` (None: alike)."""
     if _simulates_shared_cores(plan, hw):
         ranks = min(plan.world, plan.gpus_per_node)
-        if costs is None:
-            return shared_bubble_units(plan.schedule, plan.pp, plan.mb, ranks, hw.host_cores)
         return shared_bubble_units(plan.schedule, plan.pp, plan.mb, ranks, hw.host_cores, costs, unit)
     return bubble_units(plan)
 

@@ -163,7 +163,11 @@ def test_the_time_model_runs_each_stage_at_its_own_cost_where_ranks_share_cores(
     rest = sum(v for k, v in cost_model.estimate(profile, point, cpu).time.items() if k not in ("compute", "bubble", "step"))
     transfers = point.mb * sum(c.exposed_seconds for c in cost_model._stage_microbatch_collectives(profile, point, k, cpu))
     line = step - rest + transfers  # the pipeline's timeline (its transfers are the comm term's)
-    assert line == pytest.approx(point.mb + shared_bubble_units("1f1b", 4, 4, 4, 2.0, costs, 1.0), rel=1e-9)
+    # against the time-stepped run of the runtime's 1F1B with the stages' costs (not the simulation used)
+    most = max(per_stage)  # the reference steps time in 1/512 of a unit: costs in units of the slowest stage
+    scaled = [(f / most, b / most) for f, b in costs]
+    reference = (point.mb + time_stepped_bubble("1f1b", 4, 4, 4, 2.0, scaled, 1.0)) * most
+    assert line == pytest.approx(reference, abs=4 * DT * point.mb * 4 * most)
     assert line > point.mb * max(per_stage) / 2 and line >= point.mb * sum(per_stage) / 4
     monkeypatch.setattr(cost_model, "_shared_stage_costs", lambda *a: None)  # every stage as the heaviest
     assert cost_model.estimate(profile, point, cpu).time["step"] > step

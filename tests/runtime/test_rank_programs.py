@@ -68,6 +68,13 @@ def test_the_planners_fake_rank_holds_the_pieces_a_rank_holds():
             assert loss.shape == ()
 
 
+def _f_operators(gm: fx.GraphModule) -> list[fx.Node]:
+    """The graph's f operators (identity forward, the gradient's all-reduce backward), in order."""
+    from usc.runtime.collectives import GradAllReduce
+
+    return [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), GradAllReduce)]
+
+
 def test_every_process_compiles_the_same_program():
     """Each rank of a torchrun job compiles its own program, so the compile must not depend on
     anything that differs between processes (set order over graph nodes follows their addresses).
@@ -75,7 +82,6 @@ def test_every_process_compiles_the_same_program():
     computation split on it) were inserted in such an order: compiled four times, the graphs must
     be the same, and the f operators before one consumer in the order of its arguments."""
     from usc.build import _Compiled
-    from usc.runtime.collectives import GradAllReduce
     from usc.testing.models import MoEConfig, TinyMixtral
 
     batch = token_batch(MoEConfig().vocab, 4, 8)
@@ -85,8 +91,7 @@ def test_every_process_compiles_the_same_program():
         program = _Compiled(TinyMixtral(), "dp=2 ep=2 tp=2", example_inputs=batch).program
         gm = program.gm
         texts.add(program.listing())
-        fs = [n for n in gm.graph.nodes
-              if n.op == "call_module" and isinstance(gm.get_submodule(n.target), GradAllReduce)]
+        fs = _f_operators(gm)
         for consumer in {u for f in fs for u in f.users}:
             mine = [a for a in consumer.all_input_nodes if a in fs]
             assert mine == sorted(mine, key=list(gm.graph.nodes).index), consumer.name
@@ -114,7 +119,6 @@ def test_a_programs_listing_is_the_same_in_every_process_and_tells_programs_apar
     import sys
 
     from usc.build import _Compiled
-    from usc.runtime.collectives import GradAllReduce
     from usc.testing.models import MoEConfig, TinyMixtral
 
     procs = [subprocess.Popen([sys.executable, "-c", _LISTINGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -128,7 +132,7 @@ def test_a_programs_listing_is_the_same_in_every_process_and_tells_programs_apar
     program = _Compiled(TinyMixtral(), "dp=2 ep=2 tp=2", example_inputs=token_batch(MoEConfig().vocab, 4, 8)).program
     gm, before = program.gm, program.listing()
     assert " at 0x" not in before and "<" not in before, "an address or a default repr in the listing"
-    fs = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), GradAllReduce)]
+    fs = _f_operators(gm)
     a, b = next((x, y) for x, y in zip(fs, fs[1:]) if x.next is y)  # two f operators side by side
     a.prepend(b)
     swapped = program.listing()
