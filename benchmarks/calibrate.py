@@ -150,6 +150,48 @@ def _measure_memory(barrier) -> float:
     return 2 * t.numel() * 4 / _sustained(lambda: t.mul_(1.0), seconds=0.5)
 
 
+# compute between two meetings: where the wait stops growing (measured here: 3-30 ms, groups of 2 and 4),
+# and checks below and above it
+SKEW_GAP, SKEW_CHECKS = 0.015, (0.006, 0.03)
+
+
+def _loop_seconds(fn, barrier, calls: int = 16) -> float:
+    """Mean seconds of one ``fn()`` over ``calls`` in a row, every rank at once (between barriers)."""
+    barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    barrier()
+    return (time.perf_counter() - start) / calls
+
+
+def _measure_sync_skew(comms: dict, barrier, gaps=(SKEW_GAP, *SKEW_CHECKS), repeats: int = 5
+                       ) -> list[tuple[int, float, float]]:
+    """(group size, compute gap, seconds) a small blocking all-reduce adds beyond itself and the work
+    before it when every rank computes the same work between meetings: a loop of work and meeting
+    against a loop of each alone, alternated ``repeats`` times, the median difference. With more
+    ranks than cores the OS runs ranks in turns, so they finish the same work up to a time slice
+    apart, and a core may idle while the last of a group finishes."""
+    a, b = torch.randn(256, MODEL.hidden), torch.randn(MODEL.hidden, 3 * MODEL.hidden)
+    one = _sustained(lambda: a @ b)
+    agreed = torch.tensor([one])
+    comms[WORLD].all_reduce(agreed)  # every rank does the same work: the ranks' mean call time
+    one = agreed.item() / WORLD
+    small = torch.ones(1024)
+    rows = []
+    for gap in gaps:
+        times = max(1, round(gap / one))
+        compute = lambda: [a @ b for _ in range(times)]  # noqa: E731,B023
+        for n, comm in comms.items():
+            meet = lambda: comm.all_reduce(small)  # noqa: E731,B023
+            extra = []
+            for _ in range(repeats):
+                alone, meeting = _loop_seconds(compute, barrier), _loop_seconds(meet, barrier)
+                extra.append(_loop_seconds(lambda: (compute(), meet()), barrier) - alone - meeting)  # noqa: B023
+            rows.append((n, times * one, statistics.median(extra)))
+    return rows
+
+
 def measure_rank() -> dict:
     """Everything a rank measures (run under launch_local on WORLD processes)."""
     from usc.runtime.mesh import Mesh
@@ -160,7 +202,7 @@ def measure_rank() -> dict:
     barrier = flat.comm("dp").barrier
     return {"collectives": _measure_collectives({WORLD: flat.comm("dp"), 2: pairs.comm("tp")}),
             "matmuls": _measure_matmuls(MODEL.hidden, barrier), "memory": _measure_memory(barrier),
-            "load": load()}
+            "skew": _measure_sync_skew({WORLD: flat.comm("dp"), 2: pairs.comm("tp")}, barrier), "load": load()}
 
 
 def overhead_rank(layers: int) -> float:
@@ -237,8 +279,13 @@ def calibrate() -> dict:
                # busy ones (no effect where every rank has a core of its own)
                "host_cores": _cores(),
                **{FACTOR_FIELDS[kind]: f for kind, f in factors.items()}}
+    # (group size, gap, wait): rank 0's gaps (the ranks' differ by rounding), the ranks' mean wait
+    skew = [(n, gap, max(0.0, statistics.mean(r["skew"][i][2] for r in ranks))) for i, (n, gap, _) in enumerate(ranks[0]["skew"])]
+    if WORLD > _cores():  # ranks that own a core each meet without waiting for the OS
+        profile["sync_skew_by_ranks"] = [(n, wait) for n, gap, wait in sorted(skew) if gap == skew[0][1]]
+        profile["sync_skew_gap"] = skew[0][1]
     return {"profile": profile, "collectives": sorted(collectives), "load": [r["load"] for r in ranks][0],
-            "matmul_fits": matmul, "overhead_steps": (shallow, deep)}
+            "matmul_fits": matmul, "overhead_steps": (shallow, deep), "skew": skew}
 
 
 def _cores() -> int:
@@ -275,6 +322,12 @@ def print_fit(result: dict) -> None:
         print(f"matmul {dtype}: peak {peak / 1e9:.2f} GFLOP/s per rank, half at {half:.0f} rows")
     print(f"memory: {p['hbm_bandwidth'] / 1e9:.2f} GB/s per rank; unit overhead {p['unit_overhead'] * 1e3:.2f} ms "
           f"(steps at 1 and 5 layers: {result['overhead_steps'][0] * 1e3:.1f}, {result['overhead_steps'][1] * 1e3:.1f} ms)")
+    for n, gap, seconds in result["skew"]:
+        print(f"meeting after {gap * 1e3:.1f} ms of compute, groups of {n}: {seconds * 1e3:.2f} ms waited")
+    if p.get("sync_skew_by_ranks"):
+        waits = ", ".join(f"{w * 1e3:.2f} ms over {n} ranks" for n, w in p["sync_skew_by_ranks"])
+        print(f"sync skew: {waits} per blocking collective after {p['sync_skew_gap'] * 1e3:.1f} ms of compute "
+              f"(written; less in proportion after less, the same after more)")
 
 
 # ---------------------------------------------------------------------------------- validation

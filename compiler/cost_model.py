@@ -870,7 +870,23 @@ def _microbatch_passes(profile: ModelProfile, plan: PlanPoint, stages: list[Unit
     if hw.host_launch == "async":
         overhead = waits = max(0.0, overhead - (forward + backward + per_mb_comm))
     forward, backward = _with_launches(forward, backward, overhead)
+    per_mb_comms = _with_meetings(per_mb_comms, forward + backward, hw)
     return fwd_flops, forward, backward, waits, per_mb_comms, ratio, extra
+
+
+def _with_meetings(comms: list[CollectiveEstimate], compute: float, hw: HardwareProfile
+                   ) -> list[CollectiveEstimate]:
+    """The microbatch's blocking layer collectives (tp/sp, cp, ep) each with the wait for its
+    group's ranks to meet added (``hw.skew`` of the compute between two of them; pipeline transfers
+    are in the simulated timeline instead). Only a profile whose ranks share cores has such a wait."""
+    if not hw.sync_skew_by_ranks:
+        return comms
+    meetings = sum(c.calls_per_step for c in comms if c.axis != "pp")
+    if not meetings:
+        return comms
+    gap = compute / meetings
+    return [_with_exposed(c, c.exposed_seconds + c.calls_per_step * hw.skew(c.group_size, gap))
+            if c.axis != "pp" else c for c in comms]
 
 
 def _shared_stage_costs(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], hw: HardwareProfile
@@ -892,8 +908,10 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     units = [stages[k]]
     fwd_flops, forward, backward, waits, per_mb_comms, ratio, extra = _microbatch_passes(profile, plan, stages, k, hw)
     per_mb = forward + backward + sum(c.exposed_seconds for c in per_mb_comms)
-    comms = (_per_step(per_mb_comms, plan.mb) + gradient_collectives(plan, units, hw, backward)
-             + shared_gradient_collectives(profile, plan, hw))
+    grads = gradient_collectives(plan, units, hw, backward)
+    if grads and hw.sync_skew_by_ranks:  # the gradient reduction ends the backward: its ranks meet there once
+        grads[0] = _with_exposed(grads[0], grads[0].exposed_seconds + hw.skew(grads[0].group_size, plan.mb * backward))
+    comms = _per_step(per_mb_comms, plan.mb) + grads + shared_gradient_collectives(profile, plan, hw)
     if state is None:
         state = stage_memory(profile, plan, units, k, p2p_buffers(profile, plan, stages)[k])
     optimizer = OPTIMIZER_TRAFFIC * (state["params"] + state["grads"] + state["optimizer"]) / hw.hbm_bandwidth

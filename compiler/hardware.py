@@ -88,6 +88,15 @@ class HardwareProfile:
     host_cores: float = 0.0  # cores one node's ranks share: 0 where each rank owns its device (GPUs);
     #                          fewer than the node's ranks (CPU processes), a rank idle in a pipeline
     #                          bubble gives its core to the busy ones (compiler/shared_cores.py)
+    # Seconds a blocking collective waits, beyond its transfer, for its group's ranks to meet after
+    # computing, as (ranks in the group, seconds) pairs: where ranks share cores the OS runs them in
+    # turns, so partners finish the same work up to a time slice apart and a core idles while the
+    # last finishes (calibrate.py measures it while every rank computes; linear between the pairs,
+    # the ends held beyond them). Measured after ``sync_skew_gap`` seconds of compute between
+    # meetings: a shorter gap waits proportionally less (0: the table at any gap). Empty (each rank
+    # owns its device): no wait.
+    sync_skew_by_ranks: tuple = ()
+    sync_skew_gap: float = 0.0
     # Measured bus bandwidth (nccl-tests' busbw, bytes/s) of each kind on large messages over a group
     # that fills N whole nodes, as (N, busbw) pairs from 2 nodes up: a fabric's collectives slow down
     # as they span more nodes (congestion, rails, switch tiers), which no per-link number shows. A
@@ -119,6 +128,9 @@ class HardwareProfile:
                                                               getattr(self, GRADIENT_FIELD), least=1))
         object.__setattr__(self, PIPELINE_FIELD, _seconds_table(self.name, PIPELINE_FIELD,
                                                                 getattr(self, PIPELINE_FIELD)))
+        object.__setattr__(self, SKEW_FIELD, _seconds_table(self.name, SKEW_FIELD, getattr(self, SKEW_FIELD),
+                                                            least=2, what="group size", unit="ranks",
+                                                            example="[[2, 0.0015], [4, 0.004]]"))
         for f in fields(self):
             _check_field(self.name, f.name, getattr(self, f.name))
         if int(self.gpus_per_node) != self.gpus_per_node:
@@ -177,6 +189,15 @@ class HardwareProfile:
         them); 0 where the profile has no such table."""
         return _between(self.pipeline_transfer_seconds_by_nodes, nodes, log=False) or 0.0
 
+    def skew(self, ranks: int, gap: float) -> float:
+        """Seconds one blocking collective over ``ranks`` waits for them to meet after ``gap`` seconds
+        of compute since their last meeting (``sync_skew_by_ranks``, less below ``sync_skew_gap``);
+        0 on a profile without the table, or for a group of one."""
+        if not self.sync_skew_by_ranks or ranks < 2 or gap <= 0:
+            return 0.0
+        wait = _between(self.sync_skew_by_ranks, ranks, log=False)
+        return wait * min(1.0, gap / self.sync_skew_gap) if self.sync_skew_gap else wait
+
     def matmul_rate(self, rows: float, dtype: str) -> float:
         """FLOP/s of one rank's matmuls with ``rows`` rows (tokens) per call: the peak times the
         sustained efficiency, falling off below ``matmul_half_rows`` -- or, with
@@ -218,6 +239,9 @@ GRADIENT_FIELD = "gradient_busbw_by_ranks_per_node"
 # The profile field of a pipeline transfer's time by the mesh's node count (``pipeline_transfer_seconds``).
 PIPELINE_FIELD = "pipeline_transfer_seconds_by_nodes"
 
+# The profile field of a blocking collective's wait for its group to meet, by group size (``skew``).
+SKEW_FIELD = "sync_skew_by_ranks"
+
 
 def _between(pairs: tuple, x: float, *, log: bool = True) -> "float | None":
     """The value at ``x`` of ascending (x, value) ``pairs``, the ends held beyond them; None for no
@@ -250,14 +274,15 @@ def _busbw_table(profile: str, name: str, value, least: int = 2) -> tuple:
         f"has bandwidth {busbw!r} at {count} {unit}: a positive number of bytes/s")
 
 
-def _seconds_table(profile: str, name: str, value) -> tuple:
-    """``value`` as ((nodes, seconds), ...), nodes whole and ascending from 1, seconds at least 0;
-    raise naming the field."""
+def _seconds_table(profile: str, name: str, value, *, least: int = 1, what: str = "node count",
+                   unit: str = "nodes", example: str = "[[32, 0.0], [64, 0.17]]") -> tuple:
+    """``value`` as ((count, seconds), ...), counts whole and ascending from ``least`` (nodes of the
+    mesh, or ranks of a group), seconds at least 0; raise naming the field."""
     return _checked_pairs(
-        profile, name, value, least=1, what="node count", unit="nodes", second="seconds",
-        how="[[32, 0.0], [64, 0.17]]: (nodes of the mesh, seconds) pairs, nodes ascending from 1",
-        bad_value=lambda seconds, nodes: None if _is_number(seconds) and seconds >= 0 else
-        f"has {seconds!r} seconds at {nodes} nodes: a number of at least 0")
+        profile, name, value, least=least, what=what, unit=unit, second="seconds",
+        how=f"{example}: ({unit}, seconds) pairs, {what}s ascending from {least}",
+        bad_value=lambda seconds, count: None if _is_number(seconds) and seconds >= 0 else
+        f"has {seconds!r} seconds at {count} {unit}: a number of at least 0")
 
 
 def _is_number(x) -> bool:
@@ -290,9 +315,10 @@ def _checked_pairs(profile: str, name: str, value, *, least: int, what: str, uni
 
 
 # Fields that may be zero (an overhead nobody measured is no overhead), and the string-valued ones.
-MAY_BE_ZERO = ("unit_overhead", "comm_overlap", "host_cores", "attention_efficiency", "matmul_half_work")
+MAY_BE_ZERO = ("unit_overhead", "comm_overlap", "host_cores", "attention_efficiency", "matmul_half_work",
+               "sync_skew_gap")
 TEXT_FIELDS = {"latency_steps": ("tree", "ring"), "host_launch": ("async", "sync")}
-PAIR_TABLES = frozenset((*BUSBW_FIELDS.values(), GRADIENT_FIELD, PIPELINE_FIELD))
+PAIR_TABLES = frozenset((*BUSBW_FIELDS.values(), GRADIENT_FIELD, PIPELINE_FIELD, SKEW_FIELD))
 
 
 def _check_field(profile: str, name: str, value) -> None:
