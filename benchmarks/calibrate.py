@@ -20,7 +20,10 @@ What is measured, each on 4 local processes at once (so the cores they share cou
 - the executor's cost per layer that does not grow with size (Python, op dispatch): usc steps of a
   very narrow Llama at 1 and 5 layers, ``dp=4``; the difference per layer is ``unit_overhead``;
 - the cores the processes may run on (``host_cores``, read, not fitted): with fewer cores than ranks
-  a pipeline's bubble is what a timeline with idle ranks' cores handed to busy ones leaves.
+  a pipeline's bubble is what a timeline with idle ranks' cores handed to busy ones leaves;
+- with fewer cores than ranks, what a blocking collective waits for its group to meet after compute
+  (``sync_skew_by_ranks``, groups of 2 and 4, at ``sync_skew_gap``): a loop of matmuls and a 4 KiB
+  all-reduce against each alone, every rank at once.
 
 --validate then runs each plan of PLANS on 4 gloo processes (wall clock of ``step()`` over STEPS
 steps after WARMUP, the slowest rank's mean) and prints it beside ``usc.lint``'s prediction on the
@@ -150,9 +153,12 @@ def _measure_memory(barrier) -> float:
     return 2 * t.numel() * 4 / _sustained(lambda: t.mul_(1.0), seconds=0.5)
 
 
-# compute between two meetings: where the wait stops growing (measured here: 3-30 ms, groups of 2 and 4),
-# and checks below and above it
+# The meeting's measurement: the compute between two meetings written to the profile (about a layer's
+# forward or backward on the validation model), two more printed as checks of the proportional
+# reading below it and above it; a payload whose transfer is negligible (4 KiB), so the difference
+# is the wait, not the bytes
 SKEW_GAP, SKEW_CHECKS = 0.015, (0.006, 0.03)
+PAYLOAD = 1024
 
 
 def _loop_seconds(fn, barrier, calls: int = 16) -> float:
@@ -177,7 +183,7 @@ def _measure_sync_skew(comms: dict, barrier, gaps=(SKEW_GAP, *SKEW_CHECKS), repe
     agreed = torch.tensor([one])
     comms[WORLD].all_reduce(agreed)  # every rank does the same work: the ranks' mean call time
     one = agreed.item() / WORLD
-    small = torch.ones(1024)
+    small = torch.ones(PAYLOAD)
     rows = []
     for gap in gaps:
         times = max(1, round(gap / one))

@@ -389,24 +389,27 @@ class Comm(ABC):
             raise ValueError(f"peer {peer} is not in the group along {self.axis!r} (size {self.size})")
 
 
-# The longest a CPU wait sleeps between two looks at its collective: Ctrl-C (a signal Python handles
-# only between bytecodes, never inside one C++ `work.wait(timeout)`) ends the wait within this, and a
-# collective that completes meanwhile is noticed at most this late.
+# The longest a CPU wait blocks before it looks at the clock and lets Python run a signal handler:
+# Ctrl-C (which Python handles only between bytecodes, never inside one C++ `work.wait(timeout)`)
+# ends the wait within this. A collective that completes wakes its waiter at once (its future's
+# callback sets the event waited on), whatever the slice.
 WAIT_SLICE_SECONDS = 0.01
 
 
 def wait_in_slices(work: Any, timeout: float) -> None:
-    """Wait for a torch Work in short sleeps (growing from 50 us, so a fast collective costs no more
-    than a look or two), raising TimeoutError past `timeout`; a signal handler runs in between."""
+    """Wait for a torch Work, woken the moment it completes (its future's callback), raising
+    TimeoutError past `timeout`; a signal handler runs at least every WAIT_SLICE_SECONDS. A Work
+    without a future is waited for beside (``_wait_beside``)."""
     if not _tracks_completion(work):
         _wait_beside(work, timeout)
         return
-    deadline, pause = time.monotonic() + timeout, 5e-5
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no completion within {timeout:g}s")
-        time.sleep(pause)
-        pause = min(pause * 2, WAIT_SLICE_SECONDS)
+    if not work.is_completed():
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _: done.set())
+        deadline = time.monotonic() + timeout
+        while not done.wait(WAIT_SLICE_SECONDS):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no completion within {timeout:g}s")
     work.wait()  # completed: returns at once, or raises the transfer's error
 
 

@@ -239,3 +239,43 @@ def test_ranks_start_with_the_tracer_already_imported():
     (tests/distributed/warm_ranks.py). multiprocessing skips a preload module that fails to import
     without a word: this is what says so."""
     assert run_world(_preloaded, 2, timeout=60) == [[], []]
+
+
+class _Work:
+    """A torch Work stand-in whose future another thread completes."""
+
+    def __init__(self):
+        self.future = torch.futures.Future()
+
+    def is_completed(self):
+        return self.future.done()
+
+    def get_future(self):
+        return self.future
+
+    def wait(self):
+        self.future.wait()
+        return True
+
+
+def test_a_completing_collective_wakes_its_waiter_at_once(monkeypatch):
+    """A CPU wait is woken by its collective's completion (the future's callback), not found by a
+    look after a sleep: a sleep-poll that backs off to its 10 ms slice noticed a wait of W up to half
+    of W late, and every blocking collective of a step paid it. No sleep is taken here, the wait
+    returns once the work completes, and one that never completes still times out."""
+    import threading
+
+    from usc.runtime import comm
+
+    monkeypatch.setattr(comm.time, "sleep", lambda s: pytest.fail(f"the wait slept {s} s to poll"))
+    work = _Work()
+    threading.Timer(0.05, lambda: work.future.set_result(None)).start()
+    start = time.monotonic()
+    comm.wait_in_slices(work, timeout=30.0)
+    assert work.is_completed() and 0.04 < time.monotonic() - start < 20.0
+    with pytest.raises(TimeoutError, match="no completion within 0.05s"):
+        comm.wait_in_slices(_Work(), timeout=0.05)
+    failed = _Work()
+    threading.Timer(0.02, lambda: failed.future.set_exception(RuntimeError("peer closed"))).start()
+    with pytest.raises(RuntimeError, match="peer closed"):
+        comm.wait_in_slices(failed, timeout=30.0)
