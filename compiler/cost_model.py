@@ -876,9 +876,10 @@ def _microbatch_passes(profile: ModelProfile, plan: PlanPoint, stages: list[Unit
 
 def _with_meetings(comms: list[CollectiveEstimate], compute: float, hw: HardwareProfile
                    ) -> list[CollectiveEstimate]:
-    """The microbatch's blocking layer collectives (tp/sp, cp, ep) each with the wait for its
-    group's ranks to meet added (``hw.skew`` of the compute between two of them; pipeline transfers
-    are in the simulated timeline instead). Only a profile whose ranks share cores has such a wait."""
+    """The microbatch's blocking collectives (tp/sp, cp, ep, the loss's token count over dp) each
+    with the wait for its group's ranks to meet added, per call (``hw.skew`` of the group's size and
+    of the compute between two meetings: the microbatch's over its calls); pipeline transfers are in
+    the simulated timeline instead. Only a profile whose ranks share cores has such a wait."""
     if not hw.sync_skew_by_ranks:
         return comms
     meetings = sum(c.calls_per_step for c in comms if c.axis != "pp")
