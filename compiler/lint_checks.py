@@ -294,8 +294,11 @@ def _attention_warnings(inp: LintInput, code: str, count) -> Iterator[Finding]:
     for pattern, items in _grouped(a.module for a in bad).items():
         n = count(next(a for a in bad if a.module == items[0]))
         what = "attention heads" if code == "USC203" else "key/value heads"
+        # the cost model profiles tp at 2 and scales: where 2 splits the heads, it counts them split
+        estimate = ("; the cost estimate, profiled at tp=2 where they split, counts their work and "
+                    "all-reduces split tp ways (too fast for this plan)") if n % 2 == 0 else ""
         yield Finding(code, f"tp={tp} does not divide the {n} {what} of '{pattern}'{_times(items)}: its "
-                            f"projections stay replicated on every tp rank", "tp",
+                            f"projections stay replicated on every tp rank{estimate}", "tp",
                       hint=f"use a tp that divides {n}" + (" (or repeat kv heads up to tp)" if code == "USC204" else ""),
                       module=items[0])
 

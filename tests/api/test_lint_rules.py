@@ -206,3 +206,19 @@ def test_explain_every_code_and_a_near_miss():
         assert text.startswith(f"{code} ({RULES[code].name}) [{RULES[code].severity}]") and len(text) > 150
     with pytest.raises(KeyError, match="did you mean USC201"):
         explain("USC2001")
+
+
+def test_heads_tp_does_not_split_say_the_estimate_counts_them_split():
+    """USC204 on usc's Llama (2 key/value heads) at tp=4: the program keeps attention whole, so its
+    only tp all-reduces are the MLPs'; the cost estimate, profiled at tp=2 where attention splits,
+    counts attention's too -- the finding says so, and the counts show it."""
+    import usc
+
+    assert "the cost estimate, profiled at tp=2 where they split, counts their work and all-reduces " \
+           "split tp ways" in finding(lint("tp=4"), "USC204").message
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    report = usc.lint(model, "tp=4", example_inputs=token_batch(model.config.vocab, 8, 32), hardware="h100")
+    graph = sum(r.calls_per_step for r in report.collectives if r.axis == "tp" and r.node.startswith("usc_"))
+    estimated = sum(c.calls_per_step for c in report.cost.collectives if c.axis == "tp" and c.bytes_per_step > 8)
+    assert 0 < graph < estimated
