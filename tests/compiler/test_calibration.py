@@ -71,12 +71,14 @@ def test_matmul_fit_recovers_peak_and_half_rows(calibrate):
 def test_written_profile_reads_back(calibrate, tmp_path):
     from usc.compiler.hardware import H100, hardware_profile
 
-    fields = dict(H100.to_dict(), name="cpu-here", latency_steps="ring", unit_overhead=0.02, host_launch="sync")
+    fields = dict(H100.to_dict(), name="cpu-here", latency_steps="ring", unit_overhead=0.02, host_launch="sync",
+                  sync_skew_by_ranks=[(2, 0.0014), (4, 0.0026)], sync_skew_gap=0.0149)  # as calibrate() writes them
     path = tmp_path / "here.toml"
     calibrate.write_toml(fields, str(path), "measured\nat load 3")
     profile = hardware_profile(str(path))
     assert profile.name == "cpu-here" and profile.latency_steps == "ring" and profile.host_launch == "sync"
     assert math.isclose(profile.unit_overhead, 0.02) and profile.gpus_per_node == 8
+    assert profile.sync_skew_by_ranks == ((2, 0.0014), (4, 0.0026)) and profile.sync_skew_gap == 0.0149
     assert H100.host_launch == "async"  # a GPU queues kernels ahead of the host
 
 
