@@ -7,7 +7,8 @@ usc.plan profiles the model once (a trace of three of its identical blocks, two 
 on fake tensors, the steady block stamped for the rest) and then scores the plans analytically,
 skipping the mesh shapes whose step floor is over every plan its answer could show.
 Measured 2026-12-03 on 2 shared cores in a calm phase, twelve fresh processes: first call in the
-process 0.85-1.08 s CPU (median 0.92), a second call 0.57-0.67 s; in slower phases of the machine
+process 0.85-1.08 s CPU (median 0.92), a second call 0.57-0.67 s (1.06-1.24 s once pipelines were
+timed on their slowest stage); in slower phases of the machine
 1.6-2.9 s (docs/cost_model.md, "Speed", with the history).
 """
 

@@ -765,7 +765,7 @@ def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile, *, mem
     time is the busiest stage's (the most FLOPs at the plan's sequence), which the others wait for.
     ``memory``: ``peak_memory(profile, plan)`` when the caller has it already (the planner's check)."""
     stages = merged_stages(profile, plan.pp, plan.split)
-    busiest = _busiest(profile, plan, stages)
+    busiest = _slowest(profile, plan, stages, hw)
     # one stage: its memory is the peak the caller may have computed already
     state, flops, time, comms = _stage_estimate(profile, plan, stages, busiest, hw,
                                                 state=memory if len(stages) == 1 else None)
@@ -1024,6 +1024,23 @@ def gradient_floor(profile: ModelProfile, base: PlanPoint, hw: HardwareProfile, 
             held, grads, optimizer = _state_bytes(plan, [unit])[:3]
             least[zero] = min(least[zero], exposed + OPTIMIZER_TRAFFIC * (held + grads + optimizer) / hw.hbm_bandwidth)
     return least
+
+
+def _slowest(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], hw: HardwareProfile) -> int:
+    """The pipeline stage whose microbatch takes longest (its forward, backward and the collectives
+    it waits for, launches included), which the others wait for: where fixed per-call and per-layer
+    times dominate, a stage of more layers outlasts the one with the most FLOPs (a small model whose
+    head and loss carry most of them). Ties go to the stage with the most FLOPs."""
+    busiest = _busiest(profile, plan, stages)
+    if len(stages) == 1:
+        return busiest
+
+    def seconds(k: int) -> float:
+        _, forward, backward, _, comms, _, _ = _microbatch_passes(profile, plan, stages, k, hw)
+        return forward + backward + sum(c.exposed_seconds for c in comms)
+    times = [seconds(k) for k in range(len(stages))]
+    longest = max(times)
+    return busiest if times[busiest] >= longest * (1 - 1e-9) else times.index(longest)
 
 
 def _busiest(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost]) -> int:

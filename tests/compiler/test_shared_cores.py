@@ -171,3 +171,36 @@ def test_the_time_model_runs_each_stage_at_its_own_cost_where_ranks_share_cores(
     assert line > point.mb * max(per_stage) / 2 and line >= point.mb * sum(per_stage) / 4
     monkeypatch.setattr(cost_model, "_shared_stage_costs", lambda *a: None)  # every stage as the heaviest
     assert cost_model.estimate(profile, point, cpu).time["step"] > step
+
+
+def test_a_pipeline_is_timed_on_its_slowest_stage_not_the_one_with_most_flops():
+    """A small Llama with a wide vocabulary, cut in four: the head's stage has the most FLOPs, but at
+    the h100 profile's per-layer host time a stage of more layers takes longer a microbatch. The
+    estimate times the step on the slowest stage (each stage's forward, backward and collectives
+    from ``_microbatch_passes``), and counted on the FLOPs' choice instead it is faster."""
+    import torch
+
+    from usc.compiler import cost_model
+    from usc.passes.cost_profile import profile_model
+    from usc.testing.models import LlamaConfig, TinyLlama, token_batch
+
+    torch.manual_seed(0)
+    profile = profile_model(TinyLlama(LlamaConfig(vocab=7001, hidden=256, heads=4, kv_heads=2, mlp=512, layers=6,
+                                                  max_seq=64)), token_batch(7001, 4, 24))
+    point = PlanPoint(4, 24, pp=4, mb=4, gpus_per_node=8)
+    stages = cost_model.merged_stages(profile, point.pp, point.split)
+    times = []
+    for k in range(len(stages)):
+        _, forward, backward, _, comms, _, _ = cost_model._microbatch_passes(profile, point, stages, k, H100)
+        times.append(forward + backward + sum(c.exposed_seconds for c in comms))
+    busiest = cost_model._busiest(profile, point, stages)
+    slowest = cost_model._slowest(profile, point, stages, H100)
+    assert slowest == times.index(max(times)) != busiest and times[slowest] > 3 * times[busiest]
+    step = cost_model.estimate(profile, point, H100).time["step"]
+    original = cost_model._slowest
+    try:
+        cost_model._slowest = lambda profile, plan, stages, hw: cost_model._busiest(profile, plan, stages)
+        by_flops = cost_model.estimate(profile, point, H100).time["step"]
+    finally:
+        cost_model._slowest = original
+    assert by_flops < step
