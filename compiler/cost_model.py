@@ -762,12 +762,13 @@ def stage_flops_by_kind(profile: ModelProfile, plan: PlanPoint, units: list[Unit
 def estimate(profile: ModelProfile, plan: PlanPoint, hw: HardwareProfile, *, memory: dict | None = None
              ) -> Estimate:
     """Per-rank memory, FLOPs, collectives and step time of ``plan``. Memory is the fullest stage's;
-    time is the busiest stage's (the most FLOPs at the plan's sequence), which the others wait for.
+    time is the slowest stage's (``_slowest``), which the others wait for.
     ``memory``: ``peak_memory(profile, plan)`` when the caller has it already (the planner's check)."""
     stages = merged_stages(profile, plan.pp, plan.split)
-    busiest = _slowest(profile, plan, stages, hw)
+    costs = _stage_costs(profile, plan, stages, hw) if len(stages) > 1 else None
+    slowest = _slowest(profile, plan, stages, costs)
     # one stage: its memory is the peak the caller may have computed already
-    state, flops, time, comms = _stage_estimate(profile, plan, stages, busiest, hw,
+    state, flops, time, comms = _stage_estimate(profile, plan, stages, slowest, hw, costs,
                                                 state=memory if len(stages) == 1 else None)
     if memory is None:
         memory = peak_memory(profile, plan) if plan.pp > 1 else state
@@ -890,13 +891,11 @@ def _with_meetings(comms: list[CollectiveEstimate], compute: float, hw: Hardware
             if c.axis != "pp" else c for c in comms]
 
 
-def _shared_stage_costs(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], hw: HardwareProfile
-                        ) -> tuple[tuple[float, float], ...] | None:
-    """Every stage's (forward, backward + its collectives) seconds of one microbatch where the ranks
-    share the host's cores and the bubble is simulated (``pipeline_bubble_units``), else None: there a
-    light stage's idle time speeds the others, so each stage's own cost matters, not only the busiest's."""
-    if not _simulates_shared_cores(plan, hw):
-        return None
+def _stage_costs(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], hw: HardwareProfile
+                 ) -> tuple[tuple[float, float], ...]:
+    """Every stage's (forward, backward + its collectives) seconds of one microbatch, launches
+    included: which stage is slowest (``_slowest``), and where ranks share cores the simulated
+    bubble's stages (``_shared_stage_costs``)."""
     out = []
     for s in range(len(stages)):
         _, forward, backward, _, comms, _, _ = _microbatch_passes(profile, plan, stages, s, hw)
@@ -904,8 +903,16 @@ def _shared_stage_costs(profile: ModelProfile, plan: PlanPoint, stages: list[Uni
     return tuple(out)
 
 
+def _shared_stage_costs(plan: PlanPoint, hw: HardwareProfile, costs: tuple[tuple[float, float], ...] | None
+                        ) -> tuple[tuple[float, float], ...] | None:
+    """The stages' ``costs`` where the ranks share the host's cores and the bubble is simulated
+    (``pipeline_bubble_units``), else None: there a light stage's idle time speeds the others, so each
+    stage's own cost matters, not only the slowest's."""
+    return costs if _simulates_shared_cores(plan, hw) else None
+
+
 def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], k: int,
-                    hw: HardwareProfile, *, state: dict | None = None):
+                    hw: HardwareProfile, costs: tuple[tuple[float, float], ...] | None, *, state: dict | None = None):
     units = [stages[k]]
     fwd_flops, forward, backward, waits, per_mb_comms, ratio, extra = _microbatch_passes(profile, plan, stages, k, hw)
     per_mb = forward + backward + sum(c.exposed_seconds for c in per_mb_comms)
@@ -916,7 +923,7 @@ def _stage_estimate(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCos
     if state is None:
         state = stage_memory(profile, plan, units, k, p2p_buffers(profile, plan, stages)[k])
     optimizer = OPTIMIZER_TRAFFIC * (state["params"] + state["grads"] + state["optimizer"]) / hw.hbm_bandwidth
-    bubble = pipeline_bubble_units(plan, hw, _shared_stage_costs(profile, plan, stages, hw), per_mb) * per_mb
+    bubble = pipeline_bubble_units(plan, hw, _shared_stage_costs(plan, hw, costs), per_mb) * per_mb
     # where the ranks share cores, the stage counted on may have run faster than its contended rate
     # while lighter stages waited: the timeline's end is the step, taken off its compute
     sped = min(0.0, bubble)
@@ -1026,19 +1033,16 @@ def gradient_floor(profile: ModelProfile, base: PlanPoint, hw: HardwareProfile, 
     return least
 
 
-def _slowest(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost], hw: HardwareProfile) -> int:
-    """The pipeline stage whose microbatch takes longest (its forward, backward and the collectives
-    it waits for, launches included), which the others wait for: where fixed per-call and per-layer
-    times dominate, a stage of more layers outlasts the one with the most FLOPs (a small model whose
-    head and loss carry most of them). Ties go to the stage with the most FLOPs."""
+def _slowest(profile: ModelProfile, plan: PlanPoint, stages: list[UnitCost],
+             costs: tuple[tuple[float, float], ...] | None) -> int:
+    """The pipeline stage whose microbatch takes longest (``costs``: ``_stage_costs``; None for one
+    stage), which the others wait for: where fixed per-call and per-layer times dominate, a stage of
+    more layers outlasts the one with the most FLOPs (a small model whose head and loss carry most of
+    them). Ties go to the stage with the most FLOPs."""
     busiest = _busiest(profile, plan, stages)
-    if len(stages) == 1:
+    if costs is None:
         return busiest
-
-    def seconds(k: int) -> float:
-        _, forward, backward, _, comms, _, _ = _microbatch_passes(profile, plan, stages, k, hw)
-        return forward + backward + sum(c.exposed_seconds for c in comms)
-    times = [seconds(k) for k in range(len(stages))]
+    times = [forward + rest for forward, rest in costs]
     longest = max(times)
     return busiest if times[busiest] >= longest * (1 - 1e-9) else times.index(longest)
 
